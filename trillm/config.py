@@ -1,0 +1,28 @@
+"""Engine settings: one dataclass shared by the offline API, the server's flags and the benchmarks."""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = None  # HF directory, .gguf file, or None for the default model
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: fp32 on CPU, bf16 on CUDA)
+    load_format: str = "auto"  # auto | dummy (random weights from the config)
+    device: str = "auto"  # auto | cpu | cuda
+    attention_backend: str = "auto"  # auto | torch | triton (auto: triton on CUDA, torch on CPU)
+    seed: int = 0  # seeds dummy weights and unseeded sampling
+    block_size: int = 16
+    kv_cache_memory: int = 1 << 30  # bytes of KV cache on CPU
+    gpu_memory_utilization: float = 0.9  # share of GPU memory for weights + activations + KV on CUDA
+    num_kv_blocks: int | None = None  # overrides both budgets (tests use tiny pools)
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = False  # CUDA: no CUDA graphs
+    num_threads: int = 1  # torch intra-op threads on CPU
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]

@@ -1,0 +1,87 @@
+"""How one request is sampled and when it stops.
+
+Validation lives here, not in the HTTP layer, so that the offline API and the
+server refuse the same things with the same words. Every error is a
+`ValueError` whose `param` attribute names the offending field; the server turns
+it into a 400 with that `param`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+_GREEDY_EPS = 1e-5
+
+
+class SamplingParamError(ValueError):
+    """A sampling parameter is out of range; `param` names it."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    seed: int | None = None
+    max_tokens: int | None = 16  # None: up to the model's context length
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    logprobs: int | None = None  # None: none; 0: the sampled token's; k: plus the top k
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = [s for s in self.stop if s]
+        if self.top_k == -1:
+            self.top_k = 0
+        self._check()
+
+    def _check(self) -> None:
+        def bad(param: str, message: str) -> None:
+            raise SamplingParamError(param, message)
+
+        if self.n < 1:
+            bad("n", f"n must be at least 1, got {self.n}.")
+        if self.temperature < 0:
+            bad("temperature", f"temperature must be non-negative, got {self.temperature}.")
+        if not 0 < self.top_p <= 1:
+            bad("top_p", f"top_p must be in (0, 1], got {self.top_p}.")
+        if self.top_k < 0:
+            bad("top_k", f"top_k must be -1 (off) or at least 1, got {self.top_k}.")
+        if not 0 <= self.min_p <= 1:
+            bad("min_p", f"min_p must be in [0, 1], got {self.min_p}.")
+        if self.repetition_penalty <= 0:
+            bad("repetition_penalty", f"repetition_penalty must be positive, got {self.repetition_penalty}.")
+        if not -2 <= self.frequency_penalty <= 2:
+            bad("frequency_penalty", f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}.")
+        if not -2 <= self.presence_penalty <= 2:
+            bad("presence_penalty", f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            bad("max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}.")
+        if self.min_tokens < 0:
+            bad("min_tokens", f"min_tokens must be non-negative, got {self.min_tokens}.")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad("min_tokens", f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens}).")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            bad("logprobs", f"logprobs must be in [0, 20], got {self.logprobs}.")
+        for token_id, bias in (self.logit_bias or {}).items():
+            if not -100 <= bias <= 100:
+                bad("logit_bias", f"logit_bias for token {token_id} must be in [-100, 100], got {bias}.")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
