@@ -1,0 +1,157 @@
+"""EngineCore: the synchronous heart of trillm.
+
+One `step()` schedules, runs the model, samples and updates. Only one caller ever
+drives it (the offline loop, or the AsyncEngine's task between two steps), so it
+holds no locks: adds and aborts are applied between steps, never during one.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from trillm.config import EngineArgs
+from trillm.engine.runner import ModelRunner
+from trillm.engine.sampler import Sampler, TokenLogprobs
+from trillm.sampling_params import SamplingParamError, SamplingParams
+from trillm.sched_ext import Request, Scheduler
+
+
+@dataclass
+class StepOutput:
+    """What one request produced in one step (or its end, for an abort)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] | None
+    finished: bool
+    finish_reason: str | None
+    stop_token_id: int
+    num_prompt_tokens: int
+    num_cached_tokens: int
+
+
+class EngineCore:
+    def __init__(self, args: EngineArgs):
+        self.args = args
+        self.runner = ModelRunner(args)
+        self.tokenizer = self.runner.tokenizer
+        self.hf_config = self.runner.hf_config
+        self.max_model_len = self.runner.max_model_len
+        self.eos_token_id = self.runner.eos_token_id
+        self.model_name = os.path.basename(os.path.normpath(args.model)) if args.model else "SmolLM2-135M-Instruct"
+        self.scheduler = Scheduler(
+            self.runner.num_kv_blocks,
+            args.block_size,
+            args.max_num_batched_tokens,
+            args.max_num_seqs,
+            self.max_model_len,
+            args.enable_prefix_caching,
+        )
+        self.sampler = Sampler(self.eos_token_id)
+        self.params: dict[str, SamplingParams] = {}
+        self.generators: dict[str, torch.Generator | None] = {}
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Queue a request; raises ValueError (SamplingParamError with .param) if it can never run."""
+        if request_id in self.params:
+            raise SamplingParamError("request_id", f"A request with id {request_id!r} is already running.")
+        if not prompt_token_ids:
+            raise SamplingParamError("prompt", "The prompt is empty.")
+        vocab_size = self.hf_config.vocab_size
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab_size:
+            raise SamplingParamError("prompt", f"Prompt token ids must be in [0, {vocab_size}).")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise SamplingParamError(
+                "prompt",
+                f"The prompt is {len(prompt_token_ids)} tokens long; this model's context is "
+                f"{self.max_model_len} tokens, which must hold the prompt and at least one new token.",
+            )
+        max_tokens = self.max_model_len - len(prompt_token_ids)
+        if params.max_tokens is not None:
+            max_tokens = min(max_tokens, params.max_tokens)
+        request = Request(
+            request_id,
+            list(prompt_token_ids),
+            max_tokens,
+            min_tokens=params.min_tokens,
+            eos_token_id=self.eos_token_id,
+            stop_token_ids=list(params.stop_token_ids),
+            ignore_eos=params.ignore_eos,
+        )
+        try:
+            self.scheduler.add(request)
+        except ValueError as e:
+            raise SamplingParamError("prompt", str(e)) from None
+        self.params[request_id] = params
+        self.generators[request_id] = None if params.seed is None else torch.Generator().manual_seed(params.seed)
+
+    def abort_request(self, request_id: str, reason: str = "abort") -> StepOutput | None:
+        """End a request now and free its blocks; None if it is unknown or already finished."""
+        request = self.scheduler.abort(request_id, reason)
+        if request is None:
+            return None
+        self._forget(request_id)
+        return self._output(request, [], None, finished=True)
+
+    def step(self) -> list[StepOutput]:
+        sched = self.scheduler.schedule()
+        if not sched.requests:
+            return []
+        logits = self.runner.execute(sched)
+        rows = [r for r, need in zip(sched.requests, sched.needs_sample) if need]
+        sampled = self.sampler.sample(
+            logits,
+            [self.params[r.request_id] for r in rows],
+            [r.token_ids for r in rows],
+            [r.num_prompt_tokens for r in rows],
+            [self.generators[r.request_id] for r in rows],
+        )
+        tokens = iter(sampled.token_ids)
+        finished = self.scheduler.update(sched, [next(tokens) if need else -1 for need in sched.needs_sample])
+        finished_ids = {r.request_id for r in finished}
+        outputs = []
+        for request, token, logprobs in zip(rows, sampled.token_ids, sampled.logprobs):
+            is_finished = request.request_id in finished_ids
+            outputs.append(self._output(request, [token], None if logprobs is None else [logprobs], is_finished))
+        for request_id in finished_ids:
+            self._forget(request_id)
+        return outputs
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def stats(self) -> dict:
+        allocator = self.scheduler.allocator
+        total = self.runner.num_kv_blocks
+        return {
+            "num_running": self.scheduler.num_running,
+            "num_waiting": self.scheduler.num_waiting,
+            "num_kv_blocks": total,
+            "num_free_blocks": allocator.num_free_blocks,
+            "num_used_blocks": allocator.num_used_blocks,
+            "num_cached_blocks": allocator.num_cached_blocks,
+            "kv_cache_usage": allocator.num_used_blocks / total,
+            "prefix_cache_queries": allocator.prefix_cache_queries * self.args.block_size,
+            "prefix_cache_hits": allocator.prefix_cache_hits * self.args.block_size,
+        }
+
+    def reset_prefix_cache(self) -> bool:
+        return self.scheduler.allocator.reset_prefix_cache()
+
+    def _output(self, request: Request, tokens, logprobs, finished: bool) -> StepOutput:
+        return StepOutput(
+            request_id=request.request_id,
+            new_token_ids=tokens,
+            new_logprobs=logprobs,
+            finished=finished,
+            finish_reason=request.finish_reason if finished else None,
+            stop_token_id=request.stop_token_id if finished else -1,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=request.num_cached_tokens,
+        )
+
+    def _forget(self, request_id: str) -> None:
+        del self.params[request_id]
+        del self.generators[request_id]
