@@ -52,6 +52,7 @@ class EngineCore:
         self.sampler = Sampler(self.eos_token_id)
         self.params: dict[str, SamplingParams] = {}
         self.generators: dict[str, torch.Generator | None] = {}
+        self.num_preemptions = 0
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Queue a request; raises ValueError (SamplingParamError with .param) if it can never run."""
@@ -97,6 +98,7 @@ class EngineCore:
 
     def step(self) -> list[StepOutput]:
         sched = self.scheduler.schedule()
+        self.num_preemptions += len(sched.preempted)
         if not sched.requests:
             return []
         logits = self.runner.execute(sched)
@@ -135,6 +137,7 @@ class EngineCore:
             "kv_cache_usage": allocator.num_used_blocks / total,
             "prefix_cache_queries": allocator.prefix_cache_queries * self.args.block_size,
             "prefix_cache_hits": allocator.prefix_cache_hits * self.args.block_size,
+            "num_preemptions": self.num_preemptions,
         }
 
     def reset_prefix_cache(self) -> bool:

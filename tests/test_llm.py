@@ -1,0 +1,138 @@
+"""The offline engine end to end on the default model, judged against transformers' own generate."""
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import trillm
+from trillm import SamplingParams
+
+MAX_TOKENS = 20
+PROMPTS = [
+    "The capital of France is",
+    "Write a haiku about the sea.",
+    "1, 2, 3, 4, 5,",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "Photosynthesis is the process by which green plants and some other organisms use sunlight to "
+    "synthesize foods from carbon dioxide and water. In plants it generally involves the green pigment "
+    "chlorophyll and generates oxygen as a byproduct. Explain it to a child:",
+    "Q: What is the boiling point of water at sea level in Celsius?\nA:",
+    "List three primary colors:",
+    "Once upon a time, in a small village nestled between two mountains, there lived an old clockmaker "
+    "who had never once left the valley. Every morning he",
+    "import torch\nx = torch.zeros(3)\nprint(",
+]
+SYSTEM = (
+    "You are a careful assistant for a company that builds bicycles. You answer in one short sentence, "
+    "you never invent part numbers, and you always mention safety when brakes are involved."
+)
+QUESTIONS = ["How do I fix a flat tire?", "What is a derailleur?", "Are disc brakes better?", "How often oil the chain?"]
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(default_model_dir):
+    """transformers' greedy continuation of a token-id prompt, one prompt at a time (no padding)."""
+    model = AutoModelForCausalLM.from_pretrained(default_model_dir, torch_dtype=torch.float32).eval()
+    cache = {}
+
+    def generate(ids: list[int]) -> list[int]:
+        key = tuple(ids)
+        if key not in cache:
+            with torch.inference_mode():
+                out = model.generate(
+                    torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=2
+                )
+            cache[key] = out[0, len(ids) :].tolist()
+        return cache[key]
+
+    return generate
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model_dir):
+    return AutoTokenizer.from_pretrained(default_model_dir)
+
+
+def _expected(hf_greedy, ids, eos_token_id):
+    tokens = hf_greedy(ids)
+    return tokens[: tokens.index(eos_token_id) + 1] if eos_token_id in tokens else tokens
+
+
+def test_greedy_batch_matches_transformers_under_preemption_and_chunked_prefill(default_model_dir, hf_greedy, tokenizer):
+    # 16 blocks of 16 tokens cannot hold nine requests at once, so the scheduler must preempt;
+    # a 48-token step budget splits every prompt longer than that over several steps.
+    llm = trillm.LLM(default_model_dir, num_kv_blocks=16, max_num_batched_tokens=48, enable_prefix_caching=False)
+    prompt_ids = [tokenizer.encode(p) for p in PROMPTS]
+    assert max(len(ids) for ids in prompt_ids) > 48, "a prompt must be long enough to be chunked"
+    outputs = llm.generate(prompt_ids, SamplingParams(temperature=0, max_tokens=MAX_TOKENS))
+    assert llm.engine.stats()["num_preemptions"] > 0, "the pool was meant to force preemption"
+    for ids, out in zip(prompt_ids, outputs):
+        (completion,) = out.outputs
+        assert completion.token_ids == _expected(hf_greedy, ids, llm.engine.eos_token_id)
+        assert completion.finish_reason in ("stop", "length")
+    assert llm.engine.stats()["num_used_blocks"] == 0
+
+
+def test_greedy_with_prefix_cache_hits_matches_transformers(default_model_dir, hf_greedy):
+    llm = trillm.LLM(default_model_dir, num_kv_blocks=64, max_num_batched_tokens=64)
+    conversations = [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}] for q in QUESTIONS]
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    llm.chat(conversations[0], greedy)  # warms the cache with the shared system prompt
+    outputs = llm.chat(conversations, greedy)
+    assert all(out.num_cached_tokens >= 32 for out in outputs), [o.num_cached_tokens for o in outputs]
+    assert llm.engine.stats()["prefix_cache_hits"] > 0
+    for out in outputs:
+        assert out.outputs[0].token_ids == _expected(hf_greedy, out.prompt_token_ids, llm.engine.eos_token_id)
+
+
+@pytest.fixture(scope="module")
+def llm(default_model_dir):
+    return trillm.LLM(default_model_dir, num_kv_blocks=128)
+
+
+def test_abort_mid_generation_returns_every_block(llm, tokenizer):
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    for i, prompt in enumerate(PROMPTS[:4]):
+        engine.add_request(f"abort-{i}", tokenizer.encode(prompt), params)
+    for _ in range(5):
+        engine.step()
+    assert engine.stats()["num_used_blocks"] > 0
+    for i in range(4):
+        final = engine.abort_request(f"abort-{i}")
+        assert final.finished and final.finish_reason == "abort"
+    stats = engine.stats()
+    assert stats["num_used_blocks"] == 0
+    assert stats["num_free_blocks"] + stats["num_cached_blocks"] == stats["num_kv_blocks"]
+    assert not engine.has_unfinished()
+    assert engine.abort_request("abort-0") is None
+
+
+def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(llm):
+    seeded = SamplingParams(temperature=1.0, top_p=0.95, seed=1234, max_tokens=12, ignore_eos=True)
+    noise = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    alone = llm.generate(["Tell me a story:"], seeded)[0].outputs[0].token_ids
+    again = llm.generate(["Tell me a story:"], seeded)[0].outputs[0].token_ids
+    crowded = llm.generate(
+        ["The weather today", "Tell me a story:", "Name a fruit:"], [noise, seeded, noise]
+    )[1].outputs[0].token_ids
+    other_seed = llm.generate(["Tell me a story:"], SamplingParams(**{**seeded.__dict__, "seed": 99}))
+    assert alone == again == crowded
+    assert other_seed[0].outputs[0].token_ids != alone
+
+
+def test_stop_string_ends_the_request_and_frees_its_blocks(llm):
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, stop=["4,"])
+    out = llm.generate(["1, 2, 3,"], params)[0].outputs[0]
+    full = llm.generate(["1, 2, 3,"], SamplingParams(temperature=0, max_tokens=MAX_TOKENS))[0].outputs[0]
+    assert "4," in full.text
+    assert out.finish_reason == "stop" and out.stop_reason == "4,"
+    assert out.text == full.text[: full.text.index("4,")]
+    assert llm.engine.stats()["num_used_blocks"] == 0
+
+
+def test_parallel_samples_and_chat(llm):
+    out = llm.generate(["Pick a number:"], SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8))[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert all(len(c.token_ids) >= 1 for c in out.outputs)
+    chat = llm.chat([{"role": "user", "content": "Say hello."}], SamplingParams(temperature=0, max_tokens=8))[0]
+    assert chat.prompt.startswith("<|im_start|>") and chat.outputs[0].text
