@@ -1,0 +1,217 @@
+"""Each Triton kernel against its torch reference twin.
+
+On a machine without CUDA the kernels run in the Triton interpreter (conftest sets it), so
+shapes stay small: few heads, short sequences, and a chosen subset of the cross product of
+block size x head dim x GQA ratio x batch mix x window x split-KV x dtype, where each value
+appears in several combinations, rather than all of it.
+"""
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from trillm.kernels import activation, attention, cache, norm, rotary
+from trillm.kernels import activation_triton, attention_triton, cache_triton, norm_triton, rotary_triton
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# Both sides compute in fp32; they differ only by output rounding (and, for attention on a
+# GPU, by the probabilities rounded to the input dtype before the P @ V product).
+TOL = {
+    torch.float32: dict(atol=2e-5, rtol=2e-5),
+    torch.float16: dict(atol=4e-3, rtol=4e-3),
+    torch.bfloat16: dict(atol=3e-2, rtol=2e-2),
+}
+POISON = 1e3  # fills every cache slot no request owns: reading one shows as a large error
+
+
+def randn(*shape, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(device=DEVICE, dtype=dtype)
+
+
+def assert_close(got, want, dtype):
+    torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
+
+
+# --- norm, activation ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [64, 96])  # 96: the block is wider than the row
+def test_rms_norm(dtype, hidden):
+    x, w = randn(5, hidden, dtype=dtype), randn(hidden, seed=1)
+    assert_close(norm_triton.rms_norm(x, w, 1e-5), norm.rms_norm(x, w, 1e-5), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [64, 96])
+def test_fused_add_rms_norm(dtype, hidden):
+    x, r, w = randn(5, hidden, dtype=dtype), randn(5, hidden, dtype=dtype, seed=1), randn(hidden, seed=2)
+    got_out, got_res = norm_triton.fused_add_rms_norm(x, r, w, 1e-6)
+    want_out, want_res = norm.fused_add_rms_norm(x, r, w, 1e-6)
+    assert got_res.dtype == dtype and got_out.dtype == dtype
+    assert_close(got_res, want_res, dtype)
+    assert_close(got_out, want_out, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inter", [64, 1100])  # 1100: two column blocks, the last one partial
+def test_silu_and_mul(dtype, inter):
+    x = randn(3, 2 * inter, dtype=dtype)
+    got = activation_triton.silu_and_mul(x)
+    assert got.shape == (3, inter)
+    assert_close(got, activation.silu_and_mul(x), dtype)
+
+
+# --- rotary --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "dtype,head_dim,is_neox",
+    [
+        (torch.float32, 64, True),
+        (torch.float32, 128, False),
+        (torch.float16, 128, True),
+        (torch.bfloat16, 64, False),
+        (torch.bfloat16, 128, True),
+    ],
+)
+def test_rotary_embedding(dtype, head_dim, is_neox):
+    num_tokens, hq, hk = 6, 3, 1
+    # q and k are slices of one fused projection, as the model produces them: strided views.
+    qkv = randn(num_tokens, (hq + 2 * hk) * head_dim, dtype=dtype)
+    q = qkv[:, : hq * head_dim].view(num_tokens, hq, head_dim)
+    k = qkv[:, hq * head_dim : (hq + hk) * head_dim].view(num_tokens, hk, head_dim)
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    angles = torch.arange(64, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    cos_sin = torch.cat((angles.cos(), angles.sin()), dim=-1).to(DEVICE)
+    positions = torch.tensor([0, 5, 63, 7, 7, 30], device=DEVICE)
+    q_ref, k_ref, v_before = q.clone(), k.clone(), qkv[:, (hq + hk) * head_dim :].clone()
+    rotary.rotary_embedding(positions, q_ref, k_ref, cos_sin, is_neox)
+    rotary_triton.rotary_embedding(positions, q, k, cos_sin, is_neox)
+    assert_close(q, q_ref, dtype)
+    assert_close(k, k_ref, dtype)
+    assert torch.equal(qkv[:, (hq + hk) * head_dim :], v_before)  # the v slice is untouched
+
+
+# --- KV cache write ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype,block_size,head_dim", [(torch.float32, 16, 64), (torch.float16, 32, 128), (torch.bfloat16, 16, 128)])
+def test_write_kv(dtype, block_size, head_dim):
+    hk, num_blocks = 2, 4
+    k, v = randn(7, hk, head_dim, dtype=dtype), randn(7, hk, head_dim, dtype=dtype, seed=1)
+    # Out of order, across blocks, with padding rows (negative slots) in between.
+    slots = torch.tensor([3, -1, block_size + 1, 2 * block_size - 1, -1, 0, 3 * block_size + 5], device=DEVICE)
+    caches = [randn(num_blocks, block_size, hk, head_dim, dtype=dtype, seed=s) for s in (2, 3)]
+    want = [c.clone() for c in caches]
+    cache.write_kv(k, v, *want, slots)
+    cache_triton.write_kv(k, v, *caches, slots)
+    for got, ref in zip(caches, want):
+        torch.testing.assert_close(got, ref, atol=0, rtol=0)  # a copy: bit-exact
+
+
+# --- paged attention -----------------------------------------------------------------------
+
+
+def make_batch(num_queries, seq_lens, block_size, num_kv_heads, head_dim, dtype, seed=0):
+    """A paged KV cache holding each request's context in shuffled blocks, every other slot
+    poisoned, block tables padded with a poisoned block, and query_start_loc."""
+    g = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-n // block_size) for n in seq_lens]
+    width = max(blocks_per_seq) + 1  # one spare column: padding the kernel must not follow
+    num_blocks = sum(blocks_per_seq) + 2
+    ids = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()  # block 0 stays poison
+    block_tables = torch.zeros(len(seq_lens), width, dtype=torch.int32)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache, v_cache = torch.full(shape, POISON), torch.full(shape, POISON)
+    for b, (n, nb) in enumerate(zip(seq_lens, blocks_per_seq)):
+        block_tables[b, :nb] = torch.tensor([ids.pop() for _ in range(nb)])
+        pos = torch.arange(n)
+        slots = block_tables[b, pos // block_size].long() * block_size + pos % block_size
+        k_cache.view(-1, num_kv_heads, head_dim)[slots] = torch.randn(n, num_kv_heads, head_dim, generator=g)
+        v_cache.view(-1, num_kv_heads, head_dim)[slots] = torch.randn(n, num_kv_heads, head_dim, generator=g)
+    starts = torch.tensor([0, *num_queries]).cumsum(0).to(torch.int32)
+    to = dict(device=DEVICE)
+    return (
+        k_cache.to(dtype=dtype, **to), v_cache.to(dtype=dtype, **to), block_tables.to(**to),
+        torch.tensor(seq_lens, dtype=torch.int32, **to), starts.to(**to),
+    )
+
+
+def check_attention(num_queries, seq_lens, *, block_size=16, head_dim=64, num_kv_heads=2, group=1,
+                    dtype=torch.float32, sliding_window=None, num_splits=1, seed=0):
+    assert all(0 < nq <= n for nq, n in zip(num_queries, seq_lens))
+    k_cache, v_cache, block_tables, lens, starts = make_batch(
+        num_queries, seq_lens, block_size, num_kv_heads, head_dim, dtype, seed)
+    num_heads = num_kv_heads * group
+    q = randn(sum(num_queries), num_heads, head_dim, dtype=dtype, seed=seed + 1)
+    args = (q, k_cache, v_cache, block_tables, lens, starts, head_dim**-0.5, sliding_window)
+    want = attention.paged_attention(*args)
+    got = attention_triton.paged_attention(*args, num_splits=num_splits)
+    assert got.shape == q.shape and got.dtype == dtype
+    assert_close(got, want, dtype)
+
+
+BATCHES = {  # (queries per request, context length per request)
+    "decode": ([1, 1, 1, 1], [1, 17, 40, 33]),  # lengths: 1 token, mid-block, block edges
+    "prefill": ([12, 70], [12, 70]),  # whole prompts; 70 queries span two 64-row q tiles
+    # A prefill chunk starting mid-block, a prefix-cache hit (32 cached, 9 new), decodes.
+    "mixed": ([1, 20, 9, 1, 3], [50, 45, 41, 7, 3]),
+}
+
+
+@pytest.mark.parametrize(
+    "batch,block_size,head_dim,group,sliding_window,num_splits,dtype",
+    [
+        ("decode", 16, 64, 1, None, 1, torch.float32),
+        ("decode", 32, 128, 8, None, 4, torch.bfloat16),
+        ("decode", 16, 64, 3, 10, 3, torch.float16),
+        ("prefill", 16, 64, 3, None, 1, torch.float16),
+        ("prefill", 32, 64, 1, 20, 1, torch.float32),
+        ("prefill", 16, 128, 8, 9, 2, torch.bfloat16),
+        ("mixed", 16, 64, 8, None, 1, torch.float32),
+        ("mixed", 32, 64, 3, None, 2, torch.float32),
+        ("mixed", 16, 128, 1, 16, 1, torch.bfloat16),
+        ("mixed", 32, 128, 3, 5, 3, torch.float16),
+    ],
+)
+def test_paged_attention(batch, block_size, head_dim, group, sliding_window, num_splits, dtype):
+    check_attention(*BATCHES[batch], block_size=block_size, head_dim=head_dim, group=group,
+                    sliding_window=sliding_window, num_splits=num_splits, dtype=dtype)
+
+
+def test_paged_attention_more_splits_than_tiles():
+    """Splits beyond the KV a request has must contribute nothing (empty partials)."""
+    check_attention([1, 2], [5, 40], num_splits=8)
+
+
+def test_paged_attention_strided_query():
+    """q as a slice of a fused qkv projection, not contiguous across tokens."""
+    k_cache, v_cache, block_tables, lens, starts = make_batch(*BATCHES["mixed"], 16, 2, 64, torch.float32)
+    qkv = randn(sum(BATCHES["mixed"][0]), 8 * 64, seed=1)
+    q = qkv[:, : 4 * 64].view(-1, 4, 64)
+    args = (q, k_cache, v_cache, block_tables, lens, starts, 0.125)
+    assert_close(attention_triton.paged_attention(*args), attention.paged_attention(*args), torch.float32)
+
+
+@st.composite
+def ragged_batches(draw):
+    """Requests with 1..40 context tokens, each with 1..all of them as new queries."""
+    seq_lens = draw(st.lists(st.integers(1, 40), min_size=1, max_size=5))
+    num_queries = [draw(st.sampled_from([1, draw(st.integers(1, n))])) for n in seq_lens]
+    return num_queries, seq_lens
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    batch=ragged_batches(),
+    block_size=st.sampled_from([16, 32]),
+    group=st.sampled_from([1, 3, 8]),
+    sliding_window=st.sampled_from([None, 1, 7, 33]),
+    num_splits=st.sampled_from([1, 2, 5]),
+)
+def test_paged_attention_ragged(batch, block_size, group, sliding_window, num_splits):
+    check_attention(*batch, block_size=block_size, group=group, num_kv_heads=1,
+                    sliding_window=sliding_window, num_splits=num_splits)
