@@ -1,0 +1,271 @@
+"""The batched sampler against slow per-row references and its own promises.
+
+Random draws are made deterministic with torch.manual_seed; the frequency checks
+use enough draws that their tolerances are several standard errors wide.
+"""
+import math
+from collections import Counter
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from trillm.engine.sampler import Sampler, process_logits
+from trillm.sampling_params import SamplingParams
+
+EOS = 3
+VOCAB = 32
+
+
+def sample(logits, params, token_ids=None, num_prompt_tokens=None, generators=None, eos=EOS):
+    n = len(params)
+    token_ids = token_ids if token_ids is not None else [[0]] * n
+    num_prompt_tokens = num_prompt_tokens if num_prompt_tokens is not None else [len(t) for t in token_ids]
+    generators = generators if generators is not None else [None] * n
+    return Sampler(eos).sample(logits, params, token_ids, num_prompt_tokens, generators)
+
+
+def random_logits(n, vocab=VOCAB, seed=0):
+    return torch.randn(n, vocab, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def test_greedy_is_argmax():
+    logits = random_logits(6)
+    out = sample(logits, [SamplingParams(temperature=0)] * 6)
+    assert out.token_ids == logits.argmax(-1).tolist()
+    assert out.logprobs == [None] * 6
+
+
+def test_greedy_rows_are_argmax_among_random_rows():
+    logits = random_logits(6)
+    params = [SamplingParams(temperature=0 if i % 2 else 1.0, top_k=5 if i == 2 else 0) for i in range(6)]
+    out = sample(logits, params)
+    for i in (1, 3, 5):
+        assert out.token_ids[i] == logits[i].argmax().item()
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1.5, top_k=1),
+        SamplingParams(temperature=1.5, top_p=1e-9),
+        SamplingParams(temperature=1.5, min_p=1.0),
+    ],
+    ids=["top_k=1", "tiny top_p", "min_p=1"],
+)
+def test_narrowest_truncation_is_greedy(params):
+    torch.manual_seed(0)
+    logits = random_logits(64, seed=1)
+    assert sample(logits, [params] * 64).token_ids == logits.argmax(-1).tolist()
+
+
+def frequencies(tokens, vocab):
+    counts = Counter(tokens)
+    return torch.tensor([counts[t] / len(tokens) for t in range(vocab)])
+
+
+def test_random_sampling_follows_the_tempered_distribution():
+    torch.manual_seed(0)
+    row = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0])
+    n = 20000
+    out = sample(row.expand(n, -1).clone(), [SamplingParams(temperature=0.7)] * n, eos=None)
+    expected = torch.softmax(row / 0.7, -1)
+    assert torch.allclose(frequencies(out.token_ids, 5), expected, atol=0.015)
+
+
+def test_min_p_drops_unlikely_tokens_and_keeps_the_rest_in_proportion():
+    torch.manual_seed(0)
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    n = 20000
+    out = sample(probs.log().expand(n, -1).clone(), [SamplingParams(min_p=0.2)] * n, eos=None)
+    freq = frequencies(out.token_ids, 4)
+    assert freq[3] == 0  # 0.05 < 0.2 * 0.5
+    assert torch.allclose(freq[:3], probs[:3] / probs[:3].sum(), atol=0.015)
+
+
+def test_top_k_and_top_p_keep_the_right_tokens_in_proportion():
+    torch.manual_seed(0)
+    probs = torch.tensor([0.4, 0.3, 0.2, 0.1])
+    n = 20000
+    logits = probs.log().expand(n, -1).clone()
+    freq = frequencies(sample(logits, [SamplingParams(top_k=2)] * n, eos=None).token_ids, 4)
+    assert torch.allclose(freq, torch.tensor([4 / 7, 3 / 7, 0, 0]), atol=0.015)
+    # top_p=0.75: 0.4 + 0.3 < 0.75, so the 0.2 token is needed too; the 0.1 token is not.
+    freq = frequencies(sample(logits, [SamplingParams(top_p=0.75)] * n, eos=None).token_ids, 4)
+    assert torch.allclose(freq, torch.tensor([4 / 9, 3 / 9, 2 / 9, 0]), atol=0.015)
+
+
+def reference_process(logits, params, token_ids, num_prompt_tokens, eos):
+    """Per row, per token, in plain Python: bias, min_tokens, repetition, frequency, presence."""
+    out = logits.clone()
+    for i, p in enumerate(params):
+        row = out[i].tolist()
+        output = token_ids[i][num_prompt_tokens[i]:]
+        for t, b in (p.logit_bias or {}).items():
+            row[t] += b
+        if len(output) < p.min_tokens:
+            for t in set(p.stop_token_ids) | (set() if p.ignore_eos else {eos}):
+                row[t] = -math.inf
+        for t in set(token_ids[i]):
+            row[t] = row[t] / p.repetition_penalty if row[t] > 0 else row[t] * p.repetition_penalty
+        for t, count in Counter(output).items():
+            row[t] -= p.frequency_penalty * count + p.presence_penalty
+        out[i] = torch.tensor(row)
+    return out
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_process_logits_matches_a_per_row_reference(data):
+    n = data.draw(st.integers(1, 5))
+    params, token_ids, num_prompt_tokens = [], [], []
+    for _ in range(n):
+        prompt = data.draw(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=8))
+        output = data.draw(st.lists(st.integers(0, VOCAB - 1), max_size=8))
+        token_ids.append(prompt + output)
+        num_prompt_tokens.append(len(prompt))
+        params.append(
+            SamplingParams(
+                repetition_penalty=data.draw(st.sampled_from([1.0, 0.8, 1.3, 2.0])),
+                frequency_penalty=data.draw(st.sampled_from([0.0, -0.5, 0.7, 2.0])),
+                presence_penalty=data.draw(st.sampled_from([0.0, 1.0, -2.0])),
+                logit_bias=data.draw(st.dictionaries(st.integers(0, VOCAB - 1), st.floats(-100, 100), max_size=3)),
+                min_tokens=data.draw(st.integers(0, 10)),
+                stop_token_ids=data.draw(st.lists(st.integers(0, VOCAB - 1), max_size=2)),
+                ignore_eos=data.draw(st.booleans()),
+                max_tokens=None,
+            )
+        )
+    logits = random_logits(n, seed=data.draw(st.integers(0, 1000)))
+    got = process_logits(logits, params, token_ids, num_prompt_tokens, EOS)
+    expected = reference_process(logits, params, token_ids, num_prompt_tokens, EOS)
+    assert torch.allclose(got, expected, atol=1e-5, equal_nan=False)
+    assert torch.equal(got.isinf(), expected.isinf())
+
+
+def test_penalties_touch_only_the_tokens_they_concern():
+    logits = torch.tensor([[2.0, -2.0, 2.0, -2.0, 1.0, 1.0]])
+    prompt, output = [0, 1], [2, 2, 3]
+    params = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25)
+    got = process_logits(logits, [params], [prompt + output], [len(prompt)], EOS)
+    # 0, 1: prompt only, repetition penalty; 2: divided, then 2 * 0.5 + 0.25 off; 3: multiplied, then 0.75 off.
+    assert got.tolist() == [[1.0, -4.0, 1.0 - 1.25, -4.0 - 0.75, 1.0, 1.0]]
+
+
+def test_logit_bias_forces_and_forbids_tokens():
+    logits = random_logits(4)
+    forced = [7, 11, 19, 2]
+    params = [SamplingParams(temperature=t, logit_bias={f: 100}) for t, f in zip([0, 1.0, 0.5, 2.0], forced)]
+    assert sample(logits, params).token_ids == forced
+    top = logits[0].argmax().item()
+    second = logits[0].topk(2).indices[1].item()
+    assert sample(logits[:1], [SamplingParams(temperature=0, logit_bias={top: -100})]).token_ids == [second]
+
+
+def test_min_tokens_masks_eos_and_stop_token_ids_until_reached():
+    logits = torch.zeros(1, VOCAB)
+    logits[0, EOS], logits[0, 9], logits[0, 5] = 10.0, 9.0, 8.0
+    params = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[9])
+    prompt = [1, 1]
+    assert sample(logits, [params], [prompt + [4]], [2]).token_ids == [5]  # one output: both masked
+    assert sample(logits, [params], [prompt + [4, 4]], [2]).token_ids == [EOS]  # two: free
+    ignoring = SamplingParams(temperature=0, min_tokens=2, ignore_eos=True)
+    assert sample(logits, [ignoring], [prompt], [2]).token_ids == [EOS]  # EOS is a plain token then
+
+
+def test_min_tokens_without_an_eos_token_masks_only_stop_token_ids():
+    logits = torch.zeros(1, VOCAB)
+    logits[0, EOS], logits[0, 9] = 10.0, 11.0
+    params = SamplingParams(temperature=0, min_tokens=1, stop_token_ids=[9])
+    assert sample(logits, [params], [[1]], [1], eos=-1).token_ids == [EOS]
+
+
+def generator_for(params):
+    """As the engine does: one generator per seeded request, made at admission."""
+    return None if params.seed is None else torch.Generator().manual_seed(params.seed)
+
+
+def run_steps(params, logits_per_step, position, others):
+    """Samples `params` at `position` of a batch with `others` around it, step after step."""
+    generator = generator_for(params)
+    other_generators = [generator_for(p) for p in others]
+    tokens = []
+    for step, row in enumerate(logits_per_step):
+        batch_params = others[:position] + [params] + others[position:]
+        generators = other_generators[:position] + [generator] + other_generators[position:]
+        filler = random_logits(len(others), seed=100 + step)
+        logits = torch.cat([filler[:position], row.unsqueeze(0), filler[position:]])
+        out = sample(logits, batch_params, generators=generators)
+        tokens.append(out.token_ids[position])
+    return tokens
+
+
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(seed=7), SamplingParams(seed=7, temperature=0.8, top_p=0.9, top_k=10, min_p=0.05)],
+    ids=["plain", "truncated"],
+)
+def test_seeded_request_gets_the_same_tokens_in_any_batch(params):
+    steps = list(random_logits(12, seed=5) / 3)
+    alone = run_steps(params, steps, 0, [])
+    others = [SamplingParams(), SamplingParams(temperature=0), SamplingParams(seed=3, top_k=4), SamplingParams(top_p=0.5)]
+    torch.manual_seed(123)
+    assert run_steps(params, steps, 2, others) == alone
+    torch.manual_seed(456)
+    assert run_steps(params, steps, 4, others[::-1]) == alone
+    assert len(set(alone)) > 1  # the noise moves on from step to step
+
+
+def test_logprobs_are_the_raw_distributions():
+    logits = random_logits(4)
+    params = [
+        SamplingParams(temperature=0.5, logprobs=3, repetition_penalty=1.5, logit_bias={1: 5.0}),
+        SamplingParams(temperature=0),
+        SamplingParams(logprobs=0, frequency_penalty=1.0),
+        SamplingParams(temperature=0, logprobs=20),
+    ]
+    out = sample(logits, params, token_ids=[[1, 2, 3]] * 4, num_prompt_tokens=[1] * 4)
+    raw = torch.log_softmax(logits, -1)
+    assert out.logprobs[1] is None
+    for i, n in [(0, 3), (2, 0), (3, 20)]:
+        lp = out.logprobs[i]
+        assert lp.logprob == pytest.approx(raw[i, out.token_ids[i]].item(), abs=1e-6)
+        assert len(lp.top) == n
+        values, ids = raw[i].topk(n)
+        assert [t for t, _ in lp.top] == ids.tolist()
+        assert [v for _, v in lp.top] == pytest.approx(values.tolist(), abs=1e-6)
+
+
+def test_sampled_token_has_its_logprob_even_outside_the_top_n():
+    logits = random_logits(1)
+    low = logits[0].argmin().item()
+    out = sample(logits, [SamplingParams(temperature=0, logprobs=2, logit_bias={low: 100})])
+    assert out.token_ids == [low]
+    lp = out.logprobs[0]
+    assert low not in [t for t, _ in lp.top]
+    assert lp.logprob == pytest.approx(torch.log_softmax(logits[0], -1)[low].item(), abs=1e-6)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    temperature=st.sampled_from([0.3, 1.0, 2.5]),
+    top_k=st.integers(0, VOCAB + 4),
+    top_p=st.floats(0.01, 1.0),
+    min_p=st.sampled_from([0.0, 0.01, 0.2, 0.7]),
+)
+def test_sampled_tokens_stay_in_the_truncated_support(seed, temperature, top_k, top_p, min_p):
+    torch.manual_seed(seed)
+    n = 16
+    logits = random_logits(n, seed=seed)
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    for row, token in zip(logits / temperature, sample(logits, [params] * n, eos=None).token_ids):
+        value = row[token]
+        if top_k:
+            assert (row > value).sum() < top_k
+            row = row.masked_fill(row < row.topk(min(top_k, VOCAB)).values[-1], -math.inf)
+        probs = row.softmax(-1)
+        assert probs[probs > probs[token]].sum() < top_p + 1e-5
+        if min_p:
+            assert value >= row.max() + math.log(min_p) - 1e-5

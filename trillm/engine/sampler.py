@@ -1,0 +1,210 @@
+"""The batched sampler: one step's logits [N, V] -> one token (and logprobs) per row.
+
+Every stage works on the whole batch at once and is skipped when no row needs it:
+an all-greedy batch without penalties is one argmax. Python loops run over
+requests, never over the vocabulary; the only per-row tensor work is drawing a
+seeded row's noise from its own generator.
+
+Order of operations (vLLM's):
+  1. logprobs, from the RAW logits (log-softmax before anything below): what the
+     model believes, not what the sampling settings made of it; OpenAI and vLLM
+     report these.
+  2. logit_bias, then the min_tokens mask (EOS and stop_token_ids get -inf while
+     a request has fewer than min_tokens outputs), then the repetition penalty
+     (prompt + output tokens) and the frequency / presence penalties (output
+     tokens only).
+  3. greedy rows: argmax. Random rows: temperature, top-k, top-p, min-p (one
+     sort serves all three), then the exponential race: argmax(probs / E) with
+     E ~ Exponential(1) per token, which draws exactly from `probs`.
+
+Why the exponential race: its noise is one independent number per (row, token),
+so a seeded row can draw its noise from its own generator and get the same
+token whatever else shares the batch and in whichever position.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from trillm.sampling_params import SamplingParams
+
+
+@dataclass
+class TokenLogprobs:
+    """The sampled token's raw logprob and the top-n raw logprobs, highest first."""
+
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]  # None where the request asked for none
+
+
+class Sampler:
+    def __init__(self, eos_token_id: int | None):
+        # The scheduler spells "no EOS" as -1; here a negative id would index the
+        # vocabulary from its end, so both spellings become None.
+        self.eos_token_id = eos_token_id if eos_token_id is not None and eos_token_id >= 0 else None
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        token_ids: list[list[int]],
+        num_prompt_tokens: list[int],
+        generators: list[torch.Generator | None],
+    ) -> SamplerOutput:
+        """logits: [N, V] fp32, one row per request; token_ids[i]: prompt + output so far."""
+        assert logits.dim() == 2 and logits.dtype == torch.float32
+        assert logits.shape[0] == len(params) == len(token_ids) == len(num_prompt_tokens) == len(generators)
+        logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        raw_logprobs = torch.log_softmax(logits[logprob_rows], dim=-1) if logprob_rows else None
+        processed = process_logits(logits, params, token_ids, num_prompt_tokens, self.eos_token_id)
+        tokens = _pick(processed, params, generators)
+        logprobs: list[TokenLogprobs | None] = [None] * len(params)
+        if logprob_rows:
+            sampled = tokens[logprob_rows]
+            for i, row_logprobs in zip(logprob_rows, _token_logprobs(raw_logprobs, sampled, params, logprob_rows)):
+                logprobs[i] = row_logprobs
+        return SamplerOutput(tokens.tolist(), logprobs)
+
+
+def process_logits(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    token_ids: list[list[int]],
+    num_prompt_tokens: list[int],
+    eos_token_id: int | None,
+) -> torch.Tensor:
+    """logit_bias, the min_tokens mask and the penalties; a new tensor, or `logits` itself when none apply."""
+    output_ids = [ids[n:] for ids, n in zip(token_ids, num_prompt_tokens)]
+    bias = [(i, t, b) for i, p in enumerate(params) for t, b in (p.logit_bias or {}).items()]
+    masked = [
+        (i, t)
+        for i, p in enumerate(params)
+        if len(output_ids[i]) < p.min_tokens
+        for t in _stop_ids(p, eos_token_id)
+    ]
+    rep_rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
+    count_rows = [i for i, p in enumerate(params) if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0]
+    if not (bias or masked or rep_rows or count_rows):
+        return logits
+    logits = logits.clone()
+    if bias:
+        rows, cols, values = zip(*bias)
+        values = torch.tensor(values, dtype=logits.dtype, device=logits.device)
+        logits.index_put_(_index(rows, cols, logits.device), values, accumulate=True)
+    if masked:
+        rows, cols = zip(*masked)
+        logits.index_put_(_index(rows, cols, logits.device), torch.tensor(float("-inf"), device=logits.device))
+    if rep_rows:
+        seen = _counts([token_ids[i] for i in rep_rows], logits) > 0
+        penalty = _column([params[i].repetition_penalty for i in rep_rows], logits)
+        rows = logits[rep_rows]
+        penalized = torch.where(rows > 0, rows / penalty, rows * penalty)
+        logits[rep_rows] = torch.where(seen, penalized, rows)
+    if count_rows:
+        counts = _counts([output_ids[i] for i in count_rows], logits)
+        frequency = _column([params[i].frequency_penalty for i in count_rows], logits)
+        presence = _column([params[i].presence_penalty for i in count_rows], logits)
+        logits[count_rows] -= frequency * counts + presence * (counts > 0)
+    return logits
+
+
+def truncate(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p as -inf, for random rows only (no greedy row here).
+
+    Sorted once, ascending (vLLM's layout): top-k keeps values >= the k-th
+    largest (ties all survive); top-p drops the low tokens whose cumulative
+    probability stays <= 1 - p, never the highest; min-p drops tokens less
+    likely than min_p times the highest, i.e. logits below max + log(min_p).
+    """
+    assert not any(p.greedy for p in params)
+    logits = logits / _column([p.temperature for p in params], logits)
+    if all(p.top_k == 0 and p.top_p == 1.0 and p.min_p == 0.0 for p in params):
+        return logits
+    vocab_size = logits.shape[1]
+    sorted_logits, order = logits.sort(dim=-1)
+    # k = 0 (off) keeps the whole row: its threshold is the row's smallest value.
+    kth = [vocab_size - min(p.top_k, vocab_size) if p.top_k else 0 for p in params]
+    drop = sorted_logits < sorted_logits.gather(1, torch.tensor(kth, device=logits.device).unsqueeze(1))
+    sorted_logits.masked_fill_(drop, float("-inf"))
+    drop = sorted_logits.softmax(dim=-1).cumsum(dim=-1) <= 1 - _column([p.top_p for p in params], logits)
+    drop[:, -1] = False
+    sorted_logits.masked_fill_(drop, float("-inf"))
+    log_min_p = _column([p.min_p for p in params], logits).log()
+    sorted_logits.masked_fill_(sorted_logits < sorted_logits[:, -1:] + log_min_p, float("-inf"))
+    return torch.empty_like(sorted_logits).scatter_(1, order, sorted_logits)
+
+
+def _pick(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One token per row: argmax for greedy rows, the exponential race for the others."""
+    random_rows = [i for i, p in enumerate(params) if not p.greedy]
+    if not random_rows:
+        return logits.argmax(dim=-1)
+    tokens = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
+    greedy_rows = [i for i, p in enumerate(params) if p.greedy]
+    if greedy_rows:
+        tokens[greedy_rows] = logits[greedy_rows].argmax(dim=-1)
+    probs = truncate(logits[random_rows], [params[i] for i in random_rows]).softmax(dim=-1)
+    noise = torch.empty_like(probs).exponential_()
+    for row, i in enumerate(random_rows):
+        if generators[i] is not None:
+            # Drawn on the generator's own device; the copy lands it on the logits'.
+            noise[row] = torch.empty(probs.shape[1], device=generators[i].device).exponential_(generator=generators[i])
+    # A zero draw would make 0 / 0 = nan, which argmax would pick, for a dropped token.
+    noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+    tokens[random_rows] = (probs / noise).argmax(dim=-1)
+    return tokens
+
+
+def _token_logprobs(
+    raw_logprobs: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams], rows: list[int]
+) -> list[TokenLogprobs]:
+    """raw_logprobs: [R, V] for `rows`; one top-k over the largest n asked, sliced per row."""
+    sampled = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
+    max_n = max(params[i].logprobs for i in rows)
+    if max_n:
+        top_values, top_ids = raw_logprobs.topk(max_n, dim=-1)
+        top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    out = []
+    for row, i in enumerate(rows):
+        n = params[i].logprobs
+        top = list(zip(top_ids[row][:n], top_values[row][:n])) if n else []
+        out.append(TokenLogprobs(sampled[row], top))
+    return out
+
+
+def _stop_ids(params: SamplingParams, eos_token_id: int | None) -> set[int]:
+    """The tokens min_tokens forbids: stop_token_ids, and EOS unless it is ignored (then it is a plain token)."""
+    ids = set(params.stop_token_ids)
+    if eos_token_id is not None and not params.ignore_eos:
+        ids.add(eos_token_id)
+    return ids
+
+
+def _counts(rows: list[list[int]], like: torch.Tensor) -> torch.Tensor:
+    """[len(rows), V] occurrence counts, built with one scatter_add over the flattened ids."""
+    num_rows, vocab_size = len(rows), like.shape[1]
+    device = like.device
+    ids = torch.tensor(list(itertools.chain.from_iterable(rows)), dtype=torch.long, device=device)
+    row_of_id = torch.repeat_interleave(
+        torch.arange(num_rows, device=device), torch.tensor([len(r) for r in rows], device=device)
+    )
+    counts = torch.zeros(num_rows * vocab_size, dtype=like.dtype, device=device)
+    counts.scatter_add_(0, row_of_id * vocab_size + ids, torch.ones_like(ids, dtype=like.dtype))
+    return counts.view(num_rows, vocab_size)
+
+
+def _column(values, like: torch.Tensor) -> torch.Tensor:
+    """Per-row values as an [R, 1] column that broadcasts against `like`'s rows."""
+    return torch.tensor(values, dtype=like.dtype, device=like.device).unsqueeze(1)
+
+
+def _index(rows, cols, device) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.tensor(rows, dtype=torch.long, device=device), torch.tensor(cols, dtype=torch.long, device=device)
