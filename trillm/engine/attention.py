@@ -1,0 +1,90 @@
+"""What attention needs to know about one step's batch, and the kernel family that runs the model.
+
+The batch is flat: the new tokens of every scheduled request, back to back, no padding. Request b
+owns rows query_start_loc[b]:query_start_loc[b+1]; its context after this step is seq_lens[b]
+tokens, all of them in the paged KV cache once this step's keys and values are written to their
+slots. The metadata is built once per step and shared by every layer.
+
+A backend is a whole kernel family, not only attention: the torch reference twins or the Triton
+kernels. One name switches all of them, so a model never mixes a Triton attention with a torch
+norm by accident, and the model code stays the same on every device.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token
+    block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0 past each request's blocks
+    seq_lens: torch.Tensor  # [B] int32: context length after this step
+    query_start_loc: torch.Tensor  # [B + 1] int32: row offsets of each request's new tokens
+    max_seq_len: int
+    max_query_len: int
+
+
+class AttentionBackend:
+    """The kernels a model calls, all from `trillm.kernels.<op><module_suffix>`.
+
+    The twins share signatures, so a backend is only a choice of modules. Subclasses name it;
+    the import happens at construction, so the CPU path never loads triton.
+    """
+
+    name: str
+    module_suffix: str
+
+    def __init__(self):
+        def kernels(op: str):
+            return importlib.import_module(f"trillm.kernels.{op}{self.module_suffix}")
+
+        norm = kernels("norm")
+        self.rms_norm = norm.rms_norm
+        self.fused_add_rms_norm = norm.fused_add_rms_norm
+        self.silu_and_mul = kernels("activation").silu_and_mul
+        self.rotary_embedding = kernels("rotary").rotary_embedding
+        self.write_kv = kernels("cache").write_kv
+        self.paged_attention = kernels("attention").paged_attention
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        """Writes this step's k, v [T, Hk, D] to the cache, then attends q [T, H, D] to the
+        whole context of each request. Returns [T, H, D]."""
+        self.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        return self.paged_attention(
+            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale, sliding_window
+        )
+
+
+class TorchAttentionBackend(AttentionBackend):
+    name = "torch"
+    module_suffix = ""
+
+
+class TritonAttentionBackend(AttentionBackend):
+    name = "triton"
+    module_suffix = "_triton"
+
+
+BACKENDS = {cls.name: cls for cls in (TorchAttentionBackend, TritonAttentionBackend)}
+
+
+def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
+    """`name` is EngineArgs.attention_backend; "auto" means Triton on CUDA, torch elsewhere."""
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name not in BACKENDS:
+        raise ValueError(f"Unknown attention backend {name!r}; choose one of auto, {', '.join(BACKENDS)}.")
+    return BACKENDS[name]()

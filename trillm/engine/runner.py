@@ -1,0 +1,167 @@
+"""ModelRunner: owns the model and the paged KV cache, and turns one SchedulerOutput into logits.
+
+The scheduler decides who runs and which blocks hold their context; the runner only lays that out
+as flat tensors (one torch.tensor per field, built from flat Python lists) and runs one forward.
+Logits are computed only for the requests that sample this step: a prefill chunk that does not
+reach the end of its prompt needs none.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from trillm.config import EngineArgs
+from trillm.engine.attention import AttentionMetadata
+from trillm.engine.llama import head_dim_of
+from trillm.engine.loader import load_model
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass
+class ModelInput:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    meta: AttentionMetadata
+    sample_rows: torch.Tensor  # [N] int64: the last row of each chunk that needs a sample
+
+
+class ModelRunner:
+    def __init__(self, args: EngineArgs):
+        self.args = args
+        loaded = load_model(args)
+        self.model, self.hf_config, self.tokenizer = loaded.model, loaded.hf_config, loaded.tokenizer
+        self.eos_token_ids = loaded.eos_token_ids  # the engine stops on all of them
+        self.eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else -1
+        weight = self.model.model.embed_tokens.weight
+        self.device, self.dtype = weight.device, weight.dtype
+        if self.device.type == "cpu":
+            torch.set_num_threads(args.num_threads)
+        self.block_size = args.block_size
+        max_positions = self.hf_config.max_position_embeddings
+        self.max_model_len = args.max_model_len or max_positions
+        if self.max_model_len > max_positions:
+            raise ValueError(
+                f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings {max_positions}."
+            )
+        self.num_kv_blocks = args.num_kv_blocks or self._num_blocks_in_budget()
+        if self.num_kv_blocks < 1:
+            raise ValueError("The KV cache budget holds no block: raise the memory budget or lower block_size.")
+        self.kv_caches = self._allocate_kv_cache(self.num_kv_blocks)
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block of K and V over all layers."""
+        cfg = self.hf_config
+        elements = 2 * cfg.num_hidden_layers * self.block_size * cfg.num_key_value_heads * head_dim_of(cfg)
+        return elements * self.dtype.itemsize
+
+    def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer (K, V), each [num_blocks, block_size, Hk, D] and contiguous, carved from one
+        allocation. Zeroed: attention masks unused slots, but 0 * NaN from stale memory is NaN."""
+        cfg = self.hf_config
+        shape = (cfg.num_hidden_layers, 2, num_blocks, self.block_size, cfg.num_key_value_heads, head_dim_of(cfg))
+        cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        return [(layer[0], layer[1]) for layer in cache]
+
+    def _num_blocks_in_budget(self) -> int:
+        if self.device.type != "cuda":
+            return self.args.kv_cache_memory // self.block_bytes
+        return self._profile_free_cuda_bytes() // self.block_bytes
+
+    def _profile_free_cuda_bytes(self) -> int:
+        """GPU bytes left for the KV cache: the share gpu_memory_utilization of the device, less
+        what is in use now (weights, CUDA context, other processes) and the activation peak of
+        the largest step (max_num_batched_tokens tokens over up to max_num_seqs sequences, each
+        sampled, so the logits of max_num_seqs rows are counted too)."""
+        args = self.args
+        num_tokens = args.max_num_batched_tokens
+        num_seqs = max(min(args.max_num_seqs, num_tokens), _cdiv(num_tokens, self.max_model_len))
+        lengths = [num_tokens // num_seqs + (i < num_tokens % num_seqs) for i in range(num_seqs)]
+        num_blocks = [_cdiv(n, self.block_size) for n in lengths]
+        starts = [sum(num_blocks[:i]) for i in range(num_seqs)]
+        tables = [list(range(start, start + n)) for start, n in zip(starts, num_blocks)]
+        kv_caches = self._allocate_kv_cache(sum(num_blocks))
+        batch = self.prepare([[0] * n for n in lengths], tables, lengths, [0] * num_seqs, [True] * num_seqs)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._run(batch, kv_caches)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        del kv_caches, batch
+        torch.cuda.empty_cache()
+        activations = peak - torch.cuda.memory_allocated(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        return int(total * args.gpu_memory_utilization) - (total - free) - activations
+
+    def execute(self, sched) -> torch.Tensor:
+        """sched: a SchedulerOutput. Returns fp32 logits [N, vocab] for the N requests with
+        needs_sample, in schedule order."""
+        requests = sched.requests
+        batch = self.prepare(
+            [r.token_ids for r in requests],
+            [r.block_table for r in requests],
+            sched.num_scheduled_tokens,
+            sched.num_computed_tokens,
+            sched.needs_sample,
+        )
+        return self._run(batch, self.kv_caches)
+
+    def prepare(
+        self,
+        token_ids: list[list[int]],
+        block_tables: list[list[int]],
+        num_scheduled_tokens: list[int],
+        num_computed_tokens: list[int],
+        needs_sample: list[bool],
+    ) -> ModelInput:
+        """Request b computes tokens token_ids[b][start:start + n], start = num_computed_tokens[b],
+        n = num_scheduled_tokens[b]; block_tables[b] must cover its first start + n positions."""
+        bs = self.block_size
+        input_ids, positions, tables, seq_lens, query_start_loc, sample_rows = [], [], [], [], [0], []
+        for ids, table, num_new, start, sample in zip(
+            token_ids, block_tables, num_scheduled_tokens, num_computed_tokens, needs_sample, strict=True
+        ):
+            end = start + num_new
+            assert num_new > 0 and end <= len(ids), (start, num_new, len(ids))
+            assert sample == (end == len(ids)), "a request samples exactly when its chunk reaches its last token"
+            assert end <= len(table) * bs, "the block table must cover the context"
+            input_ids += ids[start:end]
+            positions += range(start, end)
+            tables.append(list(table[: _cdiv(end, bs)]))
+            seq_lens.append(end)
+            query_start_loc.append(query_start_loc[-1] + num_new)
+            if sample:
+                sample_rows.append(query_start_loc[-1] - 1)
+        width = max(map(len, tables))
+        block_tables_t = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+        positions_t = torch.tensor(positions, dtype=torch.int64)
+        request_of_row = torch.repeat_interleave(
+            torch.arange(len(tables)), torch.tensor(num_scheduled_tokens, dtype=torch.int64)
+        )
+        slot_mapping = block_tables_t[request_of_row, positions_t // bs].long() * bs + positions_t % bs
+
+        def to_device(t: torch.Tensor) -> torch.Tensor:
+            return t.to(self.device, non_blocking=True)
+
+        meta = AttentionMetadata(
+            slot_mapping=to_device(slot_mapping),
+            block_tables=to_device(block_tables_t),
+            seq_lens=to_device(torch.tensor(seq_lens, dtype=torch.int32)),
+            query_start_loc=to_device(torch.tensor(query_start_loc, dtype=torch.int32)),
+            max_seq_len=max(seq_lens),
+            max_query_len=max(num_scheduled_tokens),
+        )
+        return ModelInput(
+            input_ids=to_device(torch.tensor(input_ids, dtype=torch.int64)),
+            positions=to_device(positions_t),
+            meta=meta,
+            sample_rows=to_device(torch.tensor(sample_rows, dtype=torch.int64)),
+        )
+
+    @torch.inference_mode()
+    def _run(self, batch: ModelInput, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        hidden = self.model(batch.input_ids, batch.positions, kv_caches, batch.meta)
+        return self.model.compute_logits(hidden[batch.sample_rows]).float()
