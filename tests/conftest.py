@@ -17,3 +17,66 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
+
+import math  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> str:
+    """SmolLM2-135M-Instruct as an HF directory (converted from its GGUF once per machine, then cached)."""
+    from trillm.engine.loader import resolve_model
+
+    return resolve_model(None)
+
+
+TINY_BASE = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+TINY_CONFIGS = {
+    "llama": dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+    "qwen2": dict(),  # q/k/v biases
+    "qwen3": dict(head_dim=32),  # q/k norms; head_dim != hidden / heads
+    "mistral": dict(sliding_window=8),
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """Factory: tiny_model_dir(kind="llama"|"qwen2"|"qwen3"|"mistral", **config_overrides) -> the path
+    of a tiny random transformers model saved with save_pretrained (fp32, 2 layers, vocab 256, no
+    tokenizer). Every parameter is random, biases and norm gains included, so a loader or model that
+    drops one shows in the logits. Same arguments, same directory (made once per session)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    made = {}
+
+    def make(kind: str = "llama", **overrides) -> str:
+        key = (kind, repr(sorted(overrides.items())))
+        if key not in made:
+            config = AutoConfig.for_model(kind, **{**TINY_BASE, **TINY_CONFIGS[kind], **overrides})
+            torch.manual_seed(0)
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            with torch.no_grad():
+                for name, param in model.named_parameters():
+                    if param.dim() == 1:
+                        param.copy_(torch.randn_like(param) * 0.1 + (1.0 if "norm" in name else 0.0))
+                    else:
+                        param.copy_(torch.randn_like(param) / math.sqrt(param.shape[-1]))
+            path = tmp_path_factory.mktemp(f"tiny-{kind}")
+            model.save_pretrained(path)
+            made[key] = str(path)
+        return made[key]
+
+    return make

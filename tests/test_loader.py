@@ -1,0 +1,132 @@
+"""Model resolution (default model, GGUF cache, HF directories) and weight loading."""
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from trillm.config import EngineArgs
+from trillm.engine.loader import cache_root, convert_gguf, gguf_cache_dir, load_model, resolve_model
+from trillm.engine.llama import rope_cos_sin_cache
+
+
+def test_default_model_is_converted_once_into_the_cache(default_model_dir):
+    assert os.path.dirname(default_model_dir) == cache_root()
+    assert os.path.basename(default_model_dir).startswith("SmolLM2-135M-Instruct.Q4_1-")
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json"):
+        assert os.path.isfile(os.path.join(default_model_dir, name)), name
+    config = json.load(open(os.path.join(default_model_dir, "config.json")))
+    assert "quantization_config" not in config and config["num_hidden_layers"] == 30
+    assert not [n for n in os.listdir(cache_root()) if n.startswith(".converting-")]
+
+    weights = os.stat(os.path.join(default_model_dir, "model.safetensors"))
+    assert resolve_model(None) == default_model_dir
+    again = os.stat(os.path.join(default_model_dir, "model.safetensors"))
+    assert (again.st_ino, again.st_mtime_ns) == (weights.st_ino, weights.st_mtime_ns)  # not rewritten
+
+
+def test_default_model_loads_from_the_cache(default_model_dir):
+    model, config, tokenizer, eos_token_ids, model_dir = load_model(EngineArgs())
+    assert model_dir == default_model_dir
+    assert config.model_type == "llama" and config.tie_word_embeddings and model.lm_head is None
+    assert eos_token_ids == [2] and tokenizer.eos_token_id == 2
+    assert "<|im_start|>assistant" in tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False
+    )
+    assert sum(p.numel() for p in model.parameters()) == 134_515_008
+
+
+def test_gguf_cache_dir_follows_the_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRILLM_CACHE", str(tmp_path / "cache"))
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"x" * 10)
+    first = gguf_cache_dir(str(gguf))
+    assert os.path.dirname(first) == str(tmp_path / "cache") and os.path.basename(first).startswith("m-")
+    assert gguf_cache_dir(str(gguf)) == first
+    os.utime(gguf, ns=(0, 10**9))
+    touched = gguf_cache_dir(str(gguf))
+    gguf.write_bytes(b"x" * 11)
+    os.utime(gguf, ns=(0, 10**9))
+    assert len({first, touched, gguf_cache_dir(str(gguf))}) == 3
+
+
+def test_a_failed_conversion_leaves_no_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRILLM_CACHE", str(tmp_path / "cache"))
+    gguf = tmp_path / "broken.gguf"
+    gguf.write_bytes(b"not a gguf file")
+    with pytest.raises(Exception):
+        resolve_model(str(gguf))
+    assert not os.path.exists(gguf_cache_dir(str(gguf)))
+    assert not [n for n in os.listdir(tmp_path / "cache") if n.startswith(".converting-")]
+
+
+def test_a_finished_conversion_is_reused_without_reading_the_gguf(tmp_path, monkeypatch, tiny_model_dir):
+    monkeypatch.setenv("TRILLM_CACHE", str(tmp_path / "cache"))
+    gguf = tmp_path / "tiny.gguf"
+    gguf.write_bytes(b"not a gguf file")
+    shutil.copytree(tiny_model_dir("llama"), gguf_cache_dir(str(gguf)))
+    assert convert_gguf(str(gguf)) == gguf_cache_dir(str(gguf))
+    assert resolve_model(str(gguf)) == gguf_cache_dir(str(gguf))
+
+
+def test_resolve_model_takes_hf_dirs_and_never_a_hub_name(tiny_model_dir, tmp_path):
+    assert resolve_model(tiny_model_dir("llama")) == tiny_model_dir("llama")
+    for name in ("HuggingFaceTB/SmolLM2-135M-Instruct", str(tmp_path), str(tmp_path / "missing.gguf")):
+        with pytest.raises(FileNotFoundError):
+            resolve_model(name)
+
+
+def test_fused_weights_hold_the_hf_projections(tiny_model_dir):
+    model_dir = tiny_model_dir("qwen2")
+    hf = load_file(os.path.join(model_dir, "model.safetensors"))
+    model = load_model(EngineArgs(model=model_dir)).model
+    layer = model.model.layers[1]
+    prefix = "model.layers.1."
+    for param, parts in [
+        (layer.self_attn.qkv_proj.weight, ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]),
+        (layer.self_attn.qkv_proj.bias, ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]),
+        (layer.mlp.gate_up_proj.weight, ["mlp.gate_proj", "mlp.up_proj"]),
+    ]:
+        kind = "bias" if param.dim() == 1 else "weight"
+        assert torch.equal(param, torch.cat([hf[f"{prefix}{p}.{kind}"] for p in parts]))
+    assert torch.equal(model.lm_head.weight, hf["lm_head.weight"])
+
+
+@pytest.mark.parametrize("change", ["drop", "extra", "reshape"])
+def test_incomplete_or_foreign_checkpoints_are_refused(tiny_model_dir, tmp_path, change):
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_model_dir("llama"), model_dir)
+    weights = load_file(model_dir / "model.safetensors")
+    name = "model.layers.0.self_attn.k_proj.weight"
+    if change == "drop":
+        del weights[name]
+    elif change == "extra":
+        weights["model.layers.2.mlp.up_proj.weight"] = weights["model.layers.1.mlp.up_proj.weight"].clone()
+    else:
+        weights[name] = weights[name][:-1]
+    save_file(weights, model_dir / "model.safetensors")
+    with pytest.raises(ValueError, match="k_proj|lacks|layers.2"):
+        load_model(EngineArgs(model=str(model_dir)))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_dtype_applies_to_weights_but_not_to_the_rope_cache(tiny_model_dir, dtype):
+    model_dir = tiny_model_dir("llama")
+    model, config = load_model(EngineArgs(model=model_dir, dtype=dtype))[:2]
+    assert {p.dtype for p in model.parameters()} == {getattr(torch, dtype)}
+    assert torch.get_default_dtype() == torch.float32
+    cache = model.model.cos_sin_cache
+    assert cache.dtype == torch.float32
+    assert torch.equal(cache, rope_cos_sin_cache(config, config.max_position_embeddings))
+    with pytest.raises(ValueError, match="dtype"):
+        load_model(EngineArgs(model=model_dir, dtype="float64"))
+
+
+def test_eos_token_ids_come_from_the_generation_config(tiny_model_dir, tmp_path):
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_model_dir("llama"), model_dir)
+    (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
+    loaded = load_model(EngineArgs(model=str(model_dir)))
+    assert loaded.eos_token_ids == [2, 7] and loaded.tokenizer is None

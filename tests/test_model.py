@@ -1,0 +1,268 @@
+"""The model on the paged KV cache, judged against transformers' forward on the same weights.
+
+Batches are written by hand (the runner reads five SchedulerOutput fields) so that each test picks
+its own chunk boundaries and block tables: chunks that end mid-block, blocks out of order.
+"""
+import random
+from dataclasses import dataclass
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from trillm.config import EngineArgs
+from trillm.engine.runner import ModelRunner
+
+BLOCK_SIZE = 4
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+}
+YARN_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64}
+
+
+@dataclass
+class Request:
+    """What the runner reads of a scheduler Request: the tokens so far and the blocks holding them."""
+
+    token_ids: list[int]
+    block_table: list[int]
+
+
+@dataclass
+class Schedule:
+    requests: list[Request]
+    num_scheduled_tokens: list[int]
+    num_computed_tokens: list[int]
+    needs_sample: list[bool]
+
+
+class Sequence:
+    """One request's prompt and the tokens it will go on to decode. `chunk` shows the request as the
+    scheduler would when computing tokens [start, start + n): it holds the whole prompt and the
+    decoded tokens up to there, so a chunk samples only once it reaches the end of those."""
+
+    def __init__(self, token_ids: list[int], block_table: list[int], num_decode: int):
+        self.token_ids, self.block_table, self.num_decode = token_ids, block_table, num_decode
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.token_ids) - self.num_decode
+
+    def chunk(self, start: int, n: int) -> tuple[Request, int, int]:
+        return Request(self.token_ids[: max(self.prompt_len, start + n)], self.block_table), start, n
+
+
+def run_step(runner: ModelRunner, chunks: list[tuple[Request, int, int]]) -> torch.Tensor:
+    return runner.execute(
+        Schedule(
+            [r for r, _, _ in chunks],
+            [n for _, _, n in chunks],
+            [s for _, s, _ in chunks],
+            [s + n == len(r.token_ids) for r, s, n in chunks],
+        )
+    )
+
+
+def make_sequences(runner: ModelRunner, lengths: list[int], num_decode: int = 0, seed: int = 0) -> list[Sequence]:
+    """Random tokens (the last num_decode of each to be decoded) and disjoint, shuffled block tables."""
+    rng = random.Random(seed)
+    blocks = list(range(runner.num_kv_blocks))
+    rng.shuffle(blocks)
+    sequences = []
+    for length in lengths:
+        num_blocks = -(-length // runner.block_size)
+        table, blocks = blocks[:num_blocks], blocks[num_blocks:]
+        assert len(table) == num_blocks, "test pool too small"
+        tokens = [rng.randrange(3, runner.hf_config.vocab_size) for _ in range(length)]
+        sequences.append(Sequence(tokens, table, num_decode))
+    return sequences
+
+
+def tiny_runner(model_dir: str, **args) -> ModelRunner:
+    return ModelRunner(EngineArgs(model=model_dir, num_kv_blocks=48, block_size=BLOCK_SIZE, **args))
+
+
+def hf_logits(model_dir: str, sequences: list[Sequence]) -> list[torch.Tensor]:
+    """transformers' logits at every position of each sequence, one sequence at a time (no padding)."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        return [model(torch.tensor([s.token_ids])).logits[0] for s in sequences]
+
+
+def prefill_then_decode(runner: ModelRunner, sequences: list[Sequence]) -> list[torch.Tensor]:
+    """Every prompt in one batched step, then one batched step per decoded token. Returns per
+    sequence its logits at the sampled positions: prompt_len - 1 and on."""
+    num_decode = sequences[0].num_decode
+    assert all(s.num_decode == num_decode for s in sequences)
+    steps = [run_step(runner, [s.chunk(0, s.prompt_len) for s in sequences])]
+    for i in range(num_decode):
+        steps.append(run_step(runner, [s.chunk(s.prompt_len + i, 1) for s in sequences]))
+    return [torch.stack([step[b] for step in steps]) for b in range(len(sequences))]
+
+
+VARIANTS = {
+    "llama": ("llama", {}),
+    "llama-tied": ("llama", {"tie_word_embeddings": True}),
+    "llama3-rope": ("llama", {"rope_parameters": LLAMA3_ROPE}),
+    "qwen2": ("qwen2", {}),
+    "qwen2-yarn": ("qwen2", {"rope_parameters": YARN_ROPE}),
+    "qwen3": ("qwen3", {}),
+    "mistral-window": ("mistral", {}),
+}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_tiny_models_match_transformers(tiny_model_dir, variant):
+    kind, overrides = VARIANTS[variant]
+    model_dir = tiny_model_dir(kind, **overrides)
+    runner = tiny_runner(model_dir)
+    sequences = make_sequences(runner, [21, 13, 6], num_decode=3)
+    ours = prefill_then_decode(runner, sequences)
+    for seq, got, ref in zip(sequences, ours, hf_logits(model_dir, sequences)):
+        expected = ref[seq.prompt_len - 1 :]
+        assert got.shape == expected.shape
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+# Each variant against the same weights without its feature: if the feature were a no-op, the
+# comparisons above would not be testing it.
+@pytest.mark.parametrize(
+    "kind, feature, without",
+    [
+        ("mistral", {}, {"sliding_window": None}),
+        ("llama", {"rope_parameters": LLAMA3_ROPE}, {"rope_parameters": {**LLAMA3_ROPE, "rope_type": "default"}}),
+        ("qwen2", {"rope_parameters": YARN_ROPE}, {}),
+    ],
+)
+def test_variant_features_change_the_logits(tiny_model_dir, kind, feature, without):
+    logits = []
+    for overrides in (feature, without):
+        runner = tiny_runner(tiny_model_dir(kind, **overrides))
+        (seq,) = make_sequences(runner, [21])
+        logits.append(run_step(runner, [seq.chunk(0, 21)]))
+    assert (logits[0] - logits[1]).abs().max() > 1e-2
+
+
+def test_chunked_prefill_equals_one_chunk(tiny_model_dir):
+    runner = tiny_runner(tiny_model_dir("qwen3"))
+    one, chunked = make_sequences(runner, [26, 26], num_decode=3)
+    chunked.token_ids = one.token_ids  # same tokens, other blocks
+    prompt_len = one.prompt_len
+
+    whole = [run_step(runner, [one.chunk(0, prompt_len)])]
+    pieces = []
+    for start, end in [(0, 5), (5, 11), (11, prompt_len)]:  # boundaries in the middle of blocks
+        pieces.append(run_step(runner, [chunked.chunk(start, end - start)]))
+    assert [p.shape[0] for p in pieces] == [0, 0, 1]  # only the chunk reaching the end samples
+    for pos in range(prompt_len, 26):
+        whole.append(run_step(runner, [one.chunk(pos, 1)]))
+        pieces.append(run_step(runner, [chunked.chunk(pos, 1)]))
+    torch.testing.assert_close(torch.cat(pieces), torch.cat(whole), atol=1e-5, rtol=1e-5)
+
+
+def test_mixed_batch_equals_each_request_alone(tiny_model_dir):
+    runner = tiny_runner(tiny_model_dir("mistral"))
+    decoding, partial, finishing = make_sequences(runner, [14, 30, 17], num_decode=1)
+    # Alone: the decoding request's prompt, then its decode step; the others' chunks one by one.
+    run_step(runner, [decoding.chunk(0, 13)])
+    alone_decode = run_step(runner, [decoding.chunk(13, 1)])
+    run_step(runner, [partial.chunk(0, 9)])
+    assert run_step(runner, [partial.chunk(9, 10)]).shape[0] == 0
+    alone_finish = run_step(runner, [finishing.chunk(0, finishing.prompt_len)])
+    alone_partial_end = run_step(runner, [partial.chunk(19, partial.prompt_len - 19)])
+
+    # Together, on fresh blocks: one step holding a decode, a mid-prompt chunk and a whole prompt.
+    again = make_sequences(runner, [14, 30, 17], num_decode=1, seed=1)
+    for new, old in zip(again, (decoding, partial, finishing)):
+        new.token_ids = old.token_ids
+    decoding, partial, finishing = again
+    run_step(runner, [decoding.chunk(0, 13), partial.chunk(0, 9)])
+    mixed = run_step(
+        runner, [decoding.chunk(13, 1), partial.chunk(9, 10), finishing.chunk(0, finishing.prompt_len)]
+    )
+    assert mixed.shape[0] == 2
+    torch.testing.assert_close(mixed[0], alone_decode[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(mixed[1], alone_finish[0], atol=1e-5, rtol=1e-5)
+    partial_end = run_step(runner, [partial.chunk(19, partial.prompt_len - 19)])
+    torch.testing.assert_close(partial_end, alone_partial_end, atol=1e-5, rtol=1e-5)
+
+
+def test_dummy_weights_are_finite_and_seeded(tiny_model_dir):
+    model_dir = tiny_model_dir("qwen2")
+    logits = []
+    for seed in (0, 0, 1):
+        runner = tiny_runner(model_dir, load_format="dummy", seed=seed)
+        logits.append(prefill_then_decode(runner, make_sequences(runner, [12, 5], num_decode=2)))
+    assert all(torch.isfinite(x).all() for x in logits[0])
+    assert all(torch.equal(a, b) for a, b in zip(logits[0], logits[1]))
+    assert not torch.allclose(logits[0][0], logits[2][0])
+
+
+def test_dummy_weights_of_the_default_model_in_bf16(default_model_dir):
+    runner = ModelRunner(
+        EngineArgs(model=default_model_dir, load_format="dummy", dtype="bfloat16", num_kv_blocks=8)
+    )
+    assert runner.model.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert runner.kv_caches[0][0].dtype == torch.bfloat16
+    (seq,) = make_sequences(runner, [40])
+    logits = run_step(runner, [seq.chunk(0, 40)])
+    assert logits.dtype == torch.float32 and logits.shape == (1, runner.hf_config.vocab_size)
+    assert torch.isfinite(logits).all() and logits.std() > 0
+
+
+def test_kv_cache_sized_from_the_memory_budget(tiny_model_dir):
+    runner = ModelRunner(EngineArgs(model=tiny_model_dir("qwen3"), block_size=8, kv_cache_memory=1 << 20))
+    cfg = runner.hf_config
+    # 2 (K and V) * 2 layers * 8 tokens * 2 kv heads * head_dim 32 * 4 bytes
+    assert runner.block_bytes == 2 * 2 * 8 * 2 * 32 * 4
+    assert runner.num_kv_blocks == (1 << 20) // runner.block_bytes
+    assert len(runner.kv_caches) == cfg.num_hidden_layers
+    for k, v in runner.kv_caches:
+        assert k.shape == v.shape == (runner.num_kv_blocks, 8, 2, 32) and k.is_contiguous()
+    assert runner.max_model_len == cfg.max_position_embeddings == 256
+    assert runner.eos_token_id == 2
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        ModelRunner(EngineArgs(model=tiny_model_dir("qwen3"), num_kv_blocks=4, max_model_len=257))
+
+
+def test_triton_backend_matches_torch(tiny_model_dir):
+    pytest.importorskip("triton")
+    model_dir = tiny_model_dir("qwen3", sliding_window=6, use_sliding_window=True, max_window_layers=1)
+    outputs = []
+    for backend in ("torch", "triton"):
+        runner = tiny_runner(model_dir, attention_backend=backend)
+        outputs.append(prefill_then_decode(runner, make_sequences(runner, [11, 7], num_decode=2)))
+    for got, expected in zip(*outputs):
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "Once upon a time, in a small village nestled between two mountains, there lived an old clockmaker who",
+]
+
+
+def test_default_model_matches_transformers(default_model_dir):
+    runner = ModelRunner(EngineArgs(model=default_model_dir, num_kv_blocks=32, block_size=16))
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    hf = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    num_decode = 4
+    with torch.inference_mode():  # transformers' greedy continuation, and its logits along the way
+        full = [hf.generate(torch.tensor([ids]), max_new_tokens=num_decode, do_sample=False)[0].tolist()
+                for ids in prompts]
+    sequences = make_sequences(runner, [len(ids) for ids in full], num_decode=num_decode)
+    for seq, ids in zip(sequences, full):
+        seq.token_ids = ids
+    ours = prefill_then_decode(runner, sequences)
+    for seq, got, ref in zip(sequences, ours, hf_logits(default_model_dir, sequences)):
+        expected = ref[seq.prompt_len - 1 :]
+        assert (got - expected).abs().max() < 1e-3
+        # greedy: our argmax at each step is the token transformers generated next
+        assert got[:-1].argmax(-1).tolist() == seq.token_ids[seq.prompt_len :]
