@@ -167,7 +167,7 @@ BATCHES = {  # (queries per request, context length per request)
     [
         ("decode", 16, 64, 1, None, 1, torch.float32),
         ("decode", 32, 128, 8, None, 4, torch.bfloat16),
-        ("decode", 16, 64, 3, 10, 3, torch.float16),
+        ("decode", 16, 64, 3, 9, 3, torch.float16),  # window 9: the 40-token request starts at key 31
         ("prefill", 16, 64, 3, None, 1, torch.float16),
         ("prefill", 32, 64, 1, 20, 1, torch.float32),
         ("prefill", 16, 128, 8, 9, 2, torch.bfloat16),
@@ -194,6 +194,15 @@ def test_paged_attention_strided_query():
     q = qkv[:, : 4 * 64].view(-1, 4, 64)
     args = (q, k_cache, v_cache, block_tables, lens, starts, 0.125)
     assert_close(attention_triton.paged_attention(*args), attention.paged_attention(*args), torch.float32)
+
+
+def test_choose_num_splits():
+    choose = attention_triton.choose_num_splits
+    assert choose(num_sms=132, num_programs=8, max_context=8192) == attention_triton.MAX_SPLITS
+    assert choose(num_sms=132, num_programs=64, max_context=8192) == 5  # ~2 programs per SM
+    assert choose(num_sms=132, num_programs=8, max_context=768) == 3  # >= 256 keys per split
+    assert choose(num_sms=132, num_programs=8, max_context=200) == 1  # too little KV to share
+    assert choose(num_sms=132, num_programs=132, max_context=8192) == 1  # the grid fills the GPU
 
 
 @st.composite

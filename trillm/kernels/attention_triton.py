@@ -176,22 +176,20 @@ def _merge_splits_kernel(
 
 
 @functools.lru_cache(maxsize=None)
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _choose_num_splits(q: torch.Tensor, num_programs: int, max_context: int) -> int:
-    """Split KV only when the plain grid leaves SMs idle and there is enough KV to share.
+def choose_num_splits(num_sms: int, num_programs: int, max_context: int) -> int:
+    """Split KV only when the plain grid leaves SMs idle and there is enough KV to share:
+    aim at two programs per SM, with at least MIN_TOKENS_PER_SPLIT keys per split.
 
-    Uses shapes only (max_context is the block table's capacity, an upper bound), so the
+    Takes shapes only (max_context is the block table's capacity, an upper bound), so the
     choice needs no device-to-host sync.
     """
-    if not q.is_cuda:
+    if num_programs >= num_sms:
         return 1
-    sms = _num_sms(q.device.index if q.device.index is not None else torch.cuda.current_device())
-    if num_programs >= sms:
-        return 1
-    return max(1, min(MAX_SPLITS, triton.cdiv(2 * sms, num_programs),
+    return max(1, min(MAX_SPLITS, triton.cdiv(2 * num_sms, num_programs),
                       max_context // MIN_TOKENS_PER_SPLIT))
 
 
@@ -222,7 +220,7 @@ def paged_attention(
     split-KV with n parts.
     """
     num_tokens, num_heads, head_dim = q.shape
-    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
     assert k_cache.shape[3] == head_dim and v_cache.stride() == k_cache.stride()
     assert v_cache.shape == k_cache.shape and k_cache.stride(-1) == 1 and q.stride(-1) == 1
@@ -238,10 +236,13 @@ def paged_attention(
     # program is not mostly padding; prefill chunks get taller tiles to reuse each K/V tile.
     block_m = max(16 if num_tokens == num_seqs else 64, triton.next_power_of_2(group))
     block_q = block_m // group
+    block_d = triton.next_power_of_2(head_dim)
+    # sm_90 builds of the 64 x 128 tile spill registers at 4 warps and not at 8.
+    num_warps = 8 if block_m * block_d >= 64 * 128 else 4
     num_q_blocks = num_tokens // block_q + num_seqs
-    if num_splits is None:
-        num_splits = _choose_num_splits(q, num_q_blocks * num_kv_heads,
-                                        block_tables.shape[1] * block_size)
+    if num_splits is None:  # the interpreter (CPU) gains nothing from splitting
+        num_splits = choose_num_splits(_num_sms(q.device), num_q_blocks * num_kv_heads,
+                                       block_tables.shape[1] * block_size) if q.is_cuda else 1
     assert num_splits >= 1
 
     if num_splits > 1:
@@ -258,14 +259,15 @@ def paged_attention(
         scale * _LOG2E, sliding_window or 0, num_seqs, num_heads,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=TILE_N,
         NUM_SPLITS=num_splits, USE_WINDOW=sliding_window is not None, DOT_DTYPE=_dot_dtype(q),
+        num_warps=num_warps,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens,)](
             part_acc, part_m, part_l, out, out.stride(0), out.stride(1), num_heads,
             NUM_SPLITS=num_splits, HEAD_DIM=head_dim,
-            BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+            BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_D=block_d,
         )
     return out
