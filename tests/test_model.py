@@ -255,8 +255,10 @@ def test_default_model_matches_transformers(default_model_dir):
     prompts = [tokenizer.encode(p) for p in PROMPTS]
     num_decode = 4
     with torch.inference_mode():  # transformers' greedy continuation, and its logits along the way
-        full = [hf.generate(torch.tensor([ids]), max_new_tokens=num_decode, do_sample=False)[0].tolist()
-                for ids in prompts]
+        full = [
+            hf.generate(torch.tensor([ids]), max_new_tokens=num_decode, do_sample=False)[0].tolist()
+            for ids in prompts
+        ]
     sequences = make_sequences(runner, [len(ids) for ids in full], num_decode=num_decode)
     for seq, ids in zip(sequences, full):
         seq.token_ids = ids
@@ -266,3 +268,39 @@ def test_default_model_matches_transformers(default_model_dir):
         assert (got - expected).abs().max() < 1e-3
         # greedy: our argmax at each step is the token transformers generated next
         assert got[:-1].argmax(-1).tolist() == seq.token_ids[seq.prompt_len :]
+
+
+def test_greedy_under_the_real_scheduler_matches_transformers(tiny_model_dir):
+    """The scheduler's own batches: chunked prefill (a 7-token budget), prefix-cache hits (a shared
+    prefix: a request's first chunk starts past blocks another request wrote) and preemption (a
+    pool too small for all four)."""
+    from trillm.sched_ext import Request as SchedRequest
+    from trillm.sched_ext import Scheduler
+
+    model_dir = tiny_model_dir("llama")
+    runner = ModelRunner(EngineArgs(model=model_dir, num_kv_blocks=14, block_size=BLOCK_SIZE))
+    scheduler = Scheduler(runner.num_kv_blocks, BLOCK_SIZE, max_num_batched_tokens=7, max_num_seqs=4)
+    rng = random.Random(0)
+    prefix = [rng.randrange(3, 256) for _ in range(12)]
+    prompts = [prefix + [rng.randrange(3, 256) for _ in range(n)] for n in (3, 6, 1, 5)]
+    max_tokens = 8
+    requests = [SchedRequest(str(i), p, max_tokens, ignore_eos=True) for i, p in enumerate(prompts)]
+    for request in requests:
+        scheduler.add(request)
+    num_partial_chunks = 0
+    while scheduler.has_unfinished():
+        out = scheduler.schedule()
+        logits = runner.execute(out)
+        num_partial_chunks += out.needs_sample.count(False)
+        greedy = iter(logits.argmax(-1).tolist())
+        scheduler.update(out, [next(greedy) if need else -1 for need in out.needs_sample])
+    assert num_partial_chunks > 0 and scheduler.allocator.prefix_cache_hits > 0
+    assert sum(r.num_preemptions for r in requests) > 0
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        for request, prompt in zip(requests, prompts):
+            out = hf.generate(
+                torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
+            )
+            assert request.token_ids[len(prompt) :] == out[0, len(prompt) :].tolist()
