@@ -116,8 +116,8 @@ def test_write_kv(dtype, block_size, head_dim):
 
 
 def make_batch(num_queries, seq_lens, block_size, num_kv_heads, head_dim, dtype, seed=0):
-    """A paged KV cache holding each request's context in shuffled blocks, every other slot
-    poisoned, block tables padded with a poisoned block, and query_start_loc."""
+    """A paged KV cache holding each request's context in shuffled blocks, every slot that no
+    request owns poisoned, block tables padded with a poisoned block, and query_start_loc."""
     g = torch.Generator().manual_seed(seed)
     blocks_per_seq = [-(-n // block_size) for n in seq_lens]
     width = max(blocks_per_seq) + 1  # one spare column: padding the kernel must not follow

@@ -24,6 +24,10 @@ Grid: (q blocks, kv heads, splits).
   the GPU, so each program's KV range is cut into NUM_SPLITS parts handled by separate
   programs, which write unnormalized partial results (acc, running max, running sum); a
   second kernel merges them. Same kernel, NUM_SPLITS > 1.
+
+TILE_N, the q-tile heights, the warp counts and the split heuristic's constants come from
+reasoning and from register counts of sm_90 builds; they have not been tuned on a GPU yet
+(benchmarks/bench_kernels.py is the tool for that).
 """
 import functools
 
@@ -32,7 +36,7 @@ import triton
 import triton.language as tl
 
 TILE_N = 32  # keys per inner-loop step
-MIN_TOKENS_PER_SPLIT = 256  # below this a split's fixed cost outweighs its parallelism
+MIN_TOKENS_PER_SPLIT = 256  # fewer keys per split would hardly repay the merge kernel
 MAX_SPLITS = 16
 _LOG2E = 1.4426950408889634
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
