@@ -1,0 +1,347 @@
+"""AsyncEngine: the Trio front of EngineCore.
+
+One Trio task (`run`, started in the app's nursery) owns the core. It applies
+queued admissions and aborts between two steps and runs `EngineCore.step()` in a
+worker thread, so the event loop keeps serving while the model computes. Handlers
+never touch the core: they queue commands and read their outputs from a memory
+channel. That single owner is what makes an abort clean: it is one command,
+applied between two steps, and the request's blocks are free before the next one.
+
+A client request may need several engine requests: `n` samples of a prompt, or a
+list of prompts. They form one *group*: one client id (what `/abort_request`
+names), engine ids `{id}-{i}`, and one channel that carries all their outputs.
+The `-{i}` suffix is always there, so engine ids of different groups never
+collide. A member whose prompt repeats an earlier member's (the `n` > 1 case) is
+admitted only once that member has produced its first token: by then its prompt's
+full blocks are in the prefix cache, and the samples share them instead of each
+computing the prompt again.
+
+Channels are unbounded: the engine task must never wait on a slow reader. Their
+size is bounded anyway, by each request's max_tokens.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+
+import trio
+
+from trillm.engine.core import EngineCore, StepOutput
+from trillm.sampling_params import SamplingParamError, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at its limit; the client should retry later."""
+
+
+class EngineUnavailableError(RuntimeError):
+    """The engine cannot take or finish requests: it died, or the server is shutting down."""
+
+
+@dataclass
+class Member:
+    """One engine request of a group."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass(eq=False)
+class _Group:
+    request_id: str
+    members: list[Member]
+    send: trio.MemorySendChannel
+    admitted: trio.Event = field(default_factory=trio.Event)
+    error: Exception | None = None
+    unfinished: int = 0  # members whose final output has not been sent yet
+    deferred: dict[str, list[int]] = field(default_factory=dict)  # engine id -> members waiting on its first token
+
+
+class RequestStream:
+    """A group's outputs, as `(member index, StepOutput)` pairs, until every member has finished.
+
+    Closing it (always do, in `finally`) aborts whatever of the group still runs;
+    closing twice is harmless.
+    """
+
+    def __init__(self, engine: AsyncEngine, group: _Group, receive: trio.MemoryReceiveChannel):
+        self.request_id = group.request_id
+        self.members = group.members
+        self._engine = engine
+        self._group = group
+        self._receive = receive
+        self._index = {m.request_id: i for i, m in enumerate(group.members)}
+        self._unfinished = len(group.members)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> tuple[int, StepOutput]:
+        try:
+            out = await self._receive.receive()
+        except trio.EndOfChannel:
+            if self._unfinished:
+                raise EngineUnavailableError(f"The engine stopped: {self._engine.error!r}") from self._engine.error
+            raise StopAsyncIteration from None
+        if out.finished:
+            self._unfinished -= 1
+        return self._index[out.request_id], out
+
+    def stop(self, index: int, reason: str = "stop") -> None:
+        """End one member early (a stop string matched); its final output still arrives."""
+        self._engine._enqueue(self._engine._finish_member, self.members[index].request_id, reason)
+
+    def close(self) -> None:
+        self._receive.close()
+        if self._unfinished:
+            self._engine._enqueue(self._engine._abort_group, self._group, "abort")
+
+
+class AsyncEngine:
+    def __init__(self, core: EngineCore, max_waiting: int):
+        assert max_waiting >= 0
+        self.core = core
+        self.max_waiting = max_waiting
+        self.error: Exception | None = None  # set when the engine task died
+        self.accepting = True  # False once draining or closing: new requests get 503
+        self.num_steps = 0
+        self._groups: dict[str, _Group] = {}  # client id -> group, from add() until its last final output
+        self._owner: dict[str, _Group] = {}  # engine id -> group, while the core holds the request
+        self._commands: list[tuple] = []
+        self._pending_members = 0  # members queued for admission, not yet in the core
+        self._stepping = False  # a step is running in a worker thread
+        self._wake = trio.Event()
+        self._idle = trio.Event()  # set while no group is live
+        self._idle.set()
+        self._stopped = trio.Event()
+        self._cancel_scope = trio.CancelScope()
+        self._stats = core.stats()
+
+    # --- what handlers call ------------------------------------------------------------------
+
+    async def add(self, request_id: str, members: list[tuple[list[int], SamplingParams]]) -> RequestStream:
+        """Queue a group and wait until the engine admits it.
+
+        Raises SamplingParamError (a ValueError with .param) if the engine refuses it,
+        QueueFullError over max_waiting, EngineUnavailableError when dead or closing.
+        """
+        assert members, "a group has at least one member"
+        if self.error is not None or not self.accepting:
+            raise EngineUnavailableError(self._unavailable_reason())
+        if request_id in self._groups:
+            raise SamplingParamError("request_id", f"A request with id {request_id!r} is already running.")
+        if self._stats["num_waiting"] + self._pending_members >= self.max_waiting:
+            raise QueueFullError(
+                f"The server has {self.max_waiting} requests waiting, its limit; retry later."
+            )
+        send, receive = trio.open_memory_channel[StepOutput](math.inf)
+        group = _Group(
+            request_id,
+            [Member(f"{request_id}-{i}", list(ids), params) for i, (ids, params) in enumerate(members)],
+            send,
+        )
+        group.unfinished = len(group.members)
+        self._groups[request_id] = group
+        self._idle = trio.Event() if self._idle.is_set() else self._idle
+        self._pending_members += len(group.members)
+        self._enqueue(self._admit, group)
+        stream = RequestStream(self, group, receive)
+        try:
+            await group.admitted.wait()
+        except BaseException:
+            stream.close()
+            raise
+        if group.error is not None:
+            receive.close()
+            raise group.error
+        return stream
+
+    def abort(self, request_id: str, reason: str = "abort") -> bool:
+        """Abort a live group by its client id; False if there is none. Returns at once:
+        the abort is applied before the next step, and each member's stream ends with
+        finish_reason `reason`."""
+        group = self._groups.get(request_id)
+        if group is None:
+            return False
+        self._enqueue(self._abort_group, group, reason)
+        return True
+
+    def abort_all(self, reason: str = "abort") -> int:
+        for group in self._groups.values():
+            self._enqueue(self._abort_group, group, reason)
+        return len(self._groups)
+
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache; False while any request is live.
+
+        With no live group and no step in flight the engine task is parked (or about to
+        be) on this same thread, so calling the core here cannot race a step."""
+        if self._groups or self._stepping:
+            return False
+        done = self.core.reset_prefix_cache()
+        self._stats = self.core.stats()
+        return done
+
+    def stats(self) -> dict:
+        """The core's counters as of the last step or command, plus the front's own."""
+        return {
+            **self._stats,
+            "num_live_requests": len(self._groups),
+            "num_steps": self.num_steps,
+            "alive": self.error is None,
+            "accepting": self.accepting,
+        }
+
+    @property
+    def healthy(self) -> bool:
+        return self.error is None and self.accepting
+
+    # --- lifetime -----------------------------------------------------------------------------
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """The engine task. An error inside a step ends it and fails every live request; it
+        does not propagate, so the server stays up to report itself unhealthy."""
+        task_status.started()
+        try:
+            with self._cancel_scope:
+                await self._loop()
+        except Exception as exc:
+            log.exception("the engine task died")
+            self._die(exc)
+        finally:
+            self._stopped.set()
+
+    async def drain(self, timeout: float) -> None:
+        """Graceful shutdown: take no new requests, let running ones finish for up to
+        `timeout` seconds, then abort the rest (their streams end with finish_reason abort)."""
+        self.accepting = False
+        with trio.move_on_after(timeout):
+            await self._idle.wait()
+        num_aborted = self.abort_all()
+        if num_aborted:
+            log.info("drain timeout: aborting %d requests", num_aborted)
+
+    async def aclose(self) -> None:
+        """Abort everything, wait until every stream got its final output, stop the task."""
+        self.accepting = False
+        self.abort_all()
+        if not self._stopped.is_set():
+            await self._idle.wait()
+        self._cancel_scope.cancel()
+        await self._stopped.wait()
+
+    # --- the engine task ----------------------------------------------------------------------
+
+    async def _loop(self) -> None:
+        while True:
+            if not self._commands and not self.core.has_unfinished():
+                self._wake = trio.Event()
+                await self._wake.wait()
+            commands, self._commands = self._commands, []
+            for fn, *args in commands:
+                fn(*args)
+            self._stats = self.core.stats()
+            if self.core.has_unfinished():
+                self._stepping = True
+                try:
+                    outputs = await trio.to_thread.run_sync(self.core.step)
+                finally:
+                    self._stepping = False
+                self.num_steps += 1
+                for out in outputs:
+                    self._deliver(out)
+                self._stats = self.core.stats()
+
+    def _enqueue(self, fn, *args) -> None:
+        self._commands.append((fn, *args))
+        self._wake.set()
+
+    def _admit(self, group: _Group) -> None:
+        """Add the group's members to the core; a member repeating an earlier member's prompt
+        is deferred until that one's first token (see the module docstring)."""
+        self._pending_members -= len(group.members)
+        first_with_prompt: dict[tuple[int, ...], str] = {}
+        try:
+            for i, member in enumerate(group.members):
+                key = tuple(member.prompt_token_ids)
+                if key in first_with_prompt:
+                    group.deferred.setdefault(first_with_prompt[key], []).append(i)
+                    continue
+                first_with_prompt[key] = member.request_id
+                self.core.add_request(member.request_id, member.prompt_token_ids, member.params)
+                self._owner[member.request_id] = group
+        except ValueError as exc:
+            for member in group.members:
+                if self._owner.pop(member.request_id, None) is not None:
+                    self.core.abort_request(member.request_id)
+            group.error = exc
+            group.send.close()
+            self._unregister(group)
+        group.admitted.set()
+
+    def _deliver(self, out: StepOutput) -> None:
+        group = self._owner[out.request_id]
+        for i in group.deferred.pop(out.request_id, ()):
+            member = group.members[i]
+            self.core.add_request(member.request_id, member.prompt_token_ids, member.params)
+            self._owner[member.request_id] = group
+        if out.finished:
+            del self._owner[out.request_id]
+        self._send(group, out)
+
+    def _send(self, group: _Group, out: StepOutput) -> None:
+        try:
+            group.send.send_nowait(out)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass  # the handler has gone; its close() queued the abort
+        if out.finished:
+            group.unfinished -= 1
+            if group.unfinished == 0:
+                group.send.close()
+                self._unregister(group)
+
+    def _finish_member(self, request_id: str, reason: str) -> None:
+        if request_id in self._owner:
+            self._deliver(self.core.abort_request(request_id, reason))
+
+    def _abort_group(self, group: _Group, reason: str) -> None:
+        if self._groups.get(group.request_id) is not group:
+            return  # already ended (a later group may reuse its id: leave that one alone)
+        deferred = [i for waiting in group.deferred.values() for i in waiting]
+        group.deferred.clear()
+        for member in group.members:
+            if member.request_id in self._owner:
+                self._deliver(self.core.abort_request(member.request_id, reason))
+        for i in deferred:  # never reached the core: they end with no tokens
+            member = group.members[i]
+            self._send(group, StepOutput(
+                request_id=member.request_id, new_token_ids=[], new_logprobs=None, finished=True,
+                finish_reason=reason, stop_token_id=-1,
+                num_prompt_tokens=len(member.prompt_token_ids), num_cached_tokens=0,
+            ))
+
+    def _unregister(self, group: _Group) -> None:
+        assert self._groups.get(group.request_id) is group
+        del self._groups[group.request_id]
+        if not self._groups:
+            self._idle.set()
+
+    def _die(self, exc: Exception) -> None:
+        self.error = exc
+        for group in self._groups.values():
+            group.error = group.error or EngineUnavailableError(f"The engine stopped: {exc!r}")
+            group.send.close()
+            group.admitted.set()
+        self._groups.clear()
+        self._owner.clear()
+        self._commands.clear()
+        self._idle.set()
+
+    def _unavailable_reason(self) -> str:
+        if self.error is not None:
+            return f"The engine stopped: {self.error!r}"
+        return "The server is shutting down."
