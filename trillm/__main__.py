@@ -1,0 +1,23 @@
+"""The command line: `trillm serve [--model PATH] [--host H] [--port P] [engine flags]`,
+also `python -m trillm serve`. Every EngineArgs field is a flag (see trillm.http.settings)."""
+from __future__ import annotations
+
+import argparse
+
+from trillm.http import settings
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="trillm", description="An OpenAI-compatible LLM inference server.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser("serve", help="serve a model over HTTP (OpenAI-compatible and native endpoints)")
+    settings.add_arguments(serve)
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        from trillm.http.serve import run  # torch is imported only when serving, not for --help
+
+        run(settings.from_args(args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,98 @@
+"""The Quart-Trio app: routes, error mapping, the engine task's lifetime.
+
+`create_app()` with no arguments reads its settings from TRILLM_* variables, so
+Hypercorn can build it itself:
+
+    TRILLM_MODEL=/path/to/model hypercorn --worker-class trio 'trillm.http.app:create_app()'
+
+(`trillm serve` adds what Hypercorn's own launch lacks: a drain on SIGTERM/SIGINT
+that ends the streams it aborts with finish_reason "abort".)
+
+The engine task lives in the app's nursery: started before serving, stopped after
+(every live request aborted first). The model is loaded when the app is built, not
+at startup, so Hypercorn's startup timeout never races a slow load.
+"""
+from __future__ import annotations
+
+import logging
+
+from quart import g, request
+from quart_trio import QuartTrio
+from werkzeug.exceptions import HTTPException
+
+from trillm.engine.async_engine import EngineUnavailableError, QueueFullError
+from trillm.engine.core import EngineCore
+from trillm.http import info, native, openai_chat, openai_completions
+from trillm.http.auth import check_api_key
+from trillm.http.errors import APIError, error_response
+from trillm.http.settings import ServerSettings, from_env
+from trillm.http.state import EXTENSION, ServerState
+from trillm.sampling_params import SamplingParamError
+
+log = logging.getLogger(__name__)
+
+
+def create_app(settings: ServerSettings | None = None, core: EngineCore | None = None) -> QuartTrio:
+    """`core`: an already loaded engine to serve (tests share one between apps, one app at a time)."""
+    settings = settings or from_env()
+    core = core or EngineCore(settings.engine)
+    app = QuartTrio("trillm")
+    app.config["RESPONSE_TIMEOUT"] = None  # streams last as long as their requests; see trillm.http.sse
+    state = ServerState(settings, core)
+    app.extensions[EXTENSION] = state
+    for module in (openai_chat, openai_completions, native, info):
+        app.register_blueprint(module.blueprint)
+
+    @app.before_request
+    async def authenticate_and_name():
+        g.request_id = request.headers.get("X-Request-Id")
+        if settings.api_key is not None:
+            return check_api_key(settings.api_key)
+        return None
+
+    @app.after_request
+    async def echo_request_id(response):
+        if g.get("request_id"):
+            response.headers["X-Request-Id"] = g.request_id
+        return response
+
+    _register_error_handlers(app)
+
+    @app.before_serving
+    async def start_engine():
+        await app.nursery.start(state.engine.run)
+
+    @app.after_serving
+    async def stop_engine():
+        await state.engine.aclose()
+
+    return app
+
+
+def _register_error_handlers(app: QuartTrio) -> None:
+    """Every failure becomes an OpenAI error body; only our own bugs are 500s."""
+
+    @app.errorhandler(APIError)
+    async def api_error(exc: APIError):
+        return error_response(exc.status, exc.message, exc.param)
+
+    @app.errorhandler(SamplingParamError)
+    async def bad_parameter(exc: SamplingParamError):
+        return error_response(400, str(exc), exc.param)
+
+    @app.errorhandler(QueueFullError)
+    async def queue_full(exc: QueueFullError):
+        return error_response(429, str(exc))
+
+    @app.errorhandler(EngineUnavailableError)
+    async def unavailable(exc: EngineUnavailableError):
+        return error_response(503, str(exc))
+
+    @app.errorhandler(HTTPException)
+    async def http_error(exc: HTTPException):
+        return error_response(exc.code or 500, exc.description or exc.name)
+
+    @app.errorhandler(Exception)
+    async def internal_error(exc: Exception):
+        log.exception("unhandled error", exc_info=exc)
+        return error_response(500, f"Internal error: {type(exc).__name__}.")

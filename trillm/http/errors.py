@@ -1,0 +1,59 @@
+"""Errors in OpenAI's wire format, and the mapping from what can go wrong to a status.
+
+Every error the server sends, whatever its cause, has the body
+`{"error": {"message", "type", "param", "code"}}` with `code` the HTTP status (as
+vLLM does), so a client needs one parser. A client's mistake is never a 500.
+
+Why 429 and not 503 when the waiting queue is full: the server is healthy and the
+condition is transient and load-dependent, so the client should back off and retry
+(the `openai` client does so on its own). 503 means the server cannot serve at all
+(its engine died, or it is shutting down); /health answers 503 at the same time,
+so a load balancer can tell overload from failure.
+"""
+from __future__ import annotations
+
+import json
+
+import pydantic
+from quart import Response
+
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "internal_error",
+    503: "service_unavailable_error",
+}
+
+
+class APIError(Exception):
+    """Raise from a route to answer with an OpenAI error body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict:
+    error_type = ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "internal_error")
+    return {"error": {"message": message, "type": error_type, "param": param, "code": status}}
+
+
+def error_response(status: int, message: str, param: str | None = None) -> Response:
+    return Response(json.dumps(error_body(status, message, param)), status=status, content_type="application/json")
+
+
+def from_validation_error(exc: pydantic.ValidationError, status: int) -> APIError:
+    """The first problem, named by its field path (`messages.0.role`) in `param`."""
+    first = exc.errors(include_url=False)[0]
+    param = ".".join(str(part) for part in first["loc"]) or None
+    message = first["msg"] if param is None else f"{param}: {first['msg']}"
+    if len(exc.errors()) > 1:
+        message += f" (and {len(exc.errors()) - 1} more problems)"
+    return APIError(status, message, param)

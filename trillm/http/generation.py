@@ -1,0 +1,104 @@
+"""One HTTP request's engine work, seen as choices: `async for index, delta in generation`.
+
+Choice k is sample k % n of prompt k // n, OpenAI's order. All choices are one
+engine group (see AsyncEngine), so they share one channel and one abort. Each
+choice's text is made here, on the Trio side, by its own OutputProcessor while
+the engine computes the next step; when a stop string ends a choice, the engine
+is told to stop that request, and whatever it still sends for it is dropped.
+
+Always `close()` in `finally`: it aborts what still runs, whether the handler
+finished, failed, or its client went away.
+"""
+from __future__ import annotations
+
+import trio
+
+from trillm.engine.async_engine import RequestStream
+from trillm.engine.output import Delta, OutputProcessor
+from trillm.http.protocol import sample_params
+from trillm.sampling_params import SamplingParams
+
+
+class Generation:
+    def __init__(self, state, request_id: str, prompts: list[list[int]], params: SamplingParams):
+        self.request_id = request_id
+        self.prompts = prompts
+        self.n = params.n
+        self._engine = state.engine
+        self._metrics = state.metrics
+        self._members = [(ids, sample_params(params, i)) for ids in prompts for i in range(params.n)]
+        self.processors = [
+            OutputProcessor(state.tokenizer, ids, p, index=k) for k, (ids, p) in enumerate(self._members)
+        ]
+        self._arrival = trio.current_time()
+        self._last_output: list[float | None] = [None] * len(self._members)
+        self._stream: RequestStream | None = None
+
+    async def start(self) -> None:
+        """Wait for the engine to admit every choice; raises what AsyncEngine.add raises."""
+        self._stream = await self._engine.add(self.request_id, self._members)
+        self._metrics.prompt_tokens.inc(sum(map(len, self.prompts)))
+
+    async def run(self) -> None:
+        """For a response that is not streamed: every choice to its end, then close."""
+        try:
+            async for _ in self:
+                pass
+        finally:
+            self.close()
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.processors)
+
+    @property
+    def finished(self) -> bool:
+        return all(p.finished for p in self.processors)
+
+    def __aiter__(self) -> Generation:
+        return self
+
+    async def __anext__(self) -> tuple[int, Delta]:
+        assert self._stream is not None, "start() first"
+        while not self.finished:
+            index, out = await self._stream.__anext__()
+            processor = self.processors[index]
+            if processor.finished:
+                continue  # a stop string ended it; the engine had not heard yet
+            delta = processor.process(out)
+            self._observe(index, len(out.new_token_ids), delta)
+            if delta.finished and not out.finished:
+                self._stream.stop(index)
+            return index, delta
+        raise StopAsyncIteration
+
+    def usage(self) -> dict:
+        """OpenAI's usage: a prompt counts once however many samples it has; its cached tokens
+        are those its first sample found in the prefix cache."""
+        prompt = sum(map(len, self.prompts))
+        completion = sum(len(p.completion.token_ids) for p in self.processors)
+        cached = sum(self.processors[k * self.n].completion.num_cached_tokens for k in range(len(self.prompts)))
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
+
+    def close(self) -> None:
+        if self._stream is not None:
+            self._stream.close()
+
+    def _observe(self, index: int, num_tokens: int, delta: Delta) -> None:
+        now = trio.current_time()
+        if num_tokens:
+            self._metrics.generation_tokens.inc(num_tokens)
+            last = self._last_output[index]
+            if last is None:
+                self._metrics.time_to_first_token.observe(now - self._arrival)
+            else:
+                self._metrics.inter_token_latency.observe(now - last)
+            self._last_output[index] = now
+        if delta.finished:
+            self._metrics.e2e_latency.observe(now - self._arrival)
+            self._metrics.finished(delta.finish_reason)

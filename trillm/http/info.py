@@ -1,0 +1,91 @@
+"""Read-only endpoints: health, models, model and server info, version, load, metrics."""
+from __future__ import annotations
+
+import time
+
+from quart import Blueprint, Response
+
+import trillm
+from trillm.http.errors import APIError, error_response
+from trillm.http.metrics import CONTENT_TYPE
+from trillm.http.state import current
+
+blueprint = Blueprint("info", __name__)
+_STARTED = int(time.time())
+
+
+@blueprint.get("/health")
+@blueprint.route("/ping", methods=["GET", "POST"])
+async def health():
+    """200 while the engine runs and takes requests; 503 once it died or the server drains."""
+    engine = current().engine
+    if engine.error is not None:
+        return error_response(503, f"The engine stopped: {engine.error!r}")
+    if not engine.accepting:
+        return error_response(503, "The server is shutting down.")
+    return Response("", status=200)
+
+
+def _model_card(state) -> dict:
+    return {
+        "id": state.model_name,
+        "object": "model",
+        "created": _STARTED,
+        "owned_by": "trillm",
+        "root": state.settings.engine.model or state.core.model_name,
+        "max_model_len": state.core.max_model_len,
+    }
+
+
+@blueprint.get("/v1/models")
+async def models():
+    return {"object": "list", "data": [_model_card(current())]}
+
+
+@blueprint.get("/v1/models/<path:model>")
+async def model(model: str):
+    state = current()
+    if model != state.model_name:
+        raise APIError(404, f"The model `{model}` does not exist.", "model")
+    return _model_card(state)
+
+
+@blueprint.get("/model_info")
+async def model_info():
+    state = current()
+    config = state.core.hf_config
+    return {
+        "model_path": state.settings.engine.model or state.core.model_name,
+        "served_model_name": state.model_name,
+        "architectures": getattr(config, "architectures", None),
+        "max_model_len": state.core.max_model_len,
+        "vocab_size": state.vocab_size,
+        "eos_token_id": state.core.eos_token_id,
+        "is_generation": True,
+    }
+
+
+@blueprint.get("/server_info")
+async def server_info():
+    state = current()
+    return {"version": trillm.__version__, "settings": state.settings.redacted(), "stats": state.engine.stats()}
+
+
+@blueprint.get("/version")
+async def version():
+    return {"version": trillm.__version__}
+
+
+@blueprint.get("/load")
+async def load():
+    stats = current().engine.stats()
+    return {
+        "server_load": stats["num_live_requests"],
+        "num_requests_running": stats["num_running"],
+        "num_requests_waiting": stats["num_waiting"],
+    }
+
+
+@blueprint.get("/metrics")
+async def metrics():
+    return Response(current().metrics.render(), content_type=CONTENT_TYPE)

@@ -1,0 +1,62 @@
+"""Logprobs in the two OpenAI shapes: chat's `content[{token, logprob, bytes, top_logprobs}]`
+and completions' parallel lists `tokens / token_logprobs / top_logprobs / text_offset`.
+
+A token is shown as its own decoded text, special tokens included, as vLLM does;
+`bytes` are that text's UTF-8 bytes. A log-probability of -inf is sent as -9999.0,
+OpenAI's spelling of "very unlikely" (JSON has no infinity).
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+from trillm.engine.sampler import TokenLogprobs
+
+FLOOR = -9999.0
+
+
+class TokenTexts:
+    """Token id -> text, cached: the vocabulary is finite and the same tokens recur."""
+
+    def __init__(self, tokenizer):
+        self.text = lru_cache(maxsize=None)(lambda token_id: tokenizer.decode([token_id]))
+
+
+def _logprob(value: float) -> float:
+    return max(value, FLOOR)
+
+
+def chat_logprobs(texts: TokenTexts, token_ids: list[int], logprobs: list[TokenLogprobs]) -> dict:
+    assert len(token_ids) == len(logprobs)
+
+    def entry(token_id: int, logprob: float) -> dict:
+        text = texts.text(token_id)
+        return {"token": text, "logprob": _logprob(logprob), "bytes": list(text.encode("utf-8"))}
+
+    return {
+        "content": [
+            {**entry(token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+            for token_id, lp in zip(token_ids, logprobs)
+        ]
+    }
+
+
+def completion_logprobs(
+    texts: TokenTexts, token_ids: list[int], logprobs: list[TokenLogprobs], text_offset: int
+) -> dict:
+    """`top_logprobs[i]` holds the sampled token and the top ones, as vLLM's do; `text_offset`
+    is where the first token's text starts in the choice's whole text."""
+    assert len(token_ids) == len(logprobs)
+    tokens = [texts.text(t) for t in token_ids]
+    offsets = []
+    for text in tokens:
+        offsets.append(text_offset)
+        text_offset += len(text)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [_logprob(lp.logprob) for lp in logprobs],
+        "top_logprobs": [
+            {tokens[i]: _logprob(lp.logprob), **{texts.text(t): _logprob(v) for t, v in lp.top}}
+            for i, lp in enumerate(logprobs)
+        ],
+        "text_offset": offsets,
+    }

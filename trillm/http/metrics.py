@@ -1,0 +1,67 @@
+"""Prometheus metrics, named as vLLM's with the `trillm:` prefix, so dashboards carry over.
+
+Each app has its own registry (not prometheus_client's global one): tests and
+embedders may build several apps in one process. Per-request counters and
+histograms are updated by the request handlers; the engine's gauges and its
+prefix-cache counters are read from its stats snapshot at scrape time.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+class Metrics:
+    def __init__(self, model_name: str, engine_stats: Callable[[], dict]):
+        self.registry = CollectorRegistry()
+        labels = dict(labelnames=["model_name"], registry=self.registry)
+        self._prompt_tokens = Counter("trillm:prompt_tokens", "Prompt tokens processed.", **labels)
+        self._generation_tokens = Counter("trillm:generation_tokens", "Tokens generated.", **labels)
+        self._success = Counter(
+            "trillm:request_success", "Finished requests, by finish reason.",
+            labelnames=["model_name", "finished_reason"], registry=self.registry,
+        )
+        self._ttft = Histogram("trillm:time_to_first_token_seconds", "Time to first token.", buckets=TTFT_BUCKETS, **labels)
+        self._itl = Histogram("trillm:inter_token_latency_seconds", "Time between two outputs of a request.", buckets=ITL_BUCKETS, **labels)
+        self._e2e = Histogram("trillm:e2e_request_latency_seconds", "Arrival to finish.", buckets=E2E_BUCKETS, **labels)
+        self.registry.register(_EngineCollector(model_name, engine_stats))
+        self.prompt_tokens = self._prompt_tokens.labels(model_name)
+        self.generation_tokens = self._generation_tokens.labels(model_name)
+        self.time_to_first_token = self._ttft.labels(model_name)
+        self.inter_token_latency = self._itl.labels(model_name)
+        self.e2e_latency = self._e2e.labels(model_name)
+        self._model_name = model_name
+
+    def finished(self, reason: str) -> None:
+        self._success.labels(self._model_name, reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _EngineCollector:
+    def __init__(self, model_name: str, engine_stats: Callable[[], dict]):
+        self._model_name = model_name
+        self._stats = engine_stats
+
+    def collect(self):
+        stats = self._stats()
+        for name, doc, key, family in (
+            ("trillm:num_requests_running", "Requests in the running batch.", "num_running", GaugeMetricFamily),
+            ("trillm:num_requests_waiting", "Requests waiting to be scheduled.", "num_waiting", GaugeMetricFamily),
+            ("trillm:kv_cache_usage_perc", "KV-cache blocks held by live requests (0 to 1); "
+             "prefix-cached blocks nobody holds do not count.", "kv_cache_usage", GaugeMetricFamily),
+            ("trillm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "prefix_cache_queries", CounterMetricFamily),
+            ("trillm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", "prefix_cache_hits", CounterMetricFamily),
+            ("trillm:num_preemptions", "Requests preempted (their KV cache recomputed later).", "num_preemptions", CounterMetricFamily),
+        ):
+            metric = family(name, doc, labels=["model_name"])
+            metric.add_metric([self._model_name], stats[key])
+            yield metric

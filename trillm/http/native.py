@@ -1,0 +1,128 @@
+"""The native endpoints, in the shapes SGLang-style servers use: /generate, /abort_request,
+/tokenize, /detokenize, /flush_cache.
+
+Schema errors here are 422, as the FastAPI servers these endpoints come from answer;
+a value out of range is still 400. Both use the OpenAI error body.
+
+/generate streams SGLang's way: every event holds the text and ids so far (not a
+delta), and `meta_info.finish_reason` is null until the last one.
+"""
+from __future__ import annotations
+
+from quart import Blueprint
+
+from trillm.engine.output import Delta
+from trillm.http.errors import APIError
+from trillm.http.generation import Generation
+from trillm.http.prompts import chat_prompt, completion_prompts
+from trillm.http.protocol import AbortRequest, DetokenizeRequest, GenerateRequest, TokenizeRequest
+from trillm.http.sse import stream_response
+from trillm.http.state import current, parse_body, request_id
+
+blueprint = Blueprint("native", __name__)
+
+
+@blueprint.post("/generate")
+async def generate():
+    state = current()
+    req = await parse_body(GenerateRequest, status=422)
+    if (req.text is None) == (req.input_ids is None):
+        raise APIError(400, "Send exactly one of text and input_ids.", "text")
+    prompt = req.text if req.text is not None else req.input_ids
+    prompts = completion_prompts(state.tokenizer, prompt)
+    generation = Generation(state, request_id("gen", req.rid), prompts, req.to_sampling_params())
+    await generation.start()
+    batched = isinstance(req.text, list) or (req.input_ids is not None and isinstance(req.input_ids[0], list))
+    chunks = GenerateChunks(generation)
+    if req.stream:
+        return stream_response(generation, chunks)
+    await generation.run()
+    results = [chunks.result(i) for i in range(generation.num_choices)]
+    return results if batched or generation.n > 1 else results[0]
+
+
+class GenerateChunks:
+    def __init__(self, generation: Generation):
+        self.generation = generation
+
+    def result(self, index: int) -> dict:
+        c = self.generation.processors[index].completion
+        meta = {
+            "id": self.generation.request_id,
+            "finish_reason": _finish_reason(c.finish_reason, c.stop_reason, len(c.token_ids)),
+            "prompt_tokens": len(self.generation.prompts[index // self.generation.n]),
+            "completion_tokens": len(c.token_ids),
+            "cached_tokens": c.num_cached_tokens,
+        }
+        if c.logprobs is not None:
+            meta["output_token_logprobs"] = [[lp.logprob, t] for t, lp in zip(c.token_ids, c.logprobs)]
+            meta["output_top_logprobs"] = [[[v, t] for t, v in lp.top] for lp in c.logprobs]
+        return {"index": index, "text": c.text, "output_ids": c.token_ids, "meta_info": meta}
+
+    def opening(self) -> list[dict]:
+        return []
+
+    def chunk(self, index: int, delta: Delta) -> dict | None:
+        return self.result(index)
+
+    def closing(self) -> list[dict]:
+        return []
+
+
+def _finish_reason(reason: str | None, stop_reason: str | int | None, num_tokens: int) -> dict | None:
+    if reason is None:
+        return None
+    if reason == "stop":
+        return {"type": "stop", "matched": stop_reason}
+    if reason == "length":
+        return {"type": "length", "length": num_tokens}
+    return {"type": reason}
+
+
+@blueprint.post("/abort_request")
+async def abort_request():
+    """`{"rid": id}` aborts one request (all its samples), `{"abort_all": true}` every one.
+    Their streams end with finish_reason "abort"; their blocks are free before the next step."""
+    engine = current().engine
+    req = await parse_body(AbortRequest, status=422)
+    if req.abort_all:
+        return {"num_aborted": engine.abort_all()}
+    if req.rid is None:
+        raise APIError(400, "Send a rid, or abort_all: true.", "rid")
+    if not engine.abort(req.rid):
+        raise APIError(404, f"No running request has id {req.rid!r}.", "rid")
+    return {"num_aborted": 1}
+
+
+@blueprint.post("/tokenize")
+async def tokenize():
+    state = current()
+    req = await parse_body(TokenizeRequest, status=422)
+    if (req.prompt is None) == (req.messages is None):
+        raise APIError(400, "Send exactly one of prompt and messages.", "prompt")
+    if req.messages is not None:
+        tokens = chat_prompt(state.tokenizer, req.messages, req.chat_template_kwargs, req.add_generation_prompt)
+    else:
+        tokens = state.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+    body = {"count": len(tokens), "max_model_len": state.core.max_model_len, "tokens": tokens}
+    if req.return_token_strs:
+        body["token_strs"] = state.tokenizer.convert_ids_to_tokens(tokens)
+    return body
+
+
+@blueprint.post("/detokenize")
+async def detokenize():
+    state = current()
+    req = await parse_body(DetokenizeRequest, status=422)
+    bad = [t for t in req.tokens if not 0 <= t < state.vocab_size]
+    if bad:
+        raise APIError(400, f"Token ids must be in [0, {state.vocab_size}); got {bad[0]}.", "tokens")
+    return {"prompt": state.tokenizer.decode(req.tokens)}
+
+
+@blueprint.post("/flush_cache")
+async def flush_cache():
+    """Empty the prefix cache. Refused while requests run: their blocks are in use."""
+    if not current().engine.reset_prefix_cache():
+        raise APIError(400, "Cannot flush the prefix cache while requests are running; retry when idle.")
+    return {"message": "The prefix cache is empty."}

@@ -1,0 +1,222 @@
+"""Request bodies, as pydantic models, and their translation into SamplingParams.
+
+Unknown fields are rejected (OpenAI answers 400 to them too): a misspelt
+`max_token` silently ignored would be worse than an error. Besides OpenAI's own
+fields, the sampling extras vLLM and LMDeploy accept are here, with their names.
+Range checks are not repeated here: SamplingParams owns them, and its
+SamplingParamError names the field.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from trillm.sampling_params import SamplingParamError, SamplingParams
+
+MAX_N = 128  # samples per request: more would let one request fill the whole batch
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(Strict):
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+
+class SamplingFields(Strict):
+    """What chat and completions requests share."""
+
+    model: str | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM / LMDeploy extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+
+    def _sampling_params(self, vocab_size: int, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        if self.stream_options is not None and not self.stream:
+            raise SamplingParamError("stream_options", "stream_options is only allowed when stream is true.")
+        return SamplingParams(
+            n=self.n,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k or 0,
+            min_p=self.min_p or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            presence_penalty=self.presence_penalty or 0.0,
+            logit_bias=_token_biases(self.logit_bias, vocab_size),
+            seed=self.seed,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
+            stop_token_ids=list(self.stop_token_ids or []),
+            ignore_eos=self.ignore_eos,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+            logprobs=logprobs,
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+
+class TextPart(Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def for_template(self) -> dict:
+        """A text-only model's template wants a string: text parts are joined."""
+        content = self.content if not isinstance(self.content, list) else "".join(p.text for p in self.content)
+        message = {"role": self.role, "content": content or ""}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage]
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def to_sampling_params(self, vocab_size: int) -> SamplingParams:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise SamplingParamError("top_logprobs", "top_logprobs needs logprobs to be true.")
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        try:
+            return self._sampling_params(vocab_size, max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+        except SamplingParamError as exc:
+            # The user named these differently: point at their field.
+            names = {"logprobs": "top_logprobs", "max_tokens": "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"}
+            raise SamplingParamError(names.get(exc.param, exc.param), str(exc)) from None
+
+
+Prompt = str | list[str] | list[int] | list[list[int]]
+
+
+class CompletionRequest(SamplingFields):
+    prompt: Prompt
+    echo: bool | None = False
+    logprobs: int | None = None
+    max_tokens: int | None = 16
+    suffix: None = None
+
+    def to_sampling_params(self, vocab_size: int) -> SamplingParams:
+        if self.echo and self.logprobs is not None:
+            raise SamplingParamError("echo", "echo together with logprobs is not supported (no prompt logprobs).")
+        return self._sampling_params(vocab_size, self.max_tokens, self.logprobs)
+
+
+class NativeSamplingParams(Strict):
+    """/generate's sampling_params: SamplingParams' names, with SGLang's max_new_tokens / min_new_tokens."""
+
+    max_new_tokens: int | None = 128
+    min_new_tokens: int = 0
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+
+
+class GenerateRequest(Strict):
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: NativeSamplingParams = Field(default_factory=NativeSamplingParams)
+    stream: bool = False
+    rid: str | None = None
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+
+    def to_sampling_params(self) -> SamplingParams:
+        p = self.sampling_params
+        fields = p.model_dump(exclude={"max_new_tokens", "min_new_tokens", "stop", "stop_token_ids"})
+        return SamplingParams(
+            **fields,
+            max_tokens=p.max_new_tokens,
+            min_tokens=p.min_new_tokens,
+            stop=[p.stop] if isinstance(p.stop, str) else list(p.stop or []),
+            stop_token_ids=list(p.stop_token_ids or []),
+            logprobs=self.top_logprobs_num if self.return_logprob else None,
+        )
+
+
+class AbortRequest(Strict):
+    rid: str | None = None
+    abort_all: bool = False
+
+
+class TokenizeRequest(Strict):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(Strict):
+    model: str | None = None
+    tokens: list[int]
+
+
+def _token_biases(logit_bias: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:
+    if not logit_bias:
+        return None
+    biases = {}
+    for key, bias in logit_bias.items():
+        if not key.lstrip("-").isdigit() or not 0 <= int(key) < vocab_size:
+            raise SamplingParamError("logit_bias", f"logit_bias keys must be token ids in [0, {vocab_size}), got {key!r}.")
+        biases[int(key)] = bias
+    return biases
+
+
+def sample_params(params: SamplingParams, index: int) -> SamplingParams:
+    """The i-th of n samples: its own seed when seeded, so the samples differ but repeat."""
+    return params if params.seed is None else replace(params, seed=params.seed + index)

@@ -1,0 +1,93 @@
+"""Server settings: the engine's EngineArgs plus the server's own, from flags or the environment.
+
+Both sources are derived from the dataclass fields, so a new EngineArgs field is a
+new `--flag` and a new `TRILLM_FLAG` variable without touching this module. The
+environment path exists for launches where we do not own the command line:
+`hypercorn --worker-class trio 'trillm.http.app:create_app()'`.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import types
+import typing
+from dataclasses import dataclass, field, fields, replace
+
+from trillm.config import EngineArgs
+
+ENV_PREFIX = "TRILLM_"
+_TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
+
+
+@dataclass
+class ServerSettings:
+    host: str = "127.0.0.1"
+    port: int = 8000  # 0: any free port (the bound address is logged)
+    api_key: str | None = None  # when set, /v1/* needs "Authorization: Bearer <key>"
+    max_waiting: int = 1024  # requests waiting for the engine beyond this get 429
+    served_model_name: str | None = None  # None: the model's name
+    drain_timeout: float = 30.0  # on SIGTERM/SIGINT: seconds running requests may finish in
+    log_level: str = "info"
+    engine: EngineArgs = field(default_factory=EngineArgs)
+
+    def redacted(self) -> dict:
+        """Everything, for /server_info, with secrets replaced."""
+        server = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "engine"}
+        if server["api_key"] is not None:
+            server["api_key"] = "<redacted>"
+        return {**server, "engine": {f.name: getattr(self.engine, f.name) for f in fields(self.engine)}}
+
+
+def _settable(cls) -> list:
+    hints = typing.get_type_hints(cls)
+    return [(f.name, _scalar_type(hints[f.name]), f.default) for f in fields(cls) if f.name != "engine"]
+
+
+def _scalar_type(hint) -> type:
+    """`int | None` -> int; the converter a flag or variable uses."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        (hint,) = [a for a in typing.get_args(hint) if a is not type(None)]
+    assert hint in (str, int, float, bool), f"no converter for {hint}"
+    return hint
+
+
+def _parse_bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value not in _TRUE | _FALSE:
+        raise ValueError(f"expected a boolean, got {text!r}")
+    return value in _TRUE
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per field of ServerSettings and EngineArgs: `max_num_seqs` -> `--max-num-seqs`."""
+    for group_name, cls in (("server", ServerSettings), ("engine", EngineArgs)):
+        group = parser.add_argument_group(group_name)
+        for name, kind, default in _settable(cls):
+            flag = "--" + name.replace("_", "-")
+            if kind is bool:
+                group.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=default)
+            else:
+                group.add_argument(
+                    flag, dest=name, type=kind, default=default, metavar=kind.__name__.upper(), help="default: %(default)s"
+                )
+
+
+def from_args(namespace: argparse.Namespace) -> ServerSettings:
+    values = vars(namespace)
+    engine = EngineArgs(**{name: values[name] for name in EngineArgs.field_names()})
+    return ServerSettings(**{name: values[name] for name, _, _ in _settable(ServerSettings)}, engine=engine)
+
+
+def from_env(environ=os.environ) -> ServerSettings:
+    """Settings from TRILLM_<FIELD> variables (e.g. TRILLM_MODEL, TRILLM_API_KEY, TRILLM_MAX_NUM_SEQS)."""
+
+    def read(cls, base):
+        changes = {}
+        for name, kind, _ in _settable(cls):
+            text = environ.get(ENV_PREFIX + name.upper())
+            if text is not None:
+                changes[name] = _parse_bool(text) if kind is bool else kind(text)
+        return replace(base, **changes)
+
+    settings = read(ServerSettings, ServerSettings())
+    return replace(settings, engine=read(EngineArgs, EngineArgs()))

@@ -1,0 +1,63 @@
+"""What every route needs: the engine, the tokenizer, the settings, the metrics.
+
+One ServerState per app, kept in `app.extensions`; routes reach it through
+`current()`. Streaming bodies run after the request context is gone, so they get
+what they need passed in, never through `current()`.
+"""
+from __future__ import annotations
+
+import json
+import uuid
+
+import pydantic
+from quart import current_app, g, request
+
+from trillm.engine.async_engine import AsyncEngine
+from trillm.engine.core import EngineCore
+from trillm.http.errors import APIError, from_validation_error
+from trillm.http.logprobs import TokenTexts
+from trillm.http.metrics import Metrics
+from trillm.http.settings import ServerSettings
+
+EXTENSION = "trillm"
+
+
+class ServerState:
+    def __init__(self, settings: ServerSettings, core: EngineCore):
+        self.settings = settings
+        self.core = core
+        self.engine = AsyncEngine(core, settings.max_waiting)
+        self.tokenizer = core.tokenizer
+        self.token_texts = TokenTexts(core.tokenizer)
+        self.vocab_size = core.hf_config.vocab_size
+        self.model_name = settings.served_model_name or core.model_name
+        self.metrics = Metrics(self.model_name, self.engine.stats)
+
+    def check_model(self, model: str | None) -> None:
+        """OpenAI clients must name a model; any name but ours is a 404, as with vLLM."""
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"The model `{model}` does not exist.", "model")
+
+
+def current() -> ServerState:
+    return current_app.extensions[EXTENSION]
+
+
+async def parse_body(model: type[pydantic.BaseModel], status: int = 400):
+    """The JSON body as `model`; 400 (or `status`, for schema errors) naming the bad field."""
+    data = await request.get_data()
+    try:
+        body = json.loads(data or b"{}")
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"The body is not valid JSON: {exc}") from None
+    try:
+        return model.model_validate(body)
+    except pydantic.ValidationError as exc:
+        raise from_validation_error(exc, status) from None
+
+
+def request_id(prefix: str, given: str | None = None) -> str:
+    """The id a body names, else the client's X-Request-Id, else a fresh `{prefix}-<hex>`;
+    the response's X-Request-Id header echoes it."""
+    g.request_id = given or g.get("request_id") or f"{prefix}-{uuid.uuid4().hex}"
+    return g.request_id
