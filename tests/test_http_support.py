@@ -1,0 +1,86 @@
+"""What the server tests share (this module holds no tests of its own).
+
+One EngineCore per test process: loading the model takes seconds, so every test
+file's live servers and AsyncEngines drive the same core, one at a time. Each
+live server is real: Hypercorn's trio worker on a loopback port, in the test's
+own Trio run, so a test can talk HTTP to it and still read its engine's state.
+An app's shutdown aborts whatever still runs, so the core is idle again for the
+next test.
+"""
+from __future__ import annotations
+
+import functools
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import httpx
+import openai
+import trio
+from hypercorn.config import Config
+from hypercorn.trio import serve
+from prometheus_client.parser import text_string_to_metric_families
+
+from trillm.config import EngineArgs
+from trillm.engine.core import EngineCore
+from trillm.http.app import create_app
+from trillm.http.settings import ServerSettings
+from trillm.http.state import EXTENSION, ServerState
+
+NUM_KV_BLOCKS = 256  # 4096 tokens: room for every test, small enough to allocate at once
+SETTLE_TIMEOUT = 60  # seconds a test waits for the engine to go idle before failing (not a speed check)
+
+
+@functools.cache
+def shared_core() -> EngineCore:
+    """The default model, as `trillm serve` with no --model serves it."""
+    return EngineCore(EngineArgs(num_kv_blocks=NUM_KV_BLOCKS))
+
+
+@dataclass
+class LiveServer:
+    url: str
+    state: ServerState
+
+    @property
+    def model(self) -> str:
+        return self.state.model_name
+
+    def openai(self, **kwargs) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=kwargs.pop("api_key", "none"), max_retries=0, **kwargs)
+
+    def http(self) -> httpx.AsyncClient:
+        return httpx.AsyncClient(base_url=self.url, timeout=SETTLE_TIMEOUT)
+
+
+@asynccontextmanager
+async def live_server(core: EngineCore, **settings):
+    app = create_app(ServerSettings(**settings), core)
+    config = Config()
+    config.bind = ["127.0.0.1:0"]
+    stop = trio.Event()
+    async with trio.open_nursery() as nursery:
+        (url,) = await nursery.start(functools.partial(serve, app, config, shutdown_trigger=stop.wait))
+        try:
+            yield LiveServer(url, app.extensions[EXTENSION])
+        finally:
+            stop.set()
+
+
+async def settled_stats(http: httpx.AsyncClient) -> dict:
+    """The engine's stats (read over HTTP) once no request is live any more."""
+    with trio.fail_after(SETTLE_TIMEOUT):
+        while True:
+            stats = (await http.get("/server_info")).json()["stats"]
+            if stats["num_live_requests"] == 0:
+                return stats
+            await trio.sleep(0.02)
+
+
+async def metric_value(http: httpx.AsyncClient, name: str, **labels) -> float:
+    """A sample of /metrics by its full name (`trillm:..._total`), 0 when absent."""
+    text = (await http.get("/metrics")).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    return 0.0
