@@ -209,7 +209,8 @@ def run_steps(params, logits_per_step, position, others):
 def test_seeded_request_gets_the_same_tokens_in_any_batch(params):
     steps = list(random_logits(12, seed=5) / 3)
     alone = run_steps(params, steps, 0, [])
-    others = [SamplingParams(), SamplingParams(temperature=0), SamplingParams(seed=3, top_k=4), SamplingParams(top_p=0.5)]
+    others = [SamplingParams(), SamplingParams(temperature=0), SamplingParams(seed=3, top_k=4)]
+    others.append(SamplingParams(top_p=0.5))
     torch.manual_seed(123)
     assert run_steps(params, steps, 2, others) == alone
     torch.manual_seed(456)

@@ -1,0 +1,162 @@
+"""Incremental detokenization and stop strings, for one request.
+
+Text is made a few tokens at a time while tokens stream in, so each step must
+cost O(new tokens), not a decode of the whole output. As in vLLM, the decoder
+sees a small window of tokens: `_tokens[:_read_offset]` was already turned into
+text (it is context only), `_tokens[_read_offset:]` is not yet; the new text is
+decode(window) minus decode(context). The context matters because decoders are
+not additive: a SentencePiece decoder strips the first token's leading space, and
+a byte-level token may be the second half of a character. That is also why the
+window starts in the prompt's last tokens: the first output token's leading space
+comes out right, and no prompt text is ever emitted.
+
+Two kinds of text are held back:
+  * while the window decodes to a trailing U+FFFD, the last character is still
+    incomplete (its remaining bytes are in later tokens);
+  * the longest tail of the text that could begin a stop string, until later
+    text settles whether it does; so emitted text never runs past a stop string.
+`flush()` releases both when the request finishes without a stop string.
+"""
+from __future__ import annotations
+
+from trillm.sampling_params import SamplingParams
+
+# Prompt tokens that start the window: enough for a UTF-8 character split over
+# up to four byte tokens plus the token before it.
+PROMPT_WINDOW = 5
+_REPLACEMENT_CHAR = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams):
+        self.tokenizer = tokenizer
+        self.params = params
+        self.stopped = False
+        self.stop_reason: str | None = None
+        self._vocab_size = len(tokenizer)
+        self._added_tokens = {token.content for token in tokenizer.added_tokens_decoder.values()}
+        self._skipped_ids = _special_ids(tokenizer) if params.skip_special_tokens else set()
+        self._separator = " " if params.spaces_between_special_tokens else ""
+        self._max_stop_len = max(map(len, params.stop), default=0)
+        # Prompt tokens are scanned from the end until the window is full, so a
+        # few skipped special tokens at the end do not shrink it.
+        self._tokens: list[str] = []
+        for token_id in reversed(prompt_token_ids):
+            if len(self._tokens) == PROMPT_WINDOW:
+                break
+            token = self._token(token_id)
+            if token is not None:
+                self._tokens.insert(0, token)
+        self._read_offset = len(self._tokens)
+        self._num_output_tokens = 0
+        self._pending = ""  # decoded, not yet emitted: a possible stop string's beginning
+        self._emitted: list[str] = []
+
+    @property
+    def output_text(self) -> str:
+        return "".join(self._emitted)
+
+    def add(self, new_token_ids: list[int]) -> str:
+        """Returns the text that these tokens make safe to emit; "" once stopped."""
+        if self.stopped:
+            return ""
+        for token_id in new_token_ids:
+            self._num_output_tokens += 1
+            self._append(self._decode_next(token_id))
+            if self.stopped:
+                break
+        return self._emit(hold_stop_prefix=not self.stopped)
+
+    def flush(self) -> str:
+        """At the end of a request not stopped by a stop string: everything still held back."""
+        if self.stopped:
+            return ""
+        context, text = self._window_texts()
+        self._tokens, self._read_offset = [], 0
+        self._append(text[len(context):])
+        return self._emit(hold_stop_prefix=False)
+
+    def _token(self, token_id: int) -> str | None:
+        """The token's string, or None when it makes no text (a skipped special token, an id past the vocabulary)."""
+        if token_id in self._skipped_ids or not 0 <= token_id < self._vocab_size:
+            return None
+        return self.tokenizer.convert_ids_to_tokens(token_id)
+
+    def _decode_next(self, token_id: int) -> str:
+        """The new text this token completes, "" while the window ends in half a character."""
+        token = self._token(token_id)
+        if token is None:
+            return ""
+        self._tokens.append(token)
+        context, text = self._window_texts()
+        if len(text) <= len(context) or text.endswith(_REPLACEMENT_CHAR):
+            return ""
+        # The tokens just decoded become the next context; older ones are never needed again.
+        self._tokens = self._tokens[self._read_offset:]
+        self._read_offset = len(self._tokens)
+        return text[len(context):]
+
+    def _window_texts(self) -> tuple[str, str]:
+        """(decoded context, decoded window); the first is a prefix of the second."""
+        return self._to_string(self._tokens[: self._read_offset]), self._to_string(self._tokens)
+
+    def _to_string(self, tokens: list[str]) -> str:
+        """Like the slow HF decode: added tokens verbatim, runs of other tokens through the decoder,
+        the parts joined by a space when spaces_between_special_tokens."""
+        parts: list[str] = []
+        run: list[str] = []
+        for token in tokens:
+            if token in self._added_tokens:
+                if run:
+                    parts.append(self.tokenizer.convert_tokens_to_string(run))
+                    run = []
+                parts.append(token)
+            else:
+                run.append(token)
+        if run:
+            parts.append(self.tokenizer.convert_tokens_to_string(run))
+        return self._separator.join(parts)
+
+    def _append(self, text: str) -> None:
+        """Adds decoded text to the pending text and stops at the first stop string that ends in it.
+
+        As in vLLM, stop strings count only once more than min_tokens tokens are out.
+        """
+        if not text:
+            return
+        start = len(self._pending)
+        self._pending += text
+        if self._num_output_tokens <= self.params.min_tokens:
+            return
+        # A match ending before `start` was found (or ruled out by min_tokens) earlier. The first
+        # match to end wins, as if the text had come one character at a time; then the longest.
+        matches = [(self._pending.find(s, max(0, start - len(s) + 1)), s) for s in self.params.stop]
+        matches = [(at + len(s), at, s) for at, s in matches if at != -1]
+        if not matches:
+            return
+        _, at, stop = min(matches)
+        self.stopped, self.stop_reason = True, stop
+        self._pending = self._pending[: at + len(stop) if self.params.include_stop_str_in_output else at]
+
+    def _emit(self, hold_stop_prefix: bool) -> str:
+        held = self._stop_prefix_len() if hold_stop_prefix else 0
+        text = self._pending[: len(self._pending) - held]
+        self._pending = self._pending[len(text):]
+        if text:
+            self._emitted.append(text)
+        return text
+
+    def _stop_prefix_len(self) -> int:
+        """The length of the longest tail of the pending text that is a proper prefix of a stop string."""
+        for length in range(min(self._max_stop_len - 1, len(self._pending)), 0, -1):
+            tail = self._pending[-length:]
+            if any(len(s) > length and s.startswith(tail) for s in self.params.stop):
+                return length
+        return 0
+
+
+def _special_ids(tokenizer) -> set[int]:
+    """What skip_special_tokens skips: the tokenizer's special tokens and every added token marked
+    special (the backend's decode skips those too, though some are missing from all_special_ids)."""
+    added = tokenizer.added_tokens_decoder
+    return {i for i, token in added.items() if token.special} | set(tokenizer.all_special_ids)
