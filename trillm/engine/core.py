@@ -40,6 +40,8 @@ class EngineCore:
         self.hf_config = self.runner.hf_config
         self.max_model_len = self.runner.max_model_len
         self.eos_token_id = self.runner.eos_token_id
+        # Llama 3 and others end a turn on several tokens; the first is the scheduler's EOS.
+        self.extra_eos_token_ids = [t for t in self.runner.eos_token_ids if t != self.eos_token_id]
         self.model_name = os.path.basename(os.path.normpath(args.model)) if args.model else "SmolLM2-135M-Instruct"
         self.scheduler = Scheduler(
             self.runner.num_kv_blocks,
@@ -63,6 +65,8 @@ class EngineCore:
         vocab_size = self.hf_config.vocab_size
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab_size:
             raise SamplingParamError("prompt", f"Prompt token ids must be in [0, {vocab_size}).")
+        if any(not 0 <= t < vocab_size for t in params.logit_bias or {}):
+            raise SamplingParamError("logit_bias", f"logit_bias token ids must be in [0, {vocab_size}).")
         if len(prompt_token_ids) >= self.max_model_len:
             raise SamplingParamError(
                 "prompt",
@@ -78,7 +82,7 @@ class EngineCore:
             max_tokens,
             min_tokens=params.min_tokens,
             eos_token_id=self.eos_token_id,
-            stop_token_ids=list(params.stop_token_ids),
+            stop_token_ids=list(params.stop_token_ids) + ([] if params.ignore_eos else self.extra_eos_token_ids),
             ignore_eos=params.ignore_eos,
         )
         try:
