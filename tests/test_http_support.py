@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 import openai
@@ -40,16 +40,21 @@ def shared_core() -> EngineCore:
 class LiveServer:
     url: str
     state: ServerState
+    clients: list = field(default_factory=list)  # closed before the server stops, so it need not wait for them
 
     @property
     def model(self) -> str:
         return self.state.model_name
 
     def openai(self, **kwargs) -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=kwargs.pop("api_key", "none"), max_retries=0, **kwargs)
+        client = openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=kwargs.pop("api_key", "none"), max_retries=0, **kwargs)
+        self.clients.append(client)
+        return client
 
-    def http(self) -> httpx.AsyncClient:
-        return httpx.AsyncClient(base_url=self.url, timeout=SETTLE_TIMEOUT)
+    def http(self, **kwargs) -> httpx.AsyncClient:
+        client = httpx.AsyncClient(base_url=self.url, timeout=SETTLE_TIMEOUT, **kwargs)
+        self.clients.append(client)
+        return client
 
 
 @asynccontextmanager
@@ -60,9 +65,12 @@ async def live_server(core: EngineCore, **settings):
     stop = trio.Event()
     async with trio.open_nursery() as nursery:
         (url,) = await nursery.start(functools.partial(serve, app, config, shutdown_trigger=stop.wait))
+        server = LiveServer(url, app.extensions[EXTENSION])
         try:
-            yield LiveServer(url, app.extensions[EXTENSION])
+            yield server
         finally:
+            for client in server.clients:
+                await (client.close() if isinstance(client, openai.AsyncOpenAI) else client.aclose())
             stop.set()
 
 

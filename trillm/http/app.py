@@ -15,6 +15,7 @@ at startup, so Hypercorn's startup timeout never races a slow load.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 from quart import g, request
 from quart_trio import QuartTrio
@@ -36,6 +37,7 @@ def create_app(settings: ServerSettings | None = None, core: EngineCore | None =
     """`core`: an already loaded engine to serve (tests share one between apps, one app at a time)."""
     settings = settings or from_env()
     core = core or EngineCore(settings.engine)
+    settings = replace(settings, engine=core.args)  # what runs, for /server_info
     app = QuartTrio("trillm")
     app.config["RESPONSE_TIMEOUT"] = None  # streams last as long as their requests; see trillm.http.sse
     state = ServerState(settings, core)

@@ -33,6 +33,7 @@ class Generation:
         self._arrival = trio.current_time()
         self._last_output: list[float | None] = [None] * len(self._members)
         self._stream: RequestStream | None = None
+        self._closed = False
 
     async def start(self) -> None:
         """Wait for the engine to admit every choice; raises what AsyncEngine.add raises."""
@@ -86,8 +87,16 @@ class Generation:
         }
 
     def close(self) -> None:
-        if self._stream is not None:
-            self._stream.close()
+        """Idempotent. Choices still unfinished (the client went away, or an error) count as aborted."""
+        if self._stream is None or self._closed:
+            return
+        self._closed = True
+        self._stream.close()
+        now = trio.current_time()
+        for processor in self.processors:
+            if not processor.finished:
+                self._metrics.e2e_latency.observe(now - self._arrival)
+                self._metrics.finished("abort")
 
     def _observe(self, index: int, num_tokens: int, delta: Delta) -> None:
         now = trio.current_time()

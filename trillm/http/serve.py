@@ -1,10 +1,14 @@
 """`trillm serve`: Hypercorn's trio worker, in this process, with a graceful shutdown.
 
-On the first SIGTERM or SIGINT, Hypercorn stops accepting connections and the
-engine drains: running requests may finish for `drain_timeout` seconds, then the
-rest are aborted, and their streams end with finish_reason "abort" and
-`[DONE]`. Hypercorn's own grace period is a little longer than the drain, so
-those last chunks reach their clients before it cancels what is left.
+On the first SIGTERM or SIGINT the engine drains: it takes no new requests (they
+and /health get 503), running ones may finish for up to `drain_timeout` seconds,
+then the rest are aborted and their streams end with finish_reason "abort" and
+`[DONE]`. Only then does Hypercorn close its listeners and, after a short grace
+for those last chunks, its connections. A second signal cuts the drain short.
+
+The drain runs inside Hypercorn's shutdown trigger, not after it, because
+Hypercorn holds idle keep-alive connections open for its whole grace period:
+a grace as long as the drain would delay every exit by the full drain timeout.
 """
 from __future__ import annotations
 
@@ -21,13 +25,13 @@ from trillm.http.settings import ServerSettings
 from trillm.http.state import EXTENSION
 
 log = logging.getLogger(__name__)
-FLUSH_GRACE = 5.0  # seconds past the drain for aborted streams to send their last chunk
+FLUSH_GRACE = 3.0  # seconds after the drain for aborted streams to send their last chunk
 
 
 def hypercorn_config(settings: ServerSettings) -> Config:
     config = Config()
     config.bind = [f"{settings.host}:{settings.port}"]
-    config.graceful_timeout = settings.drain_timeout + FLUSH_GRACE
+    config.graceful_timeout = FLUSH_GRACE
     config.loglevel = settings.log_level.upper()
     config.errorlog = "-"
     return config
@@ -38,13 +42,23 @@ async def serve(settings: ServerSettings, *, task_status=trio.TASK_STATUS_IGNORE
     log.info("loading %s", settings.engine.model or "the default model")
     core = await trio.to_thread.run_sync(EngineCore, settings.engine)
     app = create_app(settings, core)
+    engine = app.extensions[EXTENSION].engine
 
     async def shutdown_trigger() -> None:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-            async for signum in signals:
-                log.info("%s: draining for up to %.0f s", signal.Signals(signum).name, settings.drain_timeout)
-                break
-        app.nursery.start_soon(app.extensions[EXTENSION].engine.drain, settings.drain_timeout)
+            signum = await anext(signals)
+            log.info("%s: draining for up to %.0f s", signal.Signals(signum).name, settings.drain_timeout)
+            async with trio.open_nursery() as nursery:
+
+                async def cut_short() -> None:
+                    await anext(signals)
+                    log.info("second signal: aborting every request now")
+                    nursery.cancel_scope.cancel()
+
+                nursery.start_soon(cut_short)
+                await engine.drain(settings.drain_timeout)
+                nursery.cancel_scope.cancel()
+        engine.abort_all()  # a no-op after a full drain
 
     await hypercorn_serve(app, hypercorn_config(settings), shutdown_trigger=shutdown_trigger, task_status=task_status)
 

@@ -1,0 +1,154 @@
+"""Many requests at once, and requests that end early: continuous batching seen from the clients,
+and every way of ending a request (client gone, /abort_request, drain) freeing its KV blocks."""
+import openai
+import pytest
+import trio
+from test_http_support import live_server, metric_value, settled_stats, shared_core
+
+PROMPT = "Once upon a time, in a small village nestled between two mountains,"
+ENDLESS = {"ignore_eos": True}  # with a large max_tokens: runs until something stops it
+
+
+@pytest.fixture(scope="session")
+def core():
+    return shared_core()
+
+
+@pytest.fixture
+async def server(core):
+    async with live_server(core) as s:
+        yield s
+
+
+async def wait_until_running(server, count: int) -> None:
+    with trio.fail_after(60):
+        while server.state.engine.stats()["num_running"] < count:
+            await trio.sleep(0.02)
+
+
+async def test_ten_streams_progress_together(server):
+    client = server.openai()
+    events = []  # ("first" | "done", i), in the order the client saw them
+
+    async def one(i: int) -> None:
+        stream = await client.chat.completions.create(
+            model=server.model, messages=[{"role": "user", "content": f"Count from {i} to {i + 20}."}],
+            max_tokens=12, temperature=0, stream=True, extra_body=ENDLESS,
+        )
+        seen_text = False
+        async for chunk in stream:
+            choice = chunk.choices[0]
+            if choice.delta.content and not seen_text:
+                seen_text = True
+                events.append(("first", i))
+            if choice.finish_reason is not None:
+                assert choice.finish_reason == "length"
+                events.append(("done", i))
+
+    async with trio.open_nursery() as nursery:
+        for i in range(10):
+            nursery.start_soon(one, i)
+    firsts = [k for k, (kind, _) in enumerate(events) if kind == "first"]
+    dones = [k for k, (kind, _) in enumerate(events) if kind == "done"]
+    assert len(firsts) == len(dones) == 10
+    assert max(firsts) < min(dones), f"a stream finished before all had started: {events}"
+
+
+async def test_client_disconnect_aborts_the_request_and_frees_its_blocks(server):
+    http, client = server.http(), server.openai()
+    aborted = await metric_value(http, "trillm:request_success_total", finished_reason="abort")
+    generated = await metric_value(http, "trillm:generation_tokens_total")
+    stream = await client.completions.create(
+        model=server.model, prompt=PROMPT, max_tokens=2000, stream=True, extra_body=ENDLESS
+    )
+    seen = 0
+    async for _ in stream:
+        seen += 1
+        if seen == 3:
+            break
+    assert server.state.engine.stats()["num_used_blocks"] > 0
+    await stream.close()  # the client goes away mid-stream
+
+    stats = await settled_stats(http)
+    assert (stats["kv_cache_usage"], stats["num_used_blocks"], stats["num_running"], stats["num_waiting"]) == (0, 0, 0, 0)
+    assert await metric_value(http, "trillm:request_success_total", finished_reason="abort") == aborted + 1
+    assert await metric_value(http, "trillm:generation_tokens_total") - generated < 2000
+    out = await client.completions.create(model=server.model, prompt=PROMPT, max_tokens=2)
+    assert out.choices[0].finish_reason == "length", "the server still serves"
+
+
+async def test_abort_request_ends_every_sample_of_a_live_stream_with_abort(server):
+    http, client = server.http(), server.openai()
+    stream = await client.completions.create(
+        model=server.model, prompt=PROMPT, max_tokens=2000, n=2, stream=True, extra_body=ENDLESS,
+        extra_headers={"X-Request-Id": "abort-me"},
+    )
+    chunks = []
+    async for chunk in stream:
+        chunks.append(chunk)
+        if len(chunks) == 4:
+            response = await http.post("/abort_request", json={"rid": "abort-me"})
+            assert response.status_code == 200 and response.json() == {"num_aborted": 1}
+    assert {c.id for c in chunks} == {"abort-me"}
+    finals = {c.choices[0].index: c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason}
+    assert finals == {0: "abort", 1: "abort"}
+    stats = await settled_stats(http)
+    assert stats["kv_cache_usage"] == 0 and stats["num_running"] == 0
+    gone = await http.post("/abort_request", json={"rid": "abort-me"})
+    assert gone.status_code == 404 and gone.json()["error"]["param"] == "rid"
+
+
+async def test_abort_all_ends_whole_responses_with_abort(server):
+    http, client = server.http(), server.openai()
+    results = {}
+
+    async def one(i: int) -> None:
+        results[i] = await client.completions.create(
+            model=server.model, prompt=f"{PROMPT} {i}", max_tokens=2000, extra_body=ENDLESS
+        )
+
+    async with trio.open_nursery() as nursery:
+        for i in range(2):
+            nursery.start_soon(one, i)
+        await wait_until_running(server, 2)
+        response = await http.post("/abort_request", json={"abort_all": True})
+        assert response.json() == {"num_aborted": 2}
+    for out in results.values():
+        assert out.choices[0].finish_reason == "abort"
+        assert 0 < out.usage.completion_tokens < 2000
+    assert (await settled_stats(http))["num_used_blocks"] == 0
+
+
+async def test_flush_cache_is_refused_while_a_request_runs(server):
+    http, client = server.http(), server.openai()
+    stream = await client.completions.create(
+        model=server.model, prompt=PROMPT * 3, max_tokens=2000, stream=True, extra_body=ENDLESS,
+        extra_headers={"X-Request-Id": "keep-busy"},
+    )
+    await anext(stream)
+    refused = await http.post("/flush_cache")
+    assert refused.status_code == 400 and refused.json()["error"]["type"] == "invalid_request_error"
+    await http.post("/abort_request", json={"rid": "keep-busy"})
+    async for _ in stream:
+        pass
+    assert (await settled_stats(http))["num_cached_blocks"] > 0, "the prompt's blocks stay cached"
+    assert (await http.post("/flush_cache")).status_code == 200
+    assert (await http.get("/server_info")).json()["stats"]["num_cached_blocks"] == 0
+
+
+async def test_drain_finishes_streams_with_abort_and_refuses_new_requests(server):
+    http, client = server.http(), server.openai()
+    stream = await client.completions.create(
+        model=server.model, prompt=PROMPT, max_tokens=2000, stream=True, extra_body=ENDLESS
+    )
+    chunks = []
+    async for chunk in stream:
+        chunks.append(chunk)
+        if len(chunks) == 2:
+            await server.state.engine.drain(timeout=0)  # what SIGTERM does once the drain timeout is over
+    assert chunks[-1].choices[0].finish_reason == "abort"
+    assert (await http.get("/health")).status_code == 503
+    with pytest.raises(openai.InternalServerError) as refused:
+        await client.completions.create(model=server.model, prompt=PROMPT, max_tokens=2)
+    assert refused.value.status_code == 503
+    assert (await settled_stats(http))["num_used_blocks"] == 0

@@ -1,0 +1,142 @@
+"""Every way a request can fail, with its status and its OpenAI-shaped body, against a live server.
+
+A client's mistake is a 4xx naming the offending field in `param`; only the server's own
+failure (its engine died) is a 5xx, and it is a 503, never a 500.
+"""
+import openai
+import pytest
+from test_http_support import live_server, shared_core
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+HELLO = [{"role": "user", "content": "Hello"}]
+TOO_LONG = [1] * 9000  # token ids: more than the model's 8192-token context
+
+
+@pytest.fixture(scope="session")
+def core():
+    return shared_core()
+
+
+@pytest.fixture
+async def server(core):
+    async with live_server(core) as s:
+        yield s
+
+
+def assert_error(response, status: int, param, error_type: str | None = None) -> dict:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    error = body["error"]
+    assert error["code"] == status and error["param"] == param and error["message"]
+    assert error["type"] == (error_type or {400: "invalid_request_error", 404: "not_found_error", 422: "invalid_request_error"}[status])
+    return error
+
+
+BAD_REQUESTS = [
+    (CHAT, {"messages": HELLO, "temperature": -0.5}, 400, "temperature"),
+    (CHAT, {"messages": HELLO, "top_p": 0}, 400, "top_p"),
+    (CHAT, {"messages": HELLO, "top_p": 1.5}, 400, "top_p"),
+    (CHAT, {"messages": HELLO, "max_tokens": 0}, 400, "max_tokens"),
+    (CHAT, {"messages": HELLO, "max_completion_tokens": 0}, 400, "max_completion_tokens"),
+    (CHAT, {"messages": []}, 400, "messages"),
+    (CHAT, {}, 400, "messages"),
+    (CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages.0.role"),
+    (CHAT, {"messages": HELLO, "max_tokenz": 5}, 400, "max_tokenz"),
+    (CHAT, {"messages": HELLO, "top_logprobs": 2}, 400, "top_logprobs"),
+    (CHAT, {"messages": HELLO, "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    (CHAT, {"messages": HELLO, "n": 0}, 400, "n"),
+    (CHAT, {"messages": HELLO, "logit_bias": {"not-a-token": 1}}, 400, "logit_bias"),
+    (CHAT, {"messages": [{"role": "user", "content": "hello " * 9000}]}, 400, "messages"),
+    (COMPLETIONS, {"prompt": TOO_LONG}, 400, "prompt"),
+    (COMPLETIONS, {"prompt": []}, 400, "prompt"),
+    (COMPLETIONS, {"prompt": ""}, 400, "prompt"),
+    (COMPLETIONS, {"prompt": [10**6]}, 400, "prompt"),
+    (COMPLETIONS, {"prompt": "hi", "suffix": "bye"}, 400, "suffix"),
+    (COMPLETIONS, {"prompt": "hi", "echo": True, "logprobs": 1}, 400, "echo"),
+    (COMPLETIONS, {"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
+    (COMPLETIONS, {"prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
+    ("/generate", {"sampling_params": {"max_new_tokens": 4}}, 400, "text"),
+    ("/generate", {"text": "hi", "sampling_params": {"temperature": -1}}, 400, "temperature"),
+    ("/generate", {"text": "hi", "sampling_params": {"temperature": "hot"}}, 422, "sampling_params.temperature"),
+    ("/generate", {"text": "hi", "sampling_params": {"max_tokens_new": 4}}, 422, "sampling_params.max_tokens_new"),
+    ("/abort_request", {}, 400, "rid"),
+    ("/abort_request", {"rid": 5}, 422, "rid"),
+    ("/tokenize", {}, 400, "prompt"),
+    ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "status", "param"), BAD_REQUESTS)
+async def test_bad_request(server, path, body, status, param):
+    assert_error(await server.http().post(path, json=body), status, param)
+
+
+async def test_unknown_model_route_method_and_json(server):
+    http = server.http()
+    assert_error(await http.post(CHAT, json={"model": "gpt-4", "messages": HELLO}), 404, "model")
+    assert_error(await http.get("/v1/models/gpt-4"), 404, "model")
+    assert_error(await http.get("/v1/nothing-here"), 404, None)
+    assert_error(await http.get(CHAT), 405, None, "invalid_request_error")
+    assert_error(await http.post(CHAT, content=b"{not json", headers={"Content-Type": "application/json"}), 400, None)
+    with pytest.raises(openai.NotFoundError):
+        await server.openai().chat.completions.create(model="gpt-4", messages=HELLO)
+    with pytest.raises(openai.BadRequestError) as bad:
+        await server.openai().chat.completions.create(model=server.model, messages=HELLO, temperature=-1)
+    assert bad.value.body["param"] == "temperature"
+
+
+async def test_api_key_guards_v1_only(core):
+    async with live_server(core, api_key="sesame") as server:
+        http = server.http()
+        error = assert_error(await http.get("/v1/models"), 401, None, "authentication_error")
+        assert "Bearer" in error["message"]
+        assert_error(await http.get("/v1/models", headers={"Authorization": "Bearer sesam"}), 401, None, "authentication_error")
+        with pytest.raises(openai.AuthenticationError):
+            await server.openai(api_key="wrong").models.list()
+        models = await server.openai(api_key="sesame").models.list()
+        assert [m.id for m in models.data] == [server.model]
+        for open_path in ("/health", "/metrics", "/version"):
+            assert (await http.get(open_path)).status_code == 200
+        info = (await http.get("/server_info")).json()
+        assert info["settings"]["api_key"] == "<redacted>" and "sesame" not in str(info)
+
+
+async def test_full_waiting_queue_is_429(core):
+    async with live_server(core, max_waiting=0) as server:
+        with pytest.raises(openai.RateLimitError) as limited:
+            await server.openai().completions.create(model=server.model, prompt="hi", max_tokens=2)
+        assert limited.value.status_code == 429 and limited.value.body["type"] == "rate_limit_error"
+        assert (await server.http().get("/health")).status_code == 200, "overload is not ill health"
+
+
+async def test_engine_death_fails_live_streams_and_health_with_503(core, monkeypatch):
+    """The model crashing mid-generation, injected as a step that raises before touching the core."""
+    real_step, steps = core.step, []
+
+    def crashing_step():
+        steps.append(None)
+        if len(steps) > 3:
+            raise RuntimeError("injected fault: the device is gone")
+        return real_step()
+
+    monkeypatch.setattr(core, "step", crashing_step)
+    try:
+        async with live_server(core) as server:
+            stream = await server.openai().chat.completions.create(
+                model=server.model, messages=HELLO, max_tokens=100, stream=True,
+                extra_body={"ignore_eos": True}, extra_headers={"X-Request-Id": "doomed"},
+            )
+            with pytest.raises(openai.APIError) as failed:
+                async for _ in stream:
+                    pass
+            assert "engine stopped" in failed.value.message and "injected fault" in failed.value.message
+            health = await server.http().get("/health")
+            assert health.status_code == 503 and health.json()["error"]["type"] == "service_unavailable_error"
+            with pytest.raises(openai.InternalServerError) as refused:
+                await server.openai().chat.completions.create(model=server.model, messages=HELLO, max_tokens=2)
+            assert refused.value.status_code == 503
+    finally:
+        core.abort_request("doomed-0")  # the dead engine left it in the core; the next test needs it idle
+    assert core.stats()["num_used_blocks"] == 0 and not core.has_unfinished()

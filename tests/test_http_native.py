@@ -1,0 +1,118 @@
+"""The native endpoints (/generate, /tokenize, /detokenize) and the read-only ones (health,
+models, info, load, metrics), and the X-Request-Id contract, against a live server."""
+import json
+
+import pytest
+from test_http_support import live_server, settled_stats, shared_core
+
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="session")
+def core():
+    return shared_core()
+
+
+@pytest.fixture
+async def server(core):
+    async with live_server(core) as s:
+        yield s
+
+
+def sse_payloads(text: str) -> list:
+    lines = [line[len("data: "):] for line in text.split("\n\n") if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+async def test_generate_whole_streamed_batched_and_with_logprobs(server):
+    http = server.http()
+    greedy = {"max_new_tokens": 6, "temperature": 0}
+    whole = (await http.post("/generate", json={"text": PROMPT, "sampling_params": greedy, "return_logprob": True, "top_logprobs_num": 2})).json()
+    meta = whole["meta_info"]
+    assert meta["finish_reason"] == {"type": "length", "length": 6}
+    assert len(whole["output_ids"]) == meta["completion_tokens"] == 6
+    assert meta["prompt_tokens"] == len(server.state.core.tokenizer.encode(PROMPT))
+    assert whole["text"] == server.state.core.tokenizer.decode(whole["output_ids"])
+    assert [t for _, t in meta["output_token_logprobs"]] == whole["output_ids"]
+    assert all(len(top) == 2 and top[0][1] == token for top, token in zip(meta["output_top_logprobs"], whole["output_ids"]))
+
+    by_ids = (await http.post("/generate", json={"input_ids": server.state.core.tokenizer.encode(PROMPT), "sampling_params": greedy})).json()
+    assert by_ids["output_ids"] == whole["output_ids"]
+
+    streamed = sse_payloads((await http.post("/generate", json={"text": PROMPT, "sampling_params": greedy, "stream": True})).text)
+    assert [e["meta_info"]["finish_reason"] for e in streamed[:-1]] == [None] * (len(streamed) - 1)
+    texts = [e["text"] for e in streamed]
+    assert all(b.startswith(a) for a, b in zip(texts, texts[1:])), "each event holds the text so far"
+    assert streamed[-1]["text"] == whole["text"] and streamed[-1]["output_ids"] == whole["output_ids"]
+
+    batch = (await http.post("/generate", json={"text": [PROMPT, "Two plus two is"], "sampling_params": greedy})).json()
+    assert [b["index"] for b in batch] == [0, 1] and batch[0]["output_ids"] == whole["output_ids"]
+    samples = (await http.post("/generate", json={"text": PROMPT, "sampling_params": {"max_new_tokens": 3, "n": 2, "seed": 1}})).json()
+    assert [s["index"] for s in samples] == [0, 1]
+
+
+async def test_generate_with_a_stop_string_reports_what_matched(server):
+    http = server.http()
+    free = (await http.post("/generate", json={"text": PROMPT, "sampling_params": {"max_new_tokens": 8, "temperature": 0}})).json()
+    stop = free["text"].split()[1]
+    stopped = (await http.post("/generate", json={"text": PROMPT, "sampling_params": {"max_new_tokens": 8, "temperature": 0, "stop": stop}})).json()
+    assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert stopped["text"] == free["text"][: free["text"].index(stop)]
+    assert (await settled_stats(http))["num_used_blocks"] == 0
+
+
+async def test_tokenize_and_detokenize_round_trip(server):
+    http = server.http()
+    tokens = (await http.post("/tokenize", json={"prompt": PROMPT})).json()
+    assert tokens["tokens"] == server.state.core.tokenizer.encode(PROMPT) and tokens["count"] == len(tokens["tokens"])
+    assert tokens["max_model_len"] == server.state.core.max_model_len
+    assert (await http.post("/detokenize", json={"tokens": tokens["tokens"]})).json() == {"prompt": PROMPT}
+    chat = (await http.post("/tokenize", json={"messages": [{"role": "user", "content": "Hi"}], "return_token_strs": True})).json()
+    assert len(chat["token_strs"]) == chat["count"] > 3
+    prompt_tokens = (await server.openai().chat.completions.create(
+        model=server.model, messages=[{"role": "user", "content": "Hi"}], max_tokens=1
+    )).usage.prompt_tokens
+    assert chat["count"] == prompt_tokens, "tokenize counts what chat completions bills"
+
+
+async def test_info_endpoints(server):
+    http = server.http()
+    assert (await http.get("/health")).status_code == 200
+    assert (await http.get("/ping")).status_code == 200 and (await http.post("/ping")).status_code == 200
+    models = (await server.openai().models.list()).data
+    assert [m.id for m in models] == [server.model] and models[0].object == "model"
+    assert (await server.openai().models.retrieve(server.model)).id == server.model
+    info = (await http.get("/model_info")).json()
+    assert info["served_model_name"] == server.model and info["max_model_len"] == 8192
+    assert info["architectures"] == ["LlamaForCausalLM"] and info["vocab_size"] == 49152
+    server_info = (await http.get("/server_info")).json()
+    assert server_info["settings"]["engine"]["num_kv_blocks"] == 256 and server_info["settings"]["api_key"] is None
+    assert server_info["stats"]["num_kv_blocks"] == 256
+    assert (await http.get("/version")).json()["version"] == "0.1.0"
+    assert (await http.get("/load")).json() == {"server_load": 0, "num_requests_running": 0, "num_requests_waiting": 0}
+
+
+async def test_metrics_use_vllm_names_with_our_prefix(server):
+    http = server.http()
+    await server.openai().completions.create(model=server.model, prompt=PROMPT, max_tokens=3)
+    text = (await http.get("/metrics")).text
+    for name in (
+        "trillm:num_requests_running", "trillm:num_requests_waiting", "trillm:kv_cache_usage_perc",
+        "trillm:prefix_cache_queries_total", "trillm:prefix_cache_hits_total", "trillm:prompt_tokens_total",
+        "trillm:generation_tokens_total", 'trillm:request_success_total{finished_reason="length"',
+        "trillm:time_to_first_token_seconds_bucket", "trillm:inter_token_latency_seconds_bucket",
+        "trillm:e2e_request_latency_seconds_bucket",
+    ):
+        assert name in text, name
+
+
+async def test_request_id_is_echoed_and_names_the_request(server):
+    raw = await server.openai().completions.with_raw_response.create(
+        model=server.model, prompt=PROMPT, max_tokens=2, extra_headers={"X-Request-Id": "my-id-1"}
+    )
+    assert raw.headers["X-Request-Id"] == "my-id-1" and raw.parse().id == "my-id-1"
+    fresh = await server.openai().completions.with_raw_response.create(model=server.model, prompt=PROMPT, max_tokens=2)
+    assert fresh.headers["X-Request-Id"] == fresh.parse().id and fresh.parse().id.startswith("cmpl-")
+    health = await server.http().get("/health", headers={"X-Request-Id": "probe"})
+    assert health.headers["X-Request-Id"] == "probe"
