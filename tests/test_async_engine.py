@@ -1,0 +1,165 @@
+"""AsyncEngine on the real default model: admission, the group channel, and every way a request
+ends early (abort, a closed stream, a stop, a drain, shutdown, the engine dying), each one
+freeing the request's KV blocks before the engine's next step."""
+import pytest
+import trio
+import trio.testing
+from test_http_support import shared_core
+
+from trillm import SamplingParams
+from trillm.engine.async_engine import AsyncEngine, EngineUnavailableError, QueueFullError
+from trillm.sampling_params import SamplingParamError
+
+LONG_RUN = SamplingParams(max_tokens=1000, ignore_eos=True)  # ends only when stopped
+
+
+@pytest.fixture(scope="session")
+def core():
+    return shared_core()
+
+
+@pytest.fixture
+def prompt(core):
+    return core.tokenizer.encode("Once upon a time, in a small village nestled between two mountains,")
+
+
+@pytest.fixture
+async def engine(core):
+    engine = AsyncEngine(core, max_waiting=64)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(engine.run)
+        yield engine
+        await engine.aclose()
+    assert core.stats()["num_used_blocks"] == 0 and not core.has_unfinished()
+
+
+async def until_idle(engine: AsyncEngine) -> dict:
+    with trio.fail_after(60):
+        while engine.stats()["num_live_requests"]:
+            await trio.sleep(0.01)
+    return engine.stats()
+
+
+async def test_abort_frees_the_blocks_before_the_next_step(engine, prompt):
+    stream = await engine.add("a", [(prompt, LONG_RUN)])
+    outputs = []
+    async for index, out in stream:
+        assert index == 0
+        outputs.append(out)
+        if len(outputs) == 3:
+            assert engine.stats()["num_used_blocks"] > 0
+            steps_at_abort = engine.num_steps
+            assert engine.abort("a")
+    final = outputs[-1]
+    assert (final.finished, final.finish_reason, final.new_token_ids) == (True, "abort", [])
+    # The step in flight when abort() was called may still finish; no step after it runs the request.
+    assert engine.num_steps - steps_at_abort <= 1
+    assert engine.stats()["num_used_blocks"] == 0 and not engine.abort("a")
+
+
+async def test_closing_a_stream_aborts_its_request(engine, prompt):
+    stream = await engine.add("a", [(prompt, LONG_RUN)])
+    await anext(stream)
+    stream.close()  # what a handler does when its client goes away
+    stats = await until_idle(engine)
+    assert stats["num_used_blocks"] == 0 and stats["num_running"] == 0
+
+
+async def test_samples_of_one_prompt_share_its_cached_blocks(engine, core, prompt):
+    assert engine.reset_prefix_cache()
+    long_prompt = prompt * 3
+    stream = await engine.add("n", [(long_prompt, SamplingParams(max_tokens=2, seed=i)) for i in range(3)])
+    cached = {}
+    async for index, out in stream:
+        cached[index] = out.num_cached_tokens
+    full_blocks = core.args.block_size * ((len(long_prompt) - 1) // core.args.block_size)
+    assert full_blocks > 0
+    assert cached == {0: 0, 1: full_blocks, 2: full_blocks}, "later samples start after the first one's prefill"
+
+
+async def test_stopping_one_member_leaves_the_others_running(engine, prompt):
+    stream = await engine.add("g", [(prompt, LONG_RUN), (prompt[:-1], SamplingParams(max_tokens=4, ignore_eos=True))])
+    finals = {}
+    async for index, out in stream:
+        if index == 0 and 0 not in finals and not out.finished:
+            stream.stop(0)  # as if a stop string matched in member 0's text
+        if out.finished:
+            finals[index] = (out.finish_reason, out)
+    assert finals[0][0] == "stop" and finals[1][0] == "length"
+    assert engine.stats()["num_used_blocks"] == 0
+
+
+async def test_refused_admissions(engine, core, prompt):
+    with pytest.raises(SamplingParamError) as too_long:
+        await engine.add("long", [([1] * (core.max_model_len + 1), SamplingParams())])
+    assert too_long.value.param == "prompt"
+    stream = await engine.add("dup", [(prompt, LONG_RUN)])
+    with pytest.raises(SamplingParamError) as duplicate:
+        await engine.add("dup", [(prompt, SamplingParams())])
+    assert duplicate.value.param == "request_id"
+    stream.close()
+    assert (await until_idle(engine))["num_used_blocks"] == 0
+
+
+async def test_waiting_queue_limit(core, prompt):
+    engine = AsyncEngine(core, max_waiting=1)
+
+    async def first_request():
+        stream = await engine.add("first", [(prompt, SamplingParams(max_tokens=2))])
+        assert [out async for _, out in stream][-1].finish_reason == "length"
+        await engine.aclose()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(first_request)
+        await trio.testing.wait_all_tasks_blocked()  # "first" is queued; the engine task is not running yet
+        with pytest.raises(QueueFullError):
+            await engine.add("second", [(prompt, SamplingParams(max_tokens=2))])
+        await nursery.start(engine.run)
+
+
+async def test_drain_lets_running_requests_finish_and_refuses_new_ones(engine, prompt):
+    short = await engine.add("short", [(prompt, SamplingParams(max_tokens=3, ignore_eos=True))])
+    await engine.drain(timeout=60)  # returns once "short" has finished
+    assert [out.finish_reason for _, out in [x async for x in short]][-1] == "length"
+    with pytest.raises(EngineUnavailableError):
+        await engine.add("late", [(prompt, SamplingParams())])
+
+
+async def test_drain_timeout_aborts(engine, prompt):
+    endless = await engine.add("endless", [(prompt, LONG_RUN)])
+    await anext(endless)
+    await engine.drain(timeout=0)
+    assert [out async for _, out in endless][-1].finish_reason == "abort"
+
+
+async def test_aclose_aborts_live_requests(core, prompt):
+    engine = AsyncEngine(core, max_waiting=64)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(engine.run)
+        stream = await engine.add("live", [(prompt, LONG_RUN)])
+        await anext(stream)
+        await engine.aclose()
+        assert [out async for _, out in stream][-1].finish_reason == "abort"
+    assert core.stats()["num_used_blocks"] == 0
+
+
+async def test_a_dying_engine_fails_streams_and_refuses_requests(core, prompt, monkeypatch):
+    """A step that raises (before touching the core) stands for the model crashing."""
+    def crash():
+        raise RuntimeError("injected fault")
+
+    monkeypatch.setattr(core, "step", crash)
+    engine = AsyncEngine(core, max_waiting=64)
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(engine.run)
+            stream = await engine.add("doomed", [(prompt, LONG_RUN)])
+            with pytest.raises(EngineUnavailableError, match="injected fault"):
+                await anext(stream)
+            assert isinstance(engine.error, RuntimeError) and not engine.healthy
+            with pytest.raises(EngineUnavailableError):
+                await engine.add("next", [(prompt, SamplingParams())])
+            await engine.aclose()
+    finally:
+        core.abort_request("doomed-0")  # the dead engine left it in the core
+    assert core.stats()["num_used_blocks"] == 0
