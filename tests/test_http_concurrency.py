@@ -70,7 +70,7 @@ async def test_client_disconnect_aborts_the_request_and_frees_its_blocks(server)
     await stream.close()  # the client goes away mid-stream
 
     stats = await settled_stats(http)
-    assert (stats["kv_cache_usage"], stats["num_used_blocks"], stats["num_running"], stats["num_waiting"]) == (0, 0, 0, 0)
+    assert stats["kv_cache_usage"] == stats["num_used_blocks"] == stats["num_running"] == stats["num_waiting"] == 0
     assert await metric_value(http, "trillm:request_success_total", finished_reason="abort") == aborted + 1
     assert await metric_value(http, "trillm:generation_tokens_total") - generated < 2000
     out = await client.completions.create(model=server.model, prompt=PROMPT, max_tokens=2)

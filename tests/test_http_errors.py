@@ -24,13 +24,16 @@ async def server(core):
         yield s
 
 
+DEFAULT_TYPES = {400: "invalid_request_error", 404: "not_found_error", 422: "invalid_request_error"}
+
+
 def assert_error(response, status: int, param, error_type: str | None = None) -> dict:
     assert response.status_code == status, response.text
     body = response.json()
     assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
     error = body["error"]
     assert error["code"] == status and error["param"] == param and error["message"]
-    assert error["type"] == (error_type or {400: "invalid_request_error", 404: "not_found_error", 422: "invalid_request_error"}[status])
+    assert error["type"] == (error_type or DEFAULT_TYPES[status])
     return error
 
 
@@ -92,7 +95,8 @@ async def test_api_key_guards_v1_only(core):
         http = server.http()
         error = assert_error(await http.get("/v1/models"), 401, None, "authentication_error")
         assert "Bearer" in error["message"]
-        assert_error(await http.get("/v1/models", headers={"Authorization": "Bearer sesam"}), 401, None, "authentication_error")
+        wrong = await http.get("/v1/models", headers={"Authorization": "Bearer sesam"})
+        assert_error(wrong, 401, None, "authentication_error")
         with pytest.raises(openai.AuthenticationError):
             await server.openai(api_key="wrong").models.list()
         models = await server.openai(api_key="sesame").models.list()

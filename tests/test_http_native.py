@@ -19,6 +19,10 @@ async def server(core):
         yield s
 
 
+async def generate(http, text=PROMPT, **body):
+    return (await http.post("/generate", json={"text": text, **body})).json()
+
+
 def sse_payloads(text: str) -> list:
     lines = [line[len("data: "):] for line in text.split("\n\n") if line.startswith("data: ")]
     assert lines[-1] == "[DONE]"
@@ -28,35 +32,38 @@ def sse_payloads(text: str) -> list:
 async def test_generate_whole_streamed_batched_and_with_logprobs(server):
     http = server.http()
     greedy = {"max_new_tokens": 6, "temperature": 0}
-    whole = (await http.post("/generate", json={"text": PROMPT, "sampling_params": greedy, "return_logprob": True, "top_logprobs_num": 2})).json()
+    whole = await generate(http, sampling_params=greedy, return_logprob=True, top_logprobs_num=2)
     meta = whole["meta_info"]
     assert meta["finish_reason"] == {"type": "length", "length": 6}
     assert len(whole["output_ids"]) == meta["completion_tokens"] == 6
     assert meta["prompt_tokens"] == len(server.state.core.tokenizer.encode(PROMPT))
     assert whole["text"] == server.state.core.tokenizer.decode(whole["output_ids"])
     assert [t for _, t in meta["output_token_logprobs"]] == whole["output_ids"]
-    assert all(len(top) == 2 and top[0][1] == token for top, token in zip(meta["output_top_logprobs"], whole["output_ids"]))
+    for top, token in zip(meta["output_top_logprobs"], whole["output_ids"]):
+        assert len(top) == 2 and top[0][1] == token, "greedy: the chosen token is the most likely one"
 
-    by_ids = (await http.post("/generate", json={"input_ids": server.state.core.tokenizer.encode(PROMPT), "sampling_params": greedy})).json()
+    ids = server.state.core.tokenizer.encode(PROMPT)
+    by_ids = (await http.post("/generate", json={"input_ids": ids, "sampling_params": greedy})).json()
     assert by_ids["output_ids"] == whole["output_ids"]
 
-    streamed = sse_payloads((await http.post("/generate", json={"text": PROMPT, "sampling_params": greedy, "stream": True})).text)
+    streamed = (await http.post("/generate", json={"text": PROMPT, "sampling_params": greedy, "stream": True})).text
+    streamed = sse_payloads(streamed)
     assert [e["meta_info"]["finish_reason"] for e in streamed[:-1]] == [None] * (len(streamed) - 1)
     texts = [e["text"] for e in streamed]
     assert all(b.startswith(a) for a, b in zip(texts, texts[1:])), "each event holds the text so far"
     assert streamed[-1]["text"] == whole["text"] and streamed[-1]["output_ids"] == whole["output_ids"]
 
-    batch = (await http.post("/generate", json={"text": [PROMPT, "Two plus two is"], "sampling_params": greedy})).json()
+    batch = await generate(http, [PROMPT, "Two plus two is"], sampling_params=greedy)
     assert [b["index"] for b in batch] == [0, 1] and batch[0]["output_ids"] == whole["output_ids"]
-    samples = (await http.post("/generate", json={"text": PROMPT, "sampling_params": {"max_new_tokens": 3, "n": 2, "seed": 1}})).json()
+    samples = await generate(http, sampling_params={"max_new_tokens": 3, "n": 2, "seed": 1})
     assert [s["index"] for s in samples] == [0, 1]
 
 
 async def test_generate_with_a_stop_string_reports_what_matched(server):
     http = server.http()
-    free = (await http.post("/generate", json={"text": PROMPT, "sampling_params": {"max_new_tokens": 8, "temperature": 0}})).json()
+    free = await generate(http, sampling_params={"max_new_tokens": 8, "temperature": 0})
     stop = free["text"].split()[1]
-    stopped = (await http.post("/generate", json={"text": PROMPT, "sampling_params": {"max_new_tokens": 8, "temperature": 0, "stop": stop}})).json()
+    stopped = await generate(http, sampling_params={"max_new_tokens": 8, "temperature": 0, "stop": stop})
     assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
     assert stopped["text"] == free["text"][: free["text"].index(stop)]
     assert (await settled_stats(http))["num_used_blocks"] == 0
@@ -68,12 +75,11 @@ async def test_tokenize_and_detokenize_round_trip(server):
     assert tokens["tokens"] == server.state.core.tokenizer.encode(PROMPT) and tokens["count"] == len(tokens["tokens"])
     assert tokens["max_model_len"] == server.state.core.max_model_len
     assert (await http.post("/detokenize", json={"tokens": tokens["tokens"]})).json() == {"prompt": PROMPT}
-    chat = (await http.post("/tokenize", json={"messages": [{"role": "user", "content": "Hi"}], "return_token_strs": True})).json()
+    hi = [{"role": "user", "content": "Hi"}]
+    chat = (await http.post("/tokenize", json={"messages": hi, "return_token_strs": True})).json()
     assert len(chat["token_strs"]) == chat["count"] > 3
-    prompt_tokens = (await server.openai().chat.completions.create(
-        model=server.model, messages=[{"role": "user", "content": "Hi"}], max_tokens=1
-    )).usage.prompt_tokens
-    assert chat["count"] == prompt_tokens, "tokenize counts what chat completions bills"
+    answer = await server.openai().chat.completions.create(model=server.model, messages=hi, max_tokens=1)
+    assert chat["count"] == answer.usage.prompt_tokens, "tokenize counts what chat completions bills"
 
 
 async def test_info_endpoints(server):

@@ -57,7 +57,8 @@ async def test_chat_stream_matches_whole_answer_and_usage(server):
     assert content_chunks[-1].choices[0].finish_reason == choice.finish_reason
     assert "".join(c.choices[0].delta.content or "" for c in content_chunks) == choice.message.content
     assert usage_chunk.choices == []
-    assert (usage_chunk.usage.prompt_tokens, usage_chunk.usage.completion_tokens) == (usage.prompt_tokens, usage.completion_tokens)
+    assert usage_chunk.usage.prompt_tokens == usage.prompt_tokens
+    assert usage_chunk.usage.completion_tokens == usage.completion_tokens
     # The same prompt again: its full blocks now come from the prefix cache.
     assert usage_chunk.usage.prompt_tokens_details.cached_tokens > 0
     assert (await settled_stats(server.http()))["kv_cache_usage"] == 0
@@ -113,7 +114,8 @@ async def test_chat_logprobs_have_openai_shape_streamed_and_whole(server):
         tops = [t.logprob for t in entry.top_logprobs]
         assert tops == sorted(tops, reverse=True) and all(lp <= 0 for lp in tops)
         # Greedy: the chosen token is the most likely one.
-        assert entry.top_logprobs[0].token == entry.token and entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)
+        best = entry.top_logprobs[0]
+        assert best.token == entry.token and best.logprob == pytest.approx(entry.logprob)
         assert all(t.bytes == list(t.token.encode()) for t in entry.top_logprobs)
     assert "".join(e.token for e in content) == whole.choices[0].message.content
 

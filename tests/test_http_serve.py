@@ -60,7 +60,8 @@ async def test_serve_answers_then_drains_on_sigterm():
 
         async def stream(name: str, max_tokens: int) -> None:
             chunks = await client.completions.create(
-                model=model, prompt=f"A {name} story:", max_tokens=max_tokens, stream=True, extra_body={"ignore_eos": True}
+                model=model, prompt=f"A {name} story:", max_tokens=max_tokens, stream=True,
+                extra_body={"ignore_eos": True},
             )
             async for chunk in chunks:
                 started[name].set()

@@ -47,7 +47,8 @@ class LiveServer:
         return self.state.model_name
 
     def openai(self, **kwargs) -> openai.AsyncOpenAI:
-        client = openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=kwargs.pop("api_key", "none"), max_retries=0, **kwargs)
+        api_key = kwargs.pop("api_key", "none")
+        client = openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, **kwargs)
         self.clients.append(client)
         return client
 

@@ -114,6 +114,7 @@ class AsyncEngine:
         self._commands: list[tuple] = []
         self._pending_members = 0  # members queued for admission, not yet in the core
         self._stepping = False  # a step is running in a worker thread
+        self._running = False  # run() has started
         self._wake = trio.Event()
         self._idle = trio.Event()  # set while no group is live
         self._idle.set()
@@ -196,15 +197,12 @@ class AsyncEngine:
             "accepting": self.accepting,
         }
 
-    @property
-    def healthy(self) -> bool:
-        return self.error is None and self.accepting
-
     # --- lifetime -----------------------------------------------------------------------------
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """The engine task. An error inside a step ends it and fails every live request; it
         does not propagate, so the server stays up to report itself unhealthy."""
+        self._running = True
         task_status.started()
         try:
             with self._cancel_scope:
@@ -228,6 +226,8 @@ class AsyncEngine:
     async def aclose(self) -> None:
         """Abort everything, wait until every stream got its final output, stop the task."""
         self.accepting = False
+        if not self._running:
+            return  # never started: nothing was admitted, nothing runs
         self.abort_all()
         if not self._stopped.is_set():
             await self._idle.wait()

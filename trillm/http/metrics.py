@@ -13,30 +13,53 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+    160.0, 640.0,
+)
+ITL_BUCKETS = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)
+E2E_BUCKETS = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0,
+    1920.0, 7680.0,
+)
+# Read from the engine's stats at scrape time: (name, help, stats key, kind).
+ENGINE_METRICS = (
+    ("trillm:num_requests_running", "Requests in the running batch.", "num_running", GaugeMetricFamily),
+    ("trillm:num_requests_waiting", "Requests waiting to be scheduled.", "num_waiting", GaugeMetricFamily),
+    (
+        "trillm:kv_cache_usage_perc",
+        "KV-cache blocks held by live requests (0 to 1); prefix-cached blocks nobody holds do not count.",
+        "kv_cache_usage",
+        GaugeMetricFamily,
+    ),
+    ("trillm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "prefix_cache_queries",
+     CounterMetricFamily),
+    ("trillm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", "prefix_cache_hits", CounterMetricFamily),
+    ("trillm:num_preemptions", "Requests preempted (their KV cache recomputed later).", "num_preemptions",
+     CounterMetricFamily),
+)
 
 
 class Metrics:
     def __init__(self, model_name: str, engine_stats: Callable[[], dict]):
         self.registry = CollectorRegistry()
-        labels = dict(labelnames=["model_name"], registry=self.registry)
-        self._prompt_tokens = Counter("trillm:prompt_tokens", "Prompt tokens processed.", **labels)
-        self._generation_tokens = Counter("trillm:generation_tokens", "Tokens generated.", **labels)
+        self.registry.register(_EngineCollector(model_name, engine_stats))
+        by_model = dict(labelnames=["model_name"], registry=self.registry)
+
+        def histogram(name: str, doc: str, buckets: tuple):
+            return Histogram(name, doc, buckets=buckets, **by_model).labels(model_name)
+
+        self.prompt_tokens = Counter("trillm:prompt_tokens", "Prompt tokens processed.", **by_model).labels(model_name)
+        self.generation_tokens = Counter("trillm:generation_tokens", "Tokens generated.", **by_model).labels(model_name)
+        self.time_to_first_token = histogram("trillm:time_to_first_token_seconds", "To first token.", TTFT_BUCKETS)
+        self.inter_token_latency = histogram("trillm:inter_token_latency_seconds", "Between two outputs.", ITL_BUCKETS)
+        self.e2e_latency = histogram("trillm:e2e_request_latency_seconds", "Arrival to finish.", E2E_BUCKETS)
         self._success = Counter(
             "trillm:request_success", "Finished requests, by finish reason.",
             labelnames=["model_name", "finished_reason"], registry=self.registry,
         )
-        self._ttft = Histogram("trillm:time_to_first_token_seconds", "Time to first token.", buckets=TTFT_BUCKETS, **labels)
-        self._itl = Histogram("trillm:inter_token_latency_seconds", "Time between two outputs of a request.", buckets=ITL_BUCKETS, **labels)
-        self._e2e = Histogram("trillm:e2e_request_latency_seconds", "Arrival to finish.", buckets=E2E_BUCKETS, **labels)
-        self.registry.register(_EngineCollector(model_name, engine_stats))
-        self.prompt_tokens = self._prompt_tokens.labels(model_name)
-        self.generation_tokens = self._generation_tokens.labels(model_name)
-        self.time_to_first_token = self._ttft.labels(model_name)
-        self.inter_token_latency = self._itl.labels(model_name)
-        self.e2e_latency = self._e2e.labels(model_name)
         self._model_name = model_name
 
     def finished(self, reason: str) -> None:
@@ -53,15 +76,7 @@ class _EngineCollector:
 
     def collect(self):
         stats = self._stats()
-        for name, doc, key, family in (
-            ("trillm:num_requests_running", "Requests in the running batch.", "num_running", GaugeMetricFamily),
-            ("trillm:num_requests_waiting", "Requests waiting to be scheduled.", "num_waiting", GaugeMetricFamily),
-            ("trillm:kv_cache_usage_perc", "KV-cache blocks held by live requests (0 to 1); "
-             "prefix-cached blocks nobody holds do not count.", "kv_cache_usage", GaugeMetricFamily),
-            ("trillm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "prefix_cache_queries", CounterMetricFamily),
-            ("trillm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", "prefix_cache_hits", CounterMetricFamily),
-            ("trillm:num_preemptions", "Requests preempted (their KV cache recomputed later).", "num_preemptions", CounterMetricFamily),
-        ):
+        for name, doc, key, family in ENGINE_METRICS:
             metric = family(name, doc, labels=["model_name"])
             metric.add_metric([self._model_name], stats[key])
             yield metric

@@ -55,7 +55,8 @@ class ChatChunks:
 
     def opening(self) -> list[dict]:
         return [
-            self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
+            self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None}])
             for i in range(self.generation.num_choices)
         ]
 

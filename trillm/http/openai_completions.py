@@ -43,11 +43,15 @@ def _prompt_text(tokenizer, prompt, k: int, ids: list[int]) -> str:
 
 
 class CompletionChunks:
-    def __init__(self, generation: Generation, req: CompletionRequest, model: str, texts: TokenTexts, echoes: list[str]):
+    def __init__(
+        self, generation: Generation, req: CompletionRequest, model: str, texts: TokenTexts, echoes: list[str]
+    ):
         self.generation = generation
         self.req = req
         self.texts = texts
-        self.head = {"id": generation.request_id, "object": "text_completion", "created": int(time.time()), "model": model}
+        self.head = {
+            "id": generation.request_id, "object": "text_completion", "created": int(time.time()), "model": model
+        }
         self.echoes = [echoes[i // generation.n] for i in range(generation.num_choices)]  # per choice
         self.text_offsets = [len(e) for e in self.echoes]  # where each choice's next token starts
 

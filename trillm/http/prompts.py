@@ -12,7 +12,9 @@ from trillm.http.protocol import ChatMessage
 from trillm.sampling_params import SamplingParamError
 
 
-def chat_prompt(tokenizer, messages: list[ChatMessage], template_kwargs: dict | None, add_generation_prompt: bool = True) -> list[int]:
+def chat_prompt(
+    tokenizer, messages: list[ChatMessage], template_kwargs: dict | None, add_generation_prompt: bool = True
+) -> list[int]:
     if not messages:
         raise SamplingParamError("messages", "messages must hold at least one message.")
     try:

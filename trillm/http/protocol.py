@@ -122,7 +122,8 @@ class ChatCompletionRequest(SamplingFields):
             return self._sampling_params(vocab_size, max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
         except SamplingParamError as exc:
             # The user named these differently: point at their field.
-            names = {"logprobs": "top_logprobs", "max_tokens": "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"}
+            max_tokens_name = "max_tokens" if self.max_completion_tokens is None else "max_completion_tokens"
+            names = {"logprobs": "top_logprobs", "max_tokens": max_tokens_name}
             raise SamplingParamError(names.get(exc.param, exc.param), str(exc)) from None
 
 
@@ -212,7 +213,9 @@ def _token_biases(logit_bias: dict[str, float] | None, vocab_size: int) -> dict[
     biases = {}
     for key, bias in logit_bias.items():
         if not key.lstrip("-").isdigit() or not 0 <= int(key) < vocab_size:
-            raise SamplingParamError("logit_bias", f"logit_bias keys must be token ids in [0, {vocab_size}), got {key!r}.")
+            raise SamplingParamError(
+                "logit_bias", f"logit_bias keys must be token ids in [0, {vocab_size}), got {key!r}."
+            )
         biases[int(key)] = bias
     return biases
 

@@ -68,7 +68,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                 group.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=default)
             else:
                 group.add_argument(
-                    flag, dest=name, type=kind, default=default, metavar=kind.__name__.upper(), help="default: %(default)s"
+                    flag, dest=name, type=kind, default=default, metavar=kind.__name__.upper(),
+                    help="default: %(default)s",
                 )
 
 
