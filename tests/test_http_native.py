@@ -5,6 +5,9 @@ import json
 import pytest
 from test_http_support import live_server, settled_stats, shared_core
 
+from trillm.config import EngineArgs
+from trillm.engine.core import EngineCore
+
 PROMPT = "The capital of France is"
 
 
@@ -122,3 +125,28 @@ async def test_request_id_is_echoed_and_names_the_request(server):
     assert fresh.headers["X-Request-Id"] == fresh.parse().id and fresh.parse().id.startswith("cmpl-")
     health = await server.http().get("/health", headers={"X-Request-Id": "probe"})
     assert health.headers["X-Request-Id"] == "probe"
+
+
+async def test_a_model_without_a_tokenizer_serves_token_ids(tiny_model_dir):
+    core = EngineCore(EngineArgs(model=tiny_model_dir(), num_kv_blocks=16))
+    assert core.tokenizer is None
+    async with live_server(core) as server:
+        client, http = server.openai(), server.http()
+        out = await client.completions.create(
+            model=server.model, prompt=[5, 6, 7], max_tokens=4, temperature=0, logprobs=1
+        )
+        choice = out.choices[0]
+        assert choice.text == "" and out.usage.completion_tokens == 4
+        assert all(t.startswith("token_id:") for t in choice.logprobs.tokens)
+        greedy = {"max_new_tokens": 4, "temperature": 0}
+        native = (await http.post("/generate", json={"input_ids": [5, 6, 7], "sampling_params": greedy})).json()
+        assert native["output_ids"] == [int(t.split(":")[1]) for t in choice.logprobs.tokens]
+        for path, body, param in (
+            ("/v1/completions", {"prompt": "text"}, "prompt"),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, "messages"),
+            ("/v1/completions", {"prompt": [5, 6], "stop": ["x"]}, "stop"),
+            ("/tokenize", {"prompt": "text"}, "prompt"),
+            ("/detokenize", {"tokens": [5]}, "tokens"),
+        ):
+            response = await http.post(path, json=body)
+            assert response.status_code == 400 and response.json()["error"]["param"] == param, (path, response.text)

@@ -16,11 +16,13 @@ import trio
 from trillm.engine.async_engine import RequestStream
 from trillm.engine.output import Delta, OutputProcessor
 from trillm.http.protocol import sample_params
-from trillm.sampling_params import SamplingParams
+from trillm.sampling_params import SamplingParamError, SamplingParams
 
 
 class Generation:
     def __init__(self, state, request_id: str, prompts: list[list[int]], params: SamplingParams):
+        if params.stop and state.tokenizer is None:
+            raise SamplingParamError("stop", "Stop strings need text, and this model has no tokenizer.")
         self.request_id = request_id
         self.prompts = prompts
         self.n = params.n

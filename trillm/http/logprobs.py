@@ -2,7 +2,8 @@
 and completions' parallel lists `tokens / token_logprobs / top_logprobs / text_offset`.
 
 A token is shown as its own decoded text, special tokens included, as vLLM does;
-`bytes` are that text's UTF-8 bytes. A log-probability of -inf is sent as -9999.0,
+`bytes` are that text's UTF-8 bytes. A model without a tokenizer shows
+`token_id:<id>`, vLLM's spelling when it returns tokens as ids. A log-probability of -inf is sent as -9999.0,
 OpenAI's spelling of "very unlikely" (JSON has no infinity).
 """
 from __future__ import annotations
@@ -18,7 +19,10 @@ class TokenTexts:
     """Token id -> text, cached: the vocabulary is finite and the same tokens recur."""
 
     def __init__(self, tokenizer):
-        self.text = lru_cache(maxsize=None)(lambda token_id: tokenizer.decode([token_id]))
+        if tokenizer is None:
+            self.text = lambda token_id: f"token_id:{token_id}"
+        else:
+            self.text = lru_cache(maxsize=None)(lambda token_id: tokenizer.decode([token_id]))
 
 
 def _logprob(value: float) -> float:

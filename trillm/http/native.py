@@ -14,7 +14,7 @@ from quart import Blueprint
 from trillm.engine.output import Delta
 from trillm.http.errors import APIError
 from trillm.http.generation import Generation
-from trillm.http.prompts import chat_prompt, completion_prompts
+from trillm.http.prompts import chat_prompt, completion_prompts, encode, require_tokenizer
 from trillm.http.protocol import AbortRequest, DetokenizeRequest, GenerateRequest, TokenizeRequest
 from trillm.http.sse import stream_response
 from trillm.http.state import current, parse_body, request_id
@@ -103,7 +103,7 @@ async def tokenize():
     if req.messages is not None:
         tokens = chat_prompt(state.tokenizer, req.messages, req.chat_template_kwargs, req.add_generation_prompt)
     else:
-        tokens = state.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        tokens = encode(state.tokenizer, req.prompt, "prompt", req.add_special_tokens)
     body = {"count": len(tokens), "max_model_len": state.core.max_model_len, "tokens": tokens}
     if req.return_token_strs:
         body["token_strs"] = state.tokenizer.convert_ids_to_tokens(tokens)
@@ -114,6 +114,7 @@ async def tokenize():
 async def detokenize():
     state = current()
     req = await parse_body(DetokenizeRequest, status=422)
+    require_tokenizer(state.tokenizer, "tokens")
     bad = [t for t in req.tokens if not 0 <= t < state.vocab_size]
     if bad:
         raise APIError(400, f"Token ids must be in [0, {state.vocab_size}); got {bad[0]}.", "tokens")

@@ -8,7 +8,7 @@ from quart import Blueprint
 from trillm.engine.output import Delta
 from trillm.http.generation import Generation
 from trillm.http.logprobs import TokenTexts, completion_logprobs
-from trillm.http.prompts import completion_prompts
+from trillm.http.prompts import completion_prompts, decode
 from trillm.http.protocol import CompletionRequest
 from trillm.http.sse import stream_response
 from trillm.http.state import current, parse_body, request_id
@@ -39,7 +39,7 @@ def _prompt_text(tokenizer, prompt, k: int, ids: list[int]) -> str:
         return prompt
     if isinstance(prompt[k], str):
         return prompt[k]
-    return tokenizer.decode(ids)
+    return decode(tokenizer, ids)
 
 
 class CompletionChunks:

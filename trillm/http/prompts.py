@@ -3,6 +3,9 @@
 Chat messages go through the model's chat template as text, then are tokenized
 without adding special tokens: the template already holds any BOS, and adding
 one again would change what the model sees (the offline `LLM.chat` does the same).
+
+A model made from a bare config has no tokenizer: it takes token ids only, and
+anything that needs text is a 400 naming the field that carried it.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ def chat_prompt(
 ) -> list[int]:
     if not messages:
         raise SamplingParamError("messages", "messages must hold at least one message.")
+    require_tokenizer(tokenizer, "messages")
     try:
         text = tokenizer.apply_chat_template(
             [m.for_template() for m in messages],
@@ -33,9 +37,24 @@ def chat_prompt(
 def completion_prompts(tokenizer, prompt: str | list[str] | list[int] | list[list[int]]) -> list[list[int]]:
     """One token-id list per prompt. An empty one is left for the engine to refuse with its own words."""
     if isinstance(prompt, str):
-        return [tokenizer.encode(prompt)]
+        return [encode(tokenizer, prompt, "prompt")]
     if not prompt:
         raise SamplingParamError("prompt", "The prompt is empty.")
     if isinstance(prompt[0], int):
         return [list(prompt)]
-    return [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompt]
+    return [encode(tokenizer, p, "prompt") if isinstance(p, str) else list(p) for p in prompt]
+
+
+def require_tokenizer(tokenizer, param: str) -> None:
+    if tokenizer is None:
+        raise SamplingParamError(param, "This model has no tokenizer: send prompts as token ids.")
+
+
+def encode(tokenizer, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+    require_tokenizer(tokenizer, param)
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+def decode(tokenizer, token_ids: list[int]) -> str:
+    """Token ids as text; "" for a model without a tokenizer, whose outputs carry no text either."""
+    return "" if tokenizer is None else tokenizer.decode(token_ids)
