@@ -35,7 +35,9 @@ class LLM:
         params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
-        """Prompts are texts or token-id lists; one SamplingParams for all or one per prompt."""
+        """Prompts are texts or token-id lists (only the latter for a model without a tokenizer,
+        whose completions then carry token ids and no text); one SamplingParams for all or one
+        per prompt."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = params or SamplingParams()
@@ -44,14 +46,17 @@ class LLM:
         results, processors = [], {}
         for prompt, p in zip(prompts, params_list):
             text = prompt if isinstance(prompt, str) else None
+            if text is not None and self.tokenizer is None:
+                raise ValueError("This model has no tokenizer: give prompts as token-id lists.")
             ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
             result = RequestOutput(str(self._counter), text, ids, [])
             self._counter += 1
             for i in range(p.n):
                 sample_params = p if p.seed is None else replace(p, seed=p.seed + i)
                 rid = f"{result.request_id}-{i}"
-                self.engine.add_request(rid, ids, sample_params)
+                # The processor first: if it refuses the params, the engine never holds the request.
                 processors[rid] = OutputProcessor(self.tokenizer, ids, sample_params, index=i)
+                self.engine.add_request(rid, ids, sample_params)
                 result.outputs.append(processors[rid].completion)
             results.append(result)
         self._run(processors, use_tqdm)

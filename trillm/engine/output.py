@@ -41,6 +41,25 @@ class Completion:
     num_cached_tokens: int = 0
 
 
+class TokenIdsOnly:
+    """The detokenizer of a model without a tokenizer (a test or benchmark model made from a
+    bare config): the request streams token ids, its text stays "", and stop strings, which
+    need text, are refused up front."""
+
+    stopped = False
+    stop_reason = None
+
+    def __init__(self, params: SamplingParams):
+        if params.stop:
+            raise ValueError("Stop strings need a tokenizer, and this model has none.")
+
+    def add(self, new_token_ids: list[int]) -> str:
+        return ""
+
+    def flush(self) -> str:
+        return ""
+
+
 class OutputProcessor:
     """Per-request: detokenizes incrementally and decides when a stop string ends it.
 
@@ -51,7 +70,10 @@ class OutputProcessor:
 
     def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams, index: int = 0):
         self.params = params
-        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, params)
+        if tokenizer is None:
+            self.detokenizer = TokenIdsOnly(params)
+        else:
+            self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, params)
         self.completion = Completion(index=index, logprobs=[] if params.logprobs is not None else None)
 
     @property
