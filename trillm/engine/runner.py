@@ -3,7 +3,8 @@
 The scheduler decides who runs and which blocks hold their context; the runner only lays that out
 as flat tensors (one torch.tensor per field, built from flat Python lists) and runs one forward.
 Logits are computed only for the requests that sample this step: a prefill chunk that does not
-reach the end of its prompt needs none.
+reach the end of its prompt needs none. On CUDA, pure-decode steps replay CUDA graphs
+(trillm/engine/cuda_graphs.py); every other step runs eagerly.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 
 from trillm.config import EngineArgs
 from trillm.engine.attention import AttentionMetadata
+from trillm.engine.cuda_graphs import DecodeGraphs, use_cuda_graphs
 from trillm.engine.llama import head_dim_of
 from trillm.engine.loader import load_model
 
@@ -47,10 +49,19 @@ class ModelRunner:
             raise ValueError(
                 f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings {max_positions}."
             )
+        self.decode_graphs: DecodeGraphs | None = None  # captured once the KV cache exists
         self.num_kv_blocks = args.num_kv_blocks or self._num_blocks_in_budget()
         if self.num_kv_blocks < 1:
             raise ValueError("The KV cache budget holds no block: raise the memory budget or lower block_size.")
         self.kv_caches = self._allocate_kv_cache(self.num_kv_blocks)
+        if use_cuda_graphs(self.device, args.enforce_eager, args.attention_backend):
+            self.decode_graphs = DecodeGraphs(
+                self.model,
+                self.kv_caches,
+                min(args.max_num_seqs, args.max_num_batched_tokens),  # the largest decode batch
+                self.max_model_len,
+                self.block_size,
+            )
 
     @property
     def block_bytes(self) -> int:
@@ -163,5 +174,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _run(self, batch: ModelInput, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        hidden = self.model(batch.input_ids, batch.positions, kv_caches, batch.meta)
+        if self.decode_graphs is not None and self.decode_graphs.can_run(batch):
+            assert kv_caches is self.kv_caches, "the graphs were captured on the engine's KV cache"
+            hidden = self.decode_graphs.forward(batch)  # padded rows; sample_rows are the real ones
+        else:
+            hidden = self.model(batch.input_ids, batch.positions, kv_caches, batch.meta)
         return self.model.compute_logits(hidden[batch.sample_rows]).float()
