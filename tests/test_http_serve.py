@@ -1,6 +1,7 @@
-"""`python -m trillm serve` as a user runs it: its own process, a free port, the real `openai`
-client, and a SIGTERM while streams run (the drain lets one finish; a second signal aborts the
-other), then a clean exit."""
+"""The server as a user runs it, in its own process on a free port, with the real `openai` client:
+`python -m trillm serve` through a SIGTERM while streams run (the drain lets one finish; a second
+signal aborts the other), and Hypercorn's own launch of the app factory, configured by TRILLM_*."""
+import os
 import re
 import signal
 import subprocess
@@ -15,12 +16,12 @@ REPO = Path(__file__).resolve().parents[1]
 STARTUP_TIMEOUT = 300  # seconds: the model loads first (not a speed check)
 
 
-async def start_server(nursery: trio.Nursery, *flags: str) -> tuple[trio.Process, str, list[str]]:
+async def start_server(nursery: trio.Nursery, command: list[str], env=None) -> tuple[trio.Process, str, list[str]]:
     """The process, its URL (read from its log: it binds port 0), and its log lines so far and to come."""
     process = await nursery.start(
         lambda task_status: trio.run_process(
-            [sys.executable, "-m", "trillm", "serve", "--port", "0", *flags],
-            cwd=REPO, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, check=False, task_status=task_status,
+            command, cwd=REPO, env=env, stderr=subprocess.STDOUT, stdout=subprocess.PIPE, check=False,
+            task_status=task_status,
         )
     )
     log: list[str] = []
@@ -29,7 +30,7 @@ async def start_server(nursery: trio.Nursery, *flags: str) -> tuple[trio.Process
 
     async def read_log():
         buffer = b""
-        async for data in process.stderr:
+        async for data in process.stdout:
             buffer += data
             *lines, buffer = buffer.split(b"\n")
             for line in lines:
@@ -47,7 +48,9 @@ async def start_server(nursery: trio.Nursery, *flags: str) -> tuple[trio.Process
 
 async def test_serve_answers_then_drains_on_sigterm():
     async with trio.open_nursery() as nursery:
-        process, url, log = await start_server(nursery, "--num-kv-blocks", "128", "--drain-timeout", "120")
+        command = [sys.executable, "-m", "trillm", "serve", "--port", "0", "--num-kv-blocks", "128"]
+        command += ["--drain-timeout", "120"]
+        process, url, log = await start_server(nursery, command)
         client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
         model = (await client.models.list()).data[0].id
         answer = await client.chat.completions.create(
@@ -87,5 +90,25 @@ async def test_serve_answers_then_drains_on_sigterm():
             process.send_signal(signal.SIGTERM)  # a second signal cuts the drain short
         assert finishes == {"short": "length", "long": "abort"}
         await client.close()
+        with trio.fail_after(60):
+            assert await process.wait() == 0, "\n".join(log)
+
+
+async def test_hypercorn_launches_the_app_factory_from_the_environment():
+    env = {**os.environ, "TRILLM_NUM_KV_BLOCKS": "64", "TRILLM_SERVED_MODEL_NAME": "smol", "TRILLM_API_KEY": "sesame"}
+    command = [
+        sys.executable, "-m", "hypercorn", "--worker-class", "trio", "--bind", "127.0.0.1:0",
+        "trillm.http.app:create_app()",
+    ]
+    async with trio.open_nursery() as nursery:
+        process, url, log = await start_server(nursery, command, env)
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="sesame", max_retries=0)
+        assert [m.id for m in (await client.models.list()).data] == ["smol"]
+        out = await client.completions.create(model="smol", prompt="Hello", max_tokens=3)
+        assert out.usage.completion_tokens == 3
+        async with httpx.AsyncClient(base_url=url) as http:
+            assert (await http.get("/server_info")).json()["settings"]["engine"]["num_kv_blocks"] == 64
+        await client.close()
+        process.send_signal(signal.SIGTERM)
         with trio.fail_after(60):
             assert await process.wait() == 0, "\n".join(log)
