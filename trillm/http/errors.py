@@ -54,6 +54,7 @@ def from_validation_error(exc: pydantic.ValidationError, status: int) -> APIErro
     first = exc.errors(include_url=False)[0]
     param = ".".join(str(part) for part in first["loc"]) or None
     message = first["msg"] if param is None else f"{param}: {first['msg']}"
-    if len(exc.errors()) > 1:
-        message += f" (and {len(exc.errors()) - 1} more problems)"
+    more = len(exc.errors()) - 1
+    if more:
+        message += f" (and {more} more problem{'s' if more > 1 else ''})"
     return APIError(status, message, param)
