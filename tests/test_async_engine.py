@@ -4,7 +4,7 @@ freeing the request's KV blocks before the engine's next step."""
 import pytest
 import trio
 import trio.testing
-from test_http_support import shared_core
+from http_support import shared_core
 
 from trillm import SamplingParams
 from trillm.engine.async_engine import AsyncEngine, EngineUnavailableError, QueueFullError

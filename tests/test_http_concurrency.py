@@ -3,7 +3,7 @@ and every way of ending a request (client gone, /abort_request, drain) freeing i
 import openai
 import pytest
 import trio
-from test_http_support import live_server, metric_value, settled_stats, shared_core
+from http_support import live_server, metric_value, settled_stats, shared_core
 
 PROMPT = "Once upon a time, in a small village nestled between two mountains,"
 ENDLESS = {"ignore_eos": True}  # with a large max_tokens: runs until something stops it

@@ -5,7 +5,7 @@ failure (its engine died) is a 5xx, and it is a 503, never a 500.
 """
 import openai
 import pytest
-from test_http_support import live_server, shared_core
+from http_support import live_server, shared_core
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"

@@ -3,7 +3,7 @@ models, info, load, metrics), and the X-Request-Id contract, against a live serv
 import json
 
 import pytest
-from test_http_support import live_server, settled_stats, shared_core
+from http_support import live_server, settled_stats, shared_core
 
 from trillm.config import EngineArgs
 from trillm.engine.core import EngineCore

@@ -4,7 +4,7 @@ types with the values they must have."""
 import pytest
 from openai.types import Completion
 from openai.types.chat import ChatCompletion
-from test_http_support import live_server, metric_value, settled_stats, shared_core
+from http_support import live_server, metric_value, settled_stats, shared_core
 
 QUESTION = [{"role": "user", "content": "Name three colors."}]
 PROMPT = "The capital of France is"

@@ -1,4 +1,4 @@
-"""What the server tests share (this module holds no tests of its own).
+"""What the server tests share: a live-server fixture and helpers (a module, not a test file).
 
 One EngineCore per test process: loading the model takes seconds, so every test
 file's live servers and AsyncEngines drive the same core, one at a time. Each
