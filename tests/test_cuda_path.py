@@ -29,6 +29,7 @@ def greedy_generations(model_dir: str, backend: str) -> tuple[list, dict]:
     llm = trillm.LLM(
         model_dir,
         attention_backend=backend,
+        dtype="float32",  # also on a GPU, where "auto" would be bf16
         block_size=BLOCK_SIZE,
         num_kv_blocks=40,
         max_num_batched_tokens=STEP_BUDGET,
@@ -104,7 +105,7 @@ def decode_step(runner: ModelRunner, token_ids: list[list[int]], tables: list[li
 def assert_only_slots_changed(runner: ModelRunner, before: list[torch.Tensor], slots: torch.Tensor):
     """The cache equals `before` except at `slots`, where it is close (rewritten with the same
     keys and values, up to rounding of a different batch shape)."""
-    others = torch.ones(runner.num_kv_blocks * BLOCK_SIZE, dtype=torch.bool)
+    others = torch.ones(runner.num_kv_blocks * BLOCK_SIZE, dtype=torch.bool, device=runner.device)
     others[slots] = False
     after = [c.flatten(0, 1) for kv in runner.kv_caches for c in kv]
     for now, then in zip(after, before):
@@ -118,8 +119,8 @@ def test_padded_decode_batch_gives_the_unpadded_logits(tiny_model_dir, backend):
         pytest.importorskip("triton")
     runner = ModelRunner(
         EngineArgs(
-            model=tiny_model_dir("llama"), attention_backend=backend, num_kv_blocks=24, block_size=BLOCK_SIZE,
-            max_model_len=64,
+            model=tiny_model_dir("llama"), attention_backend=backend, dtype="float32", num_kv_blocks=24,
+            block_size=BLOCK_SIZE, max_model_len=64,
         )
     )
     rng = random.Random(1)
