@@ -1,0 +1,73 @@
+"""What compiling the scheduler buys: one schedule() + update() step, compiled vs
+the very same .pyx source run as plain Python.
+
+The workload is the decode steady state that dominates serving: N running
+requests, each computing one token per step, a new block every block_size steps,
+and the prefix cache taking each block as it fills. The pool is sized so that
+nothing is preempted or finishes while timing.
+
+    python benchmarks/bench_scheduler.py [--sizes 64 256 1024] [--steps 64] [--repeats 5]
+"""
+import argparse
+import random
+import statistics
+import time
+from types import ModuleType
+
+from trillm.sched_ext import allocator, load_uncompiled, scheduler
+
+PROMPT_LEN = 128
+BLOCK_SIZE = 16
+
+
+def prefill(module: ModuleType, num_requests: int, num_steps: int):
+    """Run the prompts through, so that every request decodes from here on."""
+    rng = random.Random(0)
+    blocks_each = (PROMPT_LEN + 2 * num_steps) // BLOCK_SIZE + 2
+    sched = module.Scheduler(num_requests * blocks_each, BLOCK_SIZE,
+                             max_num_batched_tokens=max(2048, num_requests), max_num_seqs=num_requests,
+                             max_model_len=PROMPT_LEN + 4 * num_steps)
+    for i in range(num_requests):
+        prompt = [rng.randrange(1, 50_000) for _ in range(PROMPT_LEN)]
+        sched.add(module.Request(f"r{i}", prompt, 2 * num_steps, ignore_eos=True))
+    while True:
+        out = sched.schedule()
+        sched.update(out, [7] * len(out.requests))
+        if sched.num_waiting == 0 and out.num_decodes == num_requests:
+            return sched
+
+
+def time_steps(module: ModuleType, num_requests: int, num_steps: int, repeats: int) -> float:
+    """Median over `repeats` runs of the mean seconds per step over `num_steps` steps."""
+    runs = []
+    for _ in range(repeats):
+        sched = prefill(module, num_requests, num_steps)
+        sampled = [7] * num_requests
+        start = time.perf_counter()
+        for _ in range(num_steps):
+            out = sched.schedule()
+            sched.update(out, sampled)
+        runs.append((time.perf_counter() - start) / num_steps)
+        assert out.num_decodes == num_requests and not out.preempted and sched.num_running == num_requests
+    return statistics.median(runs)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[64, 256, 1024])
+    parser.add_argument("--steps", type=int, default=64, help="timed decode steps per run")
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    assert allocator.COMPILED and scheduler.COMPILED, "the compiled extensions are not the ones imported"
+    _, uncompiled = load_uncompiled()
+    print(f"one schedule() + update() in decode steady state; median of {args.repeats} runs "
+          f"of {args.steps} steps")
+    print(f"{'running':>8} {'compiled':>12} {'plain Python':>14} {'speed-up':>9}")
+    for n in args.sizes:
+        fast = time_steps(scheduler, n, args.steps, args.repeats)
+        slow = time_steps(uncompiled, n, args.steps, args.repeats)
+        print(f"{n:>8} {fast * 1e6:>9.1f} us {slow * 1e6:>11.1f} us {slow / fast:>8.1f}x")
+
+
+if __name__ == "__main__":
+    main()

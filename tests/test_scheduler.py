@@ -1,0 +1,474 @@
+"""Scheduler: chunked prefill, budgets, prefix hits, preemption, aborts, finishing.
+
+The unit tests pin the policy on small hand-made cases; the state machines drive
+random workloads and check, after every rule, the invariants of docs/design.md
+plus an end-to-end one: the KV a scheduled request would read (modelled per
+slot as the identity of the exact prefix that wrote it) is always its own.
+"""
+import random
+from collections import Counter
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
+
+from trillm.sched_ext import FINISHED, RUNNING, WAITING, Request, Scheduler, load_uncompiled
+from trillm.sched_ext import allocator as compiled_allocator
+from trillm.sched_ext import scheduler as compiled_scheduler
+
+BS = 4
+EOS = 0
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def step(sched: Scheduler, token: int = 7):
+    """One schedule + update, every sampled token `token`."""
+    out = sched.schedule()
+    finished = sched.update(out, [token] * len(out.requests))
+    sched.check_invariants()
+    return out, finished
+
+
+def plan(out) -> list[tuple[str, int, int, bool]]:
+    return list(zip([r.request_id for r in out.requests], out.num_scheduled_tokens,
+                    out.num_computed_tokens, out.needs_sample))
+
+
+def test_the_extensions_are_compiled():
+    assert compiled_scheduler.COMPILED is True and compiled_allocator.COMPILED is True
+    allocator, scheduler = load_uncompiled()
+    assert allocator.COMPILED is False and scheduler.COMPILED is False
+
+
+def test_chunked_prefill_spreads_a_long_prompt_over_steps():
+    sched = Scheduler(16, BS, max_num_batched_tokens=8)
+    sched.add(Request("a", range(1, 20), 2))
+    a = sched.get("a")
+    out, _ = step(sched)
+    assert plan(out) == [("a", 8, 0, False)] and len(a.block_table) == 2
+    out, _ = step(sched)
+    assert plan(out) == [("a", 8, 8, False)] and len(a.block_table) == 4
+    out, _ = step(sched)
+    assert plan(out) == [("a", 3, 16, True)] and len(a.block_table) == 5
+    assert a.num_output_tokens == 1 and a.num_computed_tokens == 19
+    out, finished = step(sched)
+    assert plan(out) == [("a", 1, 19, True)] and out.num_decodes == 1
+    assert finished == [a] and a.finish_reason == "length"
+
+
+def test_budget_goes_to_running_requests_first_then_admissions():
+    sched = Scheduler(16, BS, max_num_batched_tokens=8)
+    for k, rid in enumerate("abc"):
+        sched.add(Request(rid, [k + 1] * 6, 5))
+    out, _ = step(sched)
+    assert plan(out) == [("a", 6, 0, True), ("b", 2, 0, False)] and sched.num_waiting == 1
+    out, _ = step(sched)
+    assert plan(out) == [("a", 1, 6, True), ("b", 4, 2, True), ("c", 3, 0, False)]
+    assert out.num_decodes == 1 and out.total_num_tokens == 8
+
+
+def test_decodes_come_first_in_the_output():
+    sched = Scheduler(16, BS, max_num_batched_tokens=12)
+    sched.add(Request("cached", range(1, 9), 1))
+    step(sched)
+    sched.add(Request("long", range(20, 40), 5))
+    sched.add(Request("hit", list(range(1, 9)) + [50], 5))  # 8 of its 9 tokens are cached
+    out, _ = step(sched)
+    assert plan(out) == [("long", 12, 0, False)]
+    out, _ = step(sched)  # scheduled: long's last chunk, then hit's one token
+    assert plan(out) == [("hit", 1, 8, True), ("long", 8, 12, True)] and out.num_decodes == 1
+
+
+def test_max_num_seqs_caps_the_batch():
+    sched = Scheduler(16, BS, max_num_seqs=2)
+    for rid in "abc":
+        sched.add(Request(rid, [1, 2], 5))
+    out, _ = step(sched)
+    assert [r.request_id for r in out.requests] == ["a", "b"]
+    assert (sched.num_running, sched.num_waiting) == (2, 1)
+
+
+def test_prefix_cache_hits_skip_full_blocks_but_not_the_last_token():
+    sched = Scheduler(16, BS)
+    sched.add(Request("a", range(1, 11), 1))  # 2 full blocks + 2 tokens
+    step(sched)
+    assert sched.get("a") is None
+    sched.add(Request("b", list(range(1, 9)) + [42, 43, 44], 1))
+    out, _ = step(sched)
+    assert plan(out) == [("b", 3, 8, True)]
+    assert out.requests[0].num_cached_tokens == 8
+    sched.add(Request("c", range(1, 9), 1))  # exactly a's 2 full blocks
+    out, _ = step(sched)
+    assert plan(out) == [("c", 4, 4, True)]  # the last token is computed: 1 hit, not 2
+    alloc = sched.allocator
+    assert (alloc.prefix_cache_queries, alloc.prefix_cache_hits) == (2 + 2 + 1, 0 + 2 + 1)
+
+
+def test_prefix_caching_disabled_recomputes_everything():
+    sched = Scheduler(16, BS, enable_prefix_caching=False)
+    sched.add(Request("a", range(1, 11), 1))
+    step(sched)
+    sched.add(Request("b", range(1, 11), 1))
+    out, _ = step(sched)
+    assert plan(out) == [("b", 10, 0, True)] and out.requests[0].num_cached_tokens == 0
+    assert sched.allocator.prefix_cache_queries == 0
+
+
+def test_preemption_takes_the_newest_and_requeues_it_first():
+    sched = Scheduler(4, BS)
+    sched.add(Request("a", [1, 1, 1, 1], 2))
+    sched.add(Request("b", [2, 2, 2, 2], 5))
+    sched.add(Request("c", [3, 3, 3, 3], 5))
+    step(sched)  # a, b, c: one block each, one block left
+    sched.add(Request("d", [4, 4, 4, 4], 5))
+    out, finished = step(sched)  # all three need a second block
+    c = sched.get("c")
+    assert out.preempted == ["c"] and [r.request_id for r in out.requests] == ["a", "b"]
+    assert (c.status, c.num_computed_tokens, c.block_table, c.num_preemptions) == (WAITING, 0, [], 1)
+    assert c.token_ids == [3, 3, 3, 3, 7]  # its output is kept and recomputed
+    assert [r.request_id for r in finished] == ["a"]
+    out, _ = step(sched)
+    assert plan(out) == [("b", 1, 5, True), ("c", 5, 0, True)]  # c before d
+    assert sched.get("d").status == WAITING
+
+
+def test_the_newest_request_preempts_itself():
+    sched = Scheduler(3, BS)
+    sched.add(Request("a", [1, 1, 1, 1], 5))
+    sched.add(Request("b", [2, 2, 2, 2], 5))
+    step(sched)
+    out, _ = step(sched)
+    assert out.preempted == ["b"] and [r.request_id for r in out.requests] == ["a"]
+    assert sched.get("b").status == WAITING and sched.get("a").status == RUNNING
+
+
+def test_nothing_is_admitted_in_a_step_that_preempted():
+    sched = Scheduler(3, BS, max_num_batched_tokens=5, enable_prefix_caching=False)
+    sched.add(Request("a", [1, 1, 1], 9))
+    sched.add(Request("c", [2] * 8, 9))
+    out, _ = step(sched)
+    assert plan(out) == [("a", 3, 0, True), ("c", 2, 0, False)]
+    out, _ = step(sched)
+    assert plan(out) == [("a", 1, 3, True), ("c", 4, 2, False)]
+    out, _ = step(sched)  # a needs a block: c goes; its first chunk would fit again, yet waits
+    assert out.preempted == ["c"] and plan(out) == [("a", 1, 4, True)]
+    out, _ = step(sched)
+    assert plan(out) == [("a", 1, 5, True), ("c", 4, 0, False)]
+
+
+def test_abort_frees_blocks_at_once():
+    sched = Scheduler(8, BS)
+    sched.add(Request("a", range(1, 10), 5))
+    sched.add(Request("w", range(1, 10), 5))
+    sched.add(Request("x", range(1, 10), 5))
+    sched.check_invariants()
+    out = sched.schedule()
+    free_before = sched.allocator.num_free_blocks
+    a = sched.abort("a", reason="stop")
+    assert (a.status, a.finish_reason, a.block_table) == (FINISHED, "stop", [])
+    assert sched.allocator.num_free_blocks == free_before + 3
+    finished = sched.update(out, [7, 7])  # "a" was aborted after schedule(): skipped
+    assert finished == [] and sched.get("a") is None
+    assert sched.abort("a") is None and sched.abort("unknown") is None
+    sched.check_invariants()
+    assert (sched.num_running, sched.num_waiting) == (1, 1)
+    assert sched.abort("w").finish_reason == "abort" and sched.num_running == 0
+    sched.add(Request("y", [1], 5))
+    assert sched.num_waiting == 2 and sched.abort("y").status == FINISHED and sched.num_waiting == 1
+    sched.check_invariants()
+
+
+def run_to_end(sched: Scheduler, tokens: list[int]) -> Request:
+    """Feed `tokens` one per step to a lone request until it finishes."""
+    for token in tokens:
+        _, finished = step(sched, token)
+        if finished:
+            return finished[0]
+    raise AssertionError("the request did not finish")
+
+
+def test_eos_finishes_with_stop():
+    sched = Scheduler(8, BS)
+    sched.add(Request("a", [1, 2], 10, eos_token_id=EOS))
+    a = run_to_end(sched, [5, 6, EOS, 5])
+    assert (a.finish_reason, a.stop_token_id, a.token_ids) == ("stop", EOS, [1, 2, 5, 6, EOS])
+
+
+def test_ignore_eos_runs_to_max_tokens():
+    sched = Scheduler(8, BS)
+    sched.add(Request("a", [1, 2], 3, eos_token_id=EOS, ignore_eos=True))
+    a = run_to_end(sched, [EOS] * 5)
+    assert (a.finish_reason, a.stop_token_id, a.num_output_tokens) == ("length", -1, 3)
+
+
+def test_stop_token_ids_finish_with_stop():
+    sched = Scheduler(8, BS)
+    sched.add(Request("a", [1, 2], 10, eos_token_id=EOS, stop_token_ids=[8, 9]))
+    a = run_to_end(sched, [5, 9, 5])
+    assert (a.finish_reason, a.stop_token_id, a.num_output_tokens) == ("stop", 9, 2)
+
+
+def test_a_stop_token_wins_over_max_tokens():
+    sched = Scheduler(8, BS)
+    sched.add(Request("a", [1, 2], 1, eos_token_id=EOS))
+    assert run_to_end(sched, [EOS]).finish_reason == "stop"
+
+
+def test_min_tokens_defers_eos_and_stop_tokens():
+    sched = Scheduler(8, BS)
+    sched.add(Request("a", [1, 2], 10, min_tokens=2, eos_token_id=EOS, stop_token_ids=[9]))
+    a = run_to_end(sched, [EOS, 9, EOS])
+    assert (a.finish_reason, a.token_ids) == ("stop", [1, 2, EOS, 9, EOS])
+
+
+def test_max_model_len_finishes_with_length():
+    sched = Scheduler(8, BS, max_model_len=8)
+    sched.add(Request("a", range(1, 7), 100))
+    a = run_to_end(sched, [5] * 5)
+    assert (a.finish_reason, len(a.token_ids)) == ("length", 8)
+
+
+def test_outgrowing_the_whole_pool_finishes_with_length():
+    sched = Scheduler(2, BS, max_model_len=100)
+    sched.add(Request("a", range(1, 7), 100))
+    a = run_to_end(sched, [5] * 5)
+    assert (a.finish_reason, len(a.token_ids)) == ("length", 2 * BS + 1)  # its last token is never computed
+
+
+def test_prompts_that_can_never_fit_are_refused():
+    sched = Scheduler(4, BS, max_model_len=12)
+    with pytest.raises(ValueError, match="context length"):
+        sched.add(Request("a", range(12), 5))
+    sched.add(Request("b", range(11), 5))
+    sched = Scheduler(3, BS, max_model_len=100)
+    with pytest.raises(ValueError, match="KV cache"):
+        sched.add(Request("c", range(12), 5))  # 12 prompt tokens + 1 need 4 blocks
+    sched.add(Request("d", range(11), 5))
+    with pytest.raises(ValueError, match="already in use"):
+        sched.add(Request("d", [1], 5))
+    done = sched.abort("d")
+    with pytest.raises(ValueError, match="already been scheduled"):
+        sched.add(done)
+    with pytest.raises(ValueError, match="empty"):
+        Request("e", [], 5)
+    with pytest.raises(ValueError, match="max_tokens"):
+        Request("e", [1], 0)
+
+
+def trace(module, seed: int) -> list:
+    """Everything observable of a random workload, run on `module`'s Scheduler."""
+    rng = random.Random(seed)
+    sched = module.Scheduler(12, BS, max_num_batched_tokens=10, max_num_seqs=3, max_model_len=30)
+    prefix = [rng.randrange(1, 6) for _ in range(9)]
+    events = []
+    for i in range(60):
+        if rng.random() < 0.3:
+            prompt = prefix[:rng.randrange(10)] + [rng.randrange(1, 6) for _ in range(rng.randrange(1, 8))]
+            sched.add(module.Request(f"r{i}", prompt, rng.randrange(1, 12), eos_token_id=EOS,
+                                     min_tokens=rng.randrange(3)))
+        out = sched.schedule()
+        events.append((plan(out), out.num_decodes, out.preempted, [list(r.block_table) for r in out.requests]))
+        finished = sched.update(out, [rng.randrange(6) for _ in out.requests])
+        events.append([(r.request_id, r.finish_reason, r.token_ids, r.num_cached_tokens) for r in finished])
+    alloc = sched.allocator
+    events.append((alloc.num_free_blocks, alloc.num_cached_blocks, alloc.prefix_cache_hits))
+    return events
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_compiled_and_plain_python_agree(seed):
+    _, uncompiled = load_uncompiled()
+    assert trace(compiled_scheduler, seed) == trace(uncompiled, seed)
+
+
+# --- stateful tests -------------------------------------------------------------------
+
+VOCAB = 6  # token 0 is EOS: random samples end requests now and then
+PREFIXES = [(), (2, 3, 4, 5, 2), (2, 3, 4, 5, 2, 4, 4, 3, 5), (5, 5, 4, 3, 2, 2, 3, 4)]
+
+
+def scheduler_machine(num_blocks: int, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
+                      enable_prefix_caching: bool = True):
+    """A state machine class driving one scheduler configuration."""
+
+    class SchedulerMachine(RuleBasedStateMachine):
+        preemptions = 0  # over all runs of this class
+        prefix_hits = 0
+
+        def __init__(self):
+            super().__init__()
+            self.sched = Scheduler(num_blocks, BS, max_num_batched_tokens, max_num_seqs, max_model_len,
+                                   enable_prefix_caching)
+            self.max_len = min(max_model_len, num_blocks * BS + 1)
+            self.live: set[str] = set()
+            self.done: set[str] = set()
+            self.expected: dict[str, list[int]] = {}  # token ids each request must have
+            self.prefix_ids: dict[tuple[int, int], int] = {}  # (prefix id, token) -> prefix id
+            self.kv: dict[int, int] = {}  # slot -> id of the exact prefix whose KV it holds
+            self.count = 0
+
+        def prefix_chain(self, token_ids: list[int]) -> list[int]:
+            """Per position, an id of the exact prefix ending there."""
+            chain, pid = [], -1
+            for token in token_ids:
+                pid = self.prefix_ids.setdefault((pid, token), len(self.prefix_ids))
+                chain.append(pid)
+            return chain
+
+        @rule(prefix=st.sampled_from(PREFIXES), suffix=st.lists(st.integers(1, VOCAB - 1), max_size=3 * BS),
+              max_tokens=st.integers(1, 24), min_tokens=st.integers(0, 3), ignore_eos=st.booleans(),
+              stop_token_ids=st.sampled_from([(), (1,)]))
+        def add(self, prefix, suffix, max_tokens, min_tokens, ignore_eos, stop_token_ids):
+            prompt = list(prefix) + suffix
+            rid = f"r{self.count}"
+            self.count += 1
+            if not prompt:
+                with pytest.raises(ValueError):
+                    Request(rid, prompt, max_tokens)
+                return
+            request = Request(rid, prompt, max_tokens, min_tokens=min_tokens, eos_token_id=EOS,
+                              stop_token_ids=stop_token_ids, ignore_eos=ignore_eos)
+            if len(prompt) >= max_model_len or cdiv(len(prompt) + 1, BS) > num_blocks:
+                with pytest.raises(ValueError):
+                    self.sched.add(request)
+                return
+            self.sched.add(request)
+            self.live.add(rid)
+            self.expected[rid] = list(prompt)
+
+        @rule(seed=st.integers(0, 2**32 - 1))
+        def step(self, seed):
+            sched = self.sched
+            was_waiting = {rid for rid in self.live if sched.get(rid).status == WAITING}
+            out = sched.schedule()
+            assert out.total_num_tokens == sum(out.num_scheduled_tokens) <= max_num_batched_tokens
+            assert len(out.requests) <= max_num_seqs
+            ids = [r.request_id for r in out.requests]
+            assert len(set(ids)) == len(ids) and set(ids) <= self.live
+            assert all(n == 1 for n in out.num_scheduled_tokens[:out.num_decodes])
+            assert all(n > 1 for n in out.num_scheduled_tokens[out.num_decodes:])
+            for rid in out.preempted:
+                r = sched.get(rid)
+                assert r.status == WAITING and r.block_table == [] and r.num_computed_tokens == 0
+                assert rid not in ids
+            if out.preempted:
+                assert not was_waiting & set(ids), "admitted in a step that preempted"
+            SchedulerMachine.preemptions += len(out.preempted)
+            holders = Counter(b for rid in self.live for b in sched.get(rid).block_table)
+            for r, n, computed, needs_sample in zip(out.requests, out.num_scheduled_tokens,
+                                                    out.num_computed_tokens, out.needs_sample):
+                assert r.status == RUNNING and r.num_computed_tokens == computed and n >= 1
+                assert needs_sample == (computed + n == len(r.token_ids))
+                assert len(r.block_table) == cdiv(computed + n, BS)
+                chain = self.prefix_chain(r.token_ids)
+                if r.request_id in was_waiting:
+                    assert computed % BS == 0 and computed <= (len(r.token_ids) - 1) // BS * BS
+                    assert enable_prefix_caching or computed == 0
+                for pos in range(computed):  # the context it reads is its own
+                    slot = r.block_table[pos // BS] * BS + pos % BS
+                    assert self.kv.get(slot) == chain[pos], f"{r} reads foreign KV at {pos}"
+                for pos in range(computed, computed + n):  # and it writes only private blocks
+                    block = r.block_table[pos // BS]
+                    assert holders[block] == 1, f"{r} writes block {block}, shared"
+                    self.kv[block * BS + pos % BS] = chain[pos]
+            rng = random.Random(seed)
+            sampled = [rng.randrange(VOCAB) if s else -1 for s in out.needs_sample]
+            finished = sched.update(out, sampled)
+            finished_ids = {r.request_id for r in finished}
+            assert len(finished_ids) == len(finished) and finished_ids <= set(ids)
+            for r, token, needs_sample in zip(out.requests, sampled, out.needs_sample):
+                rid = r.request_id
+                if needs_sample:
+                    self.expected[rid].append(token)
+                assert r.token_ids == self.expected[rid]
+                reason = self.expected_finish(r, token) if needs_sample else None
+                if rid in finished_ids:
+                    assert (r.status, r.finish_reason, r.block_table) == (FINISHED, reason, [])
+                    assert r.stop_token_id == (token if reason == "stop" else -1)
+                    assert sched.get(rid) is None and rid not in self.done
+                    self.live.remove(rid)
+                    self.done.add(rid)
+                else:
+                    assert reason is None and r.status == RUNNING
+            SchedulerMachine.prefix_hits = max(SchedulerMachine.prefix_hits, sched.allocator.prefix_cache_hits)
+
+        def expected_finish(self, r: Request, token: int):
+            num_output = len(r.token_ids) - r.num_prompt_tokens
+            stops = (token == EOS and not r.ignore_eos) or token in r.stop_token_ids
+            if stops and num_output > r.min_tokens:
+                return "stop"
+            if num_output >= r.max_tokens or len(r.token_ids) >= self.max_len:
+                return "length"
+            return None
+
+        @precondition(lambda self: self.live)
+        @rule(data=st.data(), reason=st.sampled_from(["abort", "stop"]))
+        def abort(self, data, reason):
+            rid = data.draw(st.sampled_from(sorted(self.live)))
+            r = self.sched.abort(rid, reason)
+            assert (r.request_id, r.status, r.finish_reason, r.block_table) == (rid, FINISHED, reason, [])
+            assert self.sched.abort(rid) is None
+            self.live.remove(rid)
+            self.done.add(rid)
+
+        @rule()
+        def reset_prefix_cache(self):
+            alloc = self.sched.allocator
+            idle = alloc.num_used_blocks == 0
+            assert alloc.reset_prefix_cache() == idle
+            if idle:
+                assert alloc.num_free_blocks == num_blocks
+
+        @invariant()
+        def consistent(self):
+            sched = self.sched
+            sched.check_invariants()
+            assert self.live | self.done == set(self.expected) and not self.live & self.done
+            live = [sched.get(rid) for rid in self.live]
+            assert all(r is not None and r.status in (WAITING, RUNNING) for r in live), "a request is lost"
+            assert sched.num_waiting + sched.num_running == len(live)
+            sched.allocator.check_invariants([r.block_table for r in live])
+            if not live:
+                assert sched.allocator.num_used_blocks == 0 and not sched.has_unfinished()
+
+        def teardown(self):
+            """Every admitted request finishes: run the steps out, a livelock fails here.
+
+            The oldest live request is never preempted by another and gets the
+            budget first, so it gains a token each step and finishes within
+            2 * max_len steps (a recompute, then decodes); then the next one."""
+            for seed in range(len(self.live) * 2 * (self.max_len + 1)):
+                if not self.live:
+                    return
+                self.step(seed)
+                self.consistent()
+            assert not self.live, f"requests never finish: {self.live}"
+
+    return SchedulerMachine
+
+
+STATEFUL = settings(max_examples=200, stateful_step_count=50, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow])
+
+
+def test_stateful_roomy_pool():
+    machine = scheduler_machine(num_blocks=64, max_num_batched_tokens=16, max_num_seqs=4, max_model_len=20)
+    run_state_machine_as_test(machine, settings=STATEFUL)
+    assert machine.prefix_hits > 0
+
+
+def test_stateful_tiny_pool_preempts():
+    machine = scheduler_machine(num_blocks=5, max_num_batched_tokens=8, max_num_seqs=4, max_model_len=24)
+    run_state_machine_as_test(machine, settings=STATEFUL)
+    assert machine.preemptions > 0 and machine.prefix_hits > 0
+
+
+def test_stateful_tiny_pool_without_prefix_caching():
+    machine = scheduler_machine(num_blocks=5, max_num_batched_tokens=8, max_num_seqs=4, max_model_len=24,
+                                enable_prefix_caching=False)
+    run_state_machine_as_test(machine, settings=settings(STATEFUL, max_examples=50))
+    assert machine.preemptions > 0

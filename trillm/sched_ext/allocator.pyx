@@ -1,0 +1,296 @@
+"""The paged KV cache's block allocator, with prefix caching.
+
+A fixed pool of `num_blocks` blocks of `block_size` token slots. Every block is in
+exactly one of three places:
+
+- free: on the free stack, holding nothing worth keeping;
+- used: held by one or more block tables (its refcount says how many);
+- cached: refcount 0 but still holding the KV of a full block of tokens that a
+  later request with the same prefix can reuse. Cached blocks sit in an LRU list
+  and are evicted only when the free stack is empty.
+
+Prefix caching keys a full block by a hash chain, `hash((parent_key, tokens))`,
+so that one key stands for the whole prefix up to the end of that block. A key is
+only a hint: a hash can collide, and serving the KV of another prefix would
+silently corrupt a generation. So a hit is accepted only if the block's stored
+token tuple equals the query's, and its stored parent is the very block the
+previous hit returned, in the same generation (a block's generation moves on each
+time it is handed out afresh, so a parent that was evicted and reused for other
+tokens no longer matches). By induction the whole prefix is then exactly equal.
+
+The per-block state lives in typed arrays and the LRU is linked through them, so
+every operation costs O(blocks touched), never O(num_blocks). The same file runs
+as plain Python (Cython's pure-Python mode), which is how the benchmark measures
+what compiling buys; allocator.pxd holds the C-level declarations.
+"""
+import array
+
+import cython
+
+COMPILED = cython.compiled
+_ROOT_KEY = 0  # the parent key of a prompt's first block
+
+
+def _int_array(size: cython.int, value: cython.int) -> array.array:
+    return array.array("i", [value]) * size
+
+
+def _long_array(size: cython.int) -> array.array:
+    return array.array("q", [0]) * size
+
+
+@cython.cclass
+class BlockAllocator:
+    """Hands out KV blocks to block tables; shares and caches full blocks by prefix."""
+
+    def __init__(self, num_blocks: cython.int, block_size: cython.int = 16, enable_prefix_caching: cython.bint = True):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks} and {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.num_free_blocks = num_blocks
+        self.num_cached_blocks = 0
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+        self._ref = _int_array(num_blocks, 0)
+        # Popped from the end: block 0 is handed out first.
+        self._free = array.array("i", range(num_blocks - 1, -1, -1))
+        self._lru_prev = _int_array(num_blocks, -1)
+        self._lru_next = _int_array(num_blocks, -1)
+        self._lru_head = -1
+        self._lru_tail = -1
+        self._gen = _long_array(num_blocks)
+        self._parent = _int_array(num_blocks, -1)
+        self._parent_gen = _long_array(num_blocks)
+        self._keys = [None] * num_blocks
+        self._tokens = [None] * num_blocks
+        self._cache = {}
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks - self.num_cached_blocks
+
+    @cython.ccall
+    def can_allocate(self, num_new: cython.int, prefix: list = None) -> cython.bint:
+        """Whether `num_new` fresh blocks fit once `prefix` (cache hits) is taken.
+
+        Taking a hit at refcount 0 pulls it out of the LRU, so it no longer
+        counts as evictable room.
+        """
+        available: cython.int = self.num_free_blocks + self.num_cached_blocks
+        block: cython.int
+        if prefix is not None:
+            for block in prefix:
+                if self._ref[block] == 0:
+                    available -= 1
+        return num_new <= available
+
+    @cython.ccall
+    def allocate(self, table: list, num_new: cython.int):
+        """Append `num_new` fresh blocks to `table`, evicting LRU cached blocks
+        only once the free stack is empty."""
+        assert num_new <= self.num_free_blocks + self.num_cached_blocks, "allocate() beyond can_allocate()"
+        block: cython.int
+        i: cython.int
+        for i in range(num_new):
+            if self.num_free_blocks > 0:
+                self.num_free_blocks -= 1
+                block = self._free[self.num_free_blocks]
+            else:
+                block = self._lru_head
+                self._lru_remove(block)
+                self.num_cached_blocks -= 1
+                self._uncache(block)
+            self._gen[block] += 1
+            self._ref[block] = 1
+            table.append(block)
+
+    @cython.ccall
+    def free(self, table: list):
+        """Release every block of `table` and empty it.
+
+        Tail first: the end of a sequence is the least likely part to be shared
+        again, so its cached blocks land nearest the LRU head and go first.
+        """
+        block: cython.int
+        i: cython.int = len(table) - 1
+        while i >= 0:
+            block = table[i]
+            i -= 1
+            self._ref[block] -= 1
+            assert self._ref[block] >= 0, "block freed more often than held"
+            if self._ref[block] == 0:
+                if self._tokens[block] is None:
+                    self._free[self.num_free_blocks] = block
+                    self.num_free_blocks += 1
+                else:
+                    self._lru_append(block)
+                    self.num_cached_blocks += 1
+        del table[:]
+
+    @cython.ccall
+    def match_prefix(self, token_ids: list, block_hashes: list, max_blocks: cython.int) -> list:
+        """The longest run of cached blocks holding exactly the first full blocks
+        of `token_ids` (at most `max_blocks`). Changes nothing but `block_hashes`,
+        the per-request memo of the hash chain, which it extends as needed."""
+        hits: list = []
+        if not self.enable_prefix_caching or max_blocks <= 0:
+            return hits
+        self._extend_hashes(token_ids, block_hashes, max_blocks)
+        parent: cython.int = -1
+        block: cython.int
+        i: cython.int
+        for i in range(max_blocks):
+            block = self._cache.get(block_hashes[i], -1)
+            if block < 0 or self._parent[block] != parent:
+                break
+            if parent >= 0 and self._parent_gen[block] != self._gen[parent]:
+                break
+            if self._tokens[block] != self._block_tokens(token_ids, i):
+                break
+            hits.append(block)
+            parent = block
+        return hits
+
+    @cython.ccall
+    def acquire_prefix(self, table: list, prefix: list, num_queried: cython.int):
+        """Share the hit blocks `prefix` into `table`, and count the query:
+        `num_queried` blocks looked up, `len(prefix)` found."""
+        assert len(prefix) <= num_queried, "more hits than blocks looked up"
+        block: cython.int
+        for block in prefix:
+            if self._ref[block] == 0:
+                self._lru_remove(block)
+                self.num_cached_blocks -= 1
+            self._ref[block] += 1
+            table.append(block)
+        self.prefix_cache_queries += num_queried
+        self.prefix_cache_hits += len(prefix)
+
+    @cython.ccall
+    def cache_full_blocks(self, table: list, token_ids: list, block_hashes: list, start: cython.int, end: cython.int):
+        """Offer blocks `table[start:end]`, now full and computed, to the prefix cache.
+
+        A block whose key is already cached (the same prefix computed twice at
+        once) stays private and goes back to the free stack when released.
+        """
+        if not self.enable_prefix_caching:
+            return
+        self._extend_hashes(token_ids, block_hashes, end)
+        block: cython.int
+        parent: cython.int
+        i: cython.int
+        for i in range(start, end):
+            block = table[i]
+            key = block_hashes[i]
+            if self._tokens[block] is not None or key in self._cache:
+                continue
+            self._cache[key] = block
+            self._keys[block] = key
+            self._tokens[block] = self._block_tokens(token_ids, i)
+            parent = table[i - 1] if i > 0 else -1
+            self._parent[block] = parent
+            self._parent_gen[block] = self._gen[parent] if parent >= 0 else 0
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached block to the free stack. Refused (False) while any
+        block is in use: a held block may be shared through the cache."""
+        if self.num_used_blocks > 0:
+            return False
+        block: cython.int = self._lru_head
+        while block >= 0:
+            self._uncache(block)
+            self._free[self.num_free_blocks] = block
+            self.num_free_blocks += 1
+            block = self._lru_next[block]
+        self._lru_head = -1
+        self._lru_tail = -1
+        self.num_cached_blocks = 0
+        return True
+
+    def check_invariants(self, holders: list):
+        """Assert the allocator's invariants, given the block tables of all live
+        requests: every block in exactly one place, free + used + cached = total,
+        refcounts = number of holding tables, cache index and LRU consistent."""
+        n = self.num_blocks
+        held = [0] * n
+        for table in holders:
+            assert len(set(table)) == len(table), f"a block appears twice in one table: {table}"
+            for block in table:
+                assert 0 <= block < n, f"block id {block} out of range"
+                held[block] += 1
+        FREE, CACHED, USED = 1, 2, 3
+        place = [0] * n
+        for i in range(self.num_free_blocks):
+            block = self._free[i]
+            assert place[block] == 0, f"block {block} twice on the free stack"
+            assert self._tokens[block] is None, f"free block {block} is still cached"
+            place[block] = FREE
+        walked, prev, block = 0, -1, self._lru_head
+        while block >= 0:
+            assert place[block] == 0, f"block {block} both free and cached, or in a loop"
+            assert self._tokens[block] is not None, f"LRU block {block} holds no cached tokens"
+            assert self._lru_prev[block] == prev, f"LRU back link of block {block} is broken"
+            place[block] = CACHED
+            walked += 1
+            prev, block = block, self._lru_next[block]
+        assert prev == self._lru_tail, "LRU tail is not the last block"
+        assert walked == self.num_cached_blocks, f"LRU holds {walked} blocks, count says {self.num_cached_blocks}"
+        for block in range(n):
+            assert self._ref[block] == held[block], (
+                f"block {block}: refcount {self._ref[block]}, held by {held[block]} tables")
+            if held[block]:
+                assert place[block] == 0, f"block {block} is held and also free or cached"
+                place[block] = USED
+        assert 0 not in place, f"block {place.index(0)} is nowhere"
+        assert place.count(FREE) + place.count(USED) + place.count(CACHED) == n
+        assert place.count(USED) == self.num_used_blocks
+        for key, block in self._cache.items():
+            assert self._keys[block] == key and self._tokens[block] is not None, f"cache index broken at {block}"
+        assert sum(t is not None for t in self._tokens) == len(self._cache), "a cached block is missing from the index"
+        assert 0 <= self.prefix_cache_hits <= self.prefix_cache_queries
+
+    @cython.cfunc
+    def _block_tokens(self, token_ids: list, index: cython.int) -> tuple:
+        return tuple(token_ids[index * self.block_size:(index + 1) * self.block_size])
+
+    @cython.cfunc
+    def _extend_hashes(self, token_ids: list, block_hashes: list, num_full: cython.int):
+        """Extend the hash chain memo to the first `num_full` full blocks."""
+        assert num_full * self.block_size <= len(token_ids), "hash of a block that is not full"
+        i: cython.int = len(block_hashes)
+        key = block_hashes[i - 1] if i > 0 else _ROOT_KEY
+        while i < num_full:
+            key = hash((key, self._block_tokens(token_ids, i)))
+            block_hashes.append(key)
+            i += 1
+
+    @cython.cfunc
+    def _uncache(self, block: cython.int):
+        del self._cache[self._keys[block]]
+        self._keys[block] = None
+        self._tokens[block] = None
+
+    @cython.cfunc
+    def _lru_append(self, block: cython.int):
+        self._lru_prev[block] = self._lru_tail
+        self._lru_next[block] = -1
+        if self._lru_tail >= 0:
+            self._lru_next[self._lru_tail] = block
+        else:
+            self._lru_head = block
+        self._lru_tail = block
+
+    @cython.cfunc
+    def _lru_remove(self, block: cython.int):
+        prev: cython.int = self._lru_prev[block]
+        nxt: cython.int = self._lru_next[block]
+        if prev >= 0:
+            self._lru_next[prev] = nxt
+        else:
+            self._lru_head = nxt
+        if nxt >= 0:
+            self._lru_prev[nxt] = prev
+        else:
+            self._lru_tail = prev

@@ -1,0 +1,387 @@
+"""The continuous-batching scheduler: who runs each step, with how many tokens.
+
+Each step spends a token budget (`max_num_batched_tokens`) over at most
+`max_num_seqs` requests. Running requests go first, oldest first: a decode costs
+one token, an unfinished prompt continues with as large a chunk as the budget
+leaves (chunked prefill). Then waiting requests are admitted in arrival order,
+each starting after the blocks the prefix cache already holds for it, until the
+budget, the sequence limit or the free blocks run out; the first one that does not
+fit stops admission, so nobody overtakes.
+
+Blocks are allocated as tokens are scheduled. When a running request needs a
+block and none is left, the newest running request is preempted by recompute: its
+blocks go back (its full blocks stay in the prefix cache, so the recompute is often
+cheap), it keeps its output tokens, and it goes to the front of the waiting queue.
+Only the newest is ever a victim, so the oldest request always makes progress.
+
+Ordering needs no sorting: admission takes the head of `waiting` and appends to
+`running`, preemption moves the tail of `running` to the head of `waiting`, so
+arrival order holds along running + waiting at all times, and the newest running
+request is simply the last one.
+
+The file runs both compiled and as plain Python (Cython's pure-Python mode).
+"""
+from collections import deque
+
+import cython
+
+if cython.compiled:
+    from cython.cimports.trillm.sched_ext.allocator import BlockAllocator
+else:
+    from trillm.sched_ext.allocator import BlockAllocator
+
+COMPILED = cython.compiled
+WAITING = 0
+RUNNING = 1
+FINISHED = 2
+
+
+@cython.cfunc
+@cython.inline
+def _cdiv(a: cython.int, b: cython.int) -> cython.int:
+    return (a + b - 1) // b
+
+
+@cython.cclass
+class Request:
+    """One sequence: its prompt, its output so far, and where it stands."""
+
+    request_id = cython.declare(str, visibility="readonly")
+    token_ids = cython.declare(list, visibility="readonly")
+    num_prompt_tokens = cython.declare(cython.int, visibility="readonly")
+    max_tokens = cython.declare(cython.int, visibility="readonly")
+    min_tokens = cython.declare(cython.int, visibility="readonly")
+    eos_token_id = cython.declare(cython.int, visibility="readonly")
+    stop_token_ids = cython.declare(frozenset, visibility="readonly")
+    ignore_eos = cython.declare(cython.bint, visibility="readonly")
+    arrival = cython.declare(cython.double, visibility="readonly")
+    num_computed_tokens = cython.declare(cython.int, visibility="readonly")
+    num_cached_tokens = cython.declare(cython.int, visibility="readonly")
+    block_table = cython.declare(list, visibility="readonly")
+    status = cython.declare(cython.int, visibility="readonly")
+    finish_reason = cython.declare(object, visibility="readonly")
+    stop_token_id = cython.declare(cython.int, visibility="readonly")
+    num_preemptions = cython.declare(cython.int, visibility="readonly")
+    _block_hashes: list  # memo of the prefix-cache hash chain over full blocks
+    _seq: cython.longlong  # arrival counter, set by Scheduler.add
+
+    def __init__(self, request_id: str, prompt_token_ids, max_tokens: cython.int, *,
+                 min_tokens: cython.int = 0, eos_token_id: cython.int = -1, stop_token_ids=(),
+                 ignore_eos: cython.bint = False, arrival: cython.double = 0.0):
+        self.request_id = request_id
+        self.token_ids = list(prompt_token_ids)
+        if not self.token_ids:
+            raise ValueError(f"request {request_id!r}: the prompt is empty")
+        if max_tokens < 1:
+            raise ValueError(f"request {request_id!r}: max_tokens must be at least 1, got {max_tokens}")
+        if min_tokens < 0:
+            raise ValueError(f"request {request_id!r}: min_tokens must be non-negative, got {min_tokens}")
+        self.num_prompt_tokens = len(self.token_ids)
+        self.max_tokens = max_tokens
+        self.min_tokens = min_tokens
+        self.eos_token_id = eos_token_id
+        self.stop_token_ids = frozenset(stop_token_ids)
+        self.ignore_eos = ignore_eos
+        self.arrival = arrival
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0
+        self.block_table = []
+        self.status = WAITING
+        self.finish_reason = None
+        self.stop_token_id = -1
+        self.num_preemptions = 0
+        self._block_hashes = []
+        self._seq = -1
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, status={self.status}, computed={self.num_computed_tokens}"
+                f"/{len(self.token_ids)}, blocks={self.block_table}, finish_reason={self.finish_reason!r})")
+
+
+@cython.cclass
+class SchedulerOutput:
+    """One step's plan: per scheduled request, the tokens to compute.
+
+    Entries that compute one token (decodes) come first, `num_decodes` of them,
+    then the prefill chunks, each group in scheduling order.
+    """
+
+    requests = cython.declare(list, visibility="readonly")
+    num_scheduled_tokens = cython.declare(list, visibility="readonly")
+    num_computed_tokens = cython.declare(list, visibility="readonly")
+    needs_sample = cython.declare(list, visibility="readonly")
+    total_num_tokens = cython.declare(cython.int, visibility="readonly")
+    num_decodes = cython.declare(cython.int, visibility="readonly")
+    preempted = cython.declare(list, visibility="readonly")
+
+    def __init__(self):
+        self.requests = []
+        self.num_scheduled_tokens = []
+        self.num_computed_tokens = []
+        self.needs_sample = []
+        self.total_num_tokens = 0
+        self.num_decodes = 0
+        self.preempted = []
+
+    @cython.cfunc
+    def _add(self, request: Request, num_new: cython.int):
+        self.requests.append(request)
+        self.num_scheduled_tokens.append(num_new)
+        self.num_computed_tokens.append(request.num_computed_tokens)
+        self.needs_sample.append(request.num_computed_tokens + num_new == len(request.token_ids))
+        self.total_num_tokens += num_new
+
+    @cython.cfunc
+    def _extend(self, other: "SchedulerOutput"):
+        self.requests.extend(other.requests)
+        self.num_scheduled_tokens.extend(other.num_scheduled_tokens)
+        self.num_computed_tokens.extend(other.num_computed_tokens)
+        self.needs_sample.extend(other.needs_sample)
+        self.total_num_tokens += other.total_num_tokens
+
+
+@cython.cclass
+class Scheduler:
+    """Continuous batching over a paged KV cache; see the module docstring."""
+
+    allocator = cython.declare(BlockAllocator, visibility="readonly")
+    block_size = cython.declare(cython.int, visibility="readonly")
+    max_num_batched_tokens = cython.declare(cython.int, visibility="readonly")
+    max_num_seqs = cython.declare(cython.int, visibility="readonly")
+    max_model_len = cython.declare(cython.int, visibility="readonly")
+    _max_len: cython.int  # a request whose token_ids reach this length is done
+    _waiting: object  # deque[Request], oldest first
+    _running: list  # list[Request], oldest first
+    _requests: dict  # request_id -> Request, for every live request
+    _next_seq: cython.longlong
+
+    def __init__(self, num_blocks: cython.int, block_size: cython.int = 16,
+                 max_num_batched_tokens: cython.int = 2048, max_num_seqs: cython.int = 256,
+                 max_model_len: cython.int = 8192, enable_prefix_caching: cython.bint = True):
+        if max_num_batched_tokens < 1 or max_num_seqs < 1 or max_model_len < 2:
+            raise ValueError("need max_num_batched_tokens >= 1, max_num_seqs >= 1 and max_model_len >= 2")
+        self.allocator = BlockAllocator(num_blocks, block_size, enable_prefix_caching)
+        self.block_size = block_size
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        # A request alone must always be able to go on, or preemption would loop:
+        # it stops at the context length or once its KV would outgrow the pool.
+        self._max_len = min(max_model_len, num_blocks * block_size + 1)
+        self._waiting = deque()
+        self._running = []
+        self._requests = {}
+        self._next_seq = 0
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def has_unfinished(self) -> bool:
+        return len(self._waiting) > 0 or len(self._running) > 0
+
+    def get(self, request_id: str):
+        return self._requests.get(request_id)
+
+    def add(self, request: Request):
+        """Queue a fresh request; ValueError if it could never run."""
+        num_prompt: cython.int = request.num_prompt_tokens
+        if request.request_id in self._requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if request.status != WAITING or len(request.token_ids) != num_prompt:
+            raise ValueError(f"request {request.request_id!r} has already been scheduled; add a new Request")
+        if num_prompt >= self.max_model_len:
+            raise ValueError(f"the prompt has {num_prompt} tokens, which leaves no room for output "
+                             f"within the context length of {self.max_model_len} tokens")
+        if _cdiv(num_prompt + 1, self.block_size) > self.allocator.num_blocks:
+            raise ValueError(f"the prompt has {num_prompt} tokens and cannot fit in the KV cache "
+                             f"({self.allocator.num_blocks} blocks of {self.block_size} tokens)")
+        request._seq = self._next_seq
+        self._next_seq += 1
+        self._waiting.append(request)
+        self._requests[request.request_id] = request
+
+    def abort(self, request_id: str, reason: str = "abort"):
+        """Finish a live request now and free its blocks; None if not live."""
+        request: Request = self._requests.pop(request_id, None)
+        if request is None:
+            return None
+        if request.status == WAITING:
+            self._waiting.remove(request)
+        else:
+            self._running.remove(request)
+            self.allocator.free(request.block_table)
+        request.status = FINISHED
+        request.finish_reason = reason
+        return request
+
+    @cython.ccall
+    def schedule(self) -> SchedulerOutput:
+        """Plan one step; see the module docstring for the policy."""
+        out: SchedulerOutput = SchedulerOutput()
+        prefills: SchedulerOutput = SchedulerOutput()
+        alloc: BlockAllocator = self.allocator
+        running: list = self._running
+        budget: cython.int = self.max_num_batched_tokens
+        block_size: cython.int = self.block_size
+        request: Request
+        computed: cython.int
+        num_new: cython.int
+        need: cython.int
+        i: cython.int = 0
+        while i < len(running) and budget > 0:
+            request = running[i]
+            computed = request.num_computed_tokens
+            num_new = min(len(request.token_ids) - computed, budget)
+            need = _cdiv(computed + num_new, block_size) - len(request.block_table)
+            assert num_new > 0 and need >= 0, "schedule() called twice without update()"
+            if need > 0:
+                if not self._make_room(need, request, out):
+                    break  # it preempted itself, being the newest
+                alloc.allocate(request.block_table, need)
+            (out if num_new == 1 else prefills)._add(request, num_new)
+            budget -= num_new
+            i += 1
+        if not out.preempted:
+            budget = self._admit(budget, out, prefills)
+        out.num_decodes = len(out.requests)
+        out._extend(prefills)
+        assert out.total_num_tokens == self.max_num_batched_tokens - budget
+        return out
+
+    @cython.cfunc
+    def _make_room(self, need: cython.int, request: Request, out: SchedulerOutput) -> cython.bint:
+        """Preempt the newest running requests until `need` blocks are free.
+        False if `request` itself had to go."""
+        victim: Request
+        while not self.allocator.can_allocate(need):
+            victim = self._running.pop()
+            self.allocator.free(victim.block_table)
+            victim.num_computed_tokens = 0
+            victim.status = WAITING
+            victim.num_preemptions += 1
+            self._waiting.appendleft(victim)
+            out.preempted.append(victim.request_id)
+            if victim is request:
+                return False
+        return True
+
+    @cython.cfunc
+    def _admit(self, budget: cython.int, out: SchedulerOutput, prefills: SchedulerOutput) -> cython.int:
+        """Admit waiting requests in order while they fit; returns the budget left."""
+        alloc: BlockAllocator = self.allocator
+        waiting = self._waiting
+        block_size: cython.int = self.block_size
+        request: Request
+        hits: list
+        num_tokens: cython.int
+        max_hits: cython.int
+        computed: cython.int
+        num_new: cython.int
+        need: cython.int
+        while budget > 0 and len(waiting) > 0 and len(self._running) < self.max_num_seqs:
+            request = waiting[0]
+            num_tokens = len(request.token_ids)
+            # The last token is always computed: its logits give the next token.
+            max_hits = (num_tokens - 1) // block_size if alloc.enable_prefix_caching else 0
+            hits = alloc.match_prefix(request.token_ids, request._block_hashes, max_hits)
+            computed = len(hits) * block_size
+            num_new = min(num_tokens - computed, budget)
+            need = _cdiv(computed + num_new, block_size) - len(hits)
+            if not alloc.can_allocate(need, hits):
+                break
+            waiting.popleft()
+            alloc.acquire_prefix(request.block_table, hits, max_hits)
+            alloc.allocate(request.block_table, need)
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = computed
+            request.num_computed_tokens = computed
+            request.status = RUNNING
+            self._running.append(request)
+            (out if num_new == 1 else prefills)._add(request, num_new)
+            budget -= num_new
+        return budget
+
+    @cython.ccall
+    def update(self, output: SchedulerOutput, sampled: list) -> list:
+        """Apply one step's results; returns the requests that finished in it.
+
+        `sampled[k]` is the token sampled for `output.requests[k]` (ignored where
+        it needs no sample). A request aborted since `schedule()` is skipped.
+        """
+        count: cython.Py_ssize_t = len(output.requests)
+        assert len(sampled) == count, f"{len(sampled)} sampled tokens for {count} scheduled requests"
+        alloc: BlockAllocator = self.allocator
+        block_size: cython.int = self.block_size
+        finished: list = []
+        request: Request
+        before: cython.int
+        after: cython.int
+        k: cython.Py_ssize_t
+        for k in range(count):
+            request = output.requests[k]
+            if request.status != RUNNING:
+                continue
+            before = request.num_computed_tokens
+            assert before == output.num_computed_tokens[k], "update() with a stale SchedulerOutput"
+            after = before + output.num_scheduled_tokens[k]
+            request.num_computed_tokens = after
+            if after // block_size > before // block_size:
+                alloc.cache_full_blocks(request.block_table, request.token_ids, request._block_hashes,
+                                        before // block_size, after // block_size)
+            if output.needs_sample[k] and self._append_token(request, sampled[k]):
+                finished.append(request)
+        if finished:
+            for request in finished:
+                alloc.free(request.block_table)
+                del self._requests[request.request_id]
+            self._running = [request for request in self._running if request.status == RUNNING]
+        return finished
+
+    @cython.cfunc
+    def _append_token(self, request: Request, token: cython.int) -> cython.bint:
+        """Append a sampled token; True if it finishes the request.
+
+        EOS and stop tokens count only once `min_tokens` other tokens precede
+        them; a stop wins over a length limit reached by the same token.
+        """
+        request.token_ids.append(token)
+        num_output: cython.int = len(request.token_ids) - request.num_prompt_tokens
+        if num_output > request.min_tokens and (
+                (token == request.eos_token_id and not request.ignore_eos) or token in request.stop_token_ids):
+            request.finish_reason = "stop"
+            request.stop_token_id = token
+        elif num_output >= request.max_tokens or len(request.token_ids) >= self._max_len:
+            request.finish_reason = "length"
+        else:
+            return False
+        request.status = FINISHED
+        return True
+
+    def check_invariants(self):
+        """Assert the scheduler's and the allocator's invariants (tests call it)."""
+        request: Request
+        self.allocator.check_invariants([request.block_table for request in self._running])
+        assert len(self._running) <= self.max_num_seqs
+        assert len(self._requests) == len(self._running) + len(self._waiting), "a live request is lost"
+        last_seq = -1
+        for request in self._running:
+            assert request.status == RUNNING and self._requests[request.request_id] is request
+            assert 0 <= request.num_computed_tokens < len(request.token_ids) < self._max_len
+            assert len(request.block_table) == _cdiv(request.num_computed_tokens, self.block_size)
+            assert request._seq > last_seq, "running + waiting is out of arrival order"
+            last_seq = request._seq
+        for request in self._waiting:
+            assert request.status == WAITING and self._requests[request.request_id] is request
+            assert request.num_computed_tokens == 0 and not request.block_table
+            assert len(request.token_ids) < self._max_len
+            assert request._seq > last_seq, "running + waiting is out of arrival order"
+            last_seq = request._seq
