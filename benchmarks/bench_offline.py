@@ -21,7 +21,6 @@ a large torch copy on this machine's threads, measured at start.
 """
 import argparse
 import gc
-import os
 import tempfile
 import time
 

@@ -80,3 +80,20 @@ def tiny_model_dir(tmp_path_factory):
         return made[key]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def core():
+    """The server tests' one EngineCore on the default model (loading it takes seconds)."""
+    from http_support import shared_core
+
+    return shared_core()
+
+
+@pytest.fixture
+async def server(core):
+    """A live Hypercorn server on a loopback port, driving the shared core."""
+    from http_support import live_server
+
+    async with live_server(core) as s:
+        yield s

@@ -4,18 +4,12 @@ freeing the request's KV blocks before the engine's next step."""
 import pytest
 import trio
 import trio.testing
-from http_support import shared_core
 
 from trillm import SamplingParams
 from trillm.engine.async_engine import AsyncEngine, EngineUnavailableError, QueueFullError
 from trillm.sampling_params import SamplingParamError
 
 LONG_RUN = SamplingParams(max_tokens=1000, ignore_eos=True)  # ends only when stopped
-
-
-@pytest.fixture(scope="session")
-def core():
-    return shared_core()
 
 
 @pytest.fixture

@@ -3,21 +3,10 @@ and every way of ending a request (client gone, /abort_request, drain) freeing i
 import openai
 import pytest
 import trio
-from http_support import live_server, metric_value, settled_stats, shared_core
+from http_support import metric_value, settled_stats
 
 PROMPT = "Once upon a time, in a small village nestled between two mountains,"
 ENDLESS = {"ignore_eos": True}  # with a large max_tokens: runs until something stops it
-
-
-@pytest.fixture(scope="session")
-def core():
-    return shared_core()
-
-
-@pytest.fixture
-async def server(core):
-    async with live_server(core) as s:
-        yield s
 
 
 async def wait_until_running(server, count: int) -> None:

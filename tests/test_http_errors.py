@@ -5,23 +5,12 @@ failure (its engine died) is a 5xx, and it is a 503, never a 500.
 """
 import openai
 import pytest
-from http_support import live_server, shared_core
+from http_support import live_server
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 HELLO = [{"role": "user", "content": "Hello"}]
 TOO_LONG = [1] * 9000  # token ids: more than the model's 8192-token context
-
-
-@pytest.fixture(scope="session")
-def core():
-    return shared_core()
-
-
-@pytest.fixture
-async def server(core):
-    async with live_server(core) as s:
-        yield s
 
 
 DEFAULT_TYPES = {400: "invalid_request_error", 404: "not_found_error", 422: "invalid_request_error"}

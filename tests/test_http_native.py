@@ -2,24 +2,12 @@
 models, info, load, metrics), and the X-Request-Id contract, against a live server."""
 import json
 
-import pytest
-from http_support import live_server, settled_stats, shared_core
+from http_support import live_server, settled_stats
 
 from trillm.config import EngineArgs
 from trillm.engine.core import EngineCore
 
 PROMPT = "The capital of France is"
-
-
-@pytest.fixture(scope="session")
-def core():
-    return shared_core()
-
-
-@pytest.fixture
-async def server(core):
-    async with live_server(core) as s:
-        yield s
 
 
 async def generate(http, text=PROMPT, **body):

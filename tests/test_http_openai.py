@@ -4,7 +4,7 @@ types with the values they must have."""
 import pytest
 from openai.types import Completion
 from openai.types.chat import ChatCompletion
-from http_support import live_server, metric_value, settled_stats, shared_core
+from http_support import metric_value, settled_stats
 
 QUESTION = [{"role": "user", "content": "Name three colors."}]
 PROMPT = "The capital of France is"
@@ -14,17 +14,6 @@ LONG_PROMPT = (
     "synthesize foods from carbon dioxide and water. In plants it generally involves the green pigment "
     "chlorophyll and generates oxygen as a byproduct. Explain it to a child:"
 )
-
-
-@pytest.fixture(scope="session")
-def core():
-    return shared_core()
-
-
-@pytest.fixture
-async def server(core):
-    async with live_server(core) as s:
-        yield s
 
 
 async def collect(stream) -> list:
