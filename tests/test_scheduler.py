@@ -6,6 +6,7 @@ plus an end-to-end one: the KV a scheduled request would read (modelled per
 slot as the identity of the exact prefix that wrote it) is always its own.
 """
 import random
+import sys
 from collections import Counter
 
 import pytest
@@ -42,6 +43,7 @@ def test_the_extensions_are_compiled():
     assert compiled_scheduler.COMPILED is True and compiled_allocator.COMPILED is True
     allocator, scheduler = load_uncompiled()
     assert allocator.COMPILED is False and scheduler.COMPILED is False
+    assert type(scheduler.Scheduler(4).allocator) is allocator.BlockAllocator  # plain all the way down
 
 
 def test_chunked_prefill_spreads_a_long_prompt_over_steps():
@@ -440,7 +442,10 @@ def scheduler_machine(num_blocks: int, max_num_batched_tokens: int, max_num_seqs
 
             The oldest live request is never preempted by another and gets the
             budget first, so it gains a token each step and finishes within
-            2 * max_len steps (a recompute, then decodes); then the next one."""
+            2 * max_len steps (a recompute, then decodes); then the next one.
+            Hypothesis calls this after a failed rule too: then keep out of the way."""
+            if sys.exc_info()[0] is not None:
+                return
             for seed in range(len(self.live) * 2 * (self.max_len + 1)):
                 if not self.live:
                     return
