@@ -6,11 +6,10 @@ requests, each computing one token per step, a new block every block_size steps,
 and the prefix cache taking each block as it fills. The pool is sized so that
 nothing is preempted or finishes while timing.
 
-    python benchmarks/bench_scheduler.py [--sizes 64 256 1024] [--steps 64] [--repeats 5]
+    python -m benchmarks.bench_scheduler [--sizes 64 256 1024] [--steps 64] [--repeats 5]
 """
 import argparse
 import random
-import statistics
 import time
 from types import ModuleType
 
@@ -21,15 +20,16 @@ BLOCK_SIZE = 16
 
 
 def prefill(module: ModuleType, num_requests: int, num_steps: int):
-    """Run the prompts through, so that every request decodes from here on."""
+    """Run the prompts through, so that every request decodes from here on, with
+    room in the pool and in max_tokens for `num_steps` more steps."""
     rng = random.Random(0)
-    blocks_each = (PROMPT_LEN + 2 * num_steps) // BLOCK_SIZE + 2
-    sched = module.Scheduler(num_requests * blocks_each, BLOCK_SIZE,
-                             max_num_batched_tokens=max(2048, num_requests), max_num_seqs=num_requests,
-                             max_model_len=PROMPT_LEN + 4 * num_steps)
+    budget = 2048 + num_requests  # decodes take at most num_requests; 2048 go to prompts
+    max_len = PROMPT_LEN + -(-num_requests * PROMPT_LEN // 2048) + num_steps + 2
+    sched = module.Scheduler(num_requests * -(-max_len // BLOCK_SIZE), BLOCK_SIZE,
+                             max_num_batched_tokens=budget, max_num_seqs=num_requests, max_model_len=max_len + 1)
     for i in range(num_requests):
         prompt = [rng.randrange(1, 50_000) for _ in range(PROMPT_LEN)]
-        sched.add(module.Request(f"r{i}", prompt, 2 * num_steps, ignore_eos=True))
+        sched.add(module.Request(f"r{i}", prompt, max_len, ignore_eos=True))
     while True:
         out = sched.schedule()
         sched.update(out, [7] * len(out.requests))
@@ -38,7 +38,8 @@ def prefill(module: ModuleType, num_requests: int, num_steps: int):
 
 
 def time_steps(module: ModuleType, num_requests: int, num_steps: int, repeats: int) -> float:
-    """Median over `repeats` runs of the mean seconds per step over `num_steps` steps."""
+    """Seconds per step: the mean over `num_steps` steps, the best of `repeats` runs
+    (the least disturbed by whatever else the machine is doing)."""
     runs = []
     for _ in range(repeats):
         sched = prefill(module, num_requests, num_steps)
@@ -49,7 +50,7 @@ def time_steps(module: ModuleType, num_requests: int, num_steps: int, repeats: i
             sched.update(out, sampled)
         runs.append((time.perf_counter() - start) / num_steps)
         assert out.num_decodes == num_requests and not out.preempted and sched.num_running == num_requests
-    return statistics.median(runs)
+    return min(runs)
 
 
 def main() -> None:
@@ -60,7 +61,7 @@ def main() -> None:
     args = parser.parse_args()
     assert allocator.COMPILED and scheduler.COMPILED, "the compiled extensions are not the ones imported"
     _, uncompiled = load_uncompiled()
-    print(f"one schedule() + update() in decode steady state; median of {args.repeats} runs "
+    print(f"one schedule() + update() in decode steady state; best of {args.repeats} runs "
           f"of {args.steps} steps")
     print(f"{'running':>8} {'compiled':>12} {'plain Python':>14} {'speed-up':>9}")
     for n in args.sizes:
