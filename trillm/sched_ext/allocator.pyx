@@ -213,6 +213,7 @@ class BlockAllocator:
         """Assert the allocator's invariants, given the block tables of all live
         requests: every block in exactly one place, free + used + cached = total,
         refcounts = number of holding tables, cache index and LRU consistent."""
+        block: cython.int
         n = self.num_blocks
         held = [0] * n
         for table in holders:
