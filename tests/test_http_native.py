@@ -92,7 +92,9 @@ async def test_info_endpoints(server):
 
 async def test_metrics_use_vllm_names_with_our_prefix(server):
     http = server.http()
-    await server.openai().completions.create(model=server.model, prompt=PROMPT, max_tokens=3)
+    await server.openai().completions.create(
+        model=server.model, prompt=PROMPT, max_tokens=3, temperature=0, extra_body={"ignore_eos": True}
+    )
     text = (await http.get("/metrics")).text
     for name in (
         "trillm:num_requests_running", "trillm:num_requests_waiting", "trillm:kv_cache_usage_perc",
