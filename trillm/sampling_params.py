@@ -8,6 +8,7 @@ it into a 400 with that `param`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 _GREEDY_EPS = 1e-5
 
@@ -18,6 +19,25 @@ class SamplingParamError(ValueError):
     def __init__(self, param: str, message: str):
         super().__init__(message)
         self.param = param
+
+
+Kind = Literal["json_schema", "json_object", "regex", "grammar"]
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """What the output must match. `spec`: the schema as JSON text, the pattern, or the EBNF
+    grammar ("" for json_object). `strict`: a JSON schema allows no property it does not name."""
+
+    kind: Kind
+    spec: str = ""
+    strict: bool = True
+    # The SamplingParams field a client set, so that a bad spec's error names it.
+    param: str = "response_format"
+
+    def __post_init__(self) -> None:
+        assert self.kind in ("json_schema", "json_object", "regex", "grammar"), self.kind
+        assert (self.kind == "json_object") == (self.spec == ""), "every kind but json_object has a spec"
 
 
 @dataclass
@@ -41,6 +61,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     logprobs: int | None = None  # None: none; 0: the sampled token's; k: plus the top k
+    structured_output: StructuredOutput | None = None  # a grammar the output must match
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

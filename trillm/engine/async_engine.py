@@ -131,6 +131,10 @@ class AsyncEngine:
         QueueFullError over max_waiting, EngineUnavailableError when dead or closing.
         """
         assert members, "a group has at least one member"
+        # Grammars compile here, in worker threads first (the checks below must
+        # see the state after this await), so admission between two steps finds them cached.
+        for spec in {params.structured_output for _, params in members} - {None}:
+            await trio.to_thread.run_sync(self.core.grammars.compile, spec)
         if self.error is not None or not self.accepting:
             raise EngineUnavailableError(self._unavailable_reason())
         if request_id in self._groups:

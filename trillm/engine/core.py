@@ -14,6 +14,7 @@ import torch
 from trillm.config import EngineArgs
 from trillm.engine.runner import ModelRunner
 from trillm.engine.sampler import Sampler, TokenLogprobs
+from trillm.engine.structured_output import Grammars
 from trillm.sampling_params import SamplingParamError, SamplingParams
 from trillm.sched_ext import Request, Scheduler
 
@@ -52,6 +53,7 @@ class EngineCore:
             args.enable_prefix_caching,
         )
         self.sampler = Sampler(self.eos_token_id)
+        self.grammars = Grammars(self.tokenizer, self.hf_config.vocab_size, list(self.runner.eos_token_ids))
         self.params: dict[str, SamplingParams] = {}
         self.generators: dict[str, torch.Generator | None] = {}
         self.num_preemptions = 0
@@ -89,6 +91,12 @@ class EngineCore:
             self.scheduler.add(request)
         except ValueError as e:
             raise SamplingParamError("prompt", str(e)) from None
+        if params.structured_output is not None:
+            try:
+                self.grammars.add(request_id, params.structured_output)
+            except SamplingParamError:
+                self.scheduler.abort(request_id)
+                raise
         self.params[request_id] = params
         self.generators[request_id] = None if params.seed is None else torch.Generator().manual_seed(params.seed)
 
@@ -107,6 +115,10 @@ class EngineCore:
             return []
         logits = self.runner.execute(sched)
         rows = [r for r, need in zip(sched.requests, sched.needs_sample) if need]
+        row_ids = [r.request_id for r in rows]
+        constrained = self.grammars.constrained_rows(row_ids)
+        if constrained:
+            self.grammars.mask(logits, row_ids, constrained)
         sampled = self.sampler.sample(
             logits,
             [self.params[r.request_id] for r in rows],
@@ -117,6 +129,13 @@ class EngineCore:
         tokens = iter(sampled.token_ids)
         finished = self.scheduler.update(sched, [next(tokens) if need else -1 for need in sched.needs_sample])
         finished_ids = {r.request_id for r in finished}
+        if constrained:
+            # A grammar that ended without the scheduler's say (its stop token was ignored, or
+            # it refused the token) ends the request too; abort frees its blocks at once.
+            for request_id in self.grammars.accept(row_ids, sampled.token_ids, constrained):
+                if request_id not in finished_ids:
+                    self.scheduler.abort(request_id, "stop")
+                    finished_ids.add(request_id)
         outputs = []
         for request, token, logprobs in zip(rows, sampled.token_ids, sampled.logprobs):
             is_finished = request.request_id in finished_ids
@@ -162,3 +181,4 @@ class EngineCore:
     def _forget(self, request_id: str) -> None:
         del self.params[request_id]
         del self.generators[request_id]
+        self.grammars.remove(request_id)

@@ -13,7 +13,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from trillm.sampling_params import SamplingParamError, SamplingParams
+from trillm.engine.structured_output import json_spec
+from trillm.sampling_params import SamplingParamError, SamplingParams, StructuredOutput
 
 MAX_N = 128  # samples per request: more would let one request fill the whole batch
 
@@ -25,6 +26,38 @@ class Strict(BaseModel):
 class StreamOptions(Strict):
     include_usage: bool | None = False
     continuous_usage_stats: bool | None = False
+
+
+class JSONSchemaFormat(Strict):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(Strict):
+    """OpenAI's text / json_object / json_schema, and the peers' `regex` and `ebnf` extensions."""
+
+    type: Literal["text", "json_object", "json_schema", "regex", "ebnf"]
+    json_schema: JSONSchemaFormat | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+
+    def to_structured_output(self) -> StructuredOutput | None:
+        """None for plain text. A schema is strict (no property it does not name) unless
+        `strict` is false: a small model left free to add properties tends to."""
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return StructuredOutput("json_object")
+        value = {"json_schema": self.json_schema, "regex": self.regex, "ebnf": self.ebnf}[self.type]
+        if not value:
+            raise SamplingParamError(
+                f"response_format.{self.type}", f"A response_format of type {self.type} needs a non-empty {self.type}."
+            )
+        if self.type == "json_schema":
+            return json_spec(value.schema_ or {}, strict=value.strict is not False)
+        return StructuredOutput("regex" if self.type == "regex" else "grammar", value)
 
 
 class SamplingFields(Strict):
@@ -52,6 +85,7 @@ class SamplingFields(Strict):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    response_format: ResponseFormat | None = None
 
     def _sampling_params(self, vocab_size: int, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         if self.stream_options is not None and not self.stream:
@@ -76,6 +110,7 @@ class SamplingFields(Strict):
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             logprobs=logprobs,
+            structured_output=self.response_format.to_structured_output() if self.response_format else None,
         )
 
     @property
