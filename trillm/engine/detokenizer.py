@@ -37,7 +37,6 @@ class IncrementalDetokenizer:
         self._added_tokens = {token.content for token in tokenizer.added_tokens_decoder.values()}
         self._skipped_ids = _special_ids(tokenizer) if params.skip_special_tokens else set()
         self._separator = " " if params.spaces_between_special_tokens else ""
-        self._max_stop_len = max(map(len, params.stop), default=0)
         # Prompt tokens are scanned from the end until the window is full, so a
         # few skipped special tokens at the end do not shrink it.
         self._tokens: list[str] = []
@@ -139,20 +138,21 @@ class IncrementalDetokenizer:
         self._pending = self._pending[: at + len(stop) if self.params.include_stop_str_in_output else at]
 
     def _emit(self, hold_stop_prefix: bool) -> str:
-        held = self._stop_prefix_len() if hold_stop_prefix else 0
+        held = held_prefix_len(self._pending, self.params.stop) if hold_stop_prefix else 0
         text = self._pending[: len(self._pending) - held]
         self._pending = self._pending[len(text):]
         if text:
             self._emitted.append(text)
         return text
 
-    def _stop_prefix_len(self) -> int:
-        """The length of the longest tail of the pending text that is a proper prefix of a stop string."""
-        for length in range(min(self._max_stop_len - 1, len(self._pending)), 0, -1):
-            tail = self._pending[-length:]
-            if any(len(s) > length and s.startswith(tail) for s in self.params.stop):
-                return length
-        return 0
+def held_prefix_len(text: str, markers: list[str]) -> int:
+    """The length of the longest tail of `text` that is a proper prefix of one of `markers`:
+    text that may yet become a marker and must be held back until later text settles it."""
+    for length in range(min(max(map(len, markers), default=0) - 1, len(text)), 0, -1):
+        tail = text[-length:]
+        if any(len(m) > length and m.startswith(tail) for m in markers):
+            return length
+    return 0
 
 
 def _special_ids(tokenizer) -> set[int]:

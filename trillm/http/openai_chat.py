@@ -1,18 +1,23 @@
 """POST /v1/chat/completions, streamed or not, in OpenAI's shapes (vLLM's where OpenAI has none:
-finish_reason "abort", `stop_reason`)."""
+finish_reason "abort", `stop_reason`, `reasoning_content`). Tool calls and reasoning are split
+out of each choice's text by trillm.http.chat_output."""
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 from quart import Blueprint
 
 from trillm.engine.output import Delta
+from trillm.http.chat_output import ChatOutput, tool_reader
 from trillm.http.generation import Generation
 from trillm.http.logprobs import TokenTexts, chat_logprobs
 from trillm.http.prompts import chat_prompt
 from trillm.http.protocol import ChatCompletionRequest
+from trillm.http.reasoning import reasoning_parser
 from trillm.http.sse import stream_response
-from trillm.http.state import current, parse_body, request_id
+from trillm.http.state import ServerState, current, parse_body, request_id
+from trillm.http.tools import forced_call_constraint, tool_choice
 from trillm.sampling_params import SamplingParamError
 
 blueprint = Blueprint("openai_chat", __name__)
@@ -24,14 +29,19 @@ async def chat_completions():
     req = await parse_body(ChatCompletionRequest)
     state.check_model(req.model)
     params = req.to_sampling_params(state.vocab_size)
-    prompt = chat_prompt(state.tokenizer, req.messages, req.chat_template_kwargs)
+    choice = tool_choice(req, state.settings.tool_call_parser)
+    tools = req.tools if choice != "none" else None
+    forced = forced_call_constraint(req.tools or [], choice)
+    if forced is not None:
+        params = replace(params, structured_output=forced)
+    prompt = chat_prompt(state.tokenizer, req.messages, req.chat_template_kwargs, tools=tools)
     generation = Generation(state, request_id("chatcmpl"), [prompt], params)
     try:
         await generation.start()
     except SamplingParamError as exc:
         # The engine speaks of "prompt"; this client sent messages.
         raise SamplingParamError("messages" if exc.param == "prompt" else exc.param, str(exc)) from None
-    chunks = ChatChunks(generation, req, state.model_name, state.token_texts)
+    chunks = ChatChunks(generation, req, state, choice)
     if req.stream:
         return stream_response(generation, chunks)
     await generation.run()
@@ -39,11 +49,16 @@ async def chat_completions():
 
 
 class ChatChunks:
-    def __init__(self, generation: Generation, req: ChatCompletionRequest, model: str, texts: TokenTexts):
+    def __init__(self, generation: Generation, req: ChatCompletionRequest, state: ServerState, choice):
         self.generation = generation
         self.req = req
-        self.texts = texts
-        self.head = {"id": generation.request_id, "created": int(time.time()), "model": model}
+        self.texts: TokenTexts = state.token_texts
+        self.head = {"id": generation.request_id, "created": int(time.time()), "model": state.model_name}
+        parsers = state.settings.reasoning_parser, state.settings.tool_call_parser
+        self.outputs = [
+            ChatOutput(reasoning_parser(parsers[0]) if parsers[0] else None, tool_reader(choice, parsers[1]))
+            for _ in range(generation.num_choices)
+        ]
 
     def _chunk(self, choices: list[dict]) -> dict:
         chunk = {**self.head, "object": "chat.completion.chunk", "choices": choices}
@@ -61,13 +76,22 @@ class ChatChunks:
         ]
 
     def chunk(self, index: int, delta: Delta) -> dict | None:
-        if not (delta.text or delta.logprobs or delta.finished):
-            return None  # text held back (half a character, a possible stop string)
+        output = self.outputs[index]
+        parts = output.feed(delta.text)
+        if delta.finished:
+            parts += output.finish()
+        if not (parts or delta.logprobs or delta.finished):
+            return None  # text held back (half a character, a possible stop string, tag or call)
+        message = {"content": parts.content}
+        if output.has_reasoning and parts.reasoning:
+            message["reasoning_content"] = parts.reasoning
+        if parts.tool_calls:
+            message["tool_calls"] = parts.tool_calls
         choice = {
             "index": index,
-            "delta": {"content": delta.text},
+            "delta": message,
             "logprobs": None if delta.logprobs is None else chat_logprobs(self.texts, delta.token_ids, delta.logprobs),
-            "finish_reason": delta.finish_reason,
+            "finish_reason": output.finish_reason(delta.finish_reason),
         }
         if delta.finished:
             choice["stop_reason"] = delta.stop_reason
@@ -80,13 +104,15 @@ class ChatChunks:
 
     def response(self) -> dict:
         choices = []
-        for i, processor in enumerate(self.generation.processors):
+        for i, (processor, output) in enumerate(zip(self.generation.processors, self.outputs)):
             c = processor.completion
+            output.feed(c.text)
+            output.finish()
             choices.append({
                 "index": i,
-                "message": {"role": "assistant", "content": c.text},
+                "message": output.message(),
                 "logprobs": None if c.logprobs is None else chat_logprobs(self.texts, c.token_ids, c.logprobs),
-                "finish_reason": c.finish_reason,
+                "finish_reason": output.finish_reason(c.finish_reason),
                 "stop_reason": c.stop_reason,
             })
         return {**self.head, "object": "chat.completion", "choices": choices, "usage": self.generation.usage()}

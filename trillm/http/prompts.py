@@ -11,21 +11,30 @@ from __future__ import annotations
 
 import jinja2
 
-from trillm.http.protocol import ChatMessage
+from trillm.http.protocol import ChatMessage, Tool
+from trillm.http.tools import template_inputs
 from trillm.sampling_params import SamplingParamError
 
 
 def chat_prompt(
-    tokenizer, messages: list[ChatMessage], template_kwargs: dict | None, add_generation_prompt: bool = True
+    tokenizer,
+    messages: list[ChatMessage],
+    template_kwargs: dict | None,
+    add_generation_prompt: bool = True,
+    tools: list[Tool] | None = None,
 ) -> list[int]:
+    """`template_kwargs` (e.g. `enable_thinking`) go to the template as they are; `tools` are shown
+    to the model as trillm.http.tools describes."""
     if not messages:
         raise SamplingParamError("messages", "messages must hold at least one message.")
     require_tokenizer(tokenizer, "messages")
+    rendered, tool_kwargs = template_inputs(tokenizer, [m.for_template() for m in messages], tools)
     try:
         text = tokenizer.apply_chat_template(
-            [m.for_template() for m in messages],
+            rendered,
             add_generation_prompt=add_generation_prompt,
             tokenize=False,
+            **tool_kwargs,
             **(template_kwargs or {}),
         )
     except (jinja2.TemplateError, TypeError, ValueError) as exc:

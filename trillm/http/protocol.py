@@ -8,6 +8,7 @@ SamplingParamError names the field.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from typing import Any, Literal
 
@@ -127,18 +128,64 @@ class TextPart(Strict):
     text: str
 
 
+class FunctionCall(Strict):
+    name: str
+    arguments: str
+
+
+class ToolCallMessage(Strict):
+    """A call an earlier assistant turn made, as the client sends the conversation back."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallMessage] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None  # an earlier answer's reasoning; templates drop it
 
     def for_template(self) -> dict:
-        """A text-only model's template wants a string: text parts are joined."""
+        """A text-only model's template wants a string: text parts are joined. Tool calls go as
+        the dicts templates that know tools expect (arguments decoded, as HF templates want)."""
         content = self.content if not isinstance(self.content, list) else "".join(p.text for p in self.content)
         message = {"role": self.role, "content": content or ""}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {"id": c.id, "type": "function",
+                 "function": {"name": c.function.name, "arguments": _json_or_text(c.function.arguments)}}
+                for c in self.tool_calls
+            ]
         return message
+
+
+class FunctionDefinition(Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(Strict):
+    name: str
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -148,6 +195,9 @@ class ChatCompletionRequest(SamplingFields):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     def to_sampling_params(self, vocab_size: int) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
@@ -240,6 +290,13 @@ class TokenizeRequest(Strict):
 class DetokenizeRequest(Strict):
     model: str | None = None
     tokens: list[int]
+
+
+def _json_or_text(text: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
 
 
 def _token_biases(logit_bias: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:

@@ -28,6 +28,8 @@ class ServerSettings:
     served_model_name: str | None = None  # None: the model's name
     drain_timeout: float = 30.0  # on SIGTERM/SIGINT: seconds running requests may finish in
     log_level: str = "info"
+    tool_call_parser: str | None = None  # hermes | llama3_json: reads tool calls for tool_choice auto
+    reasoning_parser: str | None = None  # deepseek_r1 | qwen3: <think>...</think> -> reasoning_content
     engine: EngineArgs = field(default_factory=EngineArgs)
 
     def redacted(self) -> dict:

@@ -17,6 +17,8 @@ from trillm.engine.core import EngineCore
 from trillm.http.errors import APIError, from_validation_error
 from trillm.http.logprobs import TokenTexts
 from trillm.http.metrics import Metrics
+from trillm.http.reasoning import REASONING_PARSERS
+from trillm.http.tool_parsers import TOOL_PARSERS
 from trillm.http.settings import ServerSettings
 
 EXTENSION = "trillm"
@@ -24,6 +26,12 @@ EXTENSION = "trillm"
 
 class ServerState:
     def __init__(self, settings: ServerSettings, core: EngineCore):
+        for name, value, known in (
+            ("tool_call_parser", settings.tool_call_parser, TOOL_PARSERS),
+            ("reasoning_parser", settings.reasoning_parser, REASONING_PARSERS),
+        ):
+            if value is not None and value not in known:
+                raise ValueError(f"Unknown {name} {value!r}; known: {', '.join(known)}.")
         self.settings = settings
         self.core = core
         self.engine = AsyncEngine(core, settings.max_waiting)

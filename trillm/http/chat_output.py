@@ -1,0 +1,121 @@
+"""One chat choice's text, split into reasoning, content and tool calls, streamed or whole.
+
+The text goes through the reasoning parser first (reasoning comes before the answer), then
+what is content goes through the tool-call reader of the request's tool_choice. The same
+object serves a stream (`feed` per delta, `finish` at the end) and a whole answer (one feed,
+then finish), so both forms carry the same fields.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from trillm.http.protocol import NamedToolChoice
+from trillm.http.reasoning import ReasoningParser
+from trillm.http.tool_parsers import TOOL_PARSERS, ToolCall, call_from_json
+
+
+class PlainText:
+    """tool_choice none: all content."""
+
+    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
+        return text, []
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        return "", []
+
+
+class ForcedCall:
+    """tool_choice required or named: the constrained output is one call, read at the end.
+    Named, it is the arguments object; required, `{"name", "arguments"}`. An output cut short
+    by max_tokens still yields the named call (its arguments cut short too, as with OpenAI)."""
+
+    def __init__(self, name: str | None):
+        self._name = name
+        self._text = ""
+
+    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
+        self._text += text
+        return "", []
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        if self._name is not None:
+            return "", [ToolCall(self._name, self._text)]
+        try:
+            call = call_from_json(json.loads(self._text))
+        except json.JSONDecodeError:
+            call = None
+        return ("", [call]) if call is not None else (self._text, [])
+
+
+def tool_reader(choice: str | NamedToolChoice, parser: str | None):
+    if isinstance(choice, NamedToolChoice):
+        return ForcedCall(choice.function.name)
+    if choice == "required":
+        return ForcedCall(None)
+    if choice == "auto":
+        return TOOL_PARSERS[parser]()
+    return PlainText()
+
+
+@dataclass
+class ChatDelta:
+    reasoning: str = ""
+    content: str = ""
+    tool_calls: list[dict] = field(default_factory=list)  # OpenAI's delta shape, with `index`
+
+    def __bool__(self) -> bool:
+        return bool(self.reasoning or self.content or self.tool_calls)
+
+    def __add__(self, later: ChatDelta) -> ChatDelta:
+        return ChatDelta(self.reasoning + later.reasoning, self.content + later.content,
+                         self.tool_calls + later.tool_calls)
+
+
+class ChatOutput:
+    def __init__(self, reasoning: ReasoningParser | None, tools):
+        self._reasoning_parser = reasoning
+        self._tools = tools
+        self.reasoning = ""
+        self.content = ""
+        self.tool_calls: list[ToolCall] = []
+
+    @property
+    def has_reasoning(self) -> bool:
+        return self._reasoning_parser is not None
+
+    def feed(self, text: str) -> ChatDelta:
+        reasoning, content = self._reasoning_parser.feed(text) if self._reasoning_parser else ("", text)
+        return self._record(reasoning, *self._tools.feed(content))
+
+    def finish(self) -> ChatDelta:
+        """Everything still held back; call once, after the last feed."""
+        reasoning, content = self._reasoning_parser.finish() if self._reasoning_parser else ("", "")
+        content, calls = self._tools.feed(content)
+        rest, more = self._tools.finish()
+        return self._record(reasoning, content + rest, calls + more)
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        """A choice that ended naturally with calls ends for them."""
+        return "tool_calls" if reason == "stop" and self.tool_calls else reason
+
+    def message(self) -> dict:
+        """The whole answer's message fields. Content around tool calls that is only whitespace is none."""
+        content = self.content if self.content.strip() or not self.tool_calls else None
+        message = {"role": "assistant", "content": content}
+        if self.has_reasoning:
+            message["reasoning_content"] = self.reasoning or None
+        if self.tool_calls:
+            message["tool_calls"] = [_call_dict(c) for c in self.tool_calls]
+        return message
+
+    def _record(self, reasoning: str, content: str, calls: list[ToolCall]) -> ChatDelta:
+        first = len(self.tool_calls)
+        self.reasoning += reasoning
+        self.content += content
+        self.tool_calls += calls
+        return ChatDelta(reasoning, content, [{"index": first + k, **_call_dict(c)} for k, c in enumerate(calls)])
+
+
+def _call_dict(call: ToolCall) -> dict:
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
