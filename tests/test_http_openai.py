@@ -165,6 +165,18 @@ async def test_stop_string_ends_the_text_before_it(server):
     assert (await settled_stats(server.http()))["kv_cache_usage"] == 0
 
 
+async def test_a_long_stop_list_ends_at_the_first_match(server):
+    client = server.openai()
+    args = dict(model=server.model, prompt=PROMPT, max_tokens=16, temperature=0)
+    free = (await client.completions.create(**args)).choices[0].text
+    words = free.split()
+    assert len(words) >= 4, free
+    stops = [f"never-{i}" for i in range(20)] + [words[3], words[2]]  # OpenAI takes 4 at most; any number here
+    choice = (await client.completions.create(**args, stop=stops)).choices[0]
+    first = min(free.index(words[2]), free.index(words[3]))
+    assert choice.finish_reason == "stop" and choice.text == free[:first]
+
+
 async def test_vllm_extras_are_accepted(server):
     out = await server.openai().chat.completions.create(
         model=server.model, messages=QUESTION, max_completion_tokens=5, temperature=0.8, seed=3,

@@ -1,10 +1,14 @@
 """The offline engine end to end on the default model, judged against transformers' own generate."""
+import json
+
+import jsonschema
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import trillm
 from trillm import SamplingParams
+from trillm.engine.structured_output import json_spec
 
 MAX_TOKENS = 20
 PROMPTS = [
@@ -69,6 +73,22 @@ def test_greedy_batch_matches_transformers_under_preemption_and_chunked_prefill(
         (completion,) = out.outputs
         assert completion.token_ids == _expected(hf_greedy, ids, llm.engine.eos_token_id)
         assert completion.finish_reason in ("stop", "length")
+    assert llm.engine.stats()["num_used_blocks"] == 0
+
+
+def test_structured_output_holds_under_preemption(default_model_dir, tokenizer):
+    # The pool of the test above: requests are preempted and recompute, their matchers carry on.
+    llm = trillm.LLM(default_model_dir, num_kv_blocks=16, max_num_batched_tokens=24, enable_prefix_caching=False)
+    schema = {"type": "object", "properties": {"word": {"type": "string", "maxLength": 10},
+                                               "n": {"type": "integer", "minimum": 0, "maximum": 999}},
+              "required": ["word", "n"]}
+    params = SamplingParams(temperature=0, max_tokens=40, structured_output=json_spec(schema))
+    outputs = llm.generate([tokenizer.encode(p) for p in PROMPTS], params)
+    assert llm.engine.stats()["num_preemptions"] > 0, "the pool was meant to force preemption"
+    for out in outputs:
+        (completion,) = out.outputs
+        assert completion.finish_reason == "stop", completion.text
+        jsonschema.validate(json.loads(completion.text), schema)
     assert llm.engine.stats()["num_used_blocks"] == 0
 
 

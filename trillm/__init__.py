@@ -3,9 +3,9 @@
 `LLM` is imported lazily so that `trillm.sched_ext` and `trillm.sampling_params`
 stay importable without torch.
 """
-from trillm.sampling_params import SamplingParams
+from trillm.sampling_params import SamplingParams, StructuredOutput
 
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutput"]
 __version__ = "0.1.0"
 
 

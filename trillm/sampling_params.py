@@ -32,8 +32,9 @@ class StructuredOutput:
     kind: Kind
     spec: str = ""
     strict: bool = True
-    # The SamplingParams field a client set, so that a bad spec's error names it.
-    param: str = "response_format"
+    # The request field the spec came from, so that a bad spec's error names it; not part of
+    # the spec's identity (equal grammars share one compiled cache entry).
+    param: str = field(default="response_format", compare=False)
 
     def __post_init__(self) -> None:
         assert self.kind in ("json_schema", "json_object", "regex", "grammar"), self.kind

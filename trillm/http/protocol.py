@@ -196,7 +196,7 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[Tool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    tool_choice: str | NamedToolChoice | None = None  # "none" | "auto" | "required"; checked in http.tools
     parallel_tool_calls: bool | None = None
 
     def to_sampling_params(self, vocab_size: int) -> SamplingParams:

@@ -34,6 +34,10 @@ def tool_choice(req: ChatCompletionRequest, parser: str | None) -> str | NamedTo
     """The request's effective choice ("none", "auto", "required" or a named function), checked."""
     tools = req.tools or []
     choice = req.tool_choice or ("auto" if tools else "none")
+    if isinstance(choice, str) and choice not in ("none", "auto", "required"):
+        raise SamplingParamError(
+            "tool_choice", f"tool_choice must be none, auto, required or a named function, got {choice!r}."
+        )
     if choice == "none":
         return choice
     if not tools:
