@@ -9,7 +9,7 @@ import jsonschema
 import openai
 import pytest
 import trio
-from http_support import live_server, settled_stats, shared_core
+from http_support import settled_stats
 
 ASK = "Answer with JSON describing something from your favourite story."
 
@@ -52,17 +52,6 @@ SCHEMAS = [
                                       "unit": {"enum": ["C", "F"]}}, "required": ["temperature", "unit"]},
 ]
 MAX_TOKENS = 96  # every schema above ends well within this
-
-
-@pytest.fixture(scope="session")
-def core():
-    return shared_core()
-
-
-@pytest.fixture
-async def server(core):
-    async with live_server(core) as s:
-        yield s
 
 
 def json_schema_format(schema: dict) -> dict:

@@ -9,7 +9,7 @@ import jsonschema
 import openai
 import pytest
 from openai.types.chat import ChatCompletion, ChatCompletionMessageToolCall
-from http_support import live_server, shared_core
+from http_support import live_server
 
 WEATHER = {
     "type": "object",
@@ -24,11 +24,6 @@ TOOLS = [
 ]
 SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
-
-
-@pytest.fixture(scope="session")
-def core():
-    return shared_core()
 
 
 async def whole_and_streamed(client, **args) -> tuple[ChatCompletion, list]:
