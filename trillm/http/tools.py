@@ -10,7 +10,9 @@
 A chat template that knows tools (it mentions `tools`) renders them itself; for one that
 does not (SmolLM2's), the tools go into the system message in the Hermes format below, and
 earlier calls into their assistant turns as `<tool_call>` blocks, so the conversation reads
-the same way the hermes parser reads the answer.
+the same way the hermes parser reads the answer. `parallel_tool_calls` is accepted and not
+enforced: required and named choices make one call, and a parser returns the calls the
+model wrote.
 """
 from __future__ import annotations
 
