@@ -8,8 +8,8 @@ import json
 import jsonschema
 import openai
 import pytest
-from openai.types.chat import ChatCompletion, ChatCompletionMessageToolCall
 from http_support import live_server
+from openai.types.chat import ChatCompletion, ChatCompletionMessageToolCall
 
 WEATHER = {
     "type": "object",
@@ -67,10 +67,10 @@ async def test_named_and_required_tool_choice_force_a_valid_call(core):
         whole, chunks = await whole_and_streamed(
             client, **args, tool_choice={"type": "function", "function": {"name": "get_time"}}
         )
-        (call,) = check_calls(whole, chunks, {"get_time"})
+        assert len(check_calls(whole, chunks, {"get_time"})) == 1
         assert whole.choices[0].message.content is None
         whole, chunks = await whole_and_streamed(client, **args, tool_choice="required")
-        check_calls(whole, chunks, {"get_weather", "get_time"})
+        assert len(check_calls(whole, chunks, {"get_weather", "get_time"})) == 1
         # The tools reach the prompt (SmolLM2's template has no tools: they go into the system message).
         plain = await client.chat.completions.create(model=server.model, messages=ASK, max_tokens=1)
         assert whole.usage.prompt_tokens > plain.usage.prompt_tokens + 50

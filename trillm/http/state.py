@@ -18,8 +18,8 @@ from trillm.http.errors import APIError, from_validation_error
 from trillm.http.logprobs import TokenTexts
 from trillm.http.metrics import Metrics
 from trillm.http.reasoning import REASONING_PARSERS
-from trillm.http.tool_parsers import TOOL_PARSERS
 from trillm.http.settings import ServerSettings
+from trillm.http.tool_parsers import TOOL_PARSERS
 
 EXTENSION = "trillm"
 
