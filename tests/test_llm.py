@@ -7,8 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import trillm
-from trillm import SamplingParams
-from trillm.engine.structured_output import json_spec
+from trillm import SamplingParams, StructuredOutput
 
 MAX_TOKENS = 20
 PROMPTS = [
@@ -82,7 +81,7 @@ def test_structured_output_holds_under_preemption(default_model_dir, tokenizer):
     schema = {"type": "object", "properties": {"word": {"type": "string", "maxLength": 10},
                                                "n": {"type": "integer", "minimum": 0, "maximum": 999}},
               "required": ["word", "n"]}
-    params = SamplingParams(temperature=0, max_tokens=40, structured_output=json_spec(schema))
+    params = SamplingParams(temperature=0, max_tokens=40, structured_output=StructuredOutput.from_schema(schema))
     outputs = llm.generate([tokenizer.encode(p) for p in PROMPTS], params)
     assert llm.engine.stats()["num_preemptions"] > 0, "the pool was meant to force preemption"
     for out in outputs:

@@ -7,6 +7,7 @@ it into a 400 with that `param`.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -39,6 +40,11 @@ class StructuredOutput:
     def __post_init__(self) -> None:
         assert self.kind in ("json_schema", "json_object", "regex", "grammar"), self.kind
         assert (self.kind == "json_object") == (self.spec == ""), "every kind but json_object has a spec"
+
+    @classmethod
+    def from_schema(cls, schema: dict, strict: bool = True, param: str = "response_format") -> StructuredOutput:
+        """A json_schema spec from a schema object (kept in its key order: the output follows it)."""
+        return cls("json_schema", json.dumps(schema), strict, param)
 
 
 @dataclass

@@ -22,7 +22,6 @@ constrain a request.
 """
 from __future__ import annotations
 
-import json
 import re
 import threading
 from collections import OrderedDict
@@ -131,7 +130,3 @@ def _reason(exc: RuntimeError) -> str:
     text = _LOCATION.sub("", str(exc).strip())
     return _CHECK.sub("", text)
 
-
-def json_spec(schema: dict, strict: bool = True, param: str = "response_format") -> StructuredOutput:
-    """A json_schema spec from a schema object (kept in its key order: the output follows it)."""
-    return StructuredOutput("json_schema", json.dumps(schema), strict, param)

@@ -14,7 +14,6 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from trillm.engine.structured_output import json_spec
 from trillm.sampling_params import SamplingParamError, SamplingParams, StructuredOutput
 
 MAX_N = 128  # samples per request: more would let one request fill the whole batch
@@ -57,7 +56,7 @@ class ResponseFormat(Strict):
                 f"response_format.{self.type}", f"A response_format of type {self.type} needs a non-empty {self.type}."
             )
         if self.type == "json_schema":
-            return json_spec(value.schema_ or {}, strict=value.strict is not False)
+            return StructuredOutput.from_schema(value.schema_ or {}, strict=value.strict is not False)
         return StructuredOutput("regex" if self.type == "regex" else "grammar", value)
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 
-from trillm.engine.structured_output import json_spec
 from trillm.http.protocol import ChatCompletionRequest, NamedToolChoice, Tool
 from trillm.http.tool_parsers import HermesParser
 from trillm.sampling_params import SamplingParamError, StructuredOutput
@@ -60,14 +59,14 @@ def forced_call_constraint(tools: list[Tool], choice: str | NamedToolChoice) -> 
     """The grammar that makes the output a call, for required and named choices; else None."""
     if isinstance(choice, NamedToolChoice):
         (tool,) = [t for t in tools if t.function.name == choice.function.name]
-        return json_spec(_parameters(tool), strict=tool.function.strict is not False, param="tool_choice")
+        return StructuredOutput.from_schema(_parameters(tool), strict=tool.function.strict is not False, param="tool_choice")
     if choice == "required":
         calls = [
             {"type": "object", "properties": {"name": {"const": t.function.name}, "arguments": _parameters(t)},
              "required": ["name", "arguments"]}
             for t in tools
         ]
-        return json_spec({"anyOf": calls}, param="tools")
+        return StructuredOutput.from_schema({"anyOf": calls}, param="tools")
     return None
 
 
