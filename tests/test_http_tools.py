@@ -69,6 +69,9 @@ async def test_named_and_required_tool_choice_force_a_valid_call(core):
         )
         assert len(check_calls(whole, chunks, {"get_time"})) == 1
         assert whole.choices[0].message.content is None
+        call_chunks = [c for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+        assert len(call_chunks) > 1, "a named call's arguments stream as they come"
+        assert call_chunks[0].choices[0].delta.tool_calls[0].id and not call_chunks[1].choices[0].delta.tool_calls[0].id
         whole, chunks = await whole_and_streamed(client, **args, tool_choice="required")
         assert len(check_calls(whole, chunks, {"get_weather", "get_time"})) == 1
         # The tools reach the prompt (SmolLM2's template has no tools: they go into the system message).

@@ -26,21 +26,26 @@ class PlainText:
 
 
 class ForcedCall:
-    """tool_choice required or named: the constrained output is one call, read at the end.
-    Named, it is the arguments object; required, `{"name", "arguments"}`. An output cut short
-    by max_tokens still yields the named call (its arguments cut short too, as with OpenAI)."""
+    """tool_choice required or named: the constrained output is one call. Named, it is the
+    arguments object, streamed as it comes (the same call again, its arguments grown); an
+    output cut short by max_tokens still yields the call, its arguments cut short too, as
+    with OpenAI. Required, it is `{"name", "arguments"}`, read at the end."""
 
     def __init__(self, name: str | None):
         self._name = name
         self._text = ""
+        self._call = ToolCall(name, "") if name is not None else None
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
         self._text += text
-        return "", []
+        if self._call is None or not text:
+            return "", []
+        self._call.arguments += text
+        return "", [self._call]
 
     def finish(self) -> tuple[str, list[ToolCall]]:
-        if self._name is not None:
-            return "", [ToolCall(self._name, self._text)]
+        if self._call is not None:
+            return "", [self._call]  # once more: a call whose arguments never came still is one
         try:
             call = call_from_json(json.loads(self._text))
         except json.JSONDecodeError:
@@ -79,6 +84,7 @@ class ChatOutput:
         self.reasoning = ""
         self.content = ""
         self.tool_calls: list[ToolCall] = []
+        self._sent: dict[str, tuple[int, int]] = {}  # call id -> (index, length of arguments sent)
 
     @property
     def has_reasoning(self) -> bool:
@@ -110,11 +116,22 @@ class ChatOutput:
         return message
 
     def _record(self, reasoning: str, content: str, calls: list[ToolCall]) -> ChatDelta:
-        first = len(self.tool_calls)
+        """A reader returns new calls, or one it returned before with its arguments grown: the
+        delta of a new call carries all of it, that of a known one only the new arguments."""
         self.reasoning += reasoning
         self.content += content
-        self.tool_calls += calls
-        return ChatDelta(reasoning, content, [{"index": first + k, **_call_dict(c)} for k, c in enumerate(calls)])
+        deltas = []
+        for call in calls:
+            if call.id in self._sent:
+                index, sent = self._sent[call.id]
+                if len(call.arguments) > sent:
+                    deltas.append({"index": index, "function": {"arguments": call.arguments[sent:]}})
+            else:
+                index = len(self.tool_calls)
+                self.tool_calls.append(call)
+                deltas.append({"index": index, **_call_dict(call)})
+            self._sent[call.id] = (index, len(call.arguments))
+        return ChatDelta(reasoning, content, deltas)
 
 
 def _call_dict(call: ToolCall) -> dict:
