@@ -278,7 +278,10 @@ class AsyncEngine:
                 first_with_prompt[key] = member.request_id
                 self.core.add_request(member.request_id, member.prompt_token_ids, member.params)
                 self._owner[member.request_id] = group
-        except ValueError as exc:
+        except Exception as exc:  # noqa: BLE001 - one request's refusal (or our bug in admitting it) is not the engine's death
+            # add_request is all or nothing, so the core holds exactly the members in _owner.
+            if not isinstance(exc, ValueError):
+                log.exception("request %s: admission failed", group.request_id)
             for member in group.members:
                 if self._owner.pop(member.request_id, None) is not None:
                     self.core.abort_request(member.request_id)

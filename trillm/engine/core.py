@@ -59,16 +59,21 @@ class EngineCore:
         self.num_preemptions = 0
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Queue a request; raises ValueError (SamplingParamError with .param) if it can never run."""
+        """Queue a request; raises ValueError (SamplingParamError with .param) if it can never run.
+
+        All or nothing: every check, and everything that can raise, comes before the scheduler
+        takes the request, so a refused request leaves no trace (a half-added one would be
+        stepped with no params and kill the engine)."""
         if request_id in self.params:
             raise SamplingParamError("request_id", f"A request with id {request_id!r} is already running.")
         if not prompt_token_ids:
             raise SamplingParamError("prompt", "The prompt is empty.")
         vocab_size = self.hf_config.vocab_size
-        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab_size:
-            raise SamplingParamError("prompt", f"Prompt token ids must be in [0, {vocab_size}).")
-        if any(not 0 <= t < vocab_size for t in params.logit_bias or {}):
-            raise SamplingParamError("logit_bias", f"logit_bias token ids must be in [0, {vocab_size}).")
+        for param, ids in (
+            ("prompt", prompt_token_ids), ("logit_bias", params.logit_bias or {}), ("stop_token_ids", params.stop_token_ids)
+        ):
+            if any(not 0 <= t < vocab_size for t in ids):
+                raise SamplingParamError(param, f"Token ids in {param} must be in [0, {vocab_size}).")
         if len(prompt_token_ids) >= self.max_model_len:
             raise SamplingParamError(
                 "prompt",
@@ -82,11 +87,12 @@ class EngineCore:
             request_id,
             list(prompt_token_ids),
             max_tokens,
-            min_tokens=params.min_tokens,
+            min_tokens=min(params.min_tokens, max_tokens),
             eos_token_id=self.eos_token_id,
             stop_token_ids=list(params.stop_token_ids) + ([] if params.ignore_eos else self.extra_eos_token_ids),
             ignore_eos=params.ignore_eos,
         )
+        generator = None if params.seed is None else torch.Generator().manual_seed(params.seed)
         try:
             self.scheduler.add(request)
         except ValueError as e:
@@ -98,7 +104,7 @@ class EngineCore:
                 self.scheduler.abort(request_id)
                 raise
         self.params[request_id] = params
-        self.generators[request_id] = None if params.seed is None else torch.Generator().manual_seed(params.seed)
+        self.generators[request_id] = generator
 
     def abort_request(self, request_id: str, reason: str = "abort") -> StepOutput | None:
         """End a request now and free its blocks; None if it is unknown or already finished."""
