@@ -58,6 +58,10 @@ BAD_REQUESTS = [
     (COMPLETIONS, {"prompt": "hi", "echo": True, "logprobs": 1}, 400, "echo"),
     (COMPLETIONS, {"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
     (COMPLETIONS, {"prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
+    # Each of these once got past validation and killed the engine (or left a half-added request).
+    (COMPLETIONS, {"prompt": [5, 6], "seed": 2**70}, 400, "seed"),
+    (COMPLETIONS, {"prompt": [5, 6], "stop_token_ids": [-5]}, 400, "stop_token_ids"),
+    (COMPLETIONS, {"prompt": [5, 6], "stop_token_ids": [10**9]}, 400, "stop_token_ids"),
     ("/generate", {"sampling_params": {"max_new_tokens": 4}}, 400, "text"),
     ("/generate", {"text": "hi", "sampling_params": {"temperature": -1}}, 400, "temperature"),
     ("/generate", {"text": "hi", "sampling_params": {"temperature": "hot"}}, 422, "sampling_params.temperature"),
@@ -71,7 +75,20 @@ BAD_REQUESTS = [
 
 @pytest.mark.parametrize(("path", "body", "status", "param"), BAD_REQUESTS)
 async def test_bad_request(server, path, body, status, param):
-    assert_error(await server.http().post(path, json=body), status, param)
+    http = server.http()
+    assert_error(await http.post(path, json=body), status, param)
+    assert (await http.get("/health")).status_code == 200, "a bad request never hurts the engine"
+
+
+@pytest.mark.parametrize("field", ["temperature", "repetition_penalty"])
+@pytest.mark.parametrize("value", [b"NaN", b"Infinity"])
+async def test_non_finite_numbers_are_refused(server, field, value):
+    """Python's JSON parser accepts NaN and Infinity; no range check catches NaN."""
+    body = b'{"prompt": [5, 6], "max_tokens": 2, "%s": %s}' % (field.encode(), value)
+    http = server.http()
+    response = await http.post(COMPLETIONS, content=body, headers={"Content-Type": "application/json"})
+    assert "finite" in assert_error(response, 400, field)["message"]
+    assert (await http.get("/health")).status_code == 200
 
 
 async def test_unknown_model_route_method_and_json(server):

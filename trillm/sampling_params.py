@@ -8,10 +8,14 @@ it into a 400 with that `param`.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
 _GREEDY_EPS = 1e-5
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
+# torch.Generator.manual_seed takes a signed or unsigned 64-bit value; beyond that it raises.
+SEED_RANGE = (-(2**63), 2**64)
 
 
 class SamplingParamError(ValueError):
@@ -82,6 +86,9 @@ class SamplingParams:
         def bad(param: str, message: str) -> None:
             raise SamplingParamError(param, message)
 
+        for name in _FLOAT_FIELDS:  # JSON parsers accept NaN and Infinity; no range check catches NaN
+            if not math.isfinite(getattr(self, name)):
+                bad(name, f"{name} must be a finite number, got {getattr(self, name)}.")
         if self.n < 1:
             bad("n", f"n must be at least 1, got {self.n}.")
         if self.temperature < 0:
@@ -106,6 +113,8 @@ class SamplingParams:
             bad("min_tokens", f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens}).")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             bad("logprobs", f"logprobs must be in [0, 20], got {self.logprobs}.")
+        if self.seed is not None and not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]:
+            bad("seed", f"seed must be a 64-bit integer, got {self.seed}.")
         for token_id, bias in (self.logit_bias or {}).items():
             if not -100 <= bias <= 100:
                 bad("logit_bias", f"logit_bias for token {token_id} must be in [-100, 100], got {bias}.")
