@@ -5,6 +5,7 @@ failure (its engine died) is a 5xx, and it is a 503, never a 500.
 """
 import openai
 import pytest
+import trio
 from http_support import live_server
 
 CHAT = "/v1/chat/completions"
@@ -130,32 +131,45 @@ async def test_full_waiting_queue_is_429(core):
         assert (await server.http().get("/health")).status_code == 200, "overload is not ill health"
 
 
-async def test_engine_death_fails_live_streams_and_health_with_503(core, monkeypatch):
-    """The model crashing mid-generation, injected as a step that raises before touching the core."""
-    real_step, steps = core.step, []
+async def test_engine_death_fails_live_requests_and_health_with_503(core):
+    """The model crashing mid-generation, injected through the runner's fault hook: every
+    in-flight request (streamed or not) fails with the cause, their blocks go back to the pool,
+    /health goes 503, new requests get 503, and the server still shuts down."""
+    steps = []
 
-    def crashing_step():
-        steps.append(None)
+    def fault(sched) -> None:
+        steps.append(len(sched.requests))
         if len(steps) > 3:
             raise RuntimeError("injected fault: the device is gone")
-        return real_step()
 
-    monkeypatch.setattr(core, "step", crashing_step)
+    core.runner.fault_hook = fault
     try:
         async with live_server(core) as server:
-            stream = await server.openai().chat.completions.create(
-                model=server.model, messages=HELLO, max_tokens=100, stream=True,
-                extra_body={"ignore_eos": True}, extra_headers={"X-Request-Id": "doomed"},
+            client = server.openai()
+            stream = await client.chat.completions.create(
+                model=server.model, messages=HELLO, max_tokens=100, stream=True, extra_body={"ignore_eos": True},
             )
-            with pytest.raises(openai.APIError) as failed:
-                async for _ in stream:
-                    pass
+            failures = []
+
+            async def whole() -> None:
+                with pytest.raises(openai.InternalServerError) as failed:
+                    await client.completions.create(
+                        model=server.model, prompt="Hi", max_tokens=100, extra_body={"ignore_eos": True}
+                    )
+                failures.append(failed.value)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(whole)
+                with pytest.raises(openai.APIError) as failed:
+                    async for _ in stream:
+                        pass
             assert "engine stopped" in failed.value.message and "injected fault" in failed.value.message
+            assert failures[0].status_code == 503 and "injected fault" in failures[0].message
             health = await server.http().get("/health")
             assert health.status_code == 503 and health.json()["error"]["type"] == "service_unavailable_error"
             with pytest.raises(openai.InternalServerError) as refused:
-                await server.openai().chat.completions.create(model=server.model, messages=HELLO, max_tokens=2)
+                await client.chat.completions.create(model=server.model, messages=HELLO, max_tokens=2)
             assert refused.value.status_code == 503
+            assert core.stats()["num_used_blocks"] == 0 and not core.has_unfinished(), "the dead engine freed them"
     finally:
-        core.abort_request("doomed-0")  # the dead engine left it in the core; the next test needs it idle
-    assert core.stats()["num_used_blocks"] == 0 and not core.has_unfinished()
+        core.runner.fault_hook = None

@@ -338,7 +338,11 @@ class AsyncEngine:
             self._idle.set()
 
     def _die(self, exc: Exception) -> None:
+        """Fail every live group and give the core's requests back their blocks: a dead engine
+        takes no more steps, but the KV pool must not stay held by requests no one will end."""
         self.error = exc
+        for request_id in self._owner:
+            self.core.abort_request(request_id)
         for group in self._groups.values():
             group.error = group.error or EngineUnavailableError(f"The engine stopped: {exc!r}")
             group.send.close()

@@ -8,6 +8,7 @@ reach the end of its prompt needs none. On CUDA, pure-decode steps replay CUDA g
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -50,6 +51,9 @@ class ModelRunner:
                 f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings {max_positions}."
             )
         self.decode_graphs: DecodeGraphs | None = None  # captured once the KV cache exists
+        # Tests set this to fail a step from inside the model's turn (a device error, say):
+        # called with the SchedulerOutput at the start of every execute. None in production.
+        self.fault_hook: Callable[[object], None] | None = None
         self.num_kv_blocks = args.num_kv_blocks or self._num_blocks_in_budget()
         if self.num_kv_blocks < 1:
             raise ValueError("The KV cache budget holds no block: raise the memory budget or lower block_size.")
@@ -110,6 +114,8 @@ class ModelRunner:
     def execute(self, sched) -> torch.Tensor:
         """sched: a SchedulerOutput. Returns fp32 logits [N, vocab] for the N requests with
         needs_sample, in schedule order."""
+        if self.fault_hook is not None:
+            self.fault_hook(sched)
         requests = sched.requests
         batch = self.prepare(
             [r.token_ids for r in requests],
