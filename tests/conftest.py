@@ -97,3 +97,15 @@ async def server(core):
 
     async with live_server(core) as s:
         yield s
+
+
+@pytest.fixture(scope="session")
+def tiny_text_model_dir(tiny_model_dir, default_model_dir) -> str:
+    """A tiny random llama with SmolLM2's tokenizer and chat template (so its 49152-token vocabulary):
+    text prompts and chat work, and a step costs milliseconds, so hundreds of requests are cheap."""
+    path = tiny_model_dir("llama", vocab_size=49152)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        source = os.path.join(default_model_dir, name)
+        if os.path.exists(source):
+            shutil.copy(source, path)
+    return path

@@ -19,6 +19,7 @@ import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve
 from prometheus_client.parser import text_string_to_metric_families
+from quart_trio import QuartTrio
 
 from trillm.config import EngineArgs
 from trillm.engine.core import EngineCore
@@ -27,6 +28,8 @@ from trillm.http.settings import ServerSettings
 from trillm.http.state import EXTENSION, ServerState
 
 NUM_KV_BLOCKS = 256  # 4096 tokens: room for every test, small enough to allocate at once
+TINY_KV_BLOCKS = 128  # 2048 tokens: fewer than a soak's requests want at once, so some are preempted
+TINY_MAX_MODEL_LEN = 96
 SETTLE_TIMEOUT = 60  # seconds a test waits for the engine to go idle before failing (not a speed check)
 
 
@@ -36,10 +39,18 @@ def shared_core() -> EngineCore:
     return EngineCore(EngineArgs(num_kv_blocks=NUM_KV_BLOCKS))
 
 
+@functools.cache
+def tiny_core(model_dir: str) -> EngineCore:
+    """A tiny random model's engine (tests/conftest.py makes them), one per directory per process.
+    A short context bounds what any one request can cost, whatever a fuzzer asks for."""
+    return EngineCore(EngineArgs(model=model_dir, num_kv_blocks=TINY_KV_BLOCKS, max_model_len=TINY_MAX_MODEL_LEN))
+
+
 @dataclass
 class LiveServer:
     url: str
     state: ServerState
+    app: QuartTrio
     clients: list = field(default_factory=list)  # closed before the server stops, so it need not wait for them
 
     @property
@@ -66,7 +77,7 @@ async def live_server(core: EngineCore, **settings):
     stop = trio.Event()
     async with trio.open_nursery() as nursery:
         (url,) = await nursery.start(functools.partial(serve, app, config, shutdown_trigger=stop.wait))
-        server = LiveServer(url, app.extensions[EXTENSION])
+        server = LiveServer(url, app.extensions[EXTENSION], app)
         try:
             yield server
         finally:

@@ -19,11 +19,11 @@ from dataclasses import replace
 
 from quart import g, request
 from quart_trio import QuartTrio
-from werkzeug.exceptions import HTTPException
+from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
 from trillm.engine.async_engine import EngineUnavailableError, QueueFullError
 from trillm.engine.core import EngineCore
-from trillm.http import info, native, openai_chat, openai_completions
+from trillm.http import info, native, openai_chat, openai_completions, openapi
 from trillm.http.auth import check_api_key
 from trillm.http.errors import APIError, error_response
 from trillm.http.settings import ServerSettings, from_env
@@ -40,9 +40,10 @@ def create_app(settings: ServerSettings | None = None, core: EngineCore | None =
     settings = replace(settings, engine=core.args)  # what runs, for /server_info
     app = QuartTrio("trillm")
     app.config["RESPONSE_TIMEOUT"] = None  # streams last as long as their requests; see trillm.http.sse
+    app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes  # bounds what one request can make us buffer
     state = ServerState(settings, core)
     app.extensions[EXTENSION] = state
-    for module in (openai_chat, openai_completions, native, info):
+    for module in (openai_chat, openai_completions, native, info, openapi):
         app.register_blueprint(module.blueprint)
 
     @app.before_request
@@ -89,6 +90,11 @@ def _register_error_handlers(app: QuartTrio) -> None:
     @app.errorhandler(EngineUnavailableError)
     async def unavailable(exc: EngineUnavailableError):
         return error_response(503, str(exc))
+
+    @app.errorhandler(RequestEntityTooLarge)
+    async def too_large(exc: RequestEntityTooLarge):
+        limit = app.config["MAX_CONTENT_LENGTH"]
+        return error_response(413, f"The request body is larger than this server's limit of {limit} bytes.")
 
     @app.errorhandler(HTTPException)
     async def http_error(exc: HTTPException):

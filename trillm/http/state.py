@@ -55,8 +55,12 @@ async def parse_body(model: type[pydantic.BaseModel], status: int = 400):
     """The JSON body as `model`; 400 (or `status`, for schema errors) naming the bad field."""
     data = await request.get_data()
     try:
-        body = json.loads(data or b"{}")
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        text = data.decode("utf-8")  # JSON on the wire is UTF-8 (RFC 8259); json.loads would guess
+    except UnicodeDecodeError as exc:
+        raise APIError(400, f"The body is not valid UTF-8: {exc}") from None
+    try:
+        body = json.loads(text or "{}")
+    except json.JSONDecodeError as exc:
         raise APIError(400, f"The body is not valid JSON: {exc}") from None
     try:
         return model.model_validate(body)

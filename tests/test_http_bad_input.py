@@ -1,0 +1,126 @@
+"""Bad input against a live server: the OpenAPI document, fuzzed bodies for every POST route, bodies
+that are too large, not UTF-8 or not JSON. Every one is a 4xx with an OpenAI error body; none is
+a 5xx, a hang, or an engine that stops answering.
+
+The fuzzer is schemathesis, reading the server's own /openapi.json: bodies that fit the schema
+(which then reach the engine and run) and bodies that break it. It runs in a worker thread (it
+is synchronous), while the server serves on this test's Trio loop.
+"""
+import json
+
+import pytest
+import trio
+from http_support import live_server, settled_stats, tiny_core
+from hypothesis import HealthCheck, Phase, given, settings
+from openapi_spec_validator import validate
+from schemathesis import GenerationMode
+from schemathesis.openapi import from_dict
+
+EXAMPLES_PER_ROUTE_AND_MODE = 30  # benchmarks/fuzz.py runs more
+
+
+@pytest.fixture(scope="session")
+def core(tiny_text_model_dir):
+    """Overrides conftest's core; conftest's `server` then serves this one."""
+    return tiny_core(tiny_text_model_dir)
+
+
+def assert_openai_error(status: int, body: dict) -> None:
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["code"] == status and error["message"]
+
+
+async def test_openapi_document_is_valid_and_covers_every_post_route(server):
+    doc = (await server.http().get("/openapi.json")).json()
+    validate(doc)
+    app_posts = {r.rule for r in server.app.url_map.iter_rules() if "POST" in r.methods}
+    doc_posts = {path for path, ops in doc["paths"].items() if "post" in ops}
+    assert app_posts == doc_posts and "/v1/chat/completions" in doc_posts
+    body = doc["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    completion = doc["components"]["schemas"][body["$ref"].rsplit("/", 1)[1]]
+    assert completion["properties"]["n"]["maximum"] == 128 and "prompt" in completion["required"]
+
+
+async def test_a_body_over_the_limit_is_413(core):
+    async with live_server(core, max_body_bytes=4096) as server:
+        http = server.http()
+        prompt = [5] * 3000  # ~6 KB of JSON
+        response = await http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1})
+        assert response.status_code == 413, response.text
+        assert_openai_error(413, response.json())
+        assert "4096 bytes" in response.json()["error"]["message"]
+        small = await http.post("/v1/completions", json={"prompt": prompt[:10], "max_tokens": 1})
+        assert small.status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("data", "words"),
+    [
+        (b'{"prompt": "caf\xe9", "max_tokens": 1}', "UTF-8"),  # Latin-1, not UTF-8
+        (b'\xff\xfe{\x00"\x00', "UTF-8"),  # UTF-16 with a BOM
+        (b'{"prompt": [5, 6], "max_tokens": 1', "JSON"),
+        (b"", "prompt"),  # no body: an empty object, which lacks the prompt
+    ],
+)
+async def test_undecodable_bodies_are_400(server, data, words):
+    response = await server.http().post("/v1/completions", content=data, headers={"Content-Type": "application/json"})
+    assert response.status_code == 400, response.text
+    assert_openai_error(400, response.json())
+    assert words in response.json()["error"]["message"]
+
+
+def sse_errors(text: str) -> list[dict]:
+    """The error events a stream carried (the server reports a mid-stream failure in-band)."""
+    events = [line[len("data: "):] for line in text.splitlines() if line.startswith("data: {")]
+    return [e["error"] for e in map(json.loads, events) if "error" in e]
+
+
+def fuzz(url: str, doc: dict, counts: dict) -> None:
+    """Every POST operation, bodies valid and invalid; raises on the first 5xx or malformed error."""
+    schema = from_dict(doc)
+    for result in schema.get_all_operations():
+        operation = result.ok()
+        if operation.method.upper() != "POST":
+            continue
+        modes = [GenerationMode.POSITIVE] + ([GenerationMode.NEGATIVE] if len(operation.body) else [])
+        for mode in modes:
+
+            @settings(
+                max_examples=EXAMPLES_PER_ROUTE_AND_MODE, deadline=None, database=None, derandomize=True,
+                phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck),
+            )
+            @given(case=operation.as_strategy(generation_mode=mode))
+            def one(case):
+                response = case.call(base_url=url, timeout=60)
+                counts[response.status_code // 100] = counts.get(response.status_code // 100, 0) + 1
+                assert response.status_code < 500, (case.body, response.text)
+                if response.status_code >= 400:
+                    assert_openai_error(response.status_code, response.json())
+                elif "text/event-stream" in response.headers.get("content-type", [""])[0]:
+                    assert not sse_errors(response.text), (case.body, response.text)
+
+            one()
+
+
+async def test_fuzzed_bodies_get_4xx_never_5xx(server):
+    http = server.http()
+    doc = (await http.get("/openapi.json")).json()
+    counts: dict[int, int] = {}
+    await trio.to_thread.run_sync(fuzz, server.url, doc, counts)
+    print(f"fuzz: {sum(counts.values())} cases, by status class {dict(sorted(counts.items()))}")
+    assert counts.get(4) and counts.get(2), "the fuzzer reached both refusals and the engine"
+    assert (await http.get("/health")).status_code == 200
+    stats = await settled_stats(http)
+    assert stats["num_used_blocks"] == 0 and stats["alive"]
+    ok = await http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 3, "ignore_eos": True})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+
+
+async def test_unknown_names_are_404(server):
+    http = server.http()
+    for path, body, param in (
+        ("/v1/completions", {"model": "gpt-4", "prompt": "hi"}, "model"),
+        ("/abort_request", {"rid": "never-was"}, "rid"),
+    ):
+        response = await http.post(path, json=body)
+        assert response.status_code == 404 and response.json()["error"]["param"] == param

@@ -1,0 +1,113 @@
+"""GET /openapi.json: the server's OpenAPI 3.1 document, made from the routes and the pydantic
+request models that validate them.
+
+The paths come from the app's own URL map, so a new route shows up without an edit here; a
+POST route must name its body model in BODIES (or be listed as bodiless), which an assert
+enforces, so the document can never describe a body the route does not validate. Request
+schemas are pydantic's own JSON Schema (2020-12, which OpenAPI 3.1 uses) with their `$defs`
+moved into `components/schemas`, so fuzzers generate exactly what the routes parse.
+"""
+from __future__ import annotations
+
+import re
+
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
+from quart import Blueprint, current_app
+
+import trillm
+from trillm.http.errors import ERROR_TYPES
+from trillm.http.protocol import (
+    AbortRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    GenerateRequest,
+    TokenizeRequest,
+)
+
+blueprint = Blueprint("openapi", __name__)
+
+BODIES: dict[str, type[BaseModel]] = {
+    "/v1/chat/completions": ChatCompletionRequest,
+    "/v1/completions": CompletionRequest,
+    "/generate": GenerateRequest,
+    "/abort_request": AbortRequest,
+    "/tokenize": TokenizeRequest,
+    "/detokenize": DetokenizeRequest,
+}
+BODILESS_POSTS = {"/flush_cache", "/ping"}
+REF_TEMPLATE = "#/components/schemas/{model}"
+
+ERROR_SCHEMA = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type", "param", "code"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string", "enum": sorted(set(ERROR_TYPES.values()))},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": "integer"},
+            },
+        }
+    },
+}
+
+
+def openapi_document(url_map) -> dict:
+    """The document for the routes in `url_map` (a Quart app's)."""
+    refs, defs = models_json_schema([(m, "validation") for m in BODIES.values()], ref_template=REF_TEMPLATE)
+    schemas = {**defs.get("$defs", {}), "ErrorResponse": ERROR_SCHEMA}
+    paths: dict[str, dict] = {}
+    for rule in url_map.iter_rules():
+        if rule.endpoint == "static" or rule.rule == "/openapi.json":
+            continue
+        path = re.sub(r"<(?:[^:<>]+:)?([^<>]+)>", r"{\1}", rule.rule)
+        for method in sorted(rule.methods - {"HEAD", "OPTIONS"}):
+            paths.setdefault(path, {})[method.lower()] = _operation(rule, path, method, refs)
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "trillm", "version": trillm.__version__},
+        "paths": paths,
+        "components": {
+            "schemas": schemas,
+            "securitySchemes": {"bearerAuth": {"type": "http", "scheme": "bearer"}},
+        },
+    }
+
+
+def _operation(rule, path: str, method: str, refs: dict) -> dict:
+    operation: dict = {
+        "operationId": method.lower() + re.sub(r"\W+", "_", path).rstrip("_"),  # /health and /ping share an endpoint
+        "responses": {
+            "200": {"description": "Success"},
+            "default": {
+                "description": "An error, in OpenAI's shape",
+                "content": {"application/json": {"schema": {"$ref": REF_TEMPLATE.format(model="ErrorResponse")}}},
+            },
+        },
+    }
+    if rule.arguments:
+        operation["parameters"] = [
+            {"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
+            for name in sorted(rule.arguments)
+        ]
+    if rule.rule.startswith("/v1/"):
+        operation["security"] = [{"bearerAuth": []}, {}]  # needed only when the server has an API key
+    if method == "POST":
+        model = BODIES.get(rule.rule)
+        assert model is not None or rule.rule in BODILESS_POSTS, f"POST {rule.rule} must name its body model"
+        if model is not None:
+            operation["requestBody"] = {
+                "required": True,
+                "content": {"application/json": {"schema": refs[(model, "validation")]}},
+            }
+    return operation
+
+
+@blueprint.get("/openapi.json")
+async def openapi_json():
+    return openapi_document(current_app.url_map)
