@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 import httpx
 import openai
 import trio
-from hypercorn.config import Config
 from hypercorn.trio import serve
 from prometheus_client.parser import text_string_to_metric_families
 from quart_trio import QuartTrio
@@ -24,6 +23,7 @@ from quart_trio import QuartTrio
 from trillm.config import EngineArgs
 from trillm.engine.core import EngineCore
 from trillm.http.app import create_app
+from trillm.http.serve import hypercorn_config
 from trillm.http.settings import ServerSettings
 from trillm.http.state import EXTENSION, ServerState
 
@@ -71,9 +71,9 @@ class LiveServer:
 
 @asynccontextmanager
 async def live_server(core: EngineCore, **settings):
-    app = create_app(ServerSettings(**settings), core)
-    config = Config()
-    config.bind = ["127.0.0.1:0"]
+    server_settings = ServerSettings(**{"port": 0, **settings})
+    app = create_app(server_settings, core)
+    config = hypercorn_config(server_settings)  # what `trillm serve` runs with
     stop = trio.Event()
     async with trio.open_nursery() as nursery:
         (url,) = await nursery.start(functools.partial(serve, app, config, shutdown_trigger=stop.wait))

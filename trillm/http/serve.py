@@ -31,6 +31,7 @@ FLUSH_GRACE = 3.0  # seconds after the drain for aborted streams to send their l
 def hypercorn_config(settings: ServerSettings) -> Config:
     config = Config()
     config.bind = [f"{settings.host}:{settings.port}"]
+    config.backlog = settings.backlog
     config.graceful_timeout = FLUSH_GRACE
     config.loglevel = settings.log_level.upper()
     config.errorlog = "-"

@@ -25,6 +25,7 @@ class ServerSettings:
     port: int = 8000  # 0: any free port (the bound address is logged)
     api_key: str | None = None  # when set, /v1/* needs "Authorization: Bearer <key>"
     max_waiting: int = 1024  # requests waiting for the engine beyond this get 429
+    backlog: int = 2048  # connections the kernel queues before we accept them (Hypercorn's 100 resets bursts)
     max_body_bytes: int = 8 << 20  # larger request bodies get 413 (a prompt of 8192 token ids is ~60 KB)
     served_model_name: str | None = None  # None: the model's name
     drain_timeout: float = 30.0  # on SIGTERM/SIGINT: seconds running requests may finish in
