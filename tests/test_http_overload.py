@@ -1,0 +1,68 @@
+"""Overload: more requests than --max-waiting allows. The surplus is refused at once with a 429 and
+an OpenAI error body, the admitted ones all finish, and what the server holds stays bounded.
+
+"At once" is made exact by freezing the engine inside its first step (the runner's fault hook
+blocks until the test lets go): every refusal arrives while no request can have made progress,
+so none of them waited for the engine.
+"""
+import threading
+
+import openai
+import pytest
+import trio
+from http_support import SETTLE_TIMEOUT, live_server, settled_stats, tiny_core
+
+NUM_REQUESTS = 120
+MAX_WAITING = 16
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="session")
+def core(tiny_text_model_dir):
+    return tiny_core(tiny_text_model_dir)
+
+
+async def test_requests_over_max_waiting_get_429_at_once_and_admitted_ones_finish(core):
+    gate = threading.Event()
+    core.runner.fault_hook = lambda sched: gate.wait()
+    try:
+        async with live_server(core, max_waiting=MAX_WAITING) as server:
+            client, http = server.openai(timeout=SETTLE_TIMEOUT), server.http()
+            refused, finished = [], []
+
+            async def one(i: int) -> None:
+                try:
+                    out = await client.completions.create(
+                        model=server.model, prompt=[10 + i, 11, 12], max_tokens=MAX_TOKENS,
+                        extra_body={"ignore_eos": True},
+                    )
+                except openai.RateLimitError as exc:
+                    assert gate.is_set() is False, "a refusal waited for the engine"
+                    refused.append(exc)
+                    return
+                finished.append(out)
+
+            async with trio.open_nursery() as nursery:
+                for i in range(NUM_REQUESTS):
+                    nursery.start_soon(one, i)
+                with trio.fail_after(SETTLE_TIMEOUT):  # each request is refused or held, none can finish
+                    while len(refused) + server.state.engine.stats()["num_live_requests"] < NUM_REQUESTS:
+                        await trio.sleep(0.01)
+                frozen = server.state.engine.stats()
+                assert (await http.get("/health")).status_code == 200, "overload is not ill health"
+                gate.set()
+
+            held = NUM_REQUESTS - len(refused)
+            assert held <= frozen["num_running"] + MAX_WAITING, "live requests are bounded by the limits"
+            assert len(refused) >= NUM_REQUESTS - frozen["num_running"] - MAX_WAITING > 0
+            for exc in refused:
+                error = exc.body
+                assert exc.status_code == 429 and error["type"] == "rate_limit_error" and "retry" in error["message"]
+            assert len(finished) == held
+            assert all(o.choices[0].finish_reason == "length" and o.usage.completion_tokens == MAX_TOKENS for o in finished)
+            stats = await settled_stats(http)
+            assert stats["num_used_blocks"] == 0 and stats["num_live_requests"] == 0
+            print(f"overload: {NUM_REQUESTS} requests, {len(refused)} refused with 429, {held} admitted and finished")
+    finally:
+        gate.set()
+        core.runner.fault_hook = None
