@@ -26,6 +26,7 @@ from trillm.engine.core import EngineCore
 from trillm.http import info, native, openai_chat, openai_completions, openapi
 from trillm.http.auth import check_api_key
 from trillm.http.errors import APIError, error_response
+from trillm.http.logs import REQUEST_ID
 from trillm.http.settings import ServerSettings, from_env
 from trillm.http.state import EXTENSION, ServerState
 from trillm.sampling_params import SamplingParamError
@@ -49,6 +50,7 @@ def create_app(settings: ServerSettings | None = None, core: EngineCore | None =
     @app.before_request
     async def authenticate_and_name():
         g.request_id = request.headers.get("X-Request-Id")
+        REQUEST_ID.set(g.request_id or "-")  # a generating route sets its final id
         if settings.api_key is not None:
             return check_api_key(settings.api_key)
         return None
@@ -57,6 +59,7 @@ def create_app(settings: ServerSettings | None = None, core: EngineCore | None =
     async def echo_request_id(response):
         if g.get("request_id"):
             response.headers["X-Request-Id"] = g.request_id
+        log.info("%s %s -> %d", request.method, request.path, response.status_code)
         return response
 
     _register_error_handlers(app)

@@ -11,12 +11,16 @@ finished, failed, or its client went away.
 """
 from __future__ import annotations
 
+import logging
+
 import trio
 
 from trillm.engine.async_engine import RequestStream
 from trillm.engine.output import Delta, OutputProcessor
 from trillm.http.protocol import sample_params
 from trillm.sampling_params import SamplingParamError, SamplingParams
+
+log = logging.getLogger(__name__)
 
 
 class Generation:
@@ -99,6 +103,11 @@ class Generation:
             if not processor.finished:
                 self._metrics.e2e_latency.observe(now - self._arrival)
                 self._metrics.finished("abort")
+        log.info(
+            "ended after %.3f s: %s", now - self._arrival,
+            ", ".join(f"{p.completion.finish_reason or 'abort (client gone)'} after {len(p.completion.token_ids)} tokens"
+                      for p in self.processors),
+        )
 
     def _observe(self, index: int, num_tokens: int, delta: Delta) -> None:
         now = trio.current_time()

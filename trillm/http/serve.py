@@ -20,6 +20,7 @@ from hypercorn.config import Config
 from hypercorn.trio import serve as hypercorn_serve
 
 from trillm.engine.core import EngineCore
+from trillm.http import logs
 from trillm.http.app import create_app
 from trillm.http.settings import ServerSettings
 from trillm.http.state import EXTENSION
@@ -65,5 +66,5 @@ async def serve(settings: ServerSettings, *, task_status=trio.TASK_STATUS_IGNORE
 
 
 def run(settings: ServerSettings) -> None:
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logs.configure(settings.log_level)
     trio.run(serve, settings)

@@ -16,6 +16,7 @@ from trillm.engine.async_engine import AsyncEngine
 from trillm.engine.core import EngineCore
 from trillm.http.errors import APIError, from_validation_error
 from trillm.http.logprobs import TokenTexts
+from trillm.http.logs import REQUEST_ID
 from trillm.http.metrics import Metrics
 from trillm.http.reasoning import REASONING_PARSERS
 from trillm.http.settings import ServerSettings
@@ -72,4 +73,5 @@ def request_id(prefix: str, given: str | None = None) -> str:
     """The id a body names, else the client's X-Request-Id, else a fresh `{prefix}-<hex>`;
     the response's X-Request-Id header echoes it."""
     g.request_id = given or g.get("request_id") or f"{prefix}-{uuid.uuid4().hex}"
+    REQUEST_ID.set(g.request_id)
     return g.request_id
