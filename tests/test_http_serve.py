@@ -112,3 +112,43 @@ async def test_hypercorn_launches_the_app_factory_from_the_environment():
         process.send_signal(signal.SIGTERM)
         with trio.fail_after(60):
             assert await process.wait() == 0, "\n".join(log)
+
+
+async def test_sigterm_under_load_ends_every_stream_with_a_final_chunk_and_exits(tiny_text_model_dir):
+    """Forty streams of random lengths when SIGTERM arrives: those that finish within the drain end
+    with "length", the rest with "abort"; every one gets its final chunk, and the process exits 0.
+    Its log names the request on every line about one."""
+    async with trio.open_nursery() as nursery:
+        command = [sys.executable, "-m", "trillm", "serve", "--port", "0", "--model", tiny_text_model_dir]
+        command += ["--drain-timeout", "1"]
+        process, url, log = await start_server(nursery, command)
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        model = (await client.models.list()).data[0].id
+        finishes, started = {}, []
+        all_started = trio.Event()
+
+        async def stream(i: int) -> None:
+            chunks = await client.completions.create(
+                model=model, prompt=[5 + i, 6, 7],
+                max_tokens=10 + 5 * i, stream=True, logprobs=0, extra_body={"ignore_eos": True},
+                extra_headers={"X-Request-Id": f"term-{i}"},
+            )
+            async for chunk in chunks:
+                if i not in started:
+                    started.append(i)
+                    if len(started) == 40:
+                        all_started.set()
+                if chunk.choices[0].finish_reason:
+                    finishes[i] = chunk.choices[0].finish_reason
+
+        async with trio.open_nursery() as streams:
+            for i in range(40):
+                streams.start_soon(stream, i)
+            await all_started.wait()
+            process.send_signal(signal.SIGTERM)
+        assert len(finishes) == 40 and set(finishes.values()) <= {"length", "abort"}, finishes
+        await client.close()
+        with trio.fail_after(60):
+            assert await process.wait() == 0, "\n".join(log)
+    ended = [line for line in log if "ended after" in line]
+    assert len(ended) == 40 and all(re.search(r"\[term-\d+\] ended after", line) for line in ended), ended
