@@ -2,32 +2,21 @@
 that are too large, not UTF-8 or not JSON. Every one is a 4xx with an OpenAI error body; none is
 a 5xx, a hang, or an engine that stops answering.
 
-The fuzzer is schemathesis, reading the server's own /openapi.json: bodies that fit the schema
-(which then reach the engine and run) and bodies that break it. It runs in a worker thread (it
-is synchronous), while the server serves on this test's Trio loop.
+The fuzzer (tests/fuzz_support.py) is schemathesis, reading the server's own /openapi.json.
 """
-import json
-
 import pytest
 import trio
+from fuzz_support import assert_openai_error, fuzz
 from http_support import live_server, settled_stats, tiny_core
-from hypothesis import HealthCheck, Phase, given, settings
 from openapi_spec_validator import validate
-from schemathesis import GenerationMode
-from schemathesis.openapi import from_dict
 
-EXAMPLES_PER_ROUTE_AND_MODE = 30  # benchmarks/fuzz.py runs more
+EXAMPLES_PER_ROUTE_AND_MODE = 30  # benchmarks/soak.py runs more
 
 
 @pytest.fixture(scope="session")
 def core(tiny_text_model_dir):
     """Overrides conftest's core; conftest's `server` then serves this one."""
     return tiny_core(tiny_text_model_dir)
-
-
-def assert_openai_error(status: int, body: dict) -> None:
-    error = body["error"]
-    assert set(error) == {"message", "type", "param", "code"} and error["code"] == status and error["message"]
 
 
 async def test_openapi_document_is_valid_and_covers_every_post_route(server):
@@ -69,44 +58,11 @@ async def test_undecodable_bodies_are_400(server, data, words):
     assert words in response.json()["error"]["message"]
 
 
-def sse_errors(text: str) -> list[dict]:
-    """The error events a stream carried (the server reports a mid-stream failure in-band)."""
-    events = [line[len("data: "):] for line in text.splitlines() if line.startswith("data: {")]
-    return [e["error"] for e in map(json.loads, events) if "error" in e]
-
-
-def fuzz(url: str, doc: dict, counts: dict) -> None:
-    """Every POST operation, bodies valid and invalid; raises on the first 5xx or malformed error."""
-    schema = from_dict(doc)
-    for result in schema.get_all_operations():
-        operation = result.ok()
-        if operation.method.upper() != "POST":
-            continue
-        modes = [GenerationMode.POSITIVE] + ([GenerationMode.NEGATIVE] if len(operation.body) else [])
-        for mode in modes:
-
-            @settings(
-                max_examples=EXAMPLES_PER_ROUTE_AND_MODE, deadline=None, database=None, derandomize=True,
-                phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck),
-            )
-            @given(case=operation.as_strategy(generation_mode=mode))
-            def one(case):
-                response = case.call(base_url=url, timeout=60)
-                counts[response.status_code // 100] = counts.get(response.status_code // 100, 0) + 1
-                assert response.status_code < 500, (case.body, response.text)
-                if response.status_code >= 400:
-                    assert_openai_error(response.status_code, response.json())
-                elif "text/event-stream" in response.headers.get("content-type", [""])[0]:
-                    assert not sse_errors(response.text), (case.body, response.text)
-
-            one()
-
-
 async def test_fuzzed_bodies_get_4xx_never_5xx(server):
     http = server.http()
     doc = (await http.get("/openapi.json")).json()
     counts: dict[int, int] = {}
-    await trio.to_thread.run_sync(fuzz, server.url, doc, counts)
+    await trio.to_thread.run_sync(fuzz, server.url, doc, counts, EXAMPLES_PER_ROUTE_AND_MODE)
     print(f"fuzz: {sum(counts.values())} cases, by status class {dict(sorted(counts.items()))}")
     assert counts.get(4) and counts.get(2), "the fuzzer reached both refusals and the engine"
     assert (await http.get("/health")).status_code == 200
