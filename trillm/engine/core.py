@@ -62,8 +62,9 @@ class EngineCore:
         """Queue a request; raises ValueError (SamplingParamError with .param) if it can never run.
 
         All or nothing: every check, and everything that can raise, comes before the scheduler
-        takes the request, so a refused request leaves no trace (a half-added one would be
-        stepped with no params and kill the engine)."""
+        takes the request, or is undone if it fails after (the grammar, which needs the request
+        id), so a refused request leaves no trace (a half-added one would be stepped with no
+        params and kill the engine)."""
         if request_id in self.params:
             raise SamplingParamError("request_id", f"A request with id {request_id!r} is already running.")
         if not prompt_token_ids:
@@ -100,7 +101,7 @@ class EngineCore:
         if params.structured_output is not None:
             try:
                 self.grammars.add(request_id, params.structured_output)
-            except SamplingParamError:
+            except Exception:
                 self.scheduler.abort(request_id)
                 raise
         self.params[request_id] = params
