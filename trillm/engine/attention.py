@@ -12,9 +12,11 @@ norm by accident, and the model code stays the same on every device.
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+from trillm.kernels.attention import attend_planned, plan_attention
 
 
 @dataclass
@@ -25,6 +27,9 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [B + 1] int32: row offsets of each request's new tokens
     max_seq_len: int
     max_query_len: int
+    # What a backend derives from the fields above, once per step, for every layer to reuse
+    # (the torch family's attention plan). Fresh with each step's metadata, so never stale.
+    per_step: dict = field(default_factory=dict, repr=False, compare=False)
 
 
 class AttentionBackend:
@@ -71,6 +76,17 @@ class AttentionBackend:
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
     module_suffix = ""
+
+    def attend(self, q, k, v, k_cache, v_cache, meta, scale, sliding_window):
+        """As AttentionBackend.attend, with the slots and masks planned once per step, not per layer."""
+        self.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        key = ("torch_attention_plan", sliding_window)
+        plan = meta.per_step.get(key)
+        if plan is None:
+            plan = meta.per_step[key] = plan_attention(
+                meta.block_tables, meta.seq_lens, meta.query_start_loc, k_cache.shape[1], sliding_window
+            )
+        return attend_planned(q, k_cache, v_cache, plan, scale)
 
 
 class TritonAttentionBackend(AttentionBackend):

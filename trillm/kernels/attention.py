@@ -5,34 +5,118 @@ context is seq_lens[b] tokens long, already written to the cache (new tokens inc
 queries sit at positions seq_lens[b] - nq ... seq_lens[b] - 1. Each query attends causally to
 the keys at positions <= its own (and > its own - sliding_window when a window is set),
 fetched through block_tables[b].
+
+The work splits in two: `plan_attention` turns the step's metadata into cache slots and masks,
+`attend_planned` gathers keys and values through them and runs SDPA. The plan depends on the
+metadata only, so a model builds it once per step and reuses it in every layer (the torch
+backend keeps it in AttentionMetadata.per_step): on CPU, rebuilding slots and masks in each of
+30 layers cost more than the attention math itself.
 """
+from __future__ import annotations
+
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 
-def _gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
-    """Keys (or values) of positions [0, length) for each row of block_tables: [B, length, Hk, D]."""
-    block_size = cache.shape[1]
-    pos = torch.arange(length, device=cache.device)
-    slots = block_tables[:, pos // block_size].long() * block_size + pos % block_size
-    return cache.view(-1, *cache.shape[2:])[slots]
+@dataclass
+class Group:
+    """Requests attended together: their query rows, the cache slots of their keys, and the mask."""
+
+    rows: slice | torch.Tensor  # query rows of q, in order
+    num_queries: int  # per request (1 for the decode group)
+    slots: torch.Tensor  # [B * L] int64: the cache slots of positions 0 .. L-1 of each request
+    mask: torch.Tensor  # [B, 1, num_queries, L] bool: True where a query may see a key
 
 
-def _attend(q, k, v, q_pos, k_len, scale, sliding_window):
-    """q: [B, Q, H, D]; k, v: [B, L, Hk, D]; q_pos: [B, Q]; k_len: [B]. Returns [B, Q, H, D]."""
-    k_pos = torch.arange(k.shape[1], device=q.device)
+@dataclass
+class AttentionPlan:
+    num_tokens: int
+    groups: list[Group]  # the decode rows as one padded group, then each prefill chunk on its own
+    pure_decode: bool  # one group holding every row in order: its output is the whole output
+
+
+def _slots(block_tables: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
+    """Flat cache slots of positions [0, length) for each row of block_tables: [B * length]."""
+    pos = torch.arange(length, device=block_tables.device)
+    return (block_tables[:, pos // block_size].long() * block_size + pos % block_size).flatten()
+
+
+def _mask(q_pos: torch.Tensor, k_len: torch.Tensor, length: int, sliding_window: int | None) -> torch.Tensor:
+    """q_pos: [B, Q]; k_len: [B]. Returns [B, 1, Q, length] bool."""
+    k_pos = torch.arange(length, device=q_pos.device)
     mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < k_len[:, None, None])
     if sliding_window is not None:
         mask &= k_pos[None, None, :] > q_pos[:, :, None] - sliding_window
+    return mask[:, None]
+
+
+def plan_attention(
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    block_size: int,
+    sliding_window: int | None = None,
+) -> AttentionPlan:
+    """Decode rows (one query each) form one padded group; each prefill chunk is its own group,
+    so a long prompt never pads every decode row to its length."""
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    num_queries = [starts[b + 1] - starts[b] for b in range(len(lens))]
+    groups = []
+    decode = [b for b, nq in enumerate(num_queries) if nq == 1]
+    if decode:
+        length = max(lens[b] for b in decode)
+        if len(decode) == len(lens):  # a pure-decode step: row b is request b, nothing to index
+            rows, tables, k_len = slice(0, len(lens)), block_tables, seq_lens.long()
+        else:
+            idx = torch.tensor(decode, device=block_tables.device)
+            rows = torch.tensor([starts[b] for b in decode], device=block_tables.device)
+            tables, k_len = block_tables[idx], seq_lens[idx].long()
+        groups.append(Group(rows, 1, _slots(tables, length, block_size),
+                            _mask((k_len - 1)[:, None], k_len, length, sliding_window)))
+    for b, nq in enumerate(num_queries):
+        if nq <= 1:
+            continue
+        q_pos = torch.arange(lens[b] - nq, lens[b], device=block_tables.device)[None]
+        k_len = seq_lens[b : b + 1].long()
+        groups.append(Group(slice(starts[b], starts[b + 1]), nq, _slots(block_tables[b : b + 1], lens[b], block_size),
+                            _mask(q_pos, k_len, lens[b], sliding_window)))
+    return AttentionPlan(starts[-1], groups, pure_decode=bool(decode) and len(decode) == len(lens))
+
+
+def attend_planned(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: AttentionPlan, scale: float
+) -> torch.Tensor:
+    """q: [T, H, D]; caches: [num_blocks, block_size, Hk, D]. Returns [T, H, D]."""
+    assert q.shape[0] == plan.num_tokens, (q.shape, plan.num_tokens)
+    num_kv_heads, head_dim = k_cache.shape[2:]
+    k_flat, v_flat = k_cache.view(-1, num_kv_heads * head_dim), v_cache.view(-1, num_kv_heads * head_dim)
+    if plan.pure_decode:
+        return _attend_group(q, k_flat, v_flat, plan.groups[0], scale)  # no scatter into a new tensor
+    out = torch.empty_like(q)
+    for group in plan.groups:
+        out[group.rows] = _attend_group(q, k_flat, v_flat, group, scale)
+    return out
+
+
+def _attend_group(q, k_flat, v_flat, group: Group, scale: float) -> torch.Tensor:
+    """The group's rows of the output, [B * num_queries, H, D]."""
+    batch, _, num_queries, length = group.mask.shape
+    head_dim = q.shape[-1]
+    k = k_flat.index_select(0, group.slots).view(batch, length, -1, head_dim)
+    v = v_flat.index_select(0, group.slots).view(batch, length, -1, head_dim)
+    qg = q[group.rows].view(batch, num_queries, -1, head_dim)
     out = F.scaled_dot_product_attention(
-        q.transpose(1, 2).float(),
+        qg.transpose(1, 2).float(),
         k.transpose(1, 2).float(),
         v.transpose(1, 2).float(),
-        attn_mask=mask[:, None],
+        attn_mask=group.mask,
         scale=scale,
         enable_gqa=True,
     )
-    return out.transpose(1, 2).to(q.dtype)
+    return out.transpose(1, 2).reshape(batch * num_queries, -1, head_dim).to(q.dtype)
 
 
 def paged_attention(
@@ -46,31 +130,6 @@ def paged_attention(
     sliding_window: int | None = None,
 ) -> torch.Tensor:
     """q: [T, H, D]; caches: [num_blocks, block_size, Hk, D]; block_tables: [B, max_blocks] int32;
-    seq_lens: [B] int32; query_start_loc: [B + 1] int32. Returns [T, H, D].
-
-    Decode rows (one query each) run as one padded batch; each prefill chunk runs on its own,
-    so a long prompt never pads every decode row to its length.
-    """
-    out = torch.empty_like(q)
-    starts = query_start_loc.tolist()
-    lens = seq_lens.tolist()
-    num_queries = [starts[b + 1] - starts[b] for b in range(len(lens))]
-    decode = [b for b, nq in enumerate(num_queries) if nq == 1]
-    if decode:
-        idx = torch.tensor(decode, device=q.device)
-        rows = torch.tensor([starts[b] for b in decode], device=q.device)
-        k_len = seq_lens[idx].long()
-        k = _gather_kv(k_cache, block_tables[idx], max(lens[b] for b in decode))
-        v = _gather_kv(v_cache, block_tables[idx], max(lens[b] for b in decode))
-        out[rows] = _attend(q[rows, None], k, v, (k_len - 1)[:, None], k_len, scale, sliding_window)[:, 0]
-    for b, nq in enumerate(num_queries):
-        if nq <= 1:
-            continue
-        k = _gather_kv(k_cache, block_tables[b : b + 1], lens[b])
-        v = _gather_kv(v_cache, block_tables[b : b + 1], lens[b])
-        q_pos = torch.arange(lens[b] - nq, lens[b], device=q.device)[None]
-        k_len = seq_lens[b : b + 1].long()
-        out[starts[b] : starts[b + 1]] = _attend(
-            q[None, starts[b] : starts[b + 1]], k, v, q_pos, k_len, scale, sliding_window
-        )[0]
-    return out
+    seq_lens: [B] int32; query_start_loc: [B + 1] int32. Returns [T, H, D]."""
+    plan = plan_attention(block_tables, seq_lens, query_start_loc, k_cache.shape[1], sliding_window)
+    return attend_planned(q, k_cache, v_cache, plan, scale)
