@@ -9,9 +9,12 @@ for the cores. Prints a table of ratios trillm / peer and writes every report to
     python benchmarks/compare_peer.py --vllm-venv .peers/vllm --out benchmarks/results/compare.json
 
 Both servers run at their defaults except: the model (our converted HF directory of the default
-model, so both read the same fp32 weights), `--dtype` (passed to both, so both compute in the
-same precision) and their threads (trillm's `--num-threads`; vLLM's OpenMP threads, bound to
-cores by its default `VLLM_CPU_OMP_THREADS_BIND=auto`).
+model, so both read the same fp32 weights); `--dtype`, passed to both only when given (by default
+trillm computes in fp32 on CPU and vLLM, for this model, in bf16); vLLM's memory share
+(`--gpu-memory-utilization`, which on CPU is a share of RAM that must be free at start: its
+default 0.92 fails on a machine shared with anything else); and threads: trillm's
+`--num-threads` (1 by default) beside its event loop, vLLM's default `VLLM_CPU_OMP_THREADS_BIND=auto`
+(on 2 cores: one OpenMP thread bound to core 0, core 1 reserved for its API server).
 """
 from __future__ import annotations
 
@@ -49,9 +52,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def dtype_flag(args) -> list[str]:
+    return [] if args.dtype is None else ["--dtype", args.dtype]
+
+
 def trillm_command(args, model_dir: str, port: int) -> tuple[list[str], dict]:
     command = [sys.executable, "-m", "trillm", "serve", "--model", model_dir, "--port", str(port),
-               "--dtype", args.dtype, "--num-threads", str(args.num_threads), "--log-level", "warning"]
+               "--num-threads", str(args.num_threads), "--log-level", "warning", *dtype_flag(args)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     return command, env
 
@@ -59,8 +66,9 @@ def trillm_command(args, model_dir: str, port: int) -> tuple[list[str], dict]:
 def vllm_command(args, model_dir: str, port: int) -> tuple[list[str], dict]:
     vllm = Path(args.vllm_venv) / "bin" / "vllm"
     assert vllm.exists(), f"{vllm} is missing: run benchmarks/peers/setup_vllm_cpu.sh {args.vllm_venv}"
-    command = [str(vllm), "serve", model_dir, "--host", "127.0.0.1", "--port", str(port), "--dtype", args.dtype,
-               "--served-model-name", "SmolLM2-135M-Instruct"]
+    command = [str(vllm), "serve", model_dir, "--host", "127.0.0.1", "--port", str(port),
+               "--served-model-name", "SmolLM2-135M-Instruct",
+               "--gpu-memory-utilization", str(args.vllm_memory_share), *dtype_flag(args)]
     # vllm-cpu's version has no "+cpu" suffix, from which vLLM would infer its platform.
     env = {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, "VLLM_TARGET_DEVICE": "cpu"}
     return command, env
@@ -114,6 +122,10 @@ def measure(name: str, command: list[str], env: dict, port: int, args, log_dir: 
             stop(process)
 
 
+def _figure(value: float) -> str:
+    return f"{value:.2f}" if value < 10 else f"{value:.1f}"
+
+
 def ratio_table(ours: dict, peer: dict, peer_name: str, levels: list[int]) -> str:
     header = f"| metric | c | trillm | {peer_name} | trillm / {peer_name} |"
     rows = [header, "|---|---:|---:|---:|---:|"]
@@ -122,7 +134,7 @@ def ratio_table(ours: dict, peer: dict, peer_name: str, levels: list[int]) -> st
             a, b = (r["levels"][str(c)]["summary"][key] for r in (ours, peer))
             if sub is not None:
                 a, b = a[sub], b[sub]
-            rows.append(f"| {label} | {c} | {a:.1f} | {b:.1f} | {a / b:.2f} |")
+            rows.append(f"| {label} | {c} | {_figure(a)} | {_figure(b)} | {a / b:.2f} |")
     return "\n".join(rows)
 
 
@@ -135,7 +147,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="prompts per level = rounds x concurrency")
     parser.add_argument("--min-prompts", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--dtype", default="float32", help="passed to both servers")
+    parser.add_argument("--dtype", default=None, help="passed to both servers (default: each its own)")
+    parser.add_argument("--vllm-memory-share", type=float, default=0.25, help="vLLM's --gpu-memory-utilization")
     parser.add_argument("--num-threads", type=int, default=1, help="trillm's torch threads")
     parser.add_argument("--startup-timeout", type=float, default=600)
     parser.add_argument("--skip-trillm", action="store_true", help="reuse trillm's reports from --out")
@@ -155,7 +168,7 @@ def main() -> None:
         command, env = make_command(args, model_dir, port)
         results[name] = measure(name, command, env, port, args, out.parent)
         out.write_text(json.dumps(results, indent=1))
-    print(f"\n{args.input_len} input / {args.output_len} output tokens, dtype {args.dtype}; "
+    print(f"\n{args.input_len} input / {args.output_len} output tokens, dtype {args.dtype or 'each default'}; "
           "ratios > 1 are better for throughput, < 1 for latencies")
     print(ratio_table(results["trillm"], results["vllm-cpu"], "vllm-cpu", args.concurrency))
 
