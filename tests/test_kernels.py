@@ -196,6 +196,24 @@ def test_paged_attention_strided_query():
     assert_close(attention_triton.paged_attention(*args), attention.paged_attention(*args), torch.float32)
 
 
+def test_torch_backend_plans_attention_once_per_step():
+    """Every layer of a step reuses one plan per sliding window, and attends as the reference does."""
+    from trillm.engine.attention import AttentionMetadata, TorchAttentionBackend
+
+    num_queries, seq_lens = BATCHES["mixed"]
+    k_cache, v_cache, block_tables, lens, starts = make_batch(num_queries, seq_lens, 16, 2, 64, torch.float32)
+    slot_mapping = torch.full((sum(num_queries),), -1, dtype=torch.int64, device=DEVICE)  # write nothing
+    meta = AttentionMetadata(slot_mapping, block_tables, lens, starts, max(seq_lens), max(num_queries))
+    backend = TorchAttentionBackend()
+    q = randn(sum(num_queries), 4, 64, seed=1)
+    kv = randn(sum(num_queries), 2, 64, seed=2)
+    for window in (None, None, 9, 9):  # four layers, two of them sliding
+        got = backend.attend(q, kv, kv, k_cache, v_cache, meta, 0.125, window)
+        assert_close(got, attention.paged_attention(q, k_cache, v_cache, block_tables, lens, starts, 0.125, window),
+                     torch.float32)
+    assert len(meta.per_step) == 2
+
+
 def test_choose_num_splits():
     choose = attention_triton.choose_num_splits
     assert choose(num_sms=132, num_programs=8, max_context=8192) == attention_triton.MAX_SPLITS
