@@ -7,7 +7,7 @@ exactly that many tokens whatever the model says. Requests start as fast as a co
 allows, or as a Poisson process at `--request-rate` (still under the cap). Reports request
 throughput, output tokens/s, TTFT, TPOT and ITL (mean, median, p99), and writes JSON.
 
-    python benchmarks/bench_serving.py --base-url http://127.0.0.1:8000 --concurrency 8 \
+    python -m benchmarks.bench_serving --base-url http://127.0.0.1:8000 --concurrency 8 \
         --num-prompts 32 --input-len 128 --output-len 128 --json out.json
 
 Definitions (as vLLM's benchmark has them, except that a chunk counts only when it carries text,

@@ -6,7 +6,7 @@ for the cores. Prints a table of ratios trillm / peer and writes every report to
 (plot it with plot_serving.py).
 
     benchmarks/peers/setup_vllm_cpu.sh .peers/vllm     # once: the peer's own venv
-    python benchmarks/compare_peer.py --vllm-venv .peers/vllm --out benchmarks/results/compare.json
+    python -m benchmarks.compare_peer --vllm-venv .peers/vllm --out benchmarks/results/compare.json
 
 Both servers run at their defaults except: the model (our converted HF directory of the default
 model, so both read the same fp32 weights); `--dtype`, passed to both only when given (by default
@@ -31,7 +31,7 @@ from pathlib import Path
 import httpx
 import trio
 
-from bench_serving import BenchConfig, format_summary, run_benchmark
+from benchmarks.bench_serving import BenchConfig, format_summary, run_benchmark
 
 REPO = Path(__file__).resolve().parent.parent
 # (label, summary key, sub-key or None, True when higher is better)

@@ -1,6 +1,6 @@
 """Plots of a compare_peer.py run: output throughput and TTFT against concurrency, one line per server.
 
-    python benchmarks/plot_serving.py benchmarks/results/compare.json --out-dir benchmarks/plots
+    python -m benchmarks.plot_serving benchmarks/results/compare.json --out-dir benchmarks/plots
 """
 from __future__ import annotations
 
