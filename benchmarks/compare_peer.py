@@ -14,7 +14,9 @@ trillm computes in fp32 on CPU and vLLM, for this model, in bf16); vLLM's memory
 (`--gpu-memory-utilization`, which on CPU is a share of RAM that must be free at start: its
 default 0.92 fails on a machine shared with anything else); and threads: trillm's
 `--num-threads` (1 by default) beside its event loop, vLLM's default `VLLM_CPU_OMP_THREADS_BIND=auto`
-(on 2 cores: one OpenMP thread bound to core 0, core 1 reserved for its API server).
+(on 2 cores: one OpenMP thread bound to core 0, core 1 reserved for its API server), or the
+cores given by `--vllm-omp-bind` (`0-1`: two OpenMP threads, as trillm's `--num-threads 2`).
+`--skip-trillm` / `--skip-peer` reuse the other server's reports from `--out`.
 """
 from __future__ import annotations
 
@@ -71,6 +73,8 @@ def vllm_command(args, model_dir: str, port: int) -> tuple[list[str], dict]:
                "--gpu-memory-utilization", str(args.vllm_memory_share), *dtype_flag(args)]
     # vllm-cpu's version has no "+cpu" suffix, from which vLLM would infer its platform.
     env = {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, "VLLM_TARGET_DEVICE": "cpu"}
+    if args.vllm_omp_bind is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = args.vllm_omp_bind
     return command, env
 
 
@@ -150,8 +154,11 @@ def main() -> None:
     parser.add_argument("--dtype", default=None, help="passed to both servers (default: each its own)")
     parser.add_argument("--vllm-memory-share", type=float, default=0.25, help="vLLM's --gpu-memory-utilization")
     parser.add_argument("--num-threads", type=int, default=1, help="trillm's torch threads")
+    parser.add_argument("--vllm-omp-bind", default=None, help="vLLM's VLLM_CPU_OMP_THREADS_BIND (default: auto)")
     parser.add_argument("--startup-timeout", type=float, default=600)
-    parser.add_argument("--skip-trillm", action="store_true", help="reuse trillm's reports from --out")
+    skip = parser.add_mutually_exclusive_group()
+    skip.add_argument("--skip-trillm", action="store_true", help="reuse trillm's reports from --out")
+    skip.add_argument("--skip-peer", action="store_true", help="reuse vLLM's reports from --out")
     parser.add_argument("--out", default="benchmarks/results/compare.json")
     args = parser.parse_args()
 
@@ -160,9 +167,10 @@ def main() -> None:
     model_dir = resolve_model(None)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    results = json.loads(out.read_text()) if args.skip_trillm else {}
+    results = json.loads(out.read_text()) if args.skip_trillm or args.skip_peer else {}
     results["args"] = vars(args)
-    runs = [("vllm-cpu", vllm_command)] if args.skip_trillm else [("trillm", trillm_command), ("vllm-cpu", vllm_command)]
+    runs = [("trillm", trillm_command), ("vllm-cpu", vllm_command)]
+    runs = [run for run in runs if not (args.skip_trillm and run[0] == "trillm" or args.skip_peer and run[0] != "trillm")]
     for name, make_command in runs:
         port = free_port()
         command, env = make_command(args, model_dir, port)

@@ -196,17 +196,20 @@ def test_paged_attention_strided_query():
     assert_close(attention_triton.paged_attention(*args), attention.paged_attention(*args), torch.float32)
 
 
-def test_torch_backend_plans_attention_once_per_step():
-    """Every layer of a step reuses one plan per sliding window, and attends as the reference does."""
-    from trillm.engine.attention import AttentionMetadata, TorchAttentionBackend
+@pytest.mark.parametrize("backend_name", ["torch", "cpu"])
+def test_torch_backends_plan_attention_once_per_step(backend_name):
+    """Every layer of a step reuses one plan per sliding window, and attends as the reference does
+    (the cpu family through its compiled decode kernel for the decode rows of the mixed batch)."""
+    from trillm.engine.attention import BACKENDS, AttentionMetadata
 
     num_queries, seq_lens = BATCHES["mixed"]
-    k_cache, v_cache, block_tables, lens, starts = make_batch(num_queries, seq_lens, 16, 2, 64, torch.float32)
-    slot_mapping = torch.full((sum(num_queries),), -1, dtype=torch.int64, device=DEVICE)  # write nothing
+    k_cache, v_cache, block_tables, lens, starts = (
+        t.cpu() for t in make_batch(num_queries, seq_lens, 16, 2, 64, torch.float32))
+    slot_mapping = torch.full((sum(num_queries),), -1, dtype=torch.int64)  # write nothing
     meta = AttentionMetadata(slot_mapping, block_tables, lens, starts, max(seq_lens), max(num_queries))
-    backend = TorchAttentionBackend()
-    q = randn(sum(num_queries), 4, 64, seed=1)
-    kv = randn(sum(num_queries), 2, 64, seed=2)
+    backend = BACKENDS[backend_name]()
+    q = randn(sum(num_queries), 4, 64, seed=1).cpu()
+    kv = randn(sum(num_queries), 2, 64, seed=2).cpu()
     for window in (None, None, 9, 9):  # four layers, two of them sliding
         got = backend.attend(q, kv, kv, k_cache, v_cache, meta, 0.125, window)
         assert_close(got, attention.paged_attention(q, k_cache, v_cache, block_tables, lens, starts, 0.125, window),
@@ -242,3 +245,70 @@ def ragged_batches(draw):
 def test_paged_attention_ragged(batch, block_size, group, sliding_window, num_splits):
     check_attention(*batch, block_size=block_size, group=group, num_kv_heads=1,
                     sliding_window=sliding_window, num_splits=num_splits)
+
+
+# --- the cpu family: compiled decode attention, packed linears ------------------------------
+
+
+def check_cpu_decode_attention(seq_lens, *, block_size=16, head_dim=64, num_kv_heads=2, group=1,
+                               sliding_window=None, seed=0):
+    """The compiled decode kernel against the torch twin, on a cache whose unowned slots are poison."""
+    from trillm.kernels.attention_cpu import paged_decode_attention
+
+    k_cache, v_cache, block_tables, lens, starts = (t.cpu() for t in make_batch(
+        [1] * len(seq_lens), seq_lens, block_size, num_kv_heads, head_dim, torch.float32, seed))
+    q = randn(len(seq_lens), num_kv_heads * group, head_dim, seed=seed + 1).cpu()
+    scale = head_dim**-0.5
+    want = attention.paged_attention(q, k_cache, v_cache, block_tables, lens, starts, scale, sliding_window)
+    got = paged_decode_attention(q, k_cache, v_cache, block_tables, lens, scale, sliding_window)
+    assert got.shape == q.shape and got.dtype == torch.float32
+    assert_close(got, want, torch.float32)
+
+
+@pytest.mark.parametrize(
+    "block_size,head_dim,group,num_kv_heads,sliding_window",
+    [(16, 64, 1, 2, None), (16, 64, 3, 3, None), (32, 128, 8, 1, None), (16, 64, 3, 2, 9), (32, 64, 1, 4, 1)],
+)
+def test_cpu_decode_attention(block_size, head_dim, group, num_kv_heads, sliding_window):
+    check_cpu_decode_attention([1, 17, 40, 33, 64, 200], block_size=block_size, head_dim=head_dim, group=group,
+                               num_kv_heads=num_kv_heads, sliding_window=sliding_window)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    seq_lens=st.lists(st.integers(1, 70), min_size=1, max_size=6),
+    block_size=st.sampled_from([16, 32]),
+    group=st.sampled_from([1, 3, 8]),
+    sliding_window=st.sampled_from([None, 1, 7, 33]),
+)
+def test_cpu_decode_attention_ragged(seq_lens, block_size, group, sliding_window):
+    check_cpu_decode_attention(seq_lens, block_size=block_size, group=group, num_kv_heads=1,
+                               sliding_window=sliding_window)
+
+
+def test_cpu_decode_attention_refuses_what_it_cannot_read():
+    from trillm.kernels.attention_cpu import paged_decode_attention
+
+    k_cache, v_cache, block_tables, lens, _ = (t.cpu() for t in make_batch([1], [5], 16, 1, 64, torch.float32))
+    q = torch.randn(1, 1, 64)
+    for bad in (q.to(torch.bfloat16), torch.randn(1, 1, 128)[..., ::2]):  # wrong dtype, not contiguous
+        with pytest.raises(AssertionError):
+            paged_decode_attention(bad, k_cache, v_cache, block_tables, lens, 0.125)
+    with pytest.raises(AssertionError):
+        paged_decode_attention(q, k_cache, v_cache, block_tables.long(), lens, 0.125)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 8, 33, 300])
+def test_packed_linear_matches_f_linear(dtype, rows):
+    from trillm.kernels import linear_cpu
+
+    if not linear_cpu.is_available(dtype):
+        pytest.skip(f"oneDNN does not run {dtype} on this CPU")
+    weight, bias = torch.randn(96, 80).to(dtype), torch.randn(96).to(dtype)
+    x = torch.randn(rows, 80).to(dtype)
+    packed = linear_cpu.pack(weight)
+    for b in (None, bias):
+        assert_close(linear_cpu.linear(x, packed, b), torch.nn.functional.linear(x, weight, b), dtype)
+    strided = torch.randn(rows, 160).to(dtype)[:, ::2]  # a view, as a split of a fused projection is
+    assert_close(linear_cpu.linear(strided, packed, bias), torch.nn.functional.linear(strided, weight, bias), dtype)

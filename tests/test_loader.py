@@ -30,7 +30,8 @@ def test_default_model_is_converted_once_into_the_cache(default_model_dir):
 def test_default_model_loads_from_the_cache(default_model_dir):
     model, config, tokenizer, eos_token_ids, model_dir = load_model(EngineArgs())
     assert model_dir == default_model_dir
-    assert config.model_type == "llama" and config.tie_word_embeddings and model.lm_head is None
+    assert config.model_type == "llama" and config.tie_word_embeddings
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # tied: one tensor
     assert eos_token_ids == [2] and tokenizer.eos_token_id == 2
     assert "<|im_start|>assistant" in tokenizer.apply_chat_template(
         [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False

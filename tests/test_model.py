@@ -230,11 +230,13 @@ def test_kv_cache_sized_from_the_memory_budget(tiny_model_dir):
         ModelRunner(EngineArgs(model=tiny_model_dir("qwen3"), num_kv_blocks=4, max_model_len=257))
 
 
-def test_triton_backend_matches_torch(tiny_model_dir):
-    pytest.importorskip("triton")
+@pytest.mark.parametrize("backend", ["triton", "cpu"])
+def test_backend_matches_torch(tiny_model_dir, backend):
+    if backend == "triton":
+        pytest.importorskip("triton")
     model_dir = tiny_model_dir("qwen3", sliding_window=6, use_sliding_window=True, max_window_layers=1)
     outputs = []
-    for backend in ("torch", "triton"):
+    for backend in ("torch", backend):
         runner = tiny_runner(model_dir, attention_backend=backend)
         outputs.append(prefill_then_decode(runner, make_sequences(runner, [11, 7], num_decode=2)))
     for got, expected in zip(*outputs):
@@ -250,6 +252,7 @@ PROMPTS = [
 
 def test_default_model_matches_transformers(default_model_dir):
     runner = ModelRunner(EngineArgs(model=default_model_dir, num_kv_blocks=32, block_size=16))
+    assert runner.model.kernels.name == ("triton" if runner.device.type == "cuda" else "cpu")  # auto's choice
     tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
     hf = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
     prompts = [tokenizer.encode(p) for p in PROMPTS]

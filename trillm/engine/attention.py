@@ -12,6 +12,7 @@ norm by accident, and the model code stays the same on every device.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from dataclasses import dataclass, field
 
 import torch
@@ -41,6 +42,7 @@ class AttentionBackend:
 
     name: str
     module_suffix: str
+    packs_linear_weights = False  # the runner calls model.pack_linear_weights() once loaded
 
     def __init__(self):
         def kernels(op: str):
@@ -76,6 +78,7 @@ class AttentionBackend:
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
     module_suffix = ""
+    decode_kernel = None  # decode rows go through the gather and SDPA, as prefill chunks do
 
     def attend(self, q, k, v, k_cache, v_cache, meta, scale, sliding_window):
         """As AttentionBackend.attend, with the slots and masks planned once per step, not per layer."""
@@ -83,10 +86,27 @@ class TorchAttentionBackend(AttentionBackend):
         key = ("torch_attention_plan", sliding_window)
         plan = meta.per_step.get(key)
         if plan is None:
+            decode_kernel = self.decode_kernel if k_cache.dtype == torch.float32 else None
             plan = meta.per_step[key] = plan_attention(
-                meta.block_tables, meta.seq_lens, meta.query_start_loc, k_cache.shape[1], sliding_window
+                meta.block_tables, meta.seq_lens, meta.query_start_loc, k_cache.shape[1], sliding_window, decode_kernel
             )
         return attend_planned(q, k_cache, v_cache, plan, scale)
+
+
+class CpuAttentionBackend(TorchAttentionBackend):
+    """The torch twins, sped up where a CPU decode step spends its time: projections on oneDNN's
+    packed weights (trillm/kernels/linear_cpu.py) and decode attention by the compiled kernel
+    (trillm/kernels/attention_cpu.pyx), which reads the paged cache without a gather. fp32 only
+    for the attention kernel; other dtypes keep the gather."""
+
+    name = "cpu"
+    packs_linear_weights = True
+
+    def __init__(self):
+        super().__init__()
+        from trillm.kernels.attention_cpu import paged_decode_attention
+
+        self.decode_kernel = paged_decode_attention
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -94,13 +114,22 @@ class TritonAttentionBackend(AttentionBackend):
     module_suffix = "_triton"
 
 
-BACKENDS = {cls.name: cls for cls in (TorchAttentionBackend, TritonAttentionBackend)}
+BACKENDS = {cls.name: cls for cls in (TorchAttentionBackend, CpuAttentionBackend, TritonAttentionBackend)}
 
 
-def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
-    """`name` is EngineArgs.attention_backend; "auto" means Triton on CUDA, torch elsewhere."""
+def get_attention_backend(name: str, device: torch.device, dtype: torch.dtype) -> AttentionBackend:
+    """`name` is EngineArgs.attention_backend; "auto" means Triton on CUDA, and on CPU the cpu
+    family where its compiled kernel is built and oneDNN runs the dtype, else the torch twins."""
     if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
+        name = "triton" if device.type == "cuda" else "cpu" if _cpu_backend_runs(dtype) else "torch"
     if name not in BACKENDS:
         raise ValueError(f"Unknown attention backend {name!r}; choose one of auto, {', '.join(BACKENDS)}.")
+    if name == "cpu" and (device.type != "cpu" or not _cpu_backend_runs(dtype)):
+        raise ValueError("The cpu backend runs on the CPU, in float32 or (with AVX512-bf16) bfloat16, once built.")
     return BACKENDS[name]()
+
+
+def _cpu_backend_runs(dtype: torch.dtype) -> bool:
+    from trillm.kernels import linear_cpu
+
+    return importlib.util.find_spec("trillm.kernels.attention_cpu") is not None and linear_cpu.is_available(dtype)

@@ -140,8 +140,9 @@ def load_model(args: EngineArgs) -> LoadedModel:
     model_dir = resolve_model(args.model)
     config = AutoConfig.from_pretrained(model_dir)
     device = resolve_device(args.device)
-    kernels = get_attention_backend(args.attention_backend, device)
-    with torch.device(device), _default_dtype(resolve_dtype(args.dtype, device)):
+    dtype = resolve_dtype(args.dtype, device)
+    kernels = get_attention_backend(args.attention_backend, device, dtype)
+    with torch.device(device), _default_dtype(dtype):
         model = LlamaForCausalLM(config, kernels)
     if args.load_format == "dummy":
         init_dummy_weights(model, args.seed)

@@ -37,6 +37,8 @@ class ModelRunner:
         self.args = args
         loaded = load_model(args)
         self.model, self.hf_config, self.tokenizer = loaded.model, loaded.hf_config, loaded.tokenizer
+        if self.model.kernels.packs_linear_weights:
+            self.model.pack_linear_weights()
         self.eos_token_ids = loaded.eos_token_ids  # the engine stops on all of them
         self.eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else -1
         weight = self.model.model.embed_tokens.weight

@@ -11,9 +11,14 @@ The work splits in two: `plan_attention` turns the step's metadata into cache sl
 metadata only, so a model builds it once per step and reuses it in every layer (the torch
 backend keeps it in AttentionMetadata.per_step): on CPU, rebuilding slots and masks in each of
 30 layers cost more than the attention math itself.
+
+Given a `decode_kernel` (the compiled CPU kernel in attention_cpu.pyx), the decode rows skip the
+gather: the kernel reads their keys and values straight from the cache blocks. Prefill chunks
+always take the gather and SDPA, whose matrix multiplies suit many queries per request.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -29,11 +34,44 @@ class Group:
     slots: torch.Tensor  # [B * L] int64: the cache slots of positions 0 .. L-1 of each request
     mask: torch.Tensor  # [B, 1, num_queries, L] bool: True where a query may see a key
 
+    def attend(self, q, k_cache, v_cache, scale: float) -> torch.Tensor:
+        """The group's rows of the output, [B * num_queries, H, D]."""
+        batch, _, num_queries, length = self.mask.shape
+        num_kv_heads, head_dim = k_cache.shape[2:]
+        k = k_cache.view(-1, num_kv_heads * head_dim).index_select(0, self.slots).view(batch, length, -1, head_dim)
+        v = v_cache.view(-1, num_kv_heads * head_dim).index_select(0, self.slots).view(batch, length, -1, head_dim)
+        qg = q[self.rows].view(batch, num_queries, -1, head_dim)
+        out = F.scaled_dot_product_attention(
+            qg.transpose(1, 2).float(),
+            k.transpose(1, 2).float(),
+            v.transpose(1, 2).float(),
+            attn_mask=self.mask,
+            scale=scale,
+            enable_gqa=True,
+        )
+        return out.transpose(1, 2).reshape(batch * num_queries, -1, head_dim).to(q.dtype)
+
+
+@dataclass
+class PagedDecodeGroup:
+    """Decode rows for a kernel that reads the paged cache itself: their block tables, not slots."""
+
+    rows: slice | torch.Tensor
+    block_tables: torch.Tensor  # [B, max_blocks] int32, contiguous
+    seq_lens: torch.Tensor  # [B] int32
+    sliding_window: int | None
+    kernel: Callable
+
+    def attend(self, q, k_cache, v_cache, scale: float) -> torch.Tensor:
+        return self.kernel(
+            q[self.rows].contiguous(), k_cache, v_cache, self.block_tables, self.seq_lens, scale, self.sliding_window
+        )
+
 
 @dataclass
 class AttentionPlan:
     num_tokens: int
-    groups: list[Group]  # the decode rows as one padded group, then each prefill chunk on its own
+    groups: list[Group | PagedDecodeGroup]  # the decode rows as one group, then each prefill chunk
     pure_decode: bool  # one group holding every row in order: its output is the whole output
 
 
@@ -58,6 +96,7 @@ def plan_attention(
     query_start_loc: torch.Tensor,
     block_size: int,
     sliding_window: int | None = None,
+    decode_kernel: Callable | None = None,
 ) -> AttentionPlan:
     """Decode rows (one query each) form one padded group; each prefill chunk is its own group,
     so a long prompt never pads every decode row to its length."""
@@ -69,13 +108,17 @@ def plan_attention(
     if decode:
         length = max(lens[b] for b in decode)
         if len(decode) == len(lens):  # a pure-decode step: row b is request b, nothing to index
-            rows, tables, k_len = slice(0, len(lens)), block_tables, seq_lens.long()
+            rows, tables, k_len = slice(0, len(lens)), block_tables, seq_lens
         else:
             idx = torch.tensor(decode, device=block_tables.device)
             rows = torch.tensor([starts[b] for b in decode], device=block_tables.device)
-            tables, k_len = block_tables[idx], seq_lens[idx].long()
-        groups.append(Group(rows, 1, _slots(tables, length, block_size),
-                            _mask((k_len - 1)[:, None], k_len, length, sliding_window)))
+            tables, k_len = block_tables[idx], seq_lens[idx]
+        if decode_kernel is not None:
+            groups.append(PagedDecodeGroup(rows, tables.contiguous(), k_len.contiguous(), sliding_window, decode_kernel))
+        else:
+            k_len = k_len.long()
+            groups.append(Group(rows, 1, _slots(tables, length, block_size),
+                                _mask((k_len - 1)[:, None], k_len, length, sliding_window)))
     for b, nq in enumerate(num_queries):
         if nq <= 1:
             continue
@@ -91,32 +134,12 @@ def attend_planned(
 ) -> torch.Tensor:
     """q: [T, H, D]; caches: [num_blocks, block_size, Hk, D]. Returns [T, H, D]."""
     assert q.shape[0] == plan.num_tokens, (q.shape, plan.num_tokens)
-    num_kv_heads, head_dim = k_cache.shape[2:]
-    k_flat, v_flat = k_cache.view(-1, num_kv_heads * head_dim), v_cache.view(-1, num_kv_heads * head_dim)
     if plan.pure_decode:
-        return _attend_group(q, k_flat, v_flat, plan.groups[0], scale)  # no scatter into a new tensor
+        return plan.groups[0].attend(q, k_cache, v_cache, scale)  # no scatter into a new tensor
     out = torch.empty_like(q)
     for group in plan.groups:
-        out[group.rows] = _attend_group(q, k_flat, v_flat, group, scale)
+        out[group.rows] = group.attend(q, k_cache, v_cache, scale)
     return out
-
-
-def _attend_group(q, k_flat, v_flat, group: Group, scale: float) -> torch.Tensor:
-    """The group's rows of the output, [B * num_queries, H, D]."""
-    batch, _, num_queries, length = group.mask.shape
-    head_dim = q.shape[-1]
-    k = k_flat.index_select(0, group.slots).view(batch, length, -1, head_dim)
-    v = v_flat.index_select(0, group.slots).view(batch, length, -1, head_dim)
-    qg = q[group.rows].view(batch, num_queries, -1, head_dim)
-    out = F.scaled_dot_product_attention(
-        qg.transpose(1, 2).float(),
-        k.transpose(1, 2).float(),
-        v.transpose(1, 2).float(),
-        attn_mask=group.mask,
-        scale=scale,
-        enable_gqa=True,
-    )
-    return out.transpose(1, 2).reshape(batch * num_queries, -1, head_dim).to(q.dtype)
 
 
 def paged_attention(
