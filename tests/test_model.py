@@ -236,8 +236,8 @@ def test_backend_matches_torch(tiny_model_dir, backend):
         pytest.importorskip("triton")
     model_dir = tiny_model_dir("qwen3", sliding_window=6, use_sliding_window=True, max_window_layers=1)
     outputs = []
-    for backend in ("torch", backend):
-        runner = tiny_runner(model_dir, attention_backend=backend)
+    for name in ("torch", backend):
+        runner = tiny_runner(model_dir, attention_backend=name)
         outputs.append(prefill_then_decode(runner, make_sequences(runner, [11, 7], num_decode=2)))
     for got, expected in zip(*outputs):
         torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
