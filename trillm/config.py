@@ -10,7 +10,7 @@ class EngineArgs:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: fp32 on CPU, bf16 on CUDA)
     load_format: str = "auto"  # auto | dummy (random weights from the config)
     device: str = "auto"  # auto | cpu | cuda
-    attention_backend: str = "auto"  # auto | torch | triton (auto: triton on CUDA, torch on CPU)
+    attention_backend: str = "auto"  # auto | torch | cpu | triton (auto: triton on CUDA, cpu on CPU when built)
     seed: int = 0  # seeds dummy weights and unseeded sampling
     block_size: int = 16
     kv_cache_memory: int = 1 << 30  # bytes of KV cache on CPU
