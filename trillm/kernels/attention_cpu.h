@@ -6,7 +6,9 @@
  * math. Two passes per request: scores for every head, a softmax, then the weighted sum of values.
  * Both passes take four tokens at a time, so the four dot products (or the four value rows added
  * into the output) are independent chains the CPU overlaps, and each q (or output) vector loaded
- * serves four rows; one token at a time, every dot product waited on its own horizontal sum.
+ * serves four rows; one token at a time, every dot product waited on its own horizontal sum. A
+ * context is padded to a multiple of four with copies of its last row whose probability is 0, so
+ * there is no one-token tail loop.
  */
 #include <math.h>
 #include <stdint.h>
@@ -44,9 +46,11 @@ static int paged_decode_attention_f32(
     int64_t max_len = 1;
     for (int64_t b = 0; b < num_seqs; b++)
         if (seq_lens[b] > max_len) max_len = seq_lens[b];
-    /* scores: [num_heads, n]; rows: the cache offset of each context token's row, [n] */
-    float *scores = malloc(sizeof(float) * (size_t)(num_heads * max_len));
-    int64_t *rows = malloc(sizeof(int64_t) * (size_t)(max_len + PREFETCH_AHEAD));
+    const int64_t max_padded = (max_len + 3) / 4 * 4;
+    /* scores: [num_heads, padded]; rows: the cache offset of each context token's row, [padded],
+     * then copies of the last one for padding and prefetching */
+    float *scores = malloc(sizeof(float) * (size_t)(num_heads * max_padded));
+    int64_t *rows = malloc(sizeof(int64_t) * (size_t)(max_padded + PREFETCH_AHEAD));
     if (scores == NULL || rows == NULL) {
         free(scores);
         free(rows);
@@ -55,7 +59,7 @@ static int paged_decode_attention_f32(
     for (int64_t b = 0; b < num_seqs; b++) {
         const int64_t len = seq_lens[b];
         const int64_t first = (window > 0 && len > window) ? len - window : 0;
-        const int64_t n = len - first;
+        const int64_t n = len - first, padded = (n + 3) / 4 * 4;
         const int32_t *table = block_tables + b * max_blocks;
         const float *qb = q + b * num_heads * head_dim;
         float *ob = out + b * num_heads * head_dim;
@@ -63,10 +67,9 @@ static int paged_decode_attention_f32(
             const int64_t pos = first + i;
             rows[i] = table[pos / block_size] * block_stride + (pos % block_size) * token_stride;
         }
-        for (int64_t i = n; i < n + PREFETCH_AHEAD; i++) rows[i] = rows[n - 1];
+        for (int64_t i = n; i < padded + PREFETCH_AHEAD; i++) rows[i] = rows[n - 1];
 
-        int64_t i = 0;
-        for (; i + 4 <= n; i += 4) {
+        for (int64_t i = 0; i < padded; i += 4) {
             const float *k0 = k_cache + rows[i], *k1 = k_cache + rows[i + 1];
             const float *k2 = k_cache + rows[i + 2], *k3 = k_cache + rows[i + 3];
             for (int64_t a = 0; a < 4; a++) prefetch_row(k_cache + rows[i + PREFETCH_AHEAD + a], token_stride);
@@ -82,23 +85,13 @@ static int paged_decode_attention_f32(
                     d2 += x * k2[off + d];
                     d3 += x * k3[off + d];
                 }
-                float *s = scores + h * n + i;
+                float *s = scores + h * padded + i;
                 s[0] = d0 * scale, s[1] = d1 * scale, s[2] = d2 * scale, s[3] = d3 * scale;
-            }
-        }
-        for (; i < n; i++) {
-            const float *k = k_cache + rows[i];
-            for (int64_t h = 0; h < num_heads; h++) {
-                const float *qh = qb + h * head_dim, *kh = k + (h / group) * head_dim;
-                float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-                for (int64_t d = 0; d < head_dim; d++) dot += qh[d] * kh[d];
-                scores[h * n + i] = dot * scale;
             }
         }
 
         for (int64_t h = 0; h < num_heads; h++) {
-            float *s = scores + h * n, m = -INFINITY, sum = 0.0f;
+            float *s = scores + h * padded, m = -INFINITY, sum = 0.0f;
             for (int64_t j = 0; j < n; j++) m = s[j] > m ? s[j] : m;
             for (int64_t j = 0; j < n; j++) {
                 s[j] = expf(s[j] - m);
@@ -106,31 +99,22 @@ static int paged_decode_attention_f32(
             }
             const float inv = 1.0f / sum;
             for (int64_t j = 0; j < n; j++) s[j] *= inv;
+            for (int64_t j = n; j < padded; j++) s[j] = 0.0f;
         }
 
         for (int64_t x = 0; x < num_heads * head_dim; x++) ob[x] = 0.0f;
-        i = 0;
-        for (; i + 4 <= n; i += 4) {
+        for (int64_t i = 0; i < padded; i += 4) {
             const float *v0 = v_cache + rows[i], *v1 = v_cache + rows[i + 1];
             const float *v2 = v_cache + rows[i + 2], *v3 = v_cache + rows[i + 3];
             for (int64_t a = 0; a < 4; a++) prefetch_row(v_cache + rows[i + PREFETCH_AHEAD + a], token_stride);
             for (int64_t h = 0; h < num_heads; h++) {
-                const float *s = scores + h * n + i;
+                const float *s = scores + h * padded + i;
                 const float p0 = s[0], p1 = s[1], p2 = s[2], p3 = s[3];
                 const int64_t off = (h / group) * head_dim;
                 float *oh = ob + h * head_dim;
 #pragma omp simd
                 for (int64_t d = 0; d < head_dim; d++)
                     oh[d] += p0 * v0[off + d] + p1 * v1[off + d] + p2 * v2[off + d] + p3 * v3[off + d];
-            }
-        }
-        for (; i < n; i++) {
-            const float *v = v_cache + rows[i];
-            for (int64_t h = 0; h < num_heads; h++) {
-                const float p = scores[h * n + i], *vh = v + (h / group) * head_dim;
-                float *oh = ob + h * head_dim;
-#pragma omp simd
-                for (int64_t d = 0; d < head_dim; d++) oh[d] += p * vh[d];
             }
         }
     }
