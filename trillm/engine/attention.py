@@ -120,11 +120,12 @@ BACKENDS = {cls.name: cls for cls in (TorchAttentionBackend, CpuAttentionBackend
 def get_attention_backend(name: str, device: torch.device, dtype: torch.dtype) -> AttentionBackend:
     """`name` is EngineArgs.attention_backend; "auto" means Triton on CUDA, and on CPU the cpu
     family where its compiled kernel is built and oneDNN runs the dtype, else the torch twins."""
+    cpu_runs = device.type == "cpu" and _cpu_backend_runs(dtype)
     if name == "auto":
-        name = "triton" if device.type == "cuda" else "cpu" if _cpu_backend_runs(dtype) else "torch"
+        name = "triton" if device.type == "cuda" else "cpu" if cpu_runs else "torch"
     if name not in BACKENDS:
         raise ValueError(f"Unknown attention backend {name!r}; choose one of auto, {', '.join(BACKENDS)}.")
-    if name == "cpu" and (device.type != "cpu" or not _cpu_backend_runs(dtype)):
+    if name == "cpu" and not cpu_runs:
         raise ValueError("The cpu backend runs on the CPU, in float32 or (with AVX512-bf16) bfloat16, once built.")
     return BACKENDS[name]()
 
