@@ -15,7 +15,7 @@ from trillm.http.logprobs import TokenTexts, chat_logprobs
 from trillm.http.prompts import chat_prompt
 from trillm.http.protocol import ChatCompletionRequest
 from trillm.http.reasoning import reasoning_parser
-from trillm.http.sse import stream_response
+from trillm.http.sse import UsageChunks, stream_response
 from trillm.http.state import ServerState, current, parse_body, request_id
 from trillm.http.tools import forced_call_constraint, tool_choice
 from trillm.sampling_params import SamplingParamError
@@ -48,25 +48,16 @@ async def chat_completions():
     return chunks.response()
 
 
-class ChatChunks:
+class ChatChunks(UsageChunks):
     def __init__(self, generation: Generation, req: ChatCompletionRequest, state: ServerState, choice):
-        self.generation = generation
-        self.req = req
-        self.texts: TokenTexts = state.token_texts
         self.head = {"id": generation.request_id, "created": int(time.time()), "model": state.model_name}
+        super().__init__(generation, req, {**self.head, "object": "chat.completion.chunk"})
+        self.texts: TokenTexts = state.token_texts
         parsers = state.settings.reasoning_parser, state.settings.tool_call_parser
         self.outputs = [
             ChatOutput(reasoning_parser(parsers[0]) if parsers[0] else None, tool_reader(choice, parsers[1]))
             for _ in range(generation.num_choices)
         ]
-
-    def _chunk(self, choices: list[dict]) -> dict:
-        chunk = {**self.head, "object": "chat.completion.chunk", "choices": choices}
-        if self.req.continuous_usage:
-            chunk["usage"] = self.generation.usage()
-        elif self.req.include_usage:
-            chunk["usage"] = None
-        return chunk
 
     def opening(self) -> list[dict]:
         return [
@@ -96,11 +87,6 @@ class ChatChunks:
         if delta.finished:
             choice["stop_reason"] = delta.stop_reason
         return self._chunk([choice])
-
-    def closing(self) -> list[dict]:
-        if not self.req.include_usage:
-            return []
-        return [{**self.head, "object": "chat.completion.chunk", "choices": [], "usage": self.generation.usage()}]
 
     def response(self) -> dict:
         choices = []

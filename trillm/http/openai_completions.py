@@ -10,7 +10,7 @@ from trillm.http.generation import Generation
 from trillm.http.logprobs import TokenTexts, completion_logprobs
 from trillm.http.prompts import completion_prompts, decode
 from trillm.http.protocol import CompletionRequest
-from trillm.http.sse import stream_response
+from trillm.http.sse import UsageChunks, stream_response
 from trillm.http.state import current, parse_body, request_id
 
 blueprint = Blueprint("openai_completions", __name__)
@@ -42,26 +42,17 @@ def _prompt_text(tokenizer, prompt, k: int, ids: list[int]) -> str:
     return decode(tokenizer, ids)
 
 
-class CompletionChunks:
+class CompletionChunks(UsageChunks):
     def __init__(
         self, generation: Generation, req: CompletionRequest, model: str, texts: TokenTexts, echoes: list[str]
     ):
-        self.generation = generation
-        self.req = req
-        self.texts = texts
         self.head = {
             "id": generation.request_id, "object": "text_completion", "created": int(time.time()), "model": model
         }
+        super().__init__(generation, req, self.head)
+        self.texts = texts
         self.echoes = [echoes[i // generation.n] for i in range(generation.num_choices)]  # per choice
         self.text_offsets = [len(e) for e in self.echoes]  # where each choice's next token starts
-
-    def _chunk(self, choices: list[dict]) -> dict:
-        chunk = {**self.head, "choices": choices}
-        if self.req.continuous_usage:
-            chunk["usage"] = self.generation.usage()
-        elif self.req.include_usage:
-            chunk["usage"] = None
-        return chunk
 
     def opening(self) -> list[dict]:
         return [
@@ -89,11 +80,6 @@ class CompletionChunks:
         if delta.finished:
             choice["stop_reason"] = delta.stop_reason
         return self._chunk([choice])
-
-    def closing(self) -> list[dict]:
-        if not self.req.include_usage:
-            return []
-        return [{**self.head, "choices": [], "usage": self.generation.usage()}]
 
     def response(self) -> dict:
         choices = []

@@ -34,6 +34,30 @@ class Chunks(Protocol):
     def closing(self) -> list[dict]: ...
 
 
+class UsageChunks:
+    """What the chat and completions streams share: every chunk opens with `chunk_head`, and the
+    request's stream_options place the usage: on every chunk (continuous_usage_stats), or as null
+    on each chunk and whole in a last chunk without choices (include_usage), or nowhere."""
+
+    def __init__(self, generation: Generation, req, chunk_head: dict):
+        self.generation = generation
+        self.req = req
+        self.chunk_head = chunk_head
+
+    def _chunk(self, choices: list[dict]) -> dict:
+        chunk = {**self.chunk_head, "choices": choices}
+        if self.req.continuous_usage:
+            chunk["usage"] = self.generation.usage()
+        elif self.req.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def closing(self) -> list[dict]:
+        if not self.req.include_usage:
+            return []
+        return [{**self.chunk_head, "choices": [], "usage": self.generation.usage()}]
+
+
 def event(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
