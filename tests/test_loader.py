@@ -6,10 +6,11 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from transformers import AutoConfig
 
 from trillm.config import EngineArgs
+from trillm.engine.llama import Linear, rope_cos_sin_cache
 from trillm.engine.loader import cache_root, convert_gguf, gguf_cache_dir, load_model, resolve_model
-from trillm.engine.llama import rope_cos_sin_cache
 
 
 def test_default_model_is_converted_once_into_the_cache(default_model_dir):
@@ -28,7 +29,7 @@ def test_default_model_is_converted_once_into_the_cache(default_model_dir):
 
 
 def test_default_model_loads_from_the_cache(default_model_dir):
-    model, config, tokenizer, eos_token_ids, model_dir = load_model(EngineArgs())
+    model, config, tokenizer, eos_token_ids, model_dir = load_model(EngineArgs(quantized_weights=False))
     assert model_dir == default_model_dir
     assert config.model_type == "llama" and config.tie_word_embeddings
     assert model.lm_head.weight is model.model.embed_tokens.weight  # tied: one tensor
@@ -131,3 +132,30 @@ def test_eos_token_ids_come_from_the_generation_config(tiny_model_dir, tmp_path)
     (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
     loaded = load_model(EngineArgs(model=str(model_dir)))
     assert loaded.eos_token_ids == [2, 7] and loaded.tokenizer is None
+
+
+def test_gguf_projections_dequantize_to_the_converted_weights(default_model_dir):
+    """Every Q4_1 / Q8_0 projection the kernels take from the file, under its HF name and with
+    q/k rows reordered, is bit for bit the fp32 tensor transformers converted it to."""
+    from safetensors import safe_open
+
+    from trillm.engine.gguf_weights import quantized_weights
+    from trillm.engine.loader import default_model_path
+    from trillm.kernels import quant
+
+    config = AutoConfig.from_pretrained(default_model_dir)
+    converted = safe_open(os.path.join(default_model_dir, "model.safetensors"), framework="pt")
+    formats = {}
+    for name, weight in quantized_weights(default_model_path(), config):
+        assert torch.equal(quant.dequantize(weight), converted.get_tensor(name)), name
+        formats[weight.format] = formats.get(weight.format, 0) + 1
+    assert formats == {"q4_1": 7 * config.num_hidden_layers, "q8_0": 1}  # the tied embeddings are Q8_0
+
+
+def test_default_model_runs_its_projections_on_the_gguf_blocks():
+    model = load_model(EngineArgs()).model
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert len(linears) == 4 * 30 + 1 and all(m.quantized is not None and m.weight is None for m in linears)
+    assert model.model.embed_tokens.weight is not None  # the lookup keeps its fp32 table
+    dense = load_model(EngineArgs(quantized_weights=False)).model
+    assert all(m.quantized is None for m in dense.modules() if isinstance(m, Linear))

@@ -250,9 +250,15 @@ PROMPTS = [
 ]
 
 
-def test_default_model_matches_transformers(default_model_dir):
-    runner = ModelRunner(EngineArgs(model=default_model_dir, num_kv_blocks=32, block_size=16))
+@pytest.mark.parametrize("source", ["hf-dir", "gguf"])
+def test_default_model_matches_transformers(default_model_dir, source):
+    """From the converted directory (fp32 projections) and from the GGUF file itself (on CPU, the
+    projections multiply by its quantized blocks): the same greedy tokens as transformers."""
+    model = default_model_dir if source == "hf-dir" else None
+    runner = ModelRunner(EngineArgs(model=model, num_kv_blocks=32, block_size=16))
     assert runner.model.kernels.name == ("triton" if runner.device.type == "cuda" else "cpu")  # auto's choice
+    on_blocks = runner.model.lm_head.quantized is not None
+    assert on_blocks == (source == "gguf" and runner.device.type == "cpu")
     tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
     hf = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
     prompts = [tokenizer.encode(p) for p in PROMPTS]
@@ -307,3 +313,48 @@ def test_greedy_under_the_real_scheduler_matches_transformers(tiny_model_dir):
                 torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
             )
             assert request.token_ids[len(prompt) :] == out[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_quantized_projections_equal_their_dequantized_weights(tiny_model_dir, tied):
+    """GGUF-style weights for every projection: each fused projection stacks its shards in
+    order (q|k|v, gate|up), tied embeddings feed the vocab projection, and a projection whose
+    shards come in two formats stays dense."""
+    from test_kernels import random_gguf_blocks
+
+    from trillm.engine.llama import Linear
+    from trillm.engine.loader import load_model
+    from trillm.kernels import quant
+
+    model_dir = tiny_model_dir("llama", tie_word_embeddings=tied)
+    quantized = load_model(EngineArgs(model=model_dir)).model
+    dense = load_model(EngineArgs(model=model_dir, attention_backend="torch")).model
+    shapes = {name: tuple(t.shape) for name, t in dense.state_dict().items()}
+    hf_names = [f"model.layers.{i}.{proj}.weight" for i in range(2) for proj in (
+        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+        "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
+    hf_names.append("model.embed_tokens.weight" if tied else "lm_head.weight")
+    weights = []
+    for seed, name in enumerate(hf_names):
+        fused, _ = dense._param_shard(name)
+        rows = {"q_proj": 64, "k_proj": 32, "v_proj": 32, "gate_proj": 128, "up_proj": 128}.get(
+            name.split(".")[-2], shapes[fused][0])
+        format = "q4_1" if ".mlp." in name else "q8_0"
+        if name == "model.layers.1.self_attn.v_proj.weight":
+            format = "q4_1"  # layer 1's q|k|v mixes formats
+        weights.append((name, quant.from_gguf(format, random_gguf_blocks(format, rows, shapes[fused][1], seed))))
+    mixed = "model.layers.1.self_attn.qkv_proj"
+    assert quantized.load_quantized_weights(weights) == 2 * 4 + 1 - 1
+    for module_name, module in quantized.named_modules():
+        if not isinstance(module, Linear):
+            continue
+        if module_name == mixed:
+            assert module.quantized is None and torch.equal(module.weight, dense.get_submodule(mixed).weight)
+            continue
+        shards = [w for n, w in weights  # in shard order: hf_names lists q, k, v and gate, up
+                  if ("lm_head.weight" if n == "model.embed_tokens.weight" else dense._param_shard(n)[0])
+                  == f"{module_name}.weight"]
+        assert module.weight is None and shards
+        x = torch.randn(3, shards[0].in_features)
+        want = torch.nn.functional.linear(x, torch.cat([quant.dequantize(w) for w in shards]), module.bias)
+        torch.testing.assert_close(module(x), want, atol=2e-5, rtol=2e-5)

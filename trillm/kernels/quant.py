@@ -1,0 +1,84 @@
+"""GGUF's Q4_1 and Q8_0 weights, kept quantized: their layout for the kernels, and the torch twin.
+
+Why keep them: a decode step on CPU costs about the time it takes to stream every weight once, and
+these formats are 4.5 and 8.5 bits a weight against fp32's 32 (trillm/kernels/quant_cpu.h
+multiplies by them directly). The twin dequantizes exactly as gguf-py does (Q4_1: d * q + m,
+Q8_0: q * d, in fp32), so a dequantized weight equals the one transformers loads from the file.
+
+Layout: GGUF stores a row as blocks of 32 inputs, each an fp16 scale d (Q4_1: then an fp16 min m)
+and its quants. `from_gguf` splits them into arrays: quants, Q4_1 [N, K / 2] uint8 (a block's
+16 bytes hold input j in the low nibble and j + 16 in the high one) or Q8_0 [N, K] int8; scales
+and mins [N, K / 32] fp32 (fp16 values widened once, so the kernel converts nothing).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+BLOCK = 32
+# format -> bytes of one GGUF block: fp16 d (Q4_1: and fp16 m), then the quants
+BLOCK_BYTES = {"q4_1": 4 + BLOCK // 2, "q8_0": 2 + BLOCK}
+
+
+class QuantizedWeight(NamedTuple):
+    format: str  # "q4_1" | "q8_0"
+    quants: torch.Tensor  # q4_1: [N, K / 2] uint8; q8_0: [N, K] int8
+    scales: torch.Tensor  # [N, K / 32] fp32
+    mins: torch.Tensor | None  # q4_1: [N, K / 32] fp32
+
+    @property
+    def out_features(self) -> int:
+        return self.scales.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.scales.shape[1] * BLOCK
+
+    def rows(self, index: torch.Tensor | slice) -> QuantizedWeight:
+        """The weight of some output rows (a reordering, a shard): blocks never span two rows."""
+        return QuantizedWeight(
+            self.format, self.quants[index], self.scales[index], None if self.mins is None else self.mins[index]
+        )
+
+
+def from_gguf(format: str, blocks: torch.Tensor) -> QuantizedWeight:
+    """blocks: a GGUF tensor's raw bytes, [N, K / 32 * BLOCK_BYTES[format]] uint8."""
+    assert format in BLOCK_BYTES and blocks.dtype == torch.uint8 and blocks.dim() == 2, (format, blocks.shape)
+    rows = blocks.shape[0]
+    blocks = blocks.reshape(rows, -1, BLOCK_BYTES[format])
+
+    def fp16_at(offset: int) -> torch.Tensor:
+        return blocks[..., offset : offset + 2].contiguous().view(torch.float16).reshape(rows, -1).float()
+
+    if format == "q4_1":
+        return QuantizedWeight(format, blocks[..., 4:].reshape(rows, -1).contiguous(), fp16_at(0), fp16_at(2))
+    return QuantizedWeight(format, blocks[..., 2:].contiguous().view(torch.int8).reshape(rows, -1), fp16_at(0), None)
+
+
+def cat(weights: list[QuantizedWeight]) -> QuantizedWeight:
+    """Stacks the rows of weights of one format (a fused projection's shards)."""
+    formats = {w.format for w in weights}
+    assert len(formats) == 1, formats
+    mins = None if weights[0].mins is None else torch.cat([w.mins for w in weights])
+    return QuantizedWeight(
+        weights[0].format, torch.cat([w.quants for w in weights]), torch.cat([w.scales for w in weights]), mins
+    )
+
+
+def dequantize(weight: QuantizedWeight) -> torch.Tensor:
+    """[N, K] fp32, bit for bit what gguf-py (and so transformers) makes of the same blocks."""
+    rows, blocks = weight.scales.shape
+    if weight.format == "q4_1":
+        packed = weight.quants.reshape(rows, blocks, BLOCK // 2)
+        q = torch.cat((packed & 15, packed >> 4), dim=-1).float()
+        w = weight.scales[..., None] * q + weight.mins[..., None]
+    else:
+        w = weight.quants.reshape(rows, blocks, BLOCK).float() * weight.scales[..., None]
+    return w.reshape(rows, blocks * BLOCK)
+
+
+def linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The twin of quant_cpu.linear: x W^T (+ b) on the dequantized weight."""
+    return F.linear(x, dequantize(weight), bias)
