@@ -272,10 +272,10 @@ class LlamaForCausalLM(nn.Module):
                 module.pack()
 
     def load_quantized_weights(self, weights: Iterable[tuple[str, quant.QuantizedWeight]]) -> int:
-        """For backends with a quantized_linear kernel: puts the projections whose every shard comes in one quantized format onto those
-        blocks (the fp32 weights must be loaded already: a projection with a shard missing here,
-        shards in two formats, or a shape the kernel does not take stays on them). Returns how
-        many projections moved."""
+        """For backends with a quantized_linear kernel: puts the projections whose every shard
+        comes in one quantized format onto those blocks (the fp32 weights must be loaded already:
+        a projection with a shard missing here, shards in two formats, or a shape the kernel does
+        not take stays on them). Returns how many projections moved."""
         shards: dict[str, dict[int, quant.QuantizedWeight]] = {}
         for hf_name, weight in weights:
             if hf_name == "model.embed_tokens.weight":

@@ -80,5 +80,5 @@ def dequantize(weight: QuantizedWeight) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The twin of quant_cpu.linear: x W^T (+ b) on the dequantized weight."""
+    """The twin of quant_cpu.QuantizedLinear: x W^T (+ b) on the dequantized weight."""
     return F.linear(x, dequantize(weight), bias)

@@ -7,8 +7,8 @@
  * (Q4_1: d * q + m, Q8_0: d * q; the multiply-add may be fused here, so a value can differ from
  * gguf-py's in its last bit), and the products are summed in fp32.
  *
- * Layout: a row of W is K / 32 blocks of 32 inputs. quant_cpu.pyx's `tile` regroups GGUF's rows
- * into tiles of 16 output rows, block by block, so that one 16-byte load holds one input's quants
+ * Layout: a row of W is K / 32 blocks of 32 inputs. quant_cpu.pyx's QuantizedLinear regroups
+ * GGUF's rows once into tiles of 16 output rows, block by block, so that one 16-byte load holds one input's quants
  * for all 16 rows (Q4_1: input j in the low nibbles and j + 16 in the high ones, as GGUF pairs
  * them; Q8_0: one input). quants: Q4_1 [N / 16, K / 32, 16, 16] uint8, Q8_0 [N / 16, K / 32, 32,
  * 16] int8; scales (d) and, for Q4_1, mins (m): [N / 16, K / 32, 16] fp32.
@@ -17,8 +17,8 @@
  * meets a row of x as one broadcast x value in one multiply-add, into a register of 16 outputs.
  * No horizontal sums, and up to ROWS rows of x share each dequantized register. The other way
  * round (16 inputs of one output per register), every output of every row ended in a horizontal
- * sum, and the kernel ran at half the rate. Each row keeps two accumulators (inputs j and j + 16),
- * so two multiply-add chains per row overlap.
+ * sum, and the kernel ran at half the rate. With 8 rows or fewer, each row keeps two accumulators
+ * (inputs j and j + 16), so that enough multiply-add chains are in flight.
  *
  * Loops: x is cut into tiles of M_TILE rows, which stay in cache while every tile of W passes;
  * a tile of W stays in cache while every ROWS rows of the x tile pass. GCC's vector extensions
