@@ -37,7 +37,9 @@ class AttentionBackend:
     """The kernels a model calls, all from `trillm.kernels.<op><module_suffix>`.
 
     The twins share signatures, so a backend is only a choice of modules. Subclasses name it;
-    the import happens at construction, so the CPU path never loads triton.
+    the import happens at construction, so the CPU path never loads triton. `dtype` is the
+    model's, which its KV cache shares: a family whose kernels run only some dtypes picks them
+    there, once.
     """
 
     name: str
@@ -47,7 +49,7 @@ class AttentionBackend:
     # called as (x, bias) -> y, whose runs(weight) says which it takes; None: dense weights only
     quantized_linear = None
 
-    def __init__(self):
+    def __init__(self, dtype: torch.dtype):
         def kernels(op: str):
             return importlib.import_module(f"trillm.kernels.{op}{self.module_suffix}")
 
@@ -89,9 +91,13 @@ class TorchAttentionBackend(AttentionBackend):
         key = ("torch_attention_plan", sliding_window)
         plan = meta.per_step.get(key)
         if plan is None:
-            decode_kernel = self.decode_kernel if k_cache.dtype == torch.float32 else None
             plan = meta.per_step[key] = plan_attention(
-                meta.block_tables, meta.seq_lens, meta.query_start_loc, k_cache.shape[1], sliding_window, decode_kernel
+                meta.block_tables,
+                meta.seq_lens,
+                meta.query_start_loc,
+                k_cache.shape[1],
+                sliding_window,
+                self.decode_kernel,
             )
         return attend_planned(q, k_cache, v_cache, plan, scale)
 
@@ -107,12 +113,12 @@ class CpuAttentionBackend(TorchAttentionBackend):
     packs_linear_weights = True
 
     def __init__(self, dtype: torch.dtype):
-        super().__init__()
+        super().__init__(dtype)
         from trillm.kernels import quant_cpu
         from trillm.kernels.attention_cpu import paged_decode_attention
 
-        self.decode_kernel = paged_decode_attention
         if dtype == torch.float32:
+            self.decode_kernel = paged_decode_attention
             self.quantized_linear = quant_cpu.QuantizedLinear
 
 
@@ -134,7 +140,7 @@ def get_attention_backend(name: str, device: torch.device, dtype: torch.dtype) -
         raise ValueError(f"Unknown attention backend {name!r}; choose one of auto, {', '.join(BACKENDS)}.")
     if name == "cpu" and not cpu_runs:
         raise ValueError("The cpu backend runs on the CPU, in float32 or (with AVX512-bf16) bfloat16, once built.")
-    return CpuAttentionBackend(dtype) if name == "cpu" else BACKENDS[name]()
+    return BACKENDS[name](dtype)
 
 
 def _cpu_backend_runs(dtype: torch.dtype) -> bool:
