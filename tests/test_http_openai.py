@@ -146,12 +146,19 @@ async def test_n_samples_are_seeded_and_share_the_prompts_blocks(server):
     assert [c.text for c in again.choices] == [c.text for c in out.choices], "same seed, same samples"
 
 
-async def test_stop_string_ends_the_text_before_it(server):
+async def unstopped_greedy(server):
+    """(client, request args, the greedy text of PROMPT with no stop, its words): stop tests
+    pick their stop strings from words the model is known to say."""
     client = server.openai()
     args = dict(model=server.model, prompt=PROMPT, max_tokens=16, temperature=0)
     free = (await client.completions.create(**args)).choices[0].text
     words = free.split()
     assert len(words) >= 4, free
+    return client, args, free, words
+
+
+async def test_stop_string_ends_the_text_before_it(server):
+    client, args, free, words = await unstopped_greedy(server)
     stop = words[2]
     stopped = await client.completions.create(**args, stop=[stop])
     choice = stopped.choices[0]
@@ -166,11 +173,7 @@ async def test_stop_string_ends_the_text_before_it(server):
 
 
 async def test_a_long_stop_list_ends_at_the_first_match(server):
-    client = server.openai()
-    args = dict(model=server.model, prompt=PROMPT, max_tokens=16, temperature=0)
-    free = (await client.completions.create(**args)).choices[0].text
-    words = free.split()
-    assert len(words) >= 4, free
+    client, args, free, words = await unstopped_greedy(server)
     stops = [f"never-{i}" for i in range(20)] + [words[3], words[2]]  # OpenAI takes 4 at most; any number here
     choice = (await client.completions.create(**args, stop=stops)).choices[0]
     first = min(free.index(words[2]), free.index(words[3]))
