@@ -1,5 +1,5 @@
 """Builds the Cython extensions: the scheduler in trillm/sched_ext and the CPU kernels (decode
-attention, quantized linears) in trillm/kernels; everything else is in pyproject.toml."""
+attention, quantized linears, the per-token ops) in trillm/kernels; everything else is in pyproject.toml."""
 from Cython.Build import cythonize
 from setuptools import Extension, setup
 
@@ -12,6 +12,7 @@ setup(
             "trillm/sched_ext/*.pyx",
             Extension("trillm.kernels.attention_cpu", ["trillm/kernels/attention_cpu.pyx"],
                       extra_compile_args=CPU_KERNEL_FLAGS),
+            Extension("trillm.kernels.ops_cpu", ["trillm/kernels/ops_cpu.pyx"], extra_compile_args=CPU_KERNEL_FLAGS),
             Extension("trillm.kernels.quant_cpu", ["trillm/kernels/quant_cpu.pyx"], extra_compile_args=CPU_KERNEL_FLAGS),
         ],
         language_level=3,

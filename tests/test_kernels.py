@@ -298,6 +298,72 @@ def test_cpu_decode_attention_refuses_what_it_cannot_read():
         paged_decode_attention(q, k_cache, v_cache, block_tables.long(), lens, 0.125)
 
 
+@settings(max_examples=25, deadline=None)
+@given(rows=st.integers(1, 40), hidden=st.integers(1, 200), row_gap=st.integers(0, 5), seed=st.integers(0, 2**16))
+def test_cpu_norms_match_their_twins(rows, hidden, row_gap, seed):
+    """Any width (vector bodies and tails), and rows strided as a slice of a wider output is."""
+    from trillm.kernels import ops_cpu
+
+    x = randn(rows, hidden + row_gap, seed=seed)[:, :hidden]
+    residual, weight = randn(rows, hidden, seed=seed + 1), randn(hidden, seed=seed + 2)
+    assert_close(ops_cpu.rms_norm(x, weight, 1e-6), norm.rms_norm(x, weight, 1e-6), torch.float32)
+    got, want = ops_cpu.fused_add_rms_norm(x, residual, weight, 1e-5), norm.fused_add_rms_norm(x, residual, weight, 1e-5)
+    assert_close(got[0], want[0], torch.float32)
+    assert torch.equal(got[1], want[1])  # the next residual is one rounded add, as in the twin
+
+
+@settings(max_examples=25, deadline=None)
+@given(rows=st.integers(1, 40), inter=st.integers(1, 300), scale=st.sampled_from([1.0, 30.0]), seed=st.integers(0, 2**16))
+def test_cpu_silu_and_mul_matches_its_twin(rows, inter, scale, seed):
+    """scale 30: gates far out on both sides, where exp is clamped."""
+    from trillm.kernels import ops_cpu
+
+    x = randn(rows, 2 * inter, seed=seed) * scale
+    assert_close(ops_cpu.silu_and_mul(x), activation.silu_and_mul(x), torch.float32)
+
+
+@pytest.mark.parametrize("head_dim,is_neox", [(64, True), (128, True), (64, False), (6, True)])
+def test_cpu_rotary_embedding_matches_its_twin(head_dim, is_neox):
+    """In place on strided q and k views of one fused projection; the v slice stays as it was."""
+    from trillm.kernels import ops_cpu
+
+    num_tokens, hq, hk = 6, 3, 1
+    qkv = randn(num_tokens, (hq + 2 * hk) * head_dim)
+    q = qkv[:, : hq * head_dim].view(num_tokens, hq, head_dim)
+    k = qkv[:, hq * head_dim : (hq + hk) * head_dim].view(num_tokens, hk, head_dim)
+    cos_sin = randn(64, head_dim, seed=1)
+    positions = torch.tensor([0, 5, 63, 7, 7, 30])
+    q_ref, k_ref, v_before = q.clone(), k.clone(), qkv[:, (hq + hk) * head_dim :].clone()
+    rotary.rotary_embedding(positions, q_ref, k_ref, cos_sin, is_neox)
+    ops_cpu.rotary_embedding(positions, q, k, cos_sin, is_neox)
+    assert_close(q, q_ref, torch.float32)
+    assert_close(k, k_ref, torch.float32)
+    assert torch.equal(qkv[:, (hq + hk) * head_dim :], v_before)
+    with pytest.raises(IndexError):  # past the table: refused before anything is rotated
+        ops_cpu.rotary_embedding(torch.tensor([0, 5, 64, 7, 7, 30]), q, k, cos_sin, is_neox)
+    assert_close(q, q_ref, torch.float32)
+
+
+def test_cpu_write_kv_matches_its_twin():
+    from trillm.kernels import ops_cpu
+
+    block_size, hk, head_dim, num_blocks = 16, 2, 64, 4
+    kv = randn(7, 3 * hk * head_dim)  # k and v as strided views of one fused projection
+    k = kv[:, hk * head_dim : 2 * hk * head_dim].view(7, hk, head_dim)
+    v = kv[:, 2 * hk * head_dim :].view(7, hk, head_dim)
+    slots = torch.tensor([3, -1, block_size + 1, 2 * block_size - 1, -1, 0, 3 * block_size + 5])
+    caches = [randn(num_blocks, block_size, hk, head_dim, seed=s) for s in (2, 3)]
+    want = [c.clone() for c in caches]
+    cache.write_kv(k, v, *want, slots)
+    ops_cpu.write_kv(k, v, *caches, slots)
+    for got, ref in zip(caches, want):
+        assert torch.equal(got, ref)
+    with pytest.raises(IndexError):  # a slot past the cache: refused before anything is written
+        ops_cpu.write_kv(k, v, *caches, torch.tensor([0, 1, 2, 3, 4, 5, num_blocks * block_size]))
+    for got, ref in zip(caches, want):
+        assert torch.equal(got, ref)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 8, 33, 300])
 def test_packed_linear_matches_f_linear(dtype, rows):

@@ -103,23 +103,29 @@ class TorchAttentionBackend(AttentionBackend):
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
-    """The torch twins, sped up where a CPU decode step spends its time: projections on oneDNN's
-    packed weights (trillm/kernels/linear_cpu.py) or, for a GGUF model, on its quantized blocks
-    (trillm/kernels/quant_cpu.pyx), and decode attention by the compiled kernel
-    (trillm/kernels/attention_cpu.pyx), which reads the paged cache without a gather. fp32 only
-    for the compiled kernels; other dtypes keep packed weights and the gather."""
+    """The torch twins, sped up where a CPU step spends its time: projections on oneDNN's packed
+    weights (trillm/kernels/linear_cpu.py) or, for a GGUF model, on its quantized blocks
+    (trillm/kernels/quant_cpu.pyx); decode attention by the compiled kernel
+    (trillm/kernels/attention_cpu.pyx), which reads the paged cache without a gather; norms,
+    SiLU-and-mul, rotary and the KV write each one compiled pass (trillm/kernels/ops_cpu.pyx).
+    fp32 only for the compiled kernels; other dtypes keep packed weights and the twins."""
 
     name = "cpu"
     packs_linear_weights = True
 
     def __init__(self, dtype: torch.dtype):
         super().__init__(dtype)
-        from trillm.kernels import quant_cpu
+        from trillm.kernels import ops_cpu, quant_cpu
         from trillm.kernels.attention_cpu import paged_decode_attention
 
         if dtype == torch.float32:
             self.decode_kernel = paged_decode_attention
             self.quantized_linear = quant_cpu.QuantizedLinear
+            self.rms_norm = ops_cpu.rms_norm
+            self.fused_add_rms_norm = ops_cpu.fused_add_rms_norm
+            self.silu_and_mul = ops_cpu.silu_and_mul
+            self.rotary_embedding = ops_cpu.rotary_embedding
+            self.write_kv = ops_cpu.write_kv
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -146,5 +152,5 @@ def get_attention_backend(name: str, device: torch.device, dtype: torch.dtype) -
 def _cpu_backend_runs(dtype: torch.dtype) -> bool:
     from trillm.kernels import linear_cpu
 
-    built = all(importlib.util.find_spec(f"trillm.kernels.{ext}") for ext in ("attention_cpu", "quant_cpu"))
+    built = all(importlib.util.find_spec(f"trillm.kernels.{ext}") for ext in ("attention_cpu", "ops_cpu", "quant_cpu"))
     return built and linear_cpu.is_available(dtype)

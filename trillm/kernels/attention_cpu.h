@@ -14,6 +14,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "exp_cpu.h"
+
 #if defined(__GNUC__) && defined(__x86_64__) && !defined(__clang__)
 /* One build runs on any x86-64; the loader picks the widest vector unit this CPU has. */
 #define TRILLM_MULTIVERSION __attribute__((target_clones("avx512f", "avx2", "default")))
@@ -28,28 +30,6 @@
 static inline void prefetch_row(const float *row, int64_t floats)
 {
     for (int64_t off = 0; off < floats; off += 64 / (int64_t)sizeof(float)) __builtin_prefetch(row + off);
-}
-
-/* e^x for x <= 0, within 2 ulp of expf, in plain arithmetic the compiler vectorizes (libm's expf
- * is a call per score, and was a fifth of the kernel's time): x = n ln2 + r with |r| <= ln2 / 2,
- * e^r by Cephes' degree-6 polynomial, 2^n put into the exponent bits. Below -87 the result
- * would be subnormal; it is taken as e^-87, which is nothing next to the softmax's largest
- * term, e^0. */
-static inline float exp_nonpositive(float x)
-{
-    x = x < -87.0f ? -87.0f : x;
-    /* round to nearest: adding and taking away 1.5 * 2^23 drops the fraction */
-    const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-    const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    const float er = p * r * r + r + 1.0f;
-    const union { int32_t bits; float value; } scale = {.bits = ((int32_t)n + 127) << 23};
-    return er * scale.value;
 }
 
 /* q, out: [num_seqs, num_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size,
@@ -118,7 +98,7 @@ static int paged_decode_attention_f32(
             for (int64_t j = 0; j < n; j++) m = s[j] > m ? s[j] : m;
 #pragma omp simd reduction(+ : sum)
             for (int64_t j = 0; j < n; j++) {
-                s[j] = exp_nonpositive(s[j] - m);
+                s[j] = exp_clamped(s[j] - m);
                 sum += s[j];
             }
             const float inv = 1.0f / sum;

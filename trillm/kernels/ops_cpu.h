@@ -1,0 +1,116 @@
+/* The model's per-token ops on CPU, fp32: RMSNorm (alone and after the residual add), SiLU-and-mul,
+ * the rotary embedding and the KV-cache write.
+ *
+ * Why compiled: each is a few passes of torch ops over the activations (RMSNorm alone is square,
+ * mean, add, rsqrt and two multiplies), and on CPU a step spent as much on those passes as on the
+ * attention math: a 512-token prefill about 130 ms of 1.4 s, and at decode batch sizes mostly the
+ * per-op cost, 150 ops a step for the KV writes alone. Here each op is one pass in one call, with
+ * the GIL released. Their references are the torch twins (norm.py, activation.py, rotary.py,
+ * cache.py); the sums and the exp may round differently in their last bits.
+ *
+ * Rows may be strided (row_stride floats apart, each row contiguous), so q and k are rotated in
+ * place inside the fused q|k|v projection's output, as the twins do.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "exp_cpu.h"
+
+#if defined(__GNUC__) && defined(__x86_64__) && !defined(__clang__)
+/* One build runs on any x86-64; the loader picks the widest vector unit this CPU has. */
+#define TRILLM_MULTIVERSION __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define TRILLM_MULTIVERSION
+#endif
+
+/* out[t] = x[t] * rsqrt(mean(x[t]^2) + eps) * weight, for T rows of `size`. When residual is not
+ * NULL, x[t] + residual[t] is normed instead, and also written to sum_out (the next residual). */
+TRILLM_MULTIVERSION
+static void rms_norm_f32(float *restrict out, float *restrict sum_out, const float *restrict x,
+                         const float *restrict residual, const float *restrict weight, int64_t T, int64_t size,
+                         int64_t x_stride, float eps)
+{
+    for (int64_t t = 0; t < T; t++) {
+        const float *xt = x + t * x_stride;
+        float *ot = out + t * size;
+        if (residual != NULL) {
+            float *st = sum_out + t * size;
+            const float *rt = residual + t * size;
+#pragma omp simd
+            for (int64_t i = 0; i < size; i++) st[i] = xt[i] + rt[i];
+            xt = st;
+        }
+        float squares = 0.0f;
+#pragma omp simd reduction(+ : squares)
+        for (int64_t i = 0; i < size; i++) squares += xt[i] * xt[i];
+        const float rstd = 1.0f / sqrtf(squares / (float)size + eps);
+#pragma omp simd
+        for (int64_t i = 0; i < size; i++) ot[i] = xt[i] * rstd * weight[i];
+    }
+}
+
+/* out[t][i] = silu(x[t][i]) * x[t][inter + i], x: [T, 2 * inter] holding gate | up. */
+TRILLM_MULTIVERSION
+static void silu_and_mul_f32(float *restrict out, const float *restrict x, int64_t T, int64_t inter)
+{
+    for (int64_t t = 0; t < T; t++) {
+        const float *gate = x + t * 2 * inter, *up = gate + inter;
+        float *ot = out + t * inter;
+#pragma omp simd
+        for (int64_t i = 0; i < inter; i++) ot[i] = gate[i] / (1.0f + exp_clamped(-gate[i])) * up[i];
+    }
+}
+
+/* Rotates the `heads` heads of token t (head_dim floats each, the token's row starting at
+ * x + t * row_stride) by position positions[t]: cos_sin holds cos | sin, head_dim / 2 each, for
+ * each of max_positions positions. neox pairs element i with i + head_dim / 2; otherwise (GPT-J)
+ * 2i with 2i + 1. Returns 0, or -1 (rotating nothing) when a position is past the table. */
+TRILLM_MULTIVERSION
+static int rotary_embedding_f32(float *restrict x, const int64_t *restrict positions, const float *restrict cos_sin,
+                                int64_t max_positions, int64_t T, int64_t heads, int64_t head_dim,
+                                int64_t row_stride, int neox)
+{
+    const int64_t half = head_dim / 2;
+    for (int64_t t = 0; t < T; t++)
+        if (positions[t] < 0 || positions[t] >= max_positions) return -1;
+    for (int64_t t = 0; t < T; t++) {
+        const float *cos = cos_sin + positions[t] * head_dim, *sin = cos + half;
+        for (int64_t h = 0; h < heads; h++) {
+            float *xh = x + t * row_stride + h * head_dim;
+            if (neox) {
+                float *x1 = xh, *x2 = xh + half;
+#pragma omp simd
+                for (int64_t i = 0; i < half; i++) {
+                    const float a = x1[i], b = x2[i];
+                    x1[i] = a * cos[i] - b * sin[i];
+                    x2[i] = b * cos[i] + a * sin[i];
+                }
+            } else {
+                for (int64_t i = 0; i < half; i++) {
+                    const float a = xh[2 * i], b = xh[2 * i + 1];
+                    xh[2 * i] = a * cos[i] - b * sin[i];
+                    xh[2 * i + 1] = b * cos[i] + a * sin[i];
+                }
+            }
+        }
+    }
+    return 0;
+}
+
+/* The rows of token t (row_size floats, at k + t * k_stride and v + t * v_stride) into cache slot
+ * slots[t] of each cache ([num_slots, row_size]); a negative slot (padding) is skipped. Returns 0,
+ * or -1 (writing nothing) when a slot is past the cache. */
+static int write_kv_f32(float *restrict k_cache, float *restrict v_cache, const float *restrict k,
+                        const float *restrict v, const int64_t *restrict slots, int64_t T, int64_t num_slots,
+                        int64_t row_size, int64_t k_stride, int64_t v_stride)
+{
+    for (int64_t t = 0; t < T; t++)
+        if (slots[t] >= num_slots) return -1;
+    for (int64_t t = 0; t < T; t++) {
+        if (slots[t] < 0) continue;
+        memcpy(k_cache + slots[t] * row_size, k + t * k_stride, sizeof(float) * (size_t)row_size);
+        memcpy(v_cache + slots[t] * row_size, v + t * v_stride, sizeof(float) * (size_t)row_size);
+    }
+    return 0;
+}
