@@ -34,10 +34,12 @@
 #define TILE_N 16
 #define ROWS 16
 #define M_TILE 64
+#define PREFETCH_TILES 2 /* how far ahead the next weights are requested (1 to 4 measured alike) */
 
 /* The weight operand, in the tiled layout above. */
 struct quantized_weight {
     int format;
+    int64_t tiles; /* of TILE_N output rows */
     int64_t blocks_per_row;
     const void *quants;
     const float *scales;
@@ -86,10 +88,22 @@ __attribute__((target("avx512f"), always_inline)) static inline void rows_avx512
     const int hi_acc = rows <= 8; /* few rows: a second accumulator each, for more chains in flight */
     __m512 acc[ROWS][2];
     _Pragma("GCC unroll 16") for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    const int prefetch = t + PREFETCH_TILES < w->tiles;
     for (int64_t b = 0; b < blocks_per_row; b++) {
         const int64_t block = t * blocks_per_row + b;
         const __m512 d = _mm512_loadu_ps(w->scales + block * TILE_N);
         const float *xb = xt + b * BLOCK * ROWS;
+        if (prefetch) {
+            /* block b of a tile ahead, requested from memory while this one computes: a decode
+             * step reads every weight once, and with the hardware prefetcher alone the stream and
+             * the multiply-adds took turns (121 projections at batch 8: ~27 -> ~23 ms) */
+            const int64_t next = block + PREFETCH_TILES * blocks_per_row;
+            const int64_t quant_bytes = (format == QUANT_Q4_1 ? BLOCK / 2 : BLOCK) * TILE_N;
+            for (int64_t off = 0; off < quant_bytes; off += 64)
+                __builtin_prefetch((const uint8_t *)w->quants + next * quant_bytes + off);
+            __builtin_prefetch(w->scales + next * TILE_N);
+            if (format == QUANT_Q4_1) __builtin_prefetch(w->mins + next * TILE_N);
+        }
         if (format == QUANT_Q4_1) {
             const __m512 m = _mm512_loadu_ps(w->mins + block * TILE_N);
             const uint8_t *q = (const uint8_t *)w->quants + block * (BLOCK / 2) * TILE_N;
@@ -150,7 +164,7 @@ static int quantized_linear_f32(
     float *out, const float *x, int64_t M, int64_t K, int64_t N, int format, const void *quants,
     const float *scales, const float *mins)
 {
-    const struct quantized_weight w = {format, K / BLOCK, quants, scales, mins};
+    const struct quantized_weight w = {format, N / TILE_N, K / BLOCK, quants, scales, mins};
     rows_kernel *rows_of = pick_rows_kernel();
     /* the rows of one M tile, transposed ROWS at a time, so that the kernel finds every row's
      * value of input k at one address plus a constant */
