@@ -32,11 +32,15 @@ class Group:
     rows: slice | torch.Tensor  # query rows of q, in order
     num_queries: int  # per request (1 for the decode group)
     slots: torch.Tensor  # [B * L] int64: the cache slots of positions 0 .. L-1 of each request
-    mask: torch.Tensor  # [B, 1, num_queries, L] bool: True where a query may see a key
+    # [B, 1, num_queries, L] bool: True where a query may see a key. None: one request whose
+    # context is its queries alone (a whole prompt in one chunk, no window cutting into it), so
+    # plain causal attention, which SDPA runs without a mask and skipping the masked half.
+    mask: torch.Tensor | None
 
     def attend(self, q, k_cache, v_cache, scale: float) -> torch.Tensor:
         """The group's rows of the output, [B * num_queries, H, D]."""
-        batch, _, num_queries, length = self.mask.shape
+        num_queries = self.num_queries
+        batch, length = (1, num_queries) if self.mask is None else (self.mask.shape[0], self.mask.shape[3])
         num_kv_heads, head_dim = k_cache.shape[2:]
         k = k_cache.view(-1, num_kv_heads * head_dim).index_select(0, self.slots).view(batch, length, -1, head_dim)
         v = v_cache.view(-1, num_kv_heads * head_dim).index_select(0, self.slots).view(batch, length, -1, head_dim)
@@ -46,6 +50,7 @@ class Group:
             k.transpose(1, 2).float(),
             v.transpose(1, 2).float(),
             attn_mask=self.mask,
+            is_causal=self.mask is None,
             scale=scale,
             enable_gqa=True,
         )
@@ -122,10 +127,12 @@ def plan_attention(
     for b, nq in enumerate(num_queries):
         if nq <= 1:
             continue
-        q_pos = torch.arange(lens[b] - nq, lens[b], device=block_tables.device)[None]
-        k_len = seq_lens[b : b + 1].long()
-        groups.append(Group(slice(starts[b], starts[b + 1]), nq, _slots(block_tables[b : b + 1], lens[b], block_size),
-                            _mask(q_pos, k_len, lens[b], sliding_window)))
+        if lens[b] == nq and (sliding_window is None or sliding_window >= nq):
+            mask = None
+        else:
+            q_pos = torch.arange(lens[b] - nq, lens[b], device=block_tables.device)[None]
+            mask = _mask(q_pos, seq_lens[b : b + 1].long(), lens[b], sliding_window)
+        groups.append(Group(slice(starts[b], starts[b + 1]), nq, _slots(block_tables[b : b + 1], lens[b], block_size), mask))
     return AttentionPlan(starts[-1], groups, pure_decode=bool(decode) and len(decode) == len(lens))
 
 
