@@ -34,7 +34,7 @@ class Group:
     slots: torch.Tensor  # [B * L] int64: the cache slots of positions 0 .. L-1 of each request
     # [B, 1, num_queries, L] bool: True where a query may see a key. None: one request whose
     # context is its queries alone (a whole prompt in one chunk, no window cutting into it), so
-    # plain causal attention, which SDPA runs without a mask and skipping the masked half.
+    # plain causal attention, which SDPA takes as `is_causal`, with no mask to build or convert.
     mask: torch.Tensor | None
 
     def attend(self, q, k_cache, v_cache, scale: float) -> torch.Tensor:

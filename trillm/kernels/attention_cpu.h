@@ -14,14 +14,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-#include "exp_cpu.h"
-
-#if defined(__GNUC__) && defined(__x86_64__) && !defined(__clang__)
-/* One build runs on any x86-64; the loader picks the widest vector unit this CPU has. */
-#define TRILLM_MULTIVERSION __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define TRILLM_MULTIVERSION
-#endif
+#include "shared_cpu.h"
 
 /* Rows ahead of the ones in use whose cache lines are requested: the blocks of a request sit
  * anywhere in the cache, so the hardware prefetcher cannot see the next one coming. */

@@ -15,14 +15,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "exp_cpu.h"
-
-#if defined(__GNUC__) && defined(__x86_64__) && !defined(__clang__)
-/* One build runs on any x86-64; the loader picks the widest vector unit this CPU has. */
-#define TRILLM_MULTIVERSION __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define TRILLM_MULTIVERSION
-#endif
+#include "shared_cpu.h"
 
 /* out[t] = x[t] * rsqrt(mean(x[t]^2) + eps) * weight, for T rows of `size`. When residual is not
  * NULL, x[t] + residual[t] is normed instead, and also written to sum_out (the next residual). */
