@@ -360,6 +360,8 @@ def test_cpu_write_kv_matches_its_twin():
         assert torch.equal(got, ref)
     with pytest.raises(IndexError):  # a slot past the cache: refused before anything is written
         ops_cpu.write_kv(k, v, *caches, torch.tensor([0, 1, 2, 3, 4, 5, num_blocks * block_size]))
+    with pytest.raises(AssertionError):  # fewer slots than rows: the kernel would read past them
+        ops_cpu.write_kv(k, v, *caches, slots[:3])
     for got, ref in zip(caches, want):
         assert torch.equal(got, ref)
 

@@ -95,7 +95,7 @@ def rotary_embedding(positions, q, k, cos_sin_cache, is_neox=True):
     heads contiguous, tokens strided, as views into the fused q|k|v output are)."""
     check(q), check(k), check(cos_sin_cache), check(positions, torch.int64)
     assert positions.is_contiguous() and cos_sin_cache.is_contiguous() and cos_sin_cache.shape[1] == q.shape[2]
-    assert q.shape[0] == k.shape[0] == positions.shape[0], (q.shape, k.shape, positions.shape)
+    assert positions.shape == q.shape[:1] == k.shape[:1], (q.shape, k.shape, positions.shape)
     rotate(q, positions, cos_sin_cache, is_neox)
     rotate(k, positions, cos_sin_cache, is_neox)
 
@@ -104,7 +104,8 @@ def write_kv(k, v, k_cache, v_cache, slot_mapping):
     """As cache.write_kv: k, v [T, Hk, D] into their slots of the caches (negative: skipped)."""
     check(k), check(v), check(k_cache), check(v_cache), check(slot_mapping, torch.int64)
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
-    assert slot_mapping.is_contiguous() and k.shape == v.shape and k.shape[1:] == k_cache.shape[2:], (k.shape, k_cache.shape)
+    assert slot_mapping.is_contiguous() and slot_mapping.shape == k.shape[:1], (slot_mapping.shape, k.shape)
+    assert k.shape == v.shape and k.shape[1:] == k_cache.shape[2:], (k.shape, v.shape, k_cache.shape)
     assert k.stride(2) == v.stride(2) == 1 and k.stride(1) == v.stride(1) == k.shape[2], (k.stride(), v.stride())
     cdef int64_t T = k.shape[0], row_size = k.shape[1] * k.shape[2]
     cdef int64_t num_slots = k_cache.shape[0] * k_cache.shape[1], k_stride = k.stride(0), v_stride = v.stride(0)
