@@ -3,11 +3,13 @@
 Batches are written by hand (the runner reads five SchedulerOutput fields) so that each test picks
 its own chunk boundaries and block tables: chunks that end mid-block, blocks out of order.
 """
+import os
 import random
 from dataclasses import dataclass
 
 import pytest
 import torch
+from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from trillm.config import EngineArgs
@@ -358,3 +360,20 @@ def test_quantized_projections_equal_their_dequantized_weights(tiny_model_dir, t
         x = torch.randn(3, shards[0].in_features)
         want = torch.nn.functional.linear(x, torch.cat([quant.dequantize(w) for w in shards]), module.bias)
         torch.testing.assert_close(module(x), want, atol=2e-5, rtol=2e-5)
+
+    # The loader's order: blocks first, then the checkpoint, whose moved projections' fp32
+    # tensors are skipped (the loader never reads them; load_weights passes over them itself).
+    first = load_model(EngineArgs(model=model_dir, load_format="dummy")).model
+    assert first.load_quantized_weights(weights) == 2 * 4 + 1 - 1
+    with safe_open(os.path.join(model_dir, "model.safetensors"), framework="pt") as f:
+        checkpoint = [(name, f.get_tensor(name)) for name in f.keys()]
+    skipped = {name for name, _ in checkpoint if first.on_quantized_blocks(name)}
+    moved = {n for n in hf_names if n != "model.embed_tokens.weight" and not n.startswith("model.layers.1.self_attn.")}
+    assert skipped == moved | {"model.layers.1.self_attn.o_proj.weight"}  # the tied table stays: it is the lookup
+    first.load_weights(checkpoint)
+    for (name, got), want in zip(first.state_dict().items(), quantized.state_dict().values(), strict=True):
+        assert torch.equal(got, want), name
+    for (name, module), twin in zip(first.named_modules(), quantized.modules(), strict=True):
+        if isinstance(module, Linear) and module.quantized is not None:
+            x = torch.randn(3, module.quantized.in_features)
+            assert torch.equal(module(x), twin(x)), name

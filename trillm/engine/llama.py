@@ -273,9 +273,10 @@ class LlamaForCausalLM(nn.Module):
 
     def load_quantized_weights(self, weights: Iterable[tuple[str, quant.QuantizedWeight]]) -> int:
         """For backends with a quantized_linear kernel: puts the projections whose every shard
-        comes in one quantized format onto those blocks (the fp32 weights must be loaded already:
+        comes in one quantized format onto those blocks, and releases their fp32 weights. Called
+        before load_weights, it spares reading those weights at all (load_weights skips them);
         a projection with a shard missing here, shards in two formats, or a shape the kernel does
-        not take stays on them). Returns how many projections moved."""
+        not take stays on its fp32 weights, which load_weights fills. Returns how many moved."""
         shards: dict[str, dict[int, quant.QuantizedWeight]] = {}
         for hf_name, weight in weights:
             if hf_name == "model.embed_tokens.weight":
@@ -305,6 +306,8 @@ class LlamaForCausalLM(nn.Module):
         for hf_name, tensor in weights:
             if "rotary_emb." in hf_name or (self.config.tie_word_embeddings and hf_name == "lm_head.weight"):
                 continue  # derived from the config / tied to the embeddings
+            if self.on_quantized_blocks(hf_name):
+                continue  # runs on its GGUF blocks (load_quantized_weights)
             name, shard = self._param_shard(hf_name)
             if (name, shard) not in todo:
                 raise ValueError(f"Unexpected or repeated checkpoint tensor {hf_name!r}.")
@@ -320,6 +323,16 @@ class LlamaForCausalLM(nn.Module):
         if todo:
             missing = sorted(f"{name} (shard {shard})" for name, shard in todo)
             raise ValueError(f"The checkpoint lacks {len(missing)} tensors, e.g. {', '.join(missing[:3])}.")
+
+    def on_quantized_blocks(self, hf_name: str) -> bool:
+        """Whether checkpoint tensor `hf_name` is a shard of a projection that runs on quantized
+        blocks, so that its fp32 copy is not needed."""
+        module_name, _, param = self._param_shard(hf_name)[0].rpartition(".")
+        try:
+            module = self.get_submodule(module_name)
+        except AttributeError:
+            return False  # not a parameter of ours: load_weights refuses it
+        return isinstance(module, Linear) and module.quantized is not None and param == "weight"
 
     @staticmethod
     def _param_shard(hf_name: str) -> tuple[str, int]:

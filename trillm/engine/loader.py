@@ -154,16 +154,19 @@ def load_model(args: EngineArgs) -> LoadedModel:
     if args.load_format == "dummy":
         init_dummy_weights(model, args.seed)
     elif args.load_format == "auto":
-        model.load_weights(_safetensors_weights(model_dir))
         gguf_path = gguf_file(args.model)
         if args.quantized_weights and kernels.quantized_linear is not None and gguf_path is not None:
+            # first: the projections that move onto the blocks never read their fp32 copies
             model.load_quantized_weights(quantized_weights(gguf_path, config))
+        model.load_weights(_safetensors_weights(model_dir, skip=model.on_quantized_blocks))
     else:
         raise ValueError(f"Unknown load format {args.load_format!r}; choose auto or dummy.")
     return LoadedModel(model.eval(), config, _load_tokenizer(model_dir), _eos_token_ids(model_dir, config), model_dir)
 
 
-def _safetensors_weights(model_dir: str):
+def _safetensors_weights(model_dir: str, skip):
+    """(name, tensor) for every tensor of the directory's safetensors files but those `skip`
+    names, which are never read."""
     files = sorted(glob(os.path.join(model_dir, "*.safetensors")))
     if not files:
         raise FileNotFoundError(f"No *.safetensors files in {model_dir}.")
@@ -172,7 +175,8 @@ def _safetensors_weights(model_dir: str):
     with tqdm(total=total, desc="Loading weights", unit="tensor", leave=False) as bar:
         for handle in handles:
             for name in handle.keys():
-                yield name, handle.get_tensor(name)
+                if not skip(name):
+                    yield name, handle.get_tensor(name)
                 bar.update()
 
 
