@@ -1,11 +1,10 @@
 """The quantized projections of a GGUF file, under their HF names, for the kernels that run them.
 
-The loader always fills the model from the fp32 HF directory it converts the file into
-(trillm/engine/loader.py); this module then hands over the file's Q4_1 / Q8_0 blocks as they are,
-so that the CPU kernels multiply by them instead of by the fp32 copies. Only Llama-family tensor
-names are mapped, and q/k rows get the reordering transformers applies (llama.cpp stores them
-permuted for its RoPE layout); a dequantized result equals the fp32 tensor the directory holds,
-which the tests check.
+The loader hands over the file's Q4_1 / Q8_0 blocks as they are, so that the CPU kernels multiply
+by them instead of by fp32 copies, and then fills everything else from the fp32 HF directory it
+converts the file into (trillm/engine/loader.py). Only Llama-family tensor names are mapped, and
+q/k rows get the reordering transformers applies (llama.cpp stores them permuted for its RoPE
+layout); a dequantized result equals the fp32 tensor the directory holds, which the tests check.
 """
 from __future__ import annotations
 

@@ -56,8 +56,8 @@ class Linear(nn.Module):
 
     def quantize(self, weight: quant.QuantizedWeight, quantized_linear) -> None:
         """Runs this projection on GGUF blocks (through the backend's `quantized_linear`, e.g.
-        trillm/kernels/quant_cpu.pyx) instead of the loaded fp32 weight, which they dequantize
-        to; the plain weight is released."""
+        trillm/kernels/quant_cpu.pyx) instead of the fp32 weight they dequantize to, loaded or
+        not; the plain weight is released."""
         assert self.packed_weight is None and self.quantized is None
         assert (weight.out_features, weight.in_features) == tuple(self.weight.shape), (weight, self.weight.shape)
         self.quantized = quantized_linear(weight)
