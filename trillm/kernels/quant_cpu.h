@@ -175,7 +175,7 @@ static int quantized_linear_f32(
         for (int64_t r0 = m0; r0 < m1; r0 += ROWS)
             for (int64_t r = r0; r < r0 + ROWS && r < m1; r++)
                 for (int64_t k = 0; k < K; k++) xt[(r0 - m0) * K + k * ROWS + (r - r0)] = x[r * K + k];
-        for (int64_t t = 0; t < N / TILE_N; t++)
+        for (int64_t t = 0; t < w.tiles; t++)
             for (int64_t r0 = m0; r0 < m1; r0 += ROWS)
                 rows_of(m1 - r0 < ROWS ? (int)(m1 - r0) : ROWS, out + r0 * N, xt + (r0 - m0) * K, N, &w, t);
     }

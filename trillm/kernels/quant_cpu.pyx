@@ -6,7 +6,7 @@ from libc.stdint cimport int64_t, uintptr_t
 
 import torch
 
-from trillm.kernels.quant import QuantizedWeight
+from trillm.kernels.quant import BLOCK, QuantizedWeight
 
 cdef extern from "quant_cpu.h" nogil:
     int QUANT_Q4_1
@@ -30,7 +30,7 @@ class QuantizedLinear:
         assert self.runs(weight), (weight.format, weight.out_features)
         self.format = FORMATS[weight.format]
         self.out_features, self.in_features = weight.out_features, weight.in_features
-        tiles, blocks = weight.out_features // TILE_N, weight.in_features // 32
+        tiles, blocks = weight.out_features // TILE_N, weight.in_features // BLOCK
 
         def tiled(per_row):  # [N, blocks * c] -> [N / 16, blocks, c, 16]
             return per_row.reshape(tiles, TILE_N, blocks, -1).permute(0, 2, 3, 1).contiguous()
