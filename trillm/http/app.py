@@ -25,6 +25,7 @@ from trillm.engine.async_engine import EngineUnavailableError, QueueFullError
 from trillm.engine.core import EngineCore
 from trillm.http import info, native, openai_chat, openai_completions, openapi
 from trillm.http.auth import check_api_key
+from trillm.http.connection import Connection
 from trillm.http.errors import APIError, error_response
 from trillm.http.logs import REQUEST_ID
 from trillm.http.settings import ServerSettings, from_env
@@ -40,6 +41,7 @@ def create_app(settings: ServerSettings | None = None, core: EngineCore | None =
     core = core or EngineCore(settings.engine)
     settings = replace(settings, engine=core.args)  # what runs, for /server_info
     app = QuartTrio("trillm")
+    app.asgi_http_class = Connection  # see trillm.http.connection: every response ends its connection cleanly
     app.config["RESPONSE_TIMEOUT"] = None  # streams last as long as their requests; see trillm.http.sse
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes  # bounds what one request can make us buffer
     state = ServerState(settings, core)
