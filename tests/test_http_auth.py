@@ -1,9 +1,12 @@
-"""--api-key: every /v1/* route, whatever its method, refuses a missing or wrong key with a 401;
-the operational routes (/health, /metrics, ...) stay open; /server_info never shows the key."""
+"""--api-key: every route, whatever its method, refuses a missing or wrong key with a 401, but
+the liveness and schema routes (/health, /ping, /version, /metrics, /openapi.json), which stay
+open, and CORS preflights; /server_info never shows the key."""
 import re
 
 import pytest
 from http_support import live_server, tiny_core
+
+from trillm.http.auth import OPEN_PATHS
 
 KEY = "sesame-0123456789"
 
@@ -22,11 +25,14 @@ def routes(app) -> list[tuple[str, str]]:
     return found
 
 
-async def test_api_key_guards_every_v1_route_and_nothing_else(core):
+async def test_api_key_guards_every_route_but_liveness_and_schema(core):
     async with live_server(core, api_key=KEY) as server:
         http = server.http()
-        guarded = [(m, p) for m, p in routes(server.app) if p.startswith("/v1/")]
-        assert len(guarded) >= 4  # models, model, chat, completions
+        guarded = [(m, p) for m, p in routes(server.app) if p not in OPEN_PATHS]
+        guarded_paths = {p for _, p in guarded}
+        # what generates, aborts, flushes or tells more than liveness
+        assert {"/v1/chat/completions", "/v1/completions", "/v1/models", "/generate", "/abort_request",
+                "/flush_cache", "/tokenize", "/detokenize", "/server_info", "/model_info", "/load"} <= guarded_paths
         for method, path in guarded:
             for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
                 response = await http.request(method, path, json={}, headers=headers)
@@ -34,9 +40,14 @@ async def test_api_key_guards_every_v1_route_and_nothing_else(core):
                 assert response.json()["error"]["type"] == "authentication_error"
             allowed = await http.request(method, path, json={}, headers={"Authorization": f"Bearer {KEY}"})
             assert allowed.status_code != 401, (method, path)
-        for path in ("/health", "/metrics", "/version", "/openapi.json", "/server_info"):
+            preflight = await http.options(path, headers={"Origin": "http://example.com",
+                                                          "Access-Control-Request-Method": method})
+            assert preflight.status_code != 401, ("OPTIONS", path)
+        assert OPEN_PATHS <= {p for _, p in routes(server.app)}
+        for path in OPEN_PATHS:
             assert (await http.get(path)).status_code == 200, path
-        info = (await http.get("/server_info")).text
+        assert (await http.post("/abort_request", json={"abort_all": True})).status_code == 401
+        info = (await http.get("/server_info", headers={"Authorization": f"Bearer {KEY}"})).text
         assert KEY not in info and "<redacted>" in info
         ok = await server.openai(api_key=KEY).completions.create(model=server.model, prompt=[5, 6], max_tokens=2)
         assert ok.usage.completion_tokens == 2

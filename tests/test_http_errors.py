@@ -106,7 +106,7 @@ async def test_unknown_model_route_method_and_json(server):
     assert bad.value.body["param"] == "temperature"
 
 
-async def test_api_key_guards_v1_only(core):
+async def test_api_key_guards_what_does_work(core):
     async with live_server(core, api_key="sesame") as server:
         http = server.http()
         error = assert_error(await http.get("/v1/models"), 401, None, "authentication_error")
@@ -119,7 +119,8 @@ async def test_api_key_guards_v1_only(core):
         assert [m.id for m in models.data] == [server.model]
         for open_path in ("/health", "/metrics", "/version"):
             assert (await http.get(open_path)).status_code == 200
-        info = (await http.get("/server_info")).json()
+        assert_error(await http.post("/generate", json={"text": "hi"}), 401, None, "authentication_error")
+        info = (await http.get("/server_info", headers={"Authorization": "Bearer sesame"})).json()
         assert info["settings"]["api_key"] == "<redacted>" and "sesame" not in str(info)
 
 

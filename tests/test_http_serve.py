@@ -106,7 +106,7 @@ async def test_hypercorn_launches_the_app_factory_from_the_environment():
         assert [m.id for m in (await client.models.list()).data] == ["smol"]
         out = await client.completions.create(model="smol", prompt="Hello", max_tokens=3)
         assert out.usage.completion_tokens == 3
-        async with httpx.AsyncClient(base_url=url) as http:
+        async with httpx.AsyncClient(base_url=url, headers={"Authorization": "Bearer sesame"}) as http:
             assert (await http.get("/server_info")).json()["settings"]["engine"]["num_kv_blocks"] == 64
         await client.close()
         process.send_signal(signal.SIGTERM)

@@ -1,8 +1,13 @@
-"""`--api-key`: a Bearer token on /v1/* (the OpenAI surface), as vLLM does.
+"""`--api-key`: a Bearer token on every route that does work, changes state or tells more
+than liveness.
 
-Health, metrics and the native endpoints stay open: probes and scrapers carry no
-token. The comparison is constant-time, so response timing does not leak how
-much of a guessed key was right.
+Open without the key: what probes, scrapers and schema readers call (`OPEN_PATHS`), and
+every CORS preflight (`OPTIONS`), which browsers send without credentials. Everything
+else, `/v1/*` and the native `/generate`, `/abort_request`, `/flush_cache`, `/tokenize`,
+`/detokenize`, `/server_info`, ... (and any route added later), needs the key: the list
+is of what stays open, so a new route is guarded unless someone decides otherwise. The
+comparison is constant-time, so response timing does not leak how much of a guessed key
+was right.
 """
 from __future__ import annotations
 
@@ -12,10 +17,12 @@ from quart import Response, request
 
 from trillm.http.errors import error_response
 
+OPEN_PATHS = frozenset({"/health", "/ping", "/version", "/metrics", "/openapi.json"})
+
 
 def check_api_key(api_key: str) -> Response | None:
     """A 401 response when the request needs the key and lacks it; None to let it through."""
-    if request.method == "OPTIONS" or not request.path.startswith("/v1/"):
+    if request.method == "OPTIONS" or request.path in OPEN_PATHS:
         return None
     given = request.headers.get("Authorization", "").encode()
     if hmac.compare_digest(given, f"Bearer {api_key}".encode()):

@@ -23,7 +23,7 @@ _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
 class ServerSettings:
     host: str = "127.0.0.1"
     port: int = 8000  # 0: any free port (the bound address is logged)
-    api_key: str | None = None  # when set, /v1/* needs "Authorization: Bearer <key>"
+    api_key: str | None = None  # when set, all but liveness and schema routes need "Authorization: Bearer <key>"
     max_waiting: int = 1024  # requests waiting for the engine beyond this get 429
     backlog: int = 2048  # connections the kernel queues before we accept them (Hypercorn's 100 resets bursts)
     max_body_bytes: int = 8 << 20  # larger request bodies get 413 (a prompt of 8192 token ids is ~60 KB)
