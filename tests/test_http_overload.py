@@ -6,6 +6,7 @@ blocks until the test lets go): every refusal arrives while no request can have 
 so none of them waited for the engine.
 """
 import threading
+from contextlib import contextmanager
 
 import openai
 import pytest
@@ -66,3 +67,53 @@ async def test_requests_over_max_waiting_get_429_at_once_and_admitted_ones_finis
     finally:
         gate.set()
         core.runner.fault_hook = None
+
+
+@contextmanager
+def frozen_engine(core):
+    """The engine held inside its next step until the block ends: nothing it holds can progress."""
+    gate = threading.Event()
+    core.runner.fault_hook = lambda sched: gate.wait()
+    try:
+        yield
+    finally:
+        gate.set()
+        core.runner.fault_hook = None
+
+
+async def test_the_limit_counts_a_whole_group(core):
+    """A list of prompts times n is one request but many engine requests: the limit counts them
+    all, so one request cannot walk around it; one larger than the limit alone is a 400."""
+    async with live_server(core, max_waiting=MAX_WAITING) as server:
+        client, http = server.openai(timeout=SETTLE_TIMEOUT), server.http()
+        too_many = await http.post("/v1/completions", json={"prompt": [[5, 6]] * 5, "n": 4, "max_tokens": 2})
+        assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "n"
+        assert f"at most {MAX_WAITING}" in too_many.json()["error"]["message"]
+        too_many = await http.post("/v1/completions", json={"prompt": [[5, 6]] * (MAX_WAITING + 1), "max_tokens": 2})
+        assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "prompt"
+        too_many = await http.post("/generate", json={"input_ids": [[5, 6]] * (MAX_WAITING + 1)})
+        assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "prompt"
+        assert (await http.post("/v1/completions", json={"prompt": ["a"] * 2049})).status_code == 400
+        results = []
+
+        async def fill() -> None:
+            results.append(await client.completions.create(
+                model=server.model, prompt=[[5, 6]] * 6, n=2, max_tokens=2, extra_body={"ignore_eos": True}))
+
+        async with trio.open_nursery() as nursery:
+            with frozen_engine(core):
+                nursery.start_soon(fill)
+                with trio.fail_after(SETTLE_TIMEOUT):
+                    while server.state.engine.stats()["num_live_requests"] < 1:
+                        await trio.sleep(0.01)
+                # 12 engine requests held, 16 allowed: a group of 5 does not fit, one of 4 would.
+                spec = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "integer"}}}
+                compiled_before = len(core.grammars._cache)
+                with pytest.raises(openai.RateLimitError):
+                    await client.completions.create(model=server.model, prompt=[[7, 8]] * 5, max_tokens=2,
+                                                    extra_body={"response_format": spec})
+                assert len(core.grammars._cache) == compiled_before, "a refused group compiled nothing"
+                assert server.state.engine.stats()["num_live_requests"] == 1
+        assert results[0].usage.completion_tokens == 24
+        stats = await settled_stats(http)
+        assert stats["num_used_blocks"] == 0

@@ -112,7 +112,9 @@ class AsyncEngine:
         self._groups: dict[str, _Group] = {}  # client id -> group, from add() until its last final output
         self._owner: dict[str, _Group] = {}  # engine id -> group, while the core holds the request
         self._commands: list[tuple] = []
-        self._pending_members = 0  # members queued for admission, not yet in the core
+        # Members of live groups without their final output: queued for admission, deferred
+        # (see the module docstring), waiting or running in the core.
+        self._unfinished_members = 0
         self._stepping = False  # a step is running in a worker thread
         self._running = False  # run() has started
         self._wake = trio.Event()
@@ -124,25 +126,41 @@ class AsyncEngine:
 
     # --- what handlers call ------------------------------------------------------------------
 
-    async def add(self, request_id: str, members: list[tuple[list[int], SamplingParams]]) -> RequestStream:
+    def check_room(self, size: int, param: str) -> None:
+        """Refuse a group of `size` engine requests that the waiting limit cannot take: a
+        SamplingParamError naming `param` (a 400: it could never be admitted, so retrying is
+        pointless) when it is larger than the limit on its own, QueueFullError (a 429) when it
+        does not fit now. Callers check before they spend anything on the group; `add` checks
+        again, since the queue may have filled in between."""
+        if size > self.max_waiting:
+            raise SamplingParamError(
+                param,
+                f"This request makes {size} engine requests (prompts x n); this server lets at most "
+                f"{self.max_waiting} wait at once (--max-waiting).",
+            )
+        waiting = self._unfinished_members - self._stats["num_running"]
+        if waiting + size > self.max_waiting:
+            raise QueueFullError(
+                f"The server has {waiting} requests waiting and a limit of {self.max_waiting}; retry later."
+            )
+
+    async def add(self, request_id: str, members: list[tuple[list[int], SamplingParams]], param: str = "prompt"
+                  ) -> RequestStream:
         """Queue a group and wait until the engine admits it.
 
-        Raises SamplingParamError (a ValueError with .param) if the engine refuses it,
-        QueueFullError over max_waiting, EngineUnavailableError when dead or closing.
+        Raises SamplingParamError (a ValueError with .param) if the engine refuses it (`param`
+        names the field that made the group too large), QueueFullError when the waiting limit
+        has no room for the whole group, EngineUnavailableError when dead or closing. Nothing is
+        compiled or queued for a group that is refused.
         """
         assert members, "a group has at least one member"
-        # Grammars compile here, in worker threads first (the checks below must
-        # see the state after this await), so admission between two steps finds them cached.
+        self._check_open(request_id)
+        self.check_room(len(members), param)
+        # Grammars compile in worker threads, so admission between two steps finds them cached.
         for spec in {params.structured_output for _, params in members} - {None}:
             await trio.to_thread.run_sync(self.core.grammars.compile, spec)
-        if self.error is not None or not self.accepting:
-            raise EngineUnavailableError(self._unavailable_reason())
-        if request_id in self._groups:
-            raise SamplingParamError("request_id", f"A request with id {request_id!r} is already running.")
-        if self._stats["num_waiting"] + self._pending_members >= self.max_waiting:
-            raise QueueFullError(
-                f"The server has {self.max_waiting} requests waiting, its limit; retry later."
-            )
+        self._check_open(request_id)  # the world may have changed during the compiles
+        self.check_room(len(members), param)
         send, receive = trio.open_memory_channel[StepOutput](math.inf)
         group = _Group(
             request_id,
@@ -152,7 +170,7 @@ class AsyncEngine:
         group.unfinished = len(group.members)
         self._groups[request_id] = group
         self._idle = trio.Event() if self._idle.is_set() else self._idle
-        self._pending_members += len(group.members)
+        self._unfinished_members += len(group.members)
         self._enqueue(self._admit, group)
         stream = RequestStream(self, group, receive)
         try:
@@ -267,7 +285,6 @@ class AsyncEngine:
     def _admit(self, group: _Group) -> None:
         """Add the group's members to the core; a member repeating an earlier member's prompt
         is deferred until that one's first token (see the module docstring)."""
-        self._pending_members -= len(group.members)
         first_with_prompt: dict[tuple[int, ...], str] = {}
         try:
             for i, member in enumerate(group.members):
@@ -307,6 +324,7 @@ class AsyncEngine:
             pass  # the handler has gone; its close() queued the abort
         if out.finished:
             group.unfinished -= 1
+            self._unfinished_members -= 1
             if group.unfinished == 0:
                 group.send.close()
                 self._unregister(group)
@@ -334,6 +352,7 @@ class AsyncEngine:
     def _unregister(self, group: _Group) -> None:
         assert self._groups.get(group.request_id) is group
         del self._groups[group.request_id]
+        self._unfinished_members -= group.unfinished  # a refused group's members, never finished
         if not self._groups:
             self._idle.set()
 
@@ -349,8 +368,15 @@ class AsyncEngine:
             group.admitted.set()
         self._groups.clear()
         self._owner.clear()
+        self._unfinished_members = 0
         self._commands.clear()
         self._idle.set()
+
+    def _check_open(self, request_id: str) -> None:
+        if self.error is not None or not self.accepting:
+            raise EngineUnavailableError(self._unavailable_reason())
+        if request_id in self._groups:
+            raise SamplingParamError("request_id", f"A request with id {request_id!r} is already running.")
 
     def _unavailable_reason(self) -> str:
         if self.error is not None:

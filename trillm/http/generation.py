@@ -31,6 +31,10 @@ class Generation:
         self.prompts = prompts
         self.n = params.n
         self._engine = state.engine
+        # Refused before a detokenizer is built for each member: a group too large for the
+        # waiting limit costs nothing.
+        self._param = "n" if params.n > 1 else "prompt"
+        self._engine.check_room(len(prompts) * params.n, self._param)
         self._metrics = state.metrics
         self._members = [(ids, sample_params(params, i)) for ids in prompts for i in range(params.n)]
         self.processors = [
@@ -43,7 +47,7 @@ class Generation:
 
     async def start(self) -> None:
         """Wait for the engine to admit every choice; raises what AsyncEngine.add raises."""
-        self._stream = await self._engine.add(self.request_id, self._members)
+        self._stream = await self._engine.add(self.request_id, self._members, self._param)
         self._metrics.prompt_tokens.inc(sum(map(len, self.prompts)))
 
     async def run(self) -> None:

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from trillm.sampling_params import SamplingParamError, SamplingParams, StructuredOutput
 
 MAX_N = 128  # samples per request: more would let one request fill the whole batch
+MAX_PROMPTS = 2048  # prompts in one request's list (OpenAI's bound for a batch of inputs)
 
 
 class Strict(BaseModel):
@@ -211,7 +212,9 @@ class ChatCompletionRequest(SamplingFields):
             raise SamplingParamError(names.get(exc.param, exc.param), str(exc)) from None
 
 
-Prompt = str | list[str] | list[int] | list[list[int]]
+PromptList = Annotated[list[str], Field(max_length=MAX_PROMPTS)]
+TokenPromptList = Annotated[list[list[int]], Field(max_length=MAX_PROMPTS)]
+Prompt = str | PromptList | list[int] | TokenPromptList
 
 
 class CompletionRequest(SamplingFields):
@@ -250,8 +253,8 @@ class NativeSamplingParams(Strict):
 
 
 class GenerateRequest(Strict):
-    text: str | list[str] | None = None
-    input_ids: list[int] | list[list[int]] | None = None
+    text: str | PromptList | None = None
+    input_ids: list[int] | TokenPromptList | None = None
     sampling_params: NativeSamplingParams = Field(default_factory=NativeSamplingParams)
     stream: bool = False
     rid: str | None = None
