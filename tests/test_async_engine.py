@@ -7,7 +7,7 @@ import trio.testing
 
 from trillm import SamplingParams
 from trillm.engine.async_engine import AsyncEngine, EngineUnavailableError, QueueFullError
-from trillm.sampling_params import SamplingParamError
+from trillm.sampling_params import SamplingParamError, StructuredOutput
 
 LONG_RUN = SamplingParams(max_tokens=1000, ignore_eos=True)  # ends only when stopped
 
@@ -157,3 +157,23 @@ async def test_a_dying_engine_fails_streams_and_refuses_requests(core, prompt, m
     finally:
         core.abort_request("doomed-0")  # the dead engine left it in the core
     assert core.stats()["num_used_blocks"] == 0
+
+
+async def test_steps_and_compiles_do_not_wait_on_the_default_thread_limiter(engine, prompt):
+    """Whatever else in the process holds every token of Trio's default thread limiter (40 slow
+    calls in worker threads), the engine still steps and grammars still compile."""
+    default = trio.to_thread.current_default_thread_limiter()
+    holders = [object() for _ in range(int(default.total_tokens))]
+    for holder in holders:
+        default.acquire_on_behalf_of_nowait(holder)
+    try:
+        schema = SamplingParams(max_tokens=4, structured_output=StructuredOutput("json_schema", '{"type": "integer"}'))
+        with trio.fail_after(60):
+            stream = await engine.add("a", [(prompt, schema), (prompt, SamplingParams(max_tokens=3, ignore_eos=True))])
+            tokens = [0, 0]
+            async for index, out in stream:
+                tokens[index] += len(out.new_token_ids)
+        assert tokens[1] == 3 and tokens[0] >= 1
+    finally:
+        for holder in holders:
+            default.release_on_behalf_of(holder)

@@ -31,6 +31,7 @@ from trillm.engine.core import EngineCore, StepOutput
 from trillm.sampling_params import SamplingParamError, SamplingParams
 
 log = logging.getLogger(__name__)
+GRAMMAR_COMPILE_THREADS = 2  # schema compiles at once; more wait for a thread, never the engine
 
 
 class QueueFullError(RuntimeError):
@@ -123,6 +124,10 @@ class AsyncEngine:
         self._stopped = trio.Event()
         self._cancel_scope = trio.CancelScope()
         self._stats = core.stats()
+        # Threads of their own: on Trio's default limiter (shared by every to_thread call in the
+        # process), slow grammar compiles could take every token and starve the engine's steps.
+        self._step_limiter = trio.CapacityLimiter(1)
+        self._compile_limiter = trio.CapacityLimiter(GRAMMAR_COMPILE_THREADS)
 
     # --- what handlers call ------------------------------------------------------------------
 
@@ -158,7 +163,7 @@ class AsyncEngine:
         self.check_room(len(members), param)
         # Grammars compile in worker threads, so admission between two steps finds them cached.
         for spec in {params.structured_output for _, params in members} - {None}:
-            await trio.to_thread.run_sync(self.core.grammars.compile, spec)
+            await trio.to_thread.run_sync(self.core.grammars.compile, spec, limiter=self._compile_limiter)
         self._check_open(request_id)  # the world may have changed during the compiles
         self.check_room(len(members), param)
         send, receive = trio.open_memory_channel[StepOutput](math.inf)
@@ -270,7 +275,7 @@ class AsyncEngine:
             if self.core.has_unfinished():
                 self._stepping = True
                 try:
-                    outputs = await trio.to_thread.run_sync(self.core.step)
+                    outputs = await trio.to_thread.run_sync(self.core.step, limiter=self._step_limiter)
                 finally:
                     self._stepping = False
                 self.num_steps += 1
