@@ -10,7 +10,8 @@ next test.
 from __future__ import annotations
 
 import functools
-from contextlib import asynccontextmanager
+import threading
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 
 import httpx
@@ -104,3 +105,15 @@ async def metric_value(http: httpx.AsyncClient, name: str, **labels) -> float:
             if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
                 return sample.value
     return 0.0
+
+
+@contextmanager
+def frozen_engine(core):
+    """The engine held inside its next step until the block ends: nothing it holds can progress."""
+    gate = threading.Event()
+    core.runner.fault_hook = lambda sched: gate.wait()
+    try:
+        yield
+    finally:
+        gate.set()
+        core.runner.fault_hook = None

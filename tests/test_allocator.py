@@ -87,12 +87,33 @@ def test_same_prefix_computed_twice_keeps_one_cached_copy():
     alloc = BlockAllocator(8, BS)
     a = computed_table(alloc, tokens(1, 2))
     b = computed_table(alloc, tokens(1, 2))
+    assert b == a and alloc.num_free_blocks == 6, "b's copies gave way to the cached blocks"
     alloc.check_invariants([a, b])
     alloc.free(b[:])
-    assert alloc.num_free_blocks == 6 and alloc.num_cached_blocks == 0  # b's copies were never cached
+    assert alloc.num_free_blocks == 6 and alloc.num_cached_blocks == 0  # a still holds them
     alloc.free(a[:])
     assert alloc.num_cached_blocks == 2
     alloc.check_invariants([])
+
+
+def test_a_conversation_computed_beside_its_twin_stays_reachable():
+    """Two requests share a first block and compute it in the same step; the second's own later
+    blocks must hang off the cached copy, so its follow-up turn hits all of them."""
+    alloc = BlockAllocator(16, BS)
+    a: list[int] = []
+    b: list[int] = []
+    alloc.allocate(a, 2)
+    alloc.allocate(b, 3)
+    alloc.cache_full_blocks(a, tokens(1, 2), [], 0, 2)  # a's step: both blocks
+    alloc.cache_full_blocks(b, tokens(1, 3, 4), [], 0, 2)  # b's chunk in the same step
+    assert b[0] == a[0]
+    alloc.cache_full_blocks(b, tokens(1, 3, 4), [], 2, 3)  # b's next step
+    alloc.check_invariants([a, b])
+    alloc.free(a[:])
+    alloc.free(b[:])
+    follow_up = tokens(1, 3, 4) + [9]
+    assert alloc.match_prefix(follow_up, [], 3) == b
+    assert alloc.match_prefix(tokens(1, 2) + [9], [], 2) == a
 
 
 def test_colliding_key_with_other_tokens_is_a_miss():

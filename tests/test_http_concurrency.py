@@ -1,9 +1,11 @@
 """Many requests at once, and requests that end early: continuous batching seen from the clients,
 and every way of ending a request (client gone, /abort_request, drain) freeing its KV blocks."""
+import functools
+
 import openai
 import pytest
 import trio
-from http_support import metric_value, settled_stats
+from http_support import frozen_engine, metric_value, settled_stats
 
 PROMPT = "Once upon a time, in a small village nestled between two mountains,"
 ENDLESS = {"ignore_eos": True}  # with a large max_tokens: runs until something stops it
@@ -141,3 +143,40 @@ async def test_drain_finishes_streams_with_abort_and_refuses_new_requests(server
         await client.completions.create(model=server.model, prompt=PROMPT, max_tokens=2)
     assert refused.value.status_code == 503
     assert (await settled_stats(http))["num_used_blocks"] == 0
+
+
+async def test_a_burst_sharing_a_system_prompt_then_each_next_turn_hits_its_whole_conversation(server, core):
+    """Four conversations with one long system prompt computed in the same step, then each one's
+    next turn: it must find every full block of its own conversation in the prefix cache, the
+    shared ones and its own (usage's cached tokens, through the native /generate)."""
+    http = server.http()
+    system = core.tokenizer.encode("You are a careful assistant. " * 12)
+    turns = [system + core.tokenizer.encode(f"Conversation {k}: tell me about the number {k * 7}.") for k in range(4)]
+    block_size = core.args.block_size
+    outputs = [None] * len(turns)
+
+    async def first_turn(k: int) -> None:
+        response = await http.post("/generate", json={
+            "input_ids": turns[k], "sampling_params": {"max_new_tokens": 6, "ignore_eos": True}})
+        outputs[k] = response.json()["output_ids"]
+
+    async def live(count: int) -> None:
+        with trio.fail_after(60):
+            while server.state.engine.stats()["num_live_requests"] < count:
+                await trio.sleep(0.01)
+
+    async with trio.open_nursery() as nursery:
+        with frozen_engine(core):
+            # The engine is held in a step of another request while the four arrive, so the next
+            # step admits them together and they compute the system prompt side by side.
+            nursery.start_soon(functools.partial(http.post, "/generate", json={"input_ids": [5, 6]}))
+            await live(1)
+            for k in range(len(turns)):
+                nursery.start_soon(first_turn, k)
+            await live(1 + len(turns))
+    for k, turn in enumerate(turns):
+        conversation = turn + outputs[k]
+        response = await http.post("/generate", json={
+            "input_ids": conversation + core.tokenizer.encode(" And then?"), "sampling_params": {"max_new_tokens": 1}})
+        # every block the first turn computed (all but its last, sampled token)
+        assert response.json()["meta_info"]["cached_tokens"] == (len(conversation) - 1) // block_size * block_size

@@ -6,12 +6,11 @@ blocks until the test lets go): every refusal arrives while no request can have 
 so none of them waited for the engine.
 """
 import threading
-from contextlib import contextmanager
 
 import openai
 import pytest
 import trio
-from http_support import SETTLE_TIMEOUT, live_server, settled_stats, tiny_core
+from http_support import SETTLE_TIMEOUT, frozen_engine, live_server, settled_stats, tiny_core
 
 NUM_REQUESTS = 120
 MAX_WAITING = 16
@@ -64,18 +63,6 @@ async def test_requests_over_max_waiting_get_429_at_once_and_admitted_ones_finis
             stats = await settled_stats(http)
             assert stats["num_used_blocks"] == 0 and stats["num_live_requests"] == 0
             print(f"overload: {NUM_REQUESTS} requests, {len(refused)} refused with 429, {held} admitted and finished")
-    finally:
-        gate.set()
-        core.runner.fault_hook = None
-
-
-@contextmanager
-def frozen_engine(core):
-    """The engine held inside its next step until the block ends: nothing it holds can progress."""
-    gate = threading.Event()
-    core.runner.fault_hook = lambda sched: gate.wait()
-    try:
-        yield
     finally:
         gate.set()
         core.runner.fault_hook = None

@@ -120,6 +120,28 @@ def test_prefix_caching_disabled_recomputes_everything():
     assert sched.allocator.prefix_cache_queries == 0
 
 
+def test_a_burst_sharing_a_prefix_then_follow_ups_hit_every_full_block():
+    """Requests sharing a system prompt compute it in the same step; each conversation's next
+    turn must then hit every full block computed for it, the shared ones and its own."""
+    sched = Scheduler(64, BS, max_num_batched_tokens=64, max_num_seqs=8, max_model_len=64)
+    system = [2, 3, 4, 5, 2, 3, 4, 5]
+    first = [Request(f"r{k}", system + [10 + k] * 5, 3, ignore_eos=True) for k in range(3)]
+    for r in first:
+        sched.add(r)
+    out, _ = step(sched)
+    assert [r.request_id for r in out.requests] == ["r0", "r1", "r2"]  # one step: the burst
+    while sched.has_unfinished():
+        step(sched)
+    assert [r.num_cached_tokens for r in first] == [0, 0, 0]
+    for k, r in enumerate(first):
+        follow_up = Request(f"f{k}", r.token_ids + [20 + k] * 4, 2, ignore_eos=True)
+        sched.add(follow_up)
+        step(sched)
+        assert follow_up.num_cached_tokens == (len(r.token_ids) - 1) // BS * BS == 12
+        while sched.has_unfinished():
+            step(sched)
+
+
 def test_preemption_takes_the_newest_and_requeues_it_first():
     sched = Scheduler(4, BS)
     sched.add(Request("a", [1, 1, 1, 1], 2))
@@ -294,8 +316,10 @@ PREFIXES = [(), (2, 3, 4, 5, 2), (2, 3, 4, 5, 2, 4, 4, 3, 5), (5, 5, 4, 3, 2, 2,
 
 
 def scheduler_machine(num_blocks: int, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
-                      enable_prefix_caching: bool = True):
-    """A state machine class driving one scheduler configuration."""
+                      enable_prefix_caching: bool = True, check_hit_rates: bool = False):
+    """A state machine class driving one scheduler configuration. `check_hit_rates` (for a pool
+    too large to evict from): a follow-up turn must hit at least every full block computed for
+    the conversation it extends."""
 
     class SchedulerMachine(RuleBasedStateMachine):
         preemptions = 0  # over all runs of this class
@@ -312,6 +336,8 @@ def scheduler_machine(num_blocks: int, max_num_batched_tokens: int, max_num_seqs
             self.prefix_ids: dict[tuple[int, int], int] = {}  # (prefix id, token) -> prefix id
             self.kv: dict[int, int] = {}  # slot -> id of the exact prefix whose KV it holds
             self.count = 0
+            self.computed_blocks: dict[str, int] = {}  # ended request -> full blocks it computed
+            self.min_hits: dict[str, int] = {}  # follow-up -> blocks its first admission must hit
 
         def prefix_chain(self, token_ids: list[int]) -> list[int]:
             """Per position, an id of the exact prefix ending there."""
@@ -325,22 +351,48 @@ def scheduler_machine(num_blocks: int, max_num_batched_tokens: int, max_num_seqs
               max_tokens=st.integers(1, 24), min_tokens=st.integers(0, 3), ignore_eos=st.booleans(),
               stop_token_ids=st.sampled_from([(), (1,)]))
         def add(self, prefix, suffix, max_tokens, min_tokens, ignore_eos, stop_token_ids):
-            prompt = list(prefix) + suffix
+            self.add_request(list(prefix) + suffix, max_tokens, min_tokens, ignore_eos, stop_token_ids)
+
+        @rule(prefix=st.sampled_from(PREFIXES), suffix=st.lists(st.integers(1, VOCAB - 1), max_size=2 * BS),
+              copies=st.integers(2, 3), max_tokens=st.integers(1, 8))
+        def burst(self, prefix, suffix, copies, max_tokens):
+            """Requests with one prompt, added together: they compute it in the same steps."""
+            for _ in range(copies):
+                self.add_request(list(prefix) + suffix, max_tokens, 0, True, ())
+
+        @precondition(lambda self: self.done)
+        @rule(data=st.data(), suffix=st.lists(st.integers(1, VOCAB - 1), max_size=2 * BS),
+              max_tokens=st.integers(1, 8))
+        def follow_up(self, data, suffix, max_tokens):
+            """The next turn of an ended conversation: its tokens, then more."""
+            previous = data.draw(st.sampled_from(sorted(self.done)))
+            rid = self.add_request(self.expected[previous] + suffix, max_tokens, 0, True, ())
+            if rid is not None and check_hit_rates and previous in self.computed_blocks:
+                self.min_hits[rid] = self.computed_blocks[previous]
+
+        def add_request(self, prompt, max_tokens, min_tokens, ignore_eos, stop_token_ids) -> str | None:
+            """Add a request, or check that it is refused; its id if it was added."""
             rid = f"r{self.count}"
             self.count += 1
             if not prompt:
                 with pytest.raises(ValueError):
                     Request(rid, prompt, max_tokens)
-                return
+                return None
             request = Request(rid, prompt, max_tokens, min_tokens=min_tokens, eos_token_id=EOS,
                               stop_token_ids=stop_token_ids, ignore_eos=ignore_eos)
             if len(prompt) >= max_model_len or cdiv(len(prompt) + 1, BS) > num_blocks:
                 with pytest.raises(ValueError):
                     self.sched.add(request)
-                return
+                return None
             self.sched.add(request)
             self.live.add(rid)
             self.expected[rid] = list(prompt)
+            return rid
+
+        def end(self, r: Request) -> None:
+            self.live.remove(r.request_id)
+            self.done.add(r.request_id)
+            self.computed_blocks[r.request_id] = r.num_computed_tokens // BS
 
         @rule(seed=st.integers(0, 2**32 - 1))
         def step(self, seed):
@@ -370,6 +422,8 @@ def scheduler_machine(num_blocks: int, max_num_batched_tokens: int, max_num_seqs
                 if r.request_id in was_waiting:
                     assert computed % BS == 0 and computed <= (len(r.token_ids) - 1) // BS * BS
                     assert enable_prefix_caching or computed == 0
+                    if r.num_preemptions == 0 and r.request_id in self.min_hits:
+                        assert computed >= self.min_hits.pop(r.request_id) * BS, f"{r} missed cached blocks"
                 for pos in range(computed):  # the context it reads is its own
                     slot = r.block_table[pos // BS] * BS + pos % BS
                     assert self.kv.get(slot) == chain[pos], f"{r} reads foreign KV at {pos}"
@@ -392,8 +446,7 @@ def scheduler_machine(num_blocks: int, max_num_batched_tokens: int, max_num_seqs
                     assert (r.status, r.finish_reason, r.block_table) == (FINISHED, reason, [])
                     assert r.stop_token_id == (token if reason == "stop" else -1)
                     assert sched.get(rid) is None and rid not in self.done
-                    self.live.remove(rid)
-                    self.done.add(rid)
+                    self.end(r)
                 else:
                     assert reason is None and r.status == RUNNING
             SchedulerMachine.prefix_hits = max(SchedulerMachine.prefix_hits, sched.allocator.prefix_cache_hits)
@@ -414,8 +467,7 @@ def scheduler_machine(num_blocks: int, max_num_batched_tokens: int, max_num_seqs
             r = self.sched.abort(rid, reason)
             assert (r.request_id, r.status, r.finish_reason, r.block_table) == (rid, FINISHED, reason, [])
             assert self.sched.abort(rid) is None
-            self.live.remove(rid)
-            self.done.add(rid)
+            self.end(r)
 
         @rule()
         def reset_prefix_cache(self):
@@ -424,6 +476,7 @@ def scheduler_machine(num_blocks: int, max_num_batched_tokens: int, max_num_seqs
             assert alloc.reset_prefix_cache() == idle
             if idle:
                 assert alloc.num_free_blocks == num_blocks
+                self.computed_blocks.clear()  # nothing is cached any more
 
         @invariant()
         def consistent(self):
@@ -462,6 +515,13 @@ STATEFUL = settings(max_examples=200, stateful_step_count=50, deadline=None,
 
 def test_stateful_roomy_pool():
     machine = scheduler_machine(num_blocks=64, max_num_batched_tokens=16, max_num_seqs=4, max_model_len=20)
+    run_state_machine_as_test(machine, settings=STATEFUL)
+    assert machine.prefix_hits > 0
+
+
+def test_stateful_hit_rates_in_a_pool_that_never_evicts():
+    machine = scheduler_machine(num_blocks=2048, max_num_batched_tokens=16, max_num_seqs=4, max_model_len=28,
+                                check_hit_rates=True)
     run_state_machine_as_test(machine, settings=STATEFUL)
     assert machine.prefix_hits > 0
 

@@ -30,6 +30,7 @@ cdef class BlockAllocator:
     cpdef list match_prefix(self, list token_ids, list block_hashes, int max_blocks)
     cpdef acquire_prefix(self, list table, list prefix, int num_queried)
     cpdef cache_full_blocks(self, list table, list token_ids, list block_hashes, int start, int end)
+    cdef bint _holds(self, int block, int parent, tuple tokens)
     cdef tuple _block_tokens(self, list token_ids, int index)
     cdef _extend_hashes(self, list token_ids, list block_hashes, int num_full)
     cdef _uncache(self, int block)

@@ -143,11 +143,7 @@ class BlockAllocator:
         i: cython.int
         for i in range(max_blocks):
             block = self._cache.get(block_hashes[i], -1)
-            if block < 0 or self._parent[block] != parent:
-                break
-            if parent >= 0 and self._parent_gen[block] != self._gen[parent]:
-                break
-            if self._tokens[block] != self._block_tokens(token_ids, i):
+            if block < 0 or not self._holds(block, parent, self._block_tokens(token_ids, i)):
                 break
             hits.append(block)
             parent = block
@@ -172,26 +168,46 @@ class BlockAllocator:
     def cache_full_blocks(self, table: list, token_ids: list, block_hashes: list, start: cython.int, end: cython.int):
         """Offer blocks `table[start:end]`, now full and computed, to the prefix cache.
 
-        A block whose key is already cached (the same prefix computed twice at
-        once) stays private and goes back to the free stack when released.
+        A block whose prefix is already cached in another block (the same prefix
+        computed twice at once: a burst of requests sharing a system prompt) is
+        swapped in the table for that cached twin, and goes back to the free
+        stack. So a table's full blocks are all cached ones, in one chain, and
+        the blocks this table caches later hang off the cached chain, where
+        `match_prefix` finds them (a private copy as their parent would make
+        every later block of the conversation unreachable). Only a true hash
+        collision, whose twin holds other tokens, leaves a block private.
         """
         if not self.enable_prefix_caching:
             return
         self._extend_hashes(token_ids, block_hashes, end)
         block: cython.int
+        twin: cython.int
         parent: cython.int
         i: cython.int
         for i in range(start, end):
             block = table[i]
+            if self._tokens[block] is not None:
+                continue  # a prefix hit: cached already
             key = block_hashes[i]
-            if self._tokens[block] is not None or key in self._cache:
-                continue
-            self._cache[key] = block
-            self._keys[block] = key
-            self._tokens[block] = self._block_tokens(token_ids, i)
             parent = table[i - 1] if i > 0 else -1
-            self._parent[block] = parent
-            self._parent_gen[block] = self._gen[parent] if parent >= 0 else 0
+            tokens = self._block_tokens(token_ids, i)
+            twin = self._cache.get(key, -1)
+            if twin < 0:
+                self._cache[key] = block
+                self._keys[block] = key
+                self._tokens[block] = tokens
+                self._parent[block] = parent
+                self._parent_gen[block] = self._gen[parent] if parent >= 0 else 0
+            elif self._holds(twin, parent, tokens):
+                assert self._ref[block] == 1, "a block not yet cached is held by its one table"
+                if self._ref[twin] == 0:
+                    self._lru_remove(twin)
+                    self.num_cached_blocks -= 1
+                self._ref[twin] += 1
+                table[i] = twin
+                self._ref[block] = 0
+                self._free[self.num_free_blocks] = block
+                self.num_free_blocks += 1
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached block to the free stack. Refused (False) while any
@@ -251,6 +267,16 @@ class BlockAllocator:
             assert self._keys[block] == key and self._tokens[block] is not None, f"cache index broken at {block}"
         assert sum(t is not None for t in self._tokens) == len(self._cache), "a cached block is missing from the index"
         assert 0 <= self.prefix_cache_hits <= self.prefix_cache_queries
+
+    @cython.cfunc
+    def _holds(self, block: cython.int, parent: cython.int, tokens: tuple) -> cython.bint:
+        """Whether cached `block` holds exactly `tokens` after the prefix that ends with block
+        `parent` (-1: none): its parent is that very block, in the same generation."""
+        if self._parent[block] != parent:
+            return False
+        if parent >= 0 and self._parent_gen[block] != self._gen[parent]:
+            return False
+        return self._tokens[block] == tokens
 
     @cython.cfunc
     def _block_tokens(self, token_ids: list, index: cython.int) -> tuple:
