@@ -59,6 +59,10 @@ BAD_REQUESTS = [
     (COMPLETIONS, {"prompt": "hi", "echo": True, "logprobs": 1}, 400, "echo"),
     (COMPLETIONS, {"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
     (COMPLETIONS, {"prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
+    (COMPLETIONS, {"prompt": "hi", "max_tokens": 10**9}, 400, "max_tokens"),
+    (CHAT, {"messages": HELLO, "max_tokens": 8192}, 400, "max_tokens"),
+    (CHAT, {"messages": HELLO, "max_completion_tokens": 10**9}, 400, "max_completion_tokens"),
+    ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 10**9}}, 400, "max_new_tokens"),
     # Each of these once got past validation and killed the engine (or left a half-added request).
     (COMPLETIONS, {"prompt": [5, 6], "seed": 2**70}, 400, "seed"),
     (COMPLETIONS, {"prompt": [5, 6], "stop_token_ids": [-5]}, 400, "stop_token_ids"),
@@ -90,6 +94,22 @@ async def test_non_finite_numbers_are_refused(server, field, value):
     response = await http.post(COMPLETIONS, content=body, headers={"Content-Type": "application/json"})
     assert "finite" in assert_error(response, 400, field)["message"]
     assert (await http.get("/health")).status_code == 200
+
+
+async def test_max_tokens_beyond_the_context_is_refused_not_clamped(server):
+    """As OpenAI and vLLM answer: the context length and both counts, in a 400 naming max_tokens."""
+    client = server.openai()
+    prompt = [5] * 100
+    with pytest.raises(openai.BadRequestError) as refused:
+        await client.completions.create(model=server.model, prompt=prompt, max_tokens=8093)
+    assert refused.value.body["param"] == "max_tokens"
+    message = refused.value.body["message"]
+    assert "8192" in message and "8193" in message and "100 in the prompt" in message and "8093" in message
+    exact = await client.completions.create(model=server.model, prompt=prompt, max_tokens=8092, stop=["\n"],
+                                            extra_body={"stop_token_ids": list(range(49152))})
+    assert exact.usage.completion_tokens == 1, "what fits exactly is taken"
+    unbounded = await client.chat.completions.create(model=server.model, messages=HELLO, temperature=0)
+    assert unbounded.choices[0].finish_reason == "stop", "no max_tokens: to the end of the context"
 
 
 async def test_unknown_model_route_method_and_json(server):

@@ -81,9 +81,17 @@ class EngineCore:
                 f"The prompt is {len(prompt_token_ids)} tokens long; this model's context is "
                 f"{self.max_model_len} tokens, which must hold the prompt and at least one new token.",
             )
-        max_tokens = self.max_model_len - len(prompt_token_ids)
+        max_tokens = self.max_model_len - len(prompt_token_ids)  # none asked: to the end of the context
         if params.max_tokens is not None:
-            max_tokens = min(max_tokens, params.max_tokens)
+            if params.max_tokens > max_tokens:
+                # Refused, not clamped: a client asking for more than fits should hear so.
+                raise SamplingParamError(
+                    "max_tokens",
+                    f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                    f"requested {len(prompt_token_ids) + params.max_tokens} tokens ({len(prompt_token_ids)} in "
+                    f"the prompt, {params.max_tokens} in the completion). Reduce the prompt or max_tokens.",
+                )
+            max_tokens = params.max_tokens
         request = Request(
             request_id,
             list(prompt_token_ids),

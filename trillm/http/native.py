@@ -18,6 +18,7 @@ from trillm.http.prompts import chat_prompt, completion_prompts, encode, require
 from trillm.http.protocol import AbortRequest, DetokenizeRequest, GenerateRequest, TokenizeRequest
 from trillm.http.sse import stream_response
 from trillm.http.state import current, parse_body, request_id
+from trillm.sampling_params import SamplingParamError
 
 blueprint = Blueprint("native", __name__)
 
@@ -31,7 +32,10 @@ async def generate():
     prompt = req.text if req.text is not None else req.input_ids
     prompts = completion_prompts(state.tokenizer, prompt)
     generation = Generation(state, request_id("gen", req.rid), prompts, req.to_sampling_params())
-    await generation.start()
+    try:
+        await generation.start()
+    except SamplingParamError as exc:
+        raise SamplingParamError("max_new_tokens" if exc.param == "max_tokens" else exc.param, str(exc)) from None
     batched = isinstance(req.text, list) or (req.input_ids is not None and isinstance(req.input_ids[0], list))
     chunks = GenerateChunks(generation)
     if req.stream:

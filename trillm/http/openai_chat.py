@@ -39,8 +39,12 @@ async def chat_completions():
     try:
         await generation.start()
     except SamplingParamError as exc:
-        # The engine speaks of "prompt"; this client sent messages.
-        raise SamplingParamError("messages" if exc.param == "prompt" else exc.param, str(exc)) from None
+        # The engine speaks of "prompt" and "max_tokens"; this client sent messages, and maybe
+        # max_completion_tokens.
+        names = {"prompt": "messages"}
+        if req.max_completion_tokens is not None:
+            names["max_tokens"] = "max_completion_tokens"
+        raise SamplingParamError(names.get(exc.param, exc.param), str(exc)) from None
     chunks = ChatChunks(generation, req, state, choice)
     if req.stream:
         return stream_response(generation, chunks)
