@@ -11,19 +11,24 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trillm.engine.sampler import Sampler, process_logits
+from trillm.engine.sampler import Sampler, SamplingBatch, process_logits
 from trillm.sampling_params import SamplingParams
 
 EOS = 3
 VOCAB = 32
 
 
-def sample(logits, params, token_ids=None, num_prompt_tokens=None, generators=None, eos=EOS):
+def batch_of(params, token_ids=None, num_prompt_tokens=None, generators=None, eos=(EOS,)) -> SamplingBatch:
+    """As the engine builds it, for a model whose EOS ids are `eos`."""
     n = len(params)
     token_ids = token_ids if token_ids is not None else [[0]] * n
     num_prompt_tokens = num_prompt_tokens if num_prompt_tokens is not None else [len(t) for t in token_ids]
     generators = generators if generators is not None else [None] * n
-    return Sampler(eos).sample(logits, params, token_ids, num_prompt_tokens, generators)
+    return SamplingBatch(params, token_ids, num_prompt_tokens, generators, [p.stop_token_set(eos) for p in params])
+
+
+def sample(logits, params, token_ids=None, num_prompt_tokens=None, generators=None, eos=(EOS,)):
+    return Sampler().sample(logits, batch_of(params, token_ids, num_prompt_tokens, generators, eos))
 
 
 def random_logits(n, vocab=VOCAB, seed=0):
@@ -69,7 +74,7 @@ def test_random_sampling_follows_the_tempered_distribution():
     torch.manual_seed(0)
     row = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0])
     n = 20000
-    out = sample(row.expand(n, -1).clone(), [SamplingParams(temperature=0.7)] * n, eos=None)
+    out = sample(row.expand(n, -1).clone(), [SamplingParams(temperature=0.7)] * n, eos=())
     expected = torch.softmax(row / 0.7, -1)
     assert torch.allclose(frequencies(out.token_ids, 5), expected, atol=0.015)
 
@@ -78,7 +83,7 @@ def test_min_p_drops_unlikely_tokens_and_keeps_the_rest_in_proportion():
     torch.manual_seed(0)
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
     n = 20000
-    out = sample(probs.log().expand(n, -1).clone(), [SamplingParams(min_p=0.2)] * n, eos=None)
+    out = sample(probs.log().expand(n, -1).clone(), [SamplingParams(min_p=0.2)] * n, eos=())
     freq = frequencies(out.token_ids, 4)
     assert freq[3] == 0  # 0.05 < 0.2 * 0.5
     assert torch.allclose(freq[:3], probs[:3] / probs[:3].sum(), atol=0.015)
@@ -89,10 +94,10 @@ def test_top_k_and_top_p_keep_the_right_tokens_in_proportion():
     probs = torch.tensor([0.4, 0.3, 0.2, 0.1])
     n = 20000
     logits = probs.log().expand(n, -1).clone()
-    freq = frequencies(sample(logits, [SamplingParams(top_k=2)] * n, eos=None).token_ids, 4)
+    freq = frequencies(sample(logits, [SamplingParams(top_k=2)] * n, eos=()).token_ids, 4)
     assert torch.allclose(freq, torch.tensor([4 / 7, 3 / 7, 0, 0]), atol=0.015)
     # top_p=0.75: 0.4 + 0.3 < 0.75, so the 0.2 token is needed too; the 0.1 token is not.
-    freq = frequencies(sample(logits, [SamplingParams(top_p=0.75)] * n, eos=None).token_ids, 4)
+    freq = frequencies(sample(logits, [SamplingParams(top_p=0.75)] * n, eos=()).token_ids, 4)
     assert torch.allclose(freq, torch.tensor([4 / 9, 3 / 9, 2 / 9, 0]), atol=0.015)
 
 
@@ -138,7 +143,7 @@ def test_process_logits_matches_a_per_row_reference(data):
             )
         )
     logits = random_logits(n, seed=data.draw(st.integers(0, 1000)))
-    got = process_logits(logits, params, token_ids, num_prompt_tokens, EOS)
+    got = process_logits(logits, batch_of(params, token_ids, num_prompt_tokens))
     expected = reference_process(logits, params, token_ids, num_prompt_tokens, EOS)
     assert torch.allclose(got, expected, atol=1e-5, equal_nan=False)
     assert torch.equal(got.isinf(), expected.isinf())
@@ -148,7 +153,7 @@ def test_penalties_touch_only_the_tokens_they_concern():
     logits = torch.tensor([[2.0, -2.0, 2.0, -2.0, 1.0, 1.0]])
     prompt, output = [0, 1], [2, 2, 3]
     params = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25)
-    got = process_logits(logits, [params], [prompt + output], [len(prompt)], EOS)
+    got = process_logits(logits, batch_of([params], [prompt + output], [len(prompt)]))
     # 0, 1: prompt only, repetition penalty; 2: divided, then 2 * 0.5 + 0.25 off; 3: multiplied, then 0.75 off.
     assert got.tolist() == [[1.0, -4.0, 1.0 - 1.25, -4.0 - 0.75, 1.0, 1.0]]
 
@@ -174,11 +179,20 @@ def test_min_tokens_masks_eos_and_stop_token_ids_until_reached():
     assert sample(logits, [ignoring], [prompt], [2]).token_ids == [EOS]  # EOS is a plain token then
 
 
+def test_min_tokens_masks_every_eos_id_of_the_model():
+    """Llama 3 ends a turn on <|eot_id|> and on <|end_of_text|>: both wait for min_tokens."""
+    logits = torch.zeros(1, VOCAB)
+    logits[0, EOS], logits[0, 7], logits[0, 5] = 10.0, 9.0, 8.0
+    params = SamplingParams(temperature=0, min_tokens=1)
+    assert sample(logits, [params], [[1]], [1], eos=(EOS, 7)).token_ids == [5]
+    assert sample(logits, [params], [[1, 4]], [1], eos=(EOS, 7)).token_ids == [EOS]
+
+
 def test_min_tokens_without_an_eos_token_masks_only_stop_token_ids():
     logits = torch.zeros(1, VOCAB)
     logits[0, EOS], logits[0, 9] = 10.0, 11.0
     params = SamplingParams(temperature=0, min_tokens=1, stop_token_ids=[9])
-    assert sample(logits, [params], [[1]], [1], eos=-1).token_ids == [EOS]
+    assert sample(logits, [params], [[1]], [1], eos=()).token_ids == [EOS]
 
 
 def generator_for(params):
@@ -261,7 +275,7 @@ def test_sampled_tokens_stay_in_the_truncated_support(seed, temperature, top_k, 
     n = 16
     logits = random_logits(n, seed=seed)
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
-    for row, token in zip(logits / temperature, sample(logits, [params] * n, eos=None).token_ids):
+    for row, token in zip(logits / temperature, sample(logits, [params] * n, eos=()).token_ids):
         value = row[token]
         if top_k:
             assert (row > value).sum() < top_k

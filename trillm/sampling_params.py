@@ -122,3 +122,10 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
+
+    def stop_token_set(self, eos_token_ids) -> frozenset[int]:
+        """The tokens that end the request once `min_tokens` outputs precede them, and that the
+        sampler forbids until then: `stop_token_ids`, and every one of the model's EOS ids (Llama
+        3 has several) unless `ignore_eos`. Built once per request; the scheduler's finish check
+        and the sampler's mask both read this one set, so they never disagree."""
+        return frozenset(self.stop_token_ids) | (frozenset() if self.ignore_eos else frozenset(eos_token_ids))

@@ -13,7 +13,7 @@ import torch
 
 from trillm.config import EngineArgs
 from trillm.engine.runner import ModelRunner
-from trillm.engine.sampler import Sampler, TokenLogprobs
+from trillm.engine.sampler import Sampler, SamplingBatch, TokenLogprobs
 from trillm.engine.structured_output import Grammars
 from trillm.sampling_params import SamplingParamError, SamplingParams
 from trillm.sched_ext import Request, Scheduler
@@ -41,8 +41,7 @@ class EngineCore:
         self.hf_config = self.runner.hf_config
         self.max_model_len = self.runner.max_model_len
         self.eos_token_id = self.runner.eos_token_id
-        # Llama 3 and others end a turn on several tokens; the first is the scheduler's EOS.
-        self.extra_eos_token_ids = [t for t in self.runner.eos_token_ids if t != self.eos_token_id]
+        self.eos_token_ids = frozenset(self.runner.eos_token_ids)  # Llama 3 and others have several
         self.model_name = os.path.basename(os.path.normpath(args.model)) if args.model else "SmolLM2-135M-Instruct"
         self.scheduler = Scheduler(
             self.runner.num_kv_blocks,
@@ -52,7 +51,7 @@ class EngineCore:
             self.max_model_len,
             args.enable_prefix_caching,
         )
-        self.sampler = Sampler(self.eos_token_id)
+        self.sampler = Sampler()
         self.grammars = Grammars(self.tokenizer, self.hf_config.vocab_size, list(self.runner.eos_token_ids))
         self.params: dict[str, SamplingParams] = {}
         self.generators: dict[str, torch.Generator | None] = {}
@@ -97,8 +96,8 @@ class EngineCore:
             list(prompt_token_ids),
             max_tokens,
             min_tokens=min(params.min_tokens, max_tokens),
-            eos_token_id=self.eos_token_id,
-            stop_token_ids=list(params.stop_token_ids) + ([] if params.ignore_eos else self.extra_eos_token_ids),
+            # The request's one stop set, EOS ids included: the sampler masks the same set.
+            stop_token_ids=params.stop_token_set(self.eos_token_ids),
             ignore_eos=params.ignore_eos,
         )
         generator = None if params.seed is None else torch.Generator().manual_seed(params.seed)
@@ -134,13 +133,13 @@ class EngineCore:
         constrained = self.grammars.constrained_rows(row_ids)
         if constrained:
             self.grammars.mask(logits, row_ids, constrained)
-        sampled = self.sampler.sample(
-            logits,
-            [self.params[r.request_id] for r in rows],
-            [r.token_ids for r in rows],
-            [r.num_prompt_tokens for r in rows],
-            [self.generators[r.request_id] for r in rows],
-        )
+        sampled = self.sampler.sample(logits, SamplingBatch(
+            params=[self.params[r.request_id] for r in rows],
+            token_ids=[r.token_ids for r in rows],
+            num_prompt_tokens=[r.num_prompt_tokens for r in rows],
+            generators=[self.generators[r.request_id] for r in rows],
+            stop_ids=[r.stop_token_ids for r in rows],
+        ))
         tokens = iter(sampled.token_ids)
         finished = self.scheduler.update(sched, [next(tokens) if need else -1 for need in sched.needs_sample])
         finished_ids = {r.request_id for r in finished}

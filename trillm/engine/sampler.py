@@ -9,8 +9,8 @@ Order of operations (vLLM's):
   1. logprobs, from the RAW logits (log-softmax before anything below): what the
      model believes, not what the sampling settings made of it; OpenAI and vLLM
      report these.
-  2. logit_bias, then the min_tokens mask (EOS and stop_token_ids get -inf while
-     a request has fewer than min_tokens outputs), then the repetition penalty
+  2. logit_bias, then the min_tokens mask (the request's stop set, its EOS ids and
+     stop_token_ids, gets -inf while it has fewer than min_tokens outputs), then the repetition penalty
      (prompt + output tokens) and the frequency / presence penalties (output
      tokens only).
   3. greedy rows: argmax. Random rows: temperature, top-k, top-p, min-p (one
@@ -39,6 +39,21 @@ class TokenLogprobs:
     top: list[tuple[int, float]]
 
 
+@dataclass(frozen=True)
+class SamplingBatch:
+    """What the sampler needs of one step's rows, built once per step; one entry per logits row."""
+
+    params: list[SamplingParams]
+    token_ids: list[list[int]]  # prompt + output so far
+    num_prompt_tokens: list[int]
+    generators: list[torch.Generator | None]  # a seeded row's own generator
+    stop_ids: list[frozenset[int]]  # SamplingParams.stop_token_set: masked until min_tokens
+
+    def __post_init__(self) -> None:
+        n = len(self.params)
+        assert n == len(self.token_ids) == len(self.num_prompt_tokens) == len(self.generators) == len(self.stop_ids)
+
+
 @dataclass
 class SamplerOutput:
     token_ids: list[int]
@@ -46,26 +61,14 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __init__(self, eos_token_id: int | None):
-        # The scheduler spells "no EOS" as -1; here a negative id would index the
-        # vocabulary from its end, so both spellings become None.
-        self.eos_token_id = eos_token_id if eos_token_id is not None and eos_token_id >= 0 else None
-
-    def sample(
-        self,
-        logits: torch.Tensor,
-        params: list[SamplingParams],
-        token_ids: list[list[int]],
-        num_prompt_tokens: list[int],
-        generators: list[torch.Generator | None],
-    ) -> SamplerOutput:
-        """logits: [N, V] fp32, one row per request; token_ids[i]: prompt + output so far."""
-        assert logits.dim() == 2 and logits.dtype == torch.float32
-        assert logits.shape[0] == len(params) == len(token_ids) == len(num_prompt_tokens) == len(generators)
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        """logits: [N, V] fp32, one row per entry of `batch`."""
+        assert logits.dim() == 2 and logits.dtype == torch.float32 and logits.shape[0] == len(batch.params)
+        params = batch.params
         logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         raw_logprobs = torch.log_softmax(logits[logprob_rows], dim=-1) if logprob_rows else None
-        processed = process_logits(logits, params, token_ids, num_prompt_tokens, self.eos_token_id)
-        tokens = _pick(processed, params, generators)
+        processed = process_logits(logits, batch)
+        tokens = _pick(processed, params, batch.generators)
         logprobs: list[TokenLogprobs | None] = [None] * len(params)
         if logprob_rows:
             sampled = tokens[logprob_rows]
@@ -74,21 +77,16 @@ class Sampler:
         return SamplerOutput(tokens.tolist(), logprobs)
 
 
-def process_logits(
-    logits: torch.Tensor,
-    params: list[SamplingParams],
-    token_ids: list[list[int]],
-    num_prompt_tokens: list[int],
-    eos_token_id: int | None,
-) -> torch.Tensor:
+def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """logit_bias, the min_tokens mask and the penalties; a new tensor, or `logits` itself when none apply."""
-    output_ids = [ids[n:] for ids, n in zip(token_ids, num_prompt_tokens)]
+    params, token_ids = batch.params, batch.token_ids
+    output_ids = [ids[n:] for ids, n in zip(token_ids, batch.num_prompt_tokens)]
     bias = [(i, t, b) for i, p in enumerate(params) for t, b in (p.logit_bias or {}).items()]
     masked = [
         (i, t)
         for i, p in enumerate(params)
         if len(output_ids[i]) < p.min_tokens
-        for t in _stop_ids(p, eos_token_id)
+        for t in batch.stop_ids[i]
     ]
     rep_rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
     count_rows = [i for i, p in enumerate(params) if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0]
@@ -181,14 +179,6 @@ def _token_logprobs(
         top = list(zip(top_ids[row][:n], top_values[row][:n])) if n else []
         out.append(TokenLogprobs(sampled[row], top))
     return out
-
-
-def _stop_ids(params: SamplingParams, eos_token_id: int | None) -> set[int]:
-    """The tokens min_tokens forbids: stop_token_ids, and EOS unless it is ignored (then it is a plain token)."""
-    ids = set(params.stop_token_ids)
-    if eos_token_id is not None and not params.ignore_eos:
-        ids.add(eos_token_id)
-    return ids
 
 
 def _counts(rows: list[list[int]], like: torch.Tensor) -> torch.Tensor:
