@@ -80,7 +80,8 @@ async def test_abort_request_ends_every_sample_of_a_live_stream_with_abort(serve
         if len(chunks) == 4:
             response = await http.post("/abort_request", json={"rid": "abort-me"})
             assert response.status_code == 200 and response.json() == {"num_aborted": 1}
-    assert {c.id for c in chunks} == {"abort-me"}
+    (response_id,) = {c.id for c in chunks}
+    assert response_id.startswith("cmpl-"), "the response's id is the server's, never the client's"
     finals = {c.choices[0].index: c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason}
     assert finals == {0: "abort", 1: "abort"}
     stats = await settled_stats(http)
@@ -180,3 +181,34 @@ async def test_a_burst_sharing_a_system_prompt_then_each_next_turn_hits_its_whol
             "input_ids": conversation + core.tokenizer.encode(" And then?"), "sampling_params": {"max_new_tokens": 1}})
         # every block the first turn computed (all but its last, sampled token)
         assert response.json()["meta_info"]["cached_tokens"] == (len(conversation) - 1) // block_size * block_size
+
+
+async def test_live_requests_may_share_a_client_id_and_abort_takes_either_id(server):
+    """A proxy that retries with the same X-Request-Id, or two /generate calls with one rid: each
+    runs. /abort_request with a response's id ends that request alone; with a client's id, every
+    live request that carries it."""
+    http, client = server.http(), server.openai()
+    streams = [
+        await client.completions.create(model=server.model, prompt=f"{PROMPT} {i}", max_tokens=2000, stream=True,
+                                        extra_body=ENDLESS, extra_headers={"X-Request-Id": "retried"})
+        for i in range(3)
+    ]
+    firsts = [await anext(aiter(s)) for s in streams]
+    ids = [chunk.id for chunk in firsts]
+    assert len(set(ids)) == 3 and "retried" not in ids
+    assert streams[0].response.headers["X-Request-Id"] == "retried", "the client's id is echoed"
+    assert (await http.post("/abort_request", json={"rid": ids[2]})).json() == {"num_aborted": 1}
+    finals = [c.choices[0].finish_reason async for c in streams[2] if c.choices[0].finish_reason]
+    assert finals == ["abort"]
+    assert (await http.post("/abort_request", json={"rid": "retried"})).json() == {"num_aborted": 2}
+    for stream in streams[:2]:
+        finals = [c.choices[0].finish_reason async for c in stream if c.choices[0].finish_reason]
+        assert finals == ["abort"]
+    native = [
+        await http.post("/generate", json={"text": PROMPT, "rid": "mine", "sampling_params": {"max_new_tokens": 2}})
+        for _ in range(2)
+    ]
+    metas = [r.json()["meta_info"] for r in native]
+    assert [m["completion_tokens"] for m in metas] == [2, 2] and metas[0]["id"] != metas[1]["id"] != "mine"
+    stats = await settled_stats(http)
+    assert stats["num_used_blocks"] == 0 and stats["num_running"] == 0

@@ -8,8 +8,10 @@ channel. That single owner is what makes an abort clean: it is one command,
 applied between two steps, and the request's blocks are free before the next one.
 
 A client request may need several engine requests: `n` samples of a prompt, or a
-list of prompts. They form one *group*: one client id (what `/abort_request`
-names), engine ids `{id}-{i}`, and one channel that carries all their outputs.
+list of prompts. They form one *group*: one id that the server made (unique: the
+engine's key), maybe a client's own id for it (not unique: two live groups may
+share one), engine ids `{id}-{i}`, and one channel that carries all their outputs.
+`abort` takes either id.
 The `-{i}` suffix is always there, so engine ids of different groups never
 collide. A member whose prompt repeats an earlier member's (the `n` > 1 case) is
 admitted only once that member has produced its first token: by then its prompt's
@@ -54,6 +56,7 @@ class Member:
 @dataclass(eq=False)
 class _Group:
     request_id: str
+    client_id: str | None
     members: list[Member]
     send: trio.MemorySendChannel
     admitted: trio.Event = field(default_factory=trio.Event)
@@ -110,7 +113,8 @@ class AsyncEngine:
         self.error: Exception | None = None  # set when the engine task died
         self.accepting = True  # False once draining or closing: new requests get 503
         self.num_steps = 0
-        self._groups: dict[str, _Group] = {}  # client id -> group, from add() until its last final output
+        self._groups: dict[str, _Group] = {}  # server id -> group, from add() until its last final output
+        self._by_client_id: dict[str, list[_Group]] = {}  # client id -> its live groups, oldest first
         self._owner: dict[str, _Group] = {}  # engine id -> group, while the core holds the request
         self._commands: list[tuple] = []
         # Members of live groups without their final output: queued for admission, deferred
@@ -149,9 +153,10 @@ class AsyncEngine:
                 f"The server has {waiting} requests waiting and a limit of {self.max_waiting}; retry later."
             )
 
-    async def add(self, request_id: str, members: list[tuple[list[int], SamplingParams]], param: str = "prompt"
-                  ) -> RequestStream:
-        """Queue a group and wait until the engine admits it.
+    async def add(self, request_id: str, members: list[tuple[list[int], SamplingParams]], param: str = "prompt",
+                  client_id: str | None = None) -> RequestStream:
+        """Queue a group and wait until the engine admits it. `request_id` is the server's own
+        (unique among live groups); `client_id`, the client's name for it, if any.
 
         Raises SamplingParamError (a ValueError with .param) if the engine refuses it (`param`
         names the field that made the group too large), QueueFullError when the waiting limit
@@ -169,11 +174,14 @@ class AsyncEngine:
         send, receive = trio.open_memory_channel[StepOutput](math.inf)
         group = _Group(
             request_id,
+            client_id,
             [Member(f"{request_id}-{i}", list(ids), params) for i, (ids, params) in enumerate(members)],
             send,
         )
         group.unfinished = len(group.members)
         self._groups[request_id] = group
+        if client_id is not None:
+            self._by_client_id.setdefault(client_id, []).append(group)
         self._idle = trio.Event() if self._idle.is_set() else self._idle
         self._unfinished_members += len(group.members)
         self._enqueue(self._admit, group)
@@ -188,15 +196,15 @@ class AsyncEngine:
             raise group.error
         return stream
 
-    def abort(self, request_id: str, reason: str = "abort") -> bool:
-        """Abort a live group by its client id; False if there is none. Returns at once:
-        the abort is applied before the next step, and each member's stream ends with
-        finish_reason `reason`."""
+    def abort(self, request_id: str, reason: str = "abort") -> int:
+        """Abort the live group with this server id, or else every live group a client named so;
+        returns how many (0: none). Returns at once: the abort is applied before the next step,
+        and each member's stream ends with finish_reason `reason`."""
         group = self._groups.get(request_id)
-        if group is None:
-            return False
-        self._enqueue(self._abort_group, group, reason)
-        return True
+        groups = [group] if group is not None else list(self._by_client_id.get(request_id, ()))
+        for group in groups:
+            self._enqueue(self._abort_group, group, reason)
+        return len(groups)
 
     def abort_all(self, reason: str = "abort") -> int:
         for group in self._groups.values():
@@ -340,7 +348,7 @@ class AsyncEngine:
 
     def _abort_group(self, group: _Group, reason: str) -> None:
         if self._groups.get(group.request_id) is not group:
-            return  # already ended (a later group may reuse its id: leave that one alone)
+            return  # already ended
         deferred = [i for waiting in group.deferred.values() for i in waiting]
         group.deferred.clear()
         for member in group.members:
@@ -357,6 +365,11 @@ class AsyncEngine:
     def _unregister(self, group: _Group) -> None:
         assert self._groups.get(group.request_id) is group
         del self._groups[group.request_id]
+        if group.client_id is not None:
+            named = self._by_client_id[group.client_id]
+            named.remove(group)
+            if not named:
+                del self._by_client_id[group.client_id]
         self._unfinished_members -= group.unfinished  # a refused group's members, never finished
         if not self._groups:
             self._idle.set()
@@ -372,6 +385,7 @@ class AsyncEngine:
             group.send.close()
             group.admitted.set()
         self._groups.clear()
+        self._by_client_id.clear()
         self._owner.clear()
         self._unfinished_members = 0
         self._commands.clear()
@@ -380,8 +394,7 @@ class AsyncEngine:
     def _check_open(self, request_id: str) -> None:
         if self.error is not None or not self.accepting:
             raise EngineUnavailableError(self._unavailable_reason())
-        if request_id in self._groups:
-            raise SamplingParamError("request_id", f"A request with id {request_id!r} is already running.")
+        assert request_id not in self._groups, "the server's request ids are unique"
 
     def _unavailable_reason(self) -> str:
         if self.error is not None:

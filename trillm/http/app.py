@@ -51,16 +51,17 @@ def create_app(settings: ServerSettings | None = None, core: EngineCore | None =
 
     @app.before_request
     async def authenticate_and_name():
-        g.request_id = request.headers.get("X-Request-Id")
-        REQUEST_ID.set(g.request_id or "-")  # a generating route sets its final id
+        g.client_request_id = request.headers.get("X-Request-Id")
+        REQUEST_ID.set(g.client_request_id or "-")  # a generating route names it (state.request_id)
         if settings.api_key is not None:
             return check_api_key(settings.api_key)
         return None
 
     @app.after_request
     async def echo_request_id(response):
-        if g.get("request_id"):
-            response.headers["X-Request-Id"] = g.request_id
+        echoed = g.get("client_request_id") or g.get("request_id")  # the client's own, else ours
+        if echoed:
+            response.headers["X-Request-Id"] = echoed
         log.info("%s %s -> %d", request.method, request.path, response.status_code)
         return response
 

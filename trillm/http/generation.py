@@ -24,10 +24,13 @@ log = logging.getLogger(__name__)
 
 
 class Generation:
-    def __init__(self, state, request_id: str, prompts: list[list[int]], params: SamplingParams):
+    def __init__(self, state, request_id: str, client_id: str | None, prompts: list[list[int]], params: SamplingParams):
+        """`request_id`: the server's id (the engine's key); `client_id`: the client's own name
+        for the request, if it gave one (see trillm.http.state.request_id)."""
         if params.stop and state.tokenizer is None:
             raise SamplingParamError("stop", "Stop strings need text, and this model has no tokenizer.")
         self.request_id = request_id
+        self.client_id = client_id
         self.prompts = prompts
         self.n = params.n
         self._engine = state.engine
@@ -47,7 +50,7 @@ class Generation:
 
     async def start(self) -> None:
         """Wait for the engine to admit every choice; raises what AsyncEngine.add raises."""
-        self._stream = await self._engine.add(self.request_id, self._members, self._param)
+        self._stream = await self._engine.add(self.request_id, self._members, self._param, self.client_id)
         self._metrics.prompt_tokens.inc(sum(map(len, self.prompts)))
 
     async def run(self) -> None:
@@ -108,7 +111,7 @@ class Generation:
                 self._metrics.e2e_latency.observe(now - self._arrival)
                 self._metrics.finished("abort")
         log.info(
-            "ended after %.3f s: %s", now - self._arrival,
+            "%s ended after %.3f s: %s", self.request_id, now - self._arrival,
             ", ".join(f"{p.completion.finish_reason or 'abort (client gone)'} after {len(p.completion.token_ids)} tokens"
                       for p in self.processors),
         )

@@ -31,7 +31,7 @@ async def generate():
         raise APIError(400, "Send exactly one of text and input_ids.", "text")
     prompt = req.text if req.text is not None else req.input_ids
     prompts = completion_prompts(state.tokenizer, prompt)
-    generation = Generation(state, request_id("gen", req.rid), prompts, req.to_sampling_params())
+    generation = Generation(state, *request_id("gen", req.rid), prompts, req.to_sampling_params())
     try:
         await generation.start()
     except SamplingParamError as exc:
@@ -85,17 +85,20 @@ def _finish_reason(reason: str | None, stop_reason: str | int | None, num_tokens
 
 @blueprint.post("/abort_request")
 async def abort_request():
-    """`{"rid": id}` aborts one request (all its samples), `{"abort_all": true}` every one.
-    Their streams end with finish_reason "abort"; their blocks are free before the next step."""
+    """`{"rid": id}` aborts the request whose response `id` that is, or else every live request
+    whose client named it so (the native `rid`, or an X-Request-Id header), all their samples;
+    `{"abort_all": true}` aborts every one. Their streams end with finish_reason "abort"; their
+    blocks are free before the next step."""
     engine = current().engine
     req = await parse_body(AbortRequest, status=422)
     if req.abort_all:
         return {"num_aborted": engine.abort_all()}
     if req.rid is None:
         raise APIError(400, "Send a rid, or abort_all: true.", "rid")
-    if not engine.abort(req.rid):
+    num_aborted = engine.abort(req.rid)
+    if not num_aborted:
         raise APIError(404, f"No running request has id {req.rid!r}.", "rid")
-    return {"num_aborted": 1}
+    return {"num_aborted": num_aborted}
 
 
 @blueprint.post("/tokenize")

@@ -35,7 +35,7 @@ async def chat_completions():
     if forced is not None:
         params = replace(params, structured_output=forced)
     prompt = chat_prompt(state.tokenizer, req.messages, req.chat_template_kwargs, tools=tools)
-    generation = Generation(state, request_id("chatcmpl"), [prompt], params)
+    generation = Generation(state, *request_id("chatcmpl"), [prompt], params)
     try:
         await generation.start()
     except SamplingParamError as exc:

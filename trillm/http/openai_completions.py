@@ -23,7 +23,7 @@ async def completions():
     state.check_model(req.model)
     params = req.to_sampling_params(state.vocab_size)
     prompts = completion_prompts(state.tokenizer, req.prompt)
-    generation = Generation(state, request_id("cmpl"), prompts, params)
+    generation = Generation(state, *request_id("cmpl"), prompts, params)
     await generation.start()
     echoes = [_prompt_text(state.tokenizer, req.prompt, k, ids) if req.echo else "" for k, ids in enumerate(prompts)]
     chunks = CompletionChunks(generation, req, state.model_name, state.token_texts, echoes)

@@ -69,9 +69,14 @@ async def parse_body(model: type[pydantic.BaseModel], status: int = 400):
         raise from_validation_error(exc, status) from None
 
 
-def request_id(prefix: str, given: str | None = None) -> str:
-    """The id a body names, else the client's X-Request-Id, else a fresh `{prefix}-<hex>`;
-    the response's X-Request-Id header echoes it."""
-    g.request_id = given or g.get("request_id") or f"{prefix}-{uuid.uuid4().hex}"
-    REQUEST_ID.set(g.request_id)
-    return g.request_id
+def request_id(prefix: str, rid: str | None = None) -> tuple[str, str | None]:
+    """A fresh `{prefix}-<hex>`, the server's id for this request (the engine's key and the
+    response's `id`), and the client's own id for it, if any: the native body's `rid`, else the
+    X-Request-Id header. A client's id is never trusted as a key: two live requests may carry
+    the same one (a proxy's retry); it names the request in logs and in `/abort_request`, and
+    the response's X-Request-Id header echoes the header's."""
+    server_id = f"{prefix}-{uuid.uuid4().hex}"
+    client_id = rid or g.get("client_request_id")
+    g.request_id = server_id
+    REQUEST_ID.set(client_id or server_id)
+    return server_id, client_id
