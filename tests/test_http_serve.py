@@ -151,4 +151,4 @@ async def test_sigterm_under_load_ends_every_stream_with_a_final_chunk_and_exits
         with trio.fail_after(60):
             assert await process.wait() == 0, "\n".join(log)
     ended = [line for line in log if "ended after" in line]
-    assert len(ended) == 40 and all(re.search(r"\[term-\d+\] ended after", line) for line in ended), ended
+    assert len(ended) == 40 and all(re.search(r"\[term-\d+\] cmpl-[0-9a-f]{32} ended after", line) for line in ended), ended

@@ -477,6 +477,7 @@ def scheduler_machine(num_blocks: int, max_num_batched_tokens: int, max_num_seqs
             if idle:
                 assert alloc.num_free_blocks == num_blocks
                 self.computed_blocks.clear()  # nothing is cached any more
+                self.min_hits.clear()
 
         @invariant()
         def consistent(self):
