@@ -31,6 +31,7 @@ import trio
 
 from trillm.engine.core import EngineCore, StepOutput
 from trillm.sampling_params import SamplingParamError, SamplingParams
+from trillm.sched_ext import FinishReason
 
 log = logging.getLogger(__name__)
 GRAMMAR_COMPILE_THREADS = 2  # schema compiles at once; more wait for a thread, never the engine
@@ -95,14 +96,14 @@ class RequestStream:
             self._unfinished -= 1
         return self._index[out.request_id], out
 
-    def stop(self, index: int, reason: str = "stop") -> None:
+    def stop(self, index: int, reason: FinishReason = FinishReason.STOP) -> None:
         """End one member early (a stop string matched); its final output still arrives."""
         self._engine._enqueue(self._engine._finish_member, self.members[index].request_id, reason)
 
     def close(self) -> None:
         self._receive.close()
         if self._unfinished:
-            self._engine._enqueue(self._engine._abort_group, self._group, "abort")
+            self._engine._enqueue(self._engine._abort_group, self._group, FinishReason.ABORT)
 
 
 class AsyncEngine:
@@ -196,7 +197,7 @@ class AsyncEngine:
             raise group.error
         return stream
 
-    def abort(self, request_id: str, reason: str = "abort") -> int:
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> int:
         """Abort the live group with this server id, or else every live group a client named so;
         returns how many (0: none). Returns at once: the abort is applied before the next step,
         and each member's stream ends with finish_reason `reason`."""
@@ -206,7 +207,7 @@ class AsyncEngine:
             self._enqueue(self._abort_group, group, reason)
         return len(groups)
 
-    def abort_all(self, reason: str = "abort") -> int:
+    def abort_all(self, reason: FinishReason = FinishReason.ABORT) -> int:
         for group in self._groups.values():
             self._enqueue(self._abort_group, group, reason)
         return len(self._groups)
@@ -342,11 +343,11 @@ class AsyncEngine:
                 group.send.close()
                 self._unregister(group)
 
-    def _finish_member(self, request_id: str, reason: str) -> None:
+    def _finish_member(self, request_id: str, reason: FinishReason) -> None:
         if request_id in self._owner:
             self._deliver(self.core.abort_request(request_id, reason))
 
-    def _abort_group(self, group: _Group, reason: str) -> None:
+    def _abort_group(self, group: _Group, reason: FinishReason) -> None:
         if self._groups.get(group.request_id) is not group:
             return  # already ended
         deferred = [i for waiting in group.deferred.values() for i in waiting]

@@ -16,7 +16,7 @@ from trillm.engine.runner import ModelRunner
 from trillm.engine.sampler import Sampler, SamplingBatch, TokenLogprobs
 from trillm.engine.structured_output import Grammars
 from trillm.sampling_params import SamplingParamError, SamplingParams
-from trillm.sched_ext import Request, Scheduler
+from trillm.sched_ext import FinishReason, Request, Scheduler
 
 
 @dataclass
@@ -27,7 +27,7 @@ class StepOutput:
     new_token_ids: list[int]
     new_logprobs: list[TokenLogprobs] | None
     finished: bool
-    finish_reason: str | None
+    finish_reason: FinishReason | None
     stop_token_id: int
     num_prompt_tokens: int
     num_cached_tokens: int
@@ -114,7 +114,7 @@ class EngineCore:
         self.params[request_id] = params
         self.generators[request_id] = generator
 
-    def abort_request(self, request_id: str, reason: str = "abort") -> StepOutput | None:
+    def abort_request(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> StepOutput | None:
         """End a request now and free its blocks; None if it is unknown or already finished."""
         request = self.scheduler.abort(request_id, reason)
         if request is None:
@@ -148,7 +148,7 @@ class EngineCore:
             # it refused the token) ends the request too; abort frees its blocks at once.
             for request_id in self.grammars.accept(row_ids, sampled.token_ids, constrained):
                 if request_id not in finished_ids:
-                    self.scheduler.abort(request_id, "stop")
+                    self.scheduler.abort(request_id, FinishReason.STOP)
                     finished_ids.add(request_id)
         outputs = []
         for request, token, logprobs in zip(rows, sampled.token_ids, sampled.logprobs):

@@ -9,6 +9,7 @@ from trillm.config import EngineArgs
 from trillm.engine.core import EngineCore
 from trillm.engine.output import Completion, OutputProcessor
 from trillm.sampling_params import SamplingParams
+from trillm.sched_ext import FinishReason
 
 
 @dataclass
@@ -93,6 +94,6 @@ class LLM:
                     delta = processors[out.request_id].process(out)
                     if delta.finished:
                         if not out.finished:  # a stop string ended it
-                            self.engine.abort_request(out.request_id, "stop")
+                            self.engine.abort_request(out.request_id, FinishReason.STOP)
                         live.discard(out.request_id)
                         bar.update(1)

@@ -13,6 +13,7 @@ from trillm.engine.core import StepOutput
 from trillm.engine.detokenizer import IncrementalDetokenizer
 from trillm.engine.sampler import TokenLogprobs
 from trillm.sampling_params import SamplingParams
+from trillm.sched_ext import FinishReason
 
 
 @dataclass
@@ -23,7 +24,7 @@ class Delta:
     token_ids: list[int]
     logprobs: list[TokenLogprobs] | None
     finished: bool
-    finish_reason: str | None
+    finish_reason: FinishReason | None
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
 
 
@@ -35,7 +36,7 @@ class Completion:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] | None = None
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
@@ -91,7 +92,7 @@ class OutputProcessor:
         text = self.detokenizer.add(text_tokens)
         finish_reason, stop_reason = out.finish_reason, None
         if self.detokenizer.stopped:
-            finish_reason, stop_reason = "stop", self.detokenizer.stop_reason
+            finish_reason, stop_reason = FinishReason.STOP, self.detokenizer.stop_reason
         elif out.finished:
             text += self.detokenizer.flush()
             if out.stop_token_id != -1 and out.stop_token_id in self.params.stop_token_ids:

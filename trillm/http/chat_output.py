@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from trillm.http.protocol import NamedToolChoice
 from trillm.http.reasoning import ReasoningParser
 from trillm.http.tool_parsers import TOOL_PARSERS, ToolCall, call_from_json
+from trillm.sched_ext import FinishReason
 
 
 class PlainText:
@@ -101,9 +102,9 @@ class ChatOutput:
         rest, more = self._tools.finish()
         return self._record(reasoning, content + rest, calls + more)
 
-    def finish_reason(self, reason: str | None) -> str | None:
+    def finish_reason(self, reason: FinishReason | None) -> FinishReason | None:
         """A choice that ended naturally with calls ends for them."""
-        return "tool_calls" if reason == "stop" and self.tool_calls else reason
+        return FinishReason.TOOL_CALLS if reason == FinishReason.STOP and self.tool_calls else reason
 
     def message(self) -> dict:
         """The whole answer's message fields. Content around tool calls that is only whitespace is none."""

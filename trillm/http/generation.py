@@ -19,6 +19,7 @@ from trillm.engine.async_engine import RequestStream
 from trillm.engine.output import Delta, OutputProcessor
 from trillm.http.protocol import sample_params
 from trillm.sampling_params import SamplingParamError, SamplingParams
+from trillm.sched_ext import FinishReason
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +110,7 @@ class Generation:
         for processor in self.processors:
             if not processor.finished:
                 self._metrics.e2e_latency.observe(now - self._arrival)
-                self._metrics.finished("abort")
+                self._metrics.finished(FinishReason.ABORT)
         log.info(
             "%s ended after %.3f s: %s", self.request_id, now - self._arrival,
             ", ".join(f"{p.completion.finish_reason or 'abort (client gone)'} after {len(p.completion.token_ids)} tokens"

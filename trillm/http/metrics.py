@@ -12,6 +12,8 @@ from typing import Callable
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from trillm.sched_ext import FinishReason
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 TTFT_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
@@ -62,7 +64,7 @@ class Metrics:
         )
         self._model_name = model_name
 
-    def finished(self, reason: str) -> None:
+    def finished(self, reason: FinishReason) -> None:
         self._success.labels(self._model_name, reason).inc()
 
     def render(self) -> bytes:

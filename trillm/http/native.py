@@ -19,6 +19,7 @@ from trillm.http.protocol import AbortRequest, DetokenizeRequest, GenerateReques
 from trillm.http.sse import stream_response
 from trillm.http.state import current, parse_body, request_id
 from trillm.sampling_params import SamplingParamError
+from trillm.sched_ext import FinishReason
 
 blueprint = Blueprint("native", __name__)
 
@@ -73,13 +74,13 @@ class GenerateChunks:
         return []
 
 
-def _finish_reason(reason: str | None, stop_reason: str | int | None, num_tokens: int) -> dict | None:
+def _finish_reason(reason: FinishReason | None, stop_reason: str | int | None, num_tokens: int) -> dict | None:
     if reason is None:
         return None
-    if reason == "stop":
-        return {"type": "stop", "matched": stop_reason}
-    if reason == "length":
-        return {"type": "length", "length": num_tokens}
+    if reason == FinishReason.STOP:
+        return {"type": reason, "matched": stop_reason}
+    if reason == FinishReason.LENGTH:
+        return {"type": reason, "length": num_tokens}
     return {"type": reason}
 
 

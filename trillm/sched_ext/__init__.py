@@ -12,14 +12,18 @@ from types import ModuleType
 
 try:
     from trillm.sched_ext.allocator import BlockAllocator
-    from trillm.sched_ext.scheduler import FINISHED, RUNNING, WAITING, Request, Scheduler, SchedulerOutput
+    from trillm.sched_ext.scheduler import Request, Scheduler, SchedulerOutput
 except ImportError as e:
     raise ImportError(
         "trillm.sched_ext is not built: run `python setup.py build_ext --inplace` "
         "(or `pip install -e .`) in the repository root") from e
 
-__all__ = ["BlockAllocator", "FINISHED", "RUNNING", "Request", "Scheduler", "SchedulerOutput", "WAITING",
-           "load_uncompiled"]
+from trillm.sched_ext.status import FinishReason, RequestStatus
+
+WAITING, RUNNING, FINISHED = RequestStatus
+
+__all__ = ["BlockAllocator", "FINISHED", "FinishReason", "RUNNING", "Request", "RequestStatus", "Scheduler",
+           "SchedulerOutput", "WAITING", "load_uncompiled"]
 
 
 def _load_source(name: str, path: Path) -> ModuleType:

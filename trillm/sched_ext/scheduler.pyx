@@ -30,10 +30,13 @@ if cython.compiled:
 else:
     from trillm.sched_ext.allocator import BlockAllocator
 
+from trillm.sched_ext.status import FinishReason, RequestStatus
+
 COMPILED = cython.compiled
-WAITING = 0
-RUNNING = 1
-FINISHED = 2
+# As plain ints for the compiled comparisons in the hot loops; `Request.status` is the enum.
+WAITING: cython.int = RequestStatus.WAITING
+RUNNING: cython.int = RequestStatus.RUNNING
+FINISHED: cython.int = RequestStatus.FINISHED
 
 
 @cython.cfunc
@@ -58,8 +61,8 @@ class Request:
     num_computed_tokens = cython.declare(cython.int, visibility="readonly")
     num_cached_tokens = cython.declare(cython.int, visibility="readonly")
     block_table = cython.declare(list, visibility="readonly")
-    status = cython.declare(cython.int, visibility="readonly")
-    finish_reason = cython.declare(object, visibility="readonly")
+    _status: cython.int
+    finish_reason = cython.declare(object, visibility="readonly")  # a FinishReason once finished
     stop_token_id = cython.declare(cython.int, visibility="readonly")
     num_preemptions = cython.declare(cython.int, visibility="readonly")
     _block_hashes: list  # memo of the prefix-cache hash chain over full blocks
@@ -86,7 +89,7 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
         self.block_table = []
-        self.status = WAITING
+        self._status = WAITING
         self.finish_reason = None
         self.stop_token_id = -1
         self.num_preemptions = 0
@@ -94,11 +97,15 @@ class Request:
         self._seq = -1
 
     @property
+    def status(self) -> RequestStatus:
+        return RequestStatus(self._status)
+
+    @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
 
     def __repr__(self) -> str:
-        return (f"Request({self.request_id!r}, status={self.status}, computed={self.num_computed_tokens}"
+        return (f"Request({self.request_id!r}, status={self.status.name}, computed={self.num_computed_tokens}"
                 f"/{len(self.token_ids)}, blocks={self.block_table}, finish_reason={self.finish_reason!r})")
 
 
@@ -196,7 +203,7 @@ class Scheduler:
         num_prompt: cython.int = request.num_prompt_tokens
         if request.request_id in self._requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        if request.status != WAITING or len(request.token_ids) != num_prompt:
+        if request._status != WAITING or len(request.token_ids) != num_prompt:
             raise ValueError(f"request {request.request_id!r} has already been scheduled; add a new Request")
         if num_prompt >= self.max_model_len:
             raise ValueError(f"the prompt has {num_prompt} tokens, which leaves no room for output "
@@ -209,18 +216,19 @@ class Scheduler:
         self._waiting.append(request)
         self._requests[request.request_id] = request
 
-    def abort(self, request_id: str, reason: str = "abort"):
-        """Finish a live request now and free its blocks; None if not live."""
+    def abort(self, request_id: str, reason=FinishReason.ABORT):
+        """Finish a live request now and free its blocks; None if not live. `reason`: a
+        FinishReason, or its value."""
         request: Request = self._requests.pop(request_id, None)
         if request is None:
             return None
-        if request.status == WAITING:
+        if request._status == WAITING:
             self._waiting.remove(request)
         else:
             self._running.remove(request)
             self.allocator.free(request.block_table)
-        request.status = FINISHED
-        request.finish_reason = reason
+        request._status = FINISHED
+        request.finish_reason = FinishReason(reason)
         return request
 
     @cython.ccall
@@ -266,7 +274,7 @@ class Scheduler:
             victim = self._running.pop()
             self.allocator.free(victim.block_table)
             victim.num_computed_tokens = 0
-            victim.status = WAITING
+            victim._status = WAITING
             victim.num_preemptions += 1
             self._waiting.appendleft(victim)
             out.preempted.append(victim.request_id)
@@ -304,7 +312,7 @@ class Scheduler:
             if request.num_preemptions == 0:
                 request.num_cached_tokens = computed
             request.num_computed_tokens = computed
-            request.status = RUNNING
+            request._status = RUNNING
             self._running.append(request)
             (out if num_new == 1 else prefills)._add(request, num_new)
             budget -= num_new
@@ -328,7 +336,7 @@ class Scheduler:
         k: cython.Py_ssize_t
         for k in range(count):
             request = output.requests[k]
-            if request.status != RUNNING:
+            if request._status != RUNNING:
                 continue
             before = request.num_computed_tokens
             assert before == output.num_computed_tokens[k], "update() with a stale SchedulerOutput"
@@ -343,7 +351,7 @@ class Scheduler:
             for request in finished:
                 alloc.free(request.block_table)
                 del self._requests[request.request_id]
-            self._running = [request for request in self._running if request.status == RUNNING]
+            self._running = [request for request in self._running if request._status == RUNNING]
         return finished
 
     @cython.cfunc
@@ -357,13 +365,13 @@ class Scheduler:
         num_output: cython.int = len(request.token_ids) - request.num_prompt_tokens
         if num_output > request.min_tokens and (
                 (token == request.eos_token_id and not request.ignore_eos) or token in request.stop_token_ids):
-            request.finish_reason = "stop"
+            request.finish_reason = FinishReason.STOP
             request.stop_token_id = token
         elif num_output >= request.max_tokens or len(request.token_ids) >= self._max_len:
-            request.finish_reason = "length"
+            request.finish_reason = FinishReason.LENGTH
         else:
             return False
-        request.status = FINISHED
+        request._status = FINISHED
         return True
 
     def check_invariants(self):
@@ -374,13 +382,13 @@ class Scheduler:
         assert len(self._requests) == len(self._running) + len(self._waiting), "a live request is lost"
         last_seq = -1
         for request in self._running:
-            assert request.status == RUNNING and self._requests[request.request_id] is request
+            assert request._status == RUNNING and self._requests[request.request_id] is request
             assert 0 <= request.num_computed_tokens < len(request.token_ids) < self._max_len
             assert len(request.block_table) == _cdiv(request.num_computed_tokens, self.block_size)
             assert request._seq > last_seq, "running + waiting is out of arrival order"
             last_seq = request._seq
         for request in self._waiting:
-            assert request.status == WAITING and self._requests[request.request_id] is request
+            assert request._status == WAITING and self._requests[request.request_id] is request
             assert request.num_computed_tokens == 0 and not request.block_table
             assert len(request.token_ids) < self._max_len
             assert request._seq > last_seq, "running + waiting is out of arrival order"

@@ -1,0 +1,20 @@
+"""A request's status and its finish reason, as enums, from the scheduler to the wire.
+
+`FinishReason`'s values are the strings OpenAI's wire format carries, made here and nowhere
+else; being a `StrEnum`, a member is also that string (it compares, hashes, formats and
+serializes as it), so the HTTP layer writes the member itself.
+"""
+import enum
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0  # queued: not admitted yet, or preempted
+    RUNNING = 1  # holds blocks and is scheduled each step
+    FINISHED = 2  # ended: finished or aborted; holds nothing
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"  # an EOS or stop token id, a stop string, or a grammar's end
+    LENGTH = "length"  # max_tokens, or the context or the KV pool is full
+    ABORT = "abort"  # aborted: the client went away, /abort_request, a drain or a shutdown
+    TOOL_CALLS = "tool_calls"  # the chat API's name for a stop whose text held tool calls
