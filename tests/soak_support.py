@@ -149,7 +149,7 @@ async def check_no_leaks(server: LiveServer, report: SoakReport) -> None:
     assert stats["num_used_blocks"] == stats["num_running"] == stats["num_waiting"] == 0, stats
     engine, core = server.state.engine, server.state.core
     assert not engine._groups and not engine._owner and not engine._commands and engine._unfinished_members == 0
-    assert not core.params and not core.has_unfinished()
+    assert not core.requests and not core.has_unfinished()
     with trio.move_on_after(SETTLE_TIMEOUT):
         while task_names() != report.baseline_tasks or threading.active_count() > report.baseline_threads:
             await trio.sleep(0.05)

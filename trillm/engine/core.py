@@ -14,6 +14,8 @@ import torch
 from trillm.config import EngineArgs
 from trillm.engine.runner import ModelRunner
 from trillm.engine.sampler import Sampler, SamplingBatch, TokenLogprobs
+from trillm.engine import structured_output
+from trillm.engine.request import EngineRequest
 from trillm.engine.structured_output import Grammars
 from trillm.sampling_params import SamplingParamError, SamplingParams
 from trillm.sched_ext import FinishReason, Request, Scheduler
@@ -53,18 +55,16 @@ class EngineCore:
         )
         self.sampler = Sampler()
         self.grammars = Grammars(self.tokenizer, self.hf_config.vocab_size, list(self.runner.eos_token_ids))
-        self.params: dict[str, SamplingParams] = {}
-        self.generators: dict[str, torch.Generator | None] = {}
+        self.requests: dict[str, EngineRequest] = {}  # live requests, from add_request to their end
         self.num_preemptions = 0
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Queue a request; raises ValueError (SamplingParamError with .param) if it can never run.
 
-        All or nothing: every check, and everything that can raise, comes before the scheduler
-        takes the request, or is undone if it fails after (the grammar, which needs the request
-        id), so a refused request leaves no trace (a half-added one would be stepped with no
-        params and kill the engine)."""
-        if request_id in self.params:
+        All or nothing: every check, and everything that can raise (the grammar's matcher
+        too), comes before the scheduler takes the request, so a refused request leaves no
+        trace (a half-added one would be stepped with no record and kill the engine)."""
+        if request_id in self.requests:
             raise SamplingParamError("request_id", f"A request with id {request_id!r} is already running.")
         if not prompt_token_ids:
             raise SamplingParamError("prompt", "The prompt is empty.")
@@ -101,25 +101,20 @@ class EngineCore:
             ignore_eos=params.ignore_eos,
         )
         generator = None if params.seed is None else torch.Generator().manual_seed(params.seed)
+        # Made before the scheduler takes the request: the matcher is what can still fail.
+        matcher = None if params.structured_output is None else self.grammars.matcher(params.structured_output)
         try:
             self.scheduler.add(request)
         except ValueError as e:
             raise SamplingParamError("prompt", str(e)) from None
-        if params.structured_output is not None:
-            try:
-                self.grammars.add(request_id, params.structured_output)
-            except Exception:
-                self.scheduler.abort(request_id)
-                raise
-        self.params[request_id] = params
-        self.generators[request_id] = generator
+        self.requests[request_id] = EngineRequest(request, params, generator, matcher)
 
     def abort_request(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> StepOutput | None:
         """End a request now and free its blocks; None if it is unknown or already finished."""
         request = self.scheduler.abort(request_id, reason)
         if request is None:
             return None
-        self._forget(request_id)
+        del self.requests[request_id]
         return self._output(request, [], None, finished=True)
 
     def step(self) -> list[StepOutput]:
@@ -128,34 +123,33 @@ class EngineCore:
         if not sched.requests:
             return []
         logits = self.runner.execute(sched)
-        rows = [r for r, need in zip(sched.requests, sched.needs_sample) if need]
-        row_ids = [r.request_id for r in rows]
-        constrained = self.grammars.constrained_rows(row_ids)
+        rows = [self.requests[r.request_id] for r, need in zip(sched.requests, sched.needs_sample) if need]
+        constrained = [i for i, row in enumerate(rows) if row.matcher is not None]
         if constrained:
-            self.grammars.mask(logits, row_ids, constrained)
+            self.grammars.mask(logits, constrained, [rows[i].matcher for i in constrained])
         sampled = self.sampler.sample(logits, SamplingBatch(
-            params=[self.params[r.request_id] for r in rows],
-            token_ids=[r.token_ids for r in rows],
-            num_prompt_tokens=[r.num_prompt_tokens for r in rows],
-            generators=[self.generators[r.request_id] for r in rows],
-            stop_ids=[r.stop_token_ids for r in rows],
+            params=[row.params for row in rows],
+            token_ids=[row.seq.token_ids for row in rows],
+            num_prompt_tokens=[row.seq.num_prompt_tokens for row in rows],
+            generators=[row.generator for row in rows],
+            stop_ids=[row.seq.stop_token_ids for row in rows],
         ))
         tokens = iter(sampled.token_ids)
         finished = self.scheduler.update(sched, [next(tokens) if need else -1 for need in sched.needs_sample])
         finished_ids = {r.request_id for r in finished}
-        if constrained:
-            # A grammar that ended without the scheduler's say (its stop token was ignored, or
-            # it refused the token) ends the request too; abort frees its blocks at once.
-            for request_id in self.grammars.accept(row_ids, sampled.token_ids, constrained):
-                if request_id not in finished_ids:
-                    self.scheduler.abort(request_id, FinishReason.STOP)
-                    finished_ids.add(request_id)
+        # A grammar that ended without the scheduler's say (its stop token was ignored, or it
+        # refused the token) ends the request too; abort frees its blocks at once.
+        for i in constrained:
+            request_id = rows[i].request_id
+            if not structured_output.accept(rows[i].matcher, sampled.token_ids[i]) and request_id not in finished_ids:
+                self.scheduler.abort(request_id, FinishReason.STOP)
+                finished_ids.add(request_id)
         outputs = []
-        for request, token, logprobs in zip(rows, sampled.token_ids, sampled.logprobs):
-            is_finished = request.request_id in finished_ids
-            outputs.append(self._output(request, [token], None if logprobs is None else [logprobs], is_finished))
+        for row, token, logprobs in zip(rows, sampled.token_ids, sampled.logprobs):
+            is_finished = row.request_id in finished_ids
+            outputs.append(self._output(row.seq, [token], None if logprobs is None else [logprobs], is_finished))
         for request_id in finished_ids:
-            self._forget(request_id)
+            del self.requests[request_id]
         return outputs
 
     def has_unfinished(self) -> bool:
@@ -191,8 +185,3 @@ class EngineCore:
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=request.num_cached_tokens,
         )
-
-    def _forget(self, request_id: str) -> None:
-        del self.params[request_id]
-        del self.generators[request_id]
-        self.grammars.remove(request_id)

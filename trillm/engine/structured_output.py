@@ -37,7 +37,7 @@ _CHECK = re.compile(r"^Check failed: .*? is false: ")
 
 
 class Grammars:
-    """The engine's compiler, its cache, and the live matchers (engine request id -> matcher)."""
+    """The engine's grammar compiler and its cache; each request's matcher lives on its record."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]):
         self._tokenizer = tokenizer
@@ -46,7 +46,6 @@ class Grammars:
         self._compiler = None  # built on first use
         self._cache: OrderedDict[StructuredOutput, object] = OrderedDict()
         self._lock = threading.Lock()  # compile runs in worker threads, admission on the engine's
-        self._matchers: dict[str, object] = {}
 
     def compile(self, spec: StructuredOutput):
         """The compiled grammar, from the cache or compiled now; SamplingParamError if it is invalid.
@@ -66,42 +65,23 @@ class Grammars:
                 self._cache.popitem(last=False)
         return compiled
 
-    def add(self, request_id: str, spec: StructuredOutput) -> None:
+    def matcher(self, spec: StructuredOutput):
+        """A new matcher for one request (each of n samples has its own), at the grammar's start."""
         import xgrammar
 
-        assert request_id not in self._matchers
-        self._matchers[request_id] = xgrammar.GrammarMatcher(
-            self.compile(spec), override_stop_tokens=self._stop_token_ids or None
-        )
+        return xgrammar.GrammarMatcher(self.compile(spec), override_stop_tokens=self._stop_token_ids or None)
 
-    def remove(self, request_id: str) -> None:
-        self._matchers.pop(request_id, None)
-
-    def constrained_rows(self, request_ids: list[str]) -> list[int]:
-        return [i for i, rid in enumerate(request_ids) if rid in self._matchers]
-
-    def mask(self, logits: torch.Tensor, request_ids: list[str], rows: list[int]) -> None:
-        """Set, in place, the logits of tokens the grammar forbids to -inf, in `rows` only."""
+    def mask(self, logits: torch.Tensor, rows: list[int], matchers: list) -> None:
+        """Set, in place, the logits of tokens the grammar forbids to -inf, in `rows` only
+        (`matchers[k]` is row `rows[k]`'s)."""
         import xgrammar
 
-        assert rows and logits.shape[0] == len(request_ids)
+        assert rows and len(rows) == len(matchers)
         bitmask = xgrammar.allocate_token_bitmask(logits.shape[0], self._vocab_size)
-        for i in rows:
-            self._matchers[request_ids[i]].fill_next_token_bitmask(bitmask, i)
+        for i, matcher in zip(rows, matchers):
+            matcher.fill_next_token_bitmask(bitmask, i)
         with torch.inference_mode():  # the runner made the logits as inference tensors
             xgrammar.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)
-
-    def accept(self, request_ids: list[str], tokens: list[int], rows: list[int]) -> list[str]:
-        """Advance the matchers of `rows` by their sampled tokens; returns the requests that are
-        done: their grammar ended (a stop token was accepted), or it refused the token, which
-        only happens when other settings forbade every token the grammar allows (min_tokens
-        masking the only stop token): then the output can never match, and it ends here."""
-        done = []
-        for i in rows:
-            matcher = self._matchers[request_ids[i]]
-            if not matcher.accept_token(tokens[i]) or matcher.is_terminated():
-                done.append(request_ids[i])
-        return done
 
     def _get_compiler(self):
         if self._compiler is None:
@@ -112,6 +92,14 @@ class Grammars:
             info = xgrammar.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self._vocab_size)
             self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         return self._compiler
+
+
+def accept(matcher, token: int) -> bool:
+    """Advance a matcher by its request's sampled token; False when the request is done: its
+    grammar ended (a stop token was accepted), or it refused the token, which only happens when
+    other settings forbade every token the grammar allows (min_tokens masking the only stop
+    token): then the output can never match, and it ends here."""
+    return matcher.accept_token(token) and not matcher.is_terminated()
 
 
 def _compile(compiler, spec: StructuredOutput):
