@@ -141,7 +141,7 @@ def bench_mode(args, model_dir: str, enforce_eager: bool, peak_gbps: float) -> l
     rows = []
     for batch in args.batch_sizes:
         result = run_batch(core, batch, args.input_len, args.output_len, seed=batch, device=args.device)
-        assert core.stats()["num_preemptions"] == 0, "the KV cache was sized to hold every request"
+        assert core.stats().num_preemptions == 0, "the KV cache was sized to hold every request"
         step_s = sum(result["decode_times"]) / max(len(result["decode_times"]), 1)
         kv_bytes = batch * (args.input_len + args.output_len / 2) * kv_bytes_per_token
         bound_s = (weight_bytes + kv_bytes) / (peak_gbps * 1e9)

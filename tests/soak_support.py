@@ -73,7 +73,7 @@ async def run_soak(server: LiveServer, num_requests: int, seed: int, max_tokens:
     http = server.http()
     await client.completions.create(model=server.model, prompt=[5, 6], max_tokens=1)  # the engine's thread exists
     report.baseline_threads = threading.active_count()
-    preemptions = server.state.engine.stats()["num_preemptions"]
+    preemptions = server.state.engine.stats().num_preemptions
     fates = [FATES[i % 3] for i in range(num_requests)]
     rng.shuffle(fates)
     started = trio.current_time()
@@ -133,7 +133,7 @@ async def run_soak(server: LiveServer, num_requests: int, seed: int, max_tokens:
         for i, fate in enumerate(fates):
             nursery.start_soon(one, i, fate)
     report.seconds = trio.current_time() - started
-    report.num_preemptions = server.state.engine.stats()["num_preemptions"] - preemptions
+    report.num_preemptions = server.state.engine.stats().num_preemptions - preemptions
     return report
 
 

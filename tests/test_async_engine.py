@@ -24,12 +24,12 @@ async def engine(core):
         await nursery.start(engine.run)
         yield engine
         await engine.aclose()
-    assert core.stats()["num_used_blocks"] == 0 and not core.has_unfinished()
+    assert core.stats().num_used_blocks == 0 and not core.has_unfinished()
 
 
 async def until_idle(engine: AsyncEngine) -> dict:
     with trio.fail_after(60):
-        while engine.stats()["num_live_requests"]:
+        while engine.stats().num_live_requests:
             await trio.sleep(0.01)
     return engine.stats()
 
@@ -41,14 +41,14 @@ async def test_abort_frees_the_blocks_before_the_next_step(engine, prompt):
         assert index == 0
         outputs.append(out)
         if len(outputs) == 3:
-            assert engine.stats()["num_used_blocks"] > 0
+            assert engine.stats().num_used_blocks > 0
             steps_at_abort = engine.num_steps
             assert engine.abort("a")
     final = outputs[-1]
     assert (final.finished, final.finish_reason, final.new_token_ids) == (True, "abort", [])
     # The step in flight when abort() was called may still finish; no step after it runs the request.
     assert engine.num_steps - steps_at_abort <= 1
-    assert engine.stats()["num_used_blocks"] == 0 and not engine.abort("a")
+    assert engine.stats().num_used_blocks == 0 and not engine.abort("a")
 
 
 async def test_closing_a_stream_aborts_its_request(engine, prompt):
@@ -56,7 +56,7 @@ async def test_closing_a_stream_aborts_its_request(engine, prompt):
     await anext(stream)
     stream.close()  # what a handler does when its client goes away
     stats = await until_idle(engine)
-    assert stats["num_used_blocks"] == 0 and stats["num_running"] == 0
+    assert stats.num_used_blocks == 0 and stats.num_running == 0
 
 
 async def test_samples_of_one_prompt_share_its_cached_blocks(engine, core, prompt):
@@ -80,14 +80,14 @@ async def test_stopping_one_member_leaves_the_others_running(engine, prompt):
         if out.finished:
             finals[index] = (out.finish_reason, out)
     assert finals[0][0] == "stop" and finals[1][0] == "length"
-    assert engine.stats()["num_used_blocks"] == 0
+    assert engine.stats().num_used_blocks == 0
 
 
 async def test_refused_admissions(engine, core, prompt):
     with pytest.raises(SamplingParamError) as too_long:
         await engine.add("long", [([1] * (core.max_model_len + 1), SamplingParams())])
     assert too_long.value.param == "prompt"
-    assert (await until_idle(engine))["num_used_blocks"] == 0
+    assert (await until_idle(engine)).num_used_blocks == 0
 
 
 async def test_waiting_queue_limit(core, prompt):
@@ -129,7 +129,7 @@ async def test_aclose_aborts_live_requests(core, prompt):
         await anext(stream)
         await engine.aclose()
         assert [out async for _, out in stream][-1].finish_reason == "abort"
-    assert core.stats()["num_used_blocks"] == 0
+    assert core.stats().num_used_blocks == 0
 
 
 async def test_a_dying_engine_fails_streams_and_refuses_requests(core, prompt, monkeypatch):
@@ -151,7 +151,7 @@ async def test_a_dying_engine_fails_streams_and_refuses_requests(core, prompt, m
             await engine.aclose()
     finally:
         core.abort_request("doomed-0")  # the dead engine left it in the core
-    assert core.stats()["num_used_blocks"] == 0
+    assert core.stats().num_used_blocks == 0
 
 
 async def test_steps_and_compiles_do_not_wait_on_the_default_thread_limiter(engine, prompt):

@@ -54,7 +54,7 @@ def test_triton_backend_generates_what_the_torch_backend_does(tiny_model_dir):
     model_dir = tiny_model_dir("llama")
     reference, reference_stats = greedy_generations(model_dir, "torch")
     outputs, stats = greedy_generations(model_dir, "triton")
-    assert stats["prefix_cache_hits"] > 0 and [o.num_cached_tokens for o in outputs[1:]] == [16, 0, 16]
+    assert stats.prefix_cache_hits > 0 and [o.num_cached_tokens for o in outputs[1:]] == [16, 0, 16]
     assert stats == reference_stats
     for got, expected in zip(outputs, reference):
         (completion,) = got.outputs

@@ -13,7 +13,7 @@ ENDLESS = {"ignore_eos": True}  # with a large max_tokens: runs until something 
 
 async def wait_until_running(server, count: int) -> None:
     with trio.fail_after(60):
-        while server.state.engine.stats()["num_running"] < count:
+        while server.state.engine.stats().num_running < count:
             await trio.sleep(0.02)
 
 
@@ -57,7 +57,7 @@ async def test_client_disconnect_aborts_the_request_and_frees_its_blocks(server)
         seen += 1
         if seen == 3:
             break
-    assert server.state.engine.stats()["num_used_blocks"] > 0
+    assert server.state.engine.stats().num_used_blocks > 0
     await stream.close()  # the client goes away mid-stream
 
     stats = await settled_stats(http)
@@ -163,7 +163,7 @@ async def test_a_burst_sharing_a_system_prompt_then_each_next_turn_hits_its_whol
 
     async def live(count: int) -> None:
         with trio.fail_after(60):
-            while server.state.engine.stats()["num_live_requests"] < count:
+            while server.state.engine.stats().num_live_requests < count:
                 await trio.sleep(0.01)
 
     async with trio.open_nursery() as nursery:

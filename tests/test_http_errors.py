@@ -183,6 +183,6 @@ async def test_engine_death_fails_live_requests_and_health_with_503(core):
             with pytest.raises(openai.InternalServerError) as refused:
                 await client.chat.completions.create(model=server.model, messages=HELLO, max_tokens=2)
             assert refused.value.status_code == 503
-            assert core.stats()["num_used_blocks"] == 0 and not core.has_unfinished(), "the dead engine freed them"
+            assert core.stats().num_used_blocks == 0 and not core.has_unfinished(), "the dead engine freed them"
     finally:
         core.runner.fault_hook = None

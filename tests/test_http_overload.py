@@ -46,15 +46,15 @@ async def test_requests_over_max_waiting_get_429_at_once_and_admitted_ones_finis
                 for i in range(NUM_REQUESTS):
                     nursery.start_soon(one, i)
                 with trio.fail_after(SETTLE_TIMEOUT):  # each request is refused or held, none can finish
-                    while len(refused) + server.state.engine.stats()["num_live_requests"] < NUM_REQUESTS:
+                    while len(refused) + server.state.engine.stats().num_live_requests < NUM_REQUESTS:
                         await trio.sleep(0.01)
                 frozen = server.state.engine.stats()
                 assert (await http.get("/health")).status_code == 200, "overload is not ill health"
                 gate.set()
 
             held = NUM_REQUESTS - len(refused)
-            assert held <= frozen["num_running"] + MAX_WAITING, "live requests are bounded by the limits"
-            assert len(refused) >= NUM_REQUESTS - frozen["num_running"] - MAX_WAITING > 0
+            assert held <= frozen.num_running + MAX_WAITING, "live requests are bounded by the limits"
+            assert len(refused) >= NUM_REQUESTS - frozen.num_running - MAX_WAITING > 0
             for exc in refused:
                 error = exc.body
                 assert exc.status_code == 429 and error["type"] == "rate_limit_error" and "retry" in error["message"]
@@ -91,7 +91,7 @@ async def test_the_limit_counts_a_whole_group(core):
             with frozen_engine(core):
                 nursery.start_soon(fill)
                 with trio.fail_after(SETTLE_TIMEOUT):
-                    while server.state.engine.stats()["num_live_requests"] < 1:
+                    while server.state.engine.stats().num_live_requests < 1:
                         await trio.sleep(0.01)
                 # 12 engine requests held, 16 allowed: a group of 5 does not fit, one of 4 would.
                 spec = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "integer"}}}
@@ -100,7 +100,7 @@ async def test_the_limit_counts_a_whole_group(core):
                     await client.completions.create(model=server.model, prompt=[[7, 8]] * 5, max_tokens=2,
                                                     extra_body={"response_format": spec})
                 assert len(core.grammars._cache) == compiled_before, "a refused group compiled nothing"
-                assert server.state.engine.stats()["num_live_requests"] == 1
+                assert server.state.engine.stats().num_live_requests == 1
         assert results[0].usage.completion_tokens == 24
         stats = await settled_stats(http)
         assert stats["num_used_blocks"] == 0

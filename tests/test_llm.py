@@ -67,12 +67,12 @@ def test_greedy_batch_matches_transformers_under_preemption_and_chunked_prefill(
     prompt_ids = [tokenizer.encode(p) for p in PROMPTS]
     assert sum(len(ids) > 24 for ids in prompt_ids) >= 2, "prompts must be long enough to be chunked"
     outputs = llm.generate(prompt_ids, SamplingParams(temperature=0, max_tokens=MAX_TOKENS))
-    assert llm.engine.stats()["num_preemptions"] > 0, "the pool was meant to force preemption"
+    assert llm.engine.stats().num_preemptions > 0, "the pool was meant to force preemption"
     for ids, out in zip(prompt_ids, outputs):
         (completion,) = out.outputs
         assert completion.token_ids == _expected(hf_greedy, ids, llm.engine.eos_token_id)
         assert completion.finish_reason in ("stop", "length")
-    assert llm.engine.stats()["num_used_blocks"] == 0
+    assert llm.engine.stats().num_used_blocks == 0
 
 
 def test_structured_output_holds_under_preemption(default_model_dir, tokenizer):
@@ -83,12 +83,12 @@ def test_structured_output_holds_under_preemption(default_model_dir, tokenizer):
               "required": ["word", "n"]}
     params = SamplingParams(temperature=0, max_tokens=40, structured_output=StructuredOutput.from_schema(schema))
     outputs = llm.generate([tokenizer.encode(p) for p in PROMPTS], params)
-    assert llm.engine.stats()["num_preemptions"] > 0, "the pool was meant to force preemption"
+    assert llm.engine.stats().num_preemptions > 0, "the pool was meant to force preemption"
     for out in outputs:
         (completion,) = out.outputs
         assert completion.finish_reason == "stop", completion.text
         jsonschema.validate(json.loads(completion.text), schema)
-    assert llm.engine.stats()["num_used_blocks"] == 0
+    assert llm.engine.stats().num_used_blocks == 0
 
 
 def test_greedy_with_prefix_cache_hits_matches_transformers(default_model_dir, hf_greedy):
@@ -98,7 +98,7 @@ def test_greedy_with_prefix_cache_hits_matches_transformers(default_model_dir, h
     llm.chat(conversations[0], greedy)  # warms the cache with the shared system prompt
     outputs = llm.chat(conversations, greedy)
     assert all(out.num_cached_tokens >= 32 for out in outputs), [o.num_cached_tokens for o in outputs]
-    assert llm.engine.stats()["prefix_cache_hits"] > 0
+    assert llm.engine.stats().prefix_cache_hits > 0
     for out in outputs:
         assert out.outputs[0].token_ids == _expected(hf_greedy, out.prompt_token_ids, llm.engine.eos_token_id)
 
@@ -115,13 +115,13 @@ def test_abort_mid_generation_returns_every_block(llm, tokenizer):
         engine.add_request(f"abort-{i}", tokenizer.encode(prompt), params)
     for _ in range(5):
         engine.step()
-    assert engine.stats()["num_used_blocks"] > 0
+    assert engine.stats().num_used_blocks > 0
     for i in range(4):
         final = engine.abort_request(f"abort-{i}")
         assert final.finished and final.finish_reason == "abort"
     stats = engine.stats()
-    assert stats["num_used_blocks"] == 0
-    assert stats["num_free_blocks"] + stats["num_cached_blocks"] == stats["num_kv_blocks"]
+    assert stats.num_used_blocks == 0
+    assert stats.num_free_blocks + stats.num_cached_blocks == stats.num_kv_blocks
     assert not engine.has_unfinished()
     assert engine.abort_request("abort-0") is None
 
@@ -146,7 +146,7 @@ def test_stop_string_ends_the_request_and_frees_its_blocks(llm):
     assert "4," in full.text
     assert out.finish_reason == "stop" and out.stop_reason == "4,"
     assert out.text == full.text[: full.text.index("4,")]
-    assert llm.engine.stats()["num_used_blocks"] == 0
+    assert llm.engine.stats().num_used_blocks == 0
 
 
 def test_parallel_samples_and_chat(llm):

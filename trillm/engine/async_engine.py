@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import trio
 
 from trillm.engine.core import EngineCore, StepOutput
+from trillm.engine.stats import ServingStats
 from trillm.sampling_params import SamplingParamError, SamplingParams
 from trillm.sched_ext import FinishReason
 
@@ -148,7 +149,7 @@ class AsyncEngine:
                 f"This request makes {size} engine requests (prompts x n); this server lets at most "
                 f"{self.max_waiting} wait at once (--max-waiting).",
             )
-        waiting = self._unfinished_members - self._stats["num_running"]
+        waiting = self._unfinished_members - self._stats.num_running
         if waiting + size > self.max_waiting:
             raise QueueFullError(
                 f"The server has {waiting} requests waiting and a limit of {self.max_waiting}; retry later."
@@ -223,15 +224,15 @@ class AsyncEngine:
         self._stats = self.core.stats()
         return done
 
-    def stats(self) -> dict:
+    def stats(self) -> ServingStats:
         """The core's counters as of the last step or command, plus the front's own."""
-        return {
-            **self._stats,
-            "num_live_requests": len(self._groups),
-            "num_steps": self.num_steps,
-            "alive": self.error is None,
-            "accepting": self.accepting,
-        }
+        return ServingStats(
+            **vars(self._stats),
+            num_live_requests=len(self._groups),
+            num_steps=self.num_steps,
+            alive=self.error is None,
+            accepting=self.accepting,
+        )
 
     # --- lifetime -----------------------------------------------------------------------------
 

@@ -16,6 +16,7 @@ from trillm.engine.runner import ModelRunner
 from trillm.engine.sampler import Sampler, SamplingBatch, TokenLogprobs
 from trillm.engine import structured_output
 from trillm.engine.request import EngineRequest
+from trillm.engine.stats import EngineStats
 from trillm.engine.structured_output import Grammars
 from trillm.sampling_params import SamplingParamError, SamplingParams
 from trillm.sched_ext import FinishReason, Request, Scheduler
@@ -155,21 +156,21 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def stats(self) -> dict:
+    def stats(self) -> EngineStats:
         allocator = self.scheduler.allocator
         total = self.runner.num_kv_blocks
-        return {
-            "num_running": self.scheduler.num_running,
-            "num_waiting": self.scheduler.num_waiting,
-            "num_kv_blocks": total,
-            "num_free_blocks": allocator.num_free_blocks,
-            "num_used_blocks": allocator.num_used_blocks,
-            "num_cached_blocks": allocator.num_cached_blocks,
-            "kv_cache_usage": allocator.num_used_blocks / total,
-            "prefix_cache_queries": allocator.prefix_cache_queries * self.args.block_size,
-            "prefix_cache_hits": allocator.prefix_cache_hits * self.args.block_size,
-            "num_preemptions": self.num_preemptions,
-        }
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            num_kv_blocks=total,
+            num_free_blocks=allocator.num_free_blocks,
+            num_used_blocks=allocator.num_used_blocks,
+            num_cached_blocks=allocator.num_cached_blocks,
+            kv_cache_usage=allocator.num_used_blocks / total,
+            prefix_cache_queries=allocator.prefix_cache_queries * self.args.block_size,
+            prefix_cache_hits=allocator.prefix_cache_hits * self.args.block_size,
+            num_preemptions=self.num_preemptions,
+        )
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.allocator.reset_prefix_cache()

@@ -1,6 +1,7 @@
 """Read-only endpoints: health, models, model and server info, version, load, metrics."""
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from quart import Blueprint, Response
@@ -68,7 +69,8 @@ async def model_info():
 @blueprint.get("/server_info")
 async def server_info():
     state = current()
-    return {"version": trillm.__version__, "settings": state.settings.redacted(), "stats": state.engine.stats()}
+    stats = dataclasses.asdict(state.engine.stats())
+    return {"version": trillm.__version__, "settings": state.settings.redacted(), "stats": stats}
 
 
 @blueprint.get("/version")
@@ -80,9 +82,9 @@ async def version():
 async def load():
     stats = current().engine.stats()
     return {
-        "server_load": stats["num_live_requests"],
-        "num_requests_running": stats["num_running"],
-        "num_requests_waiting": stats["num_waiting"],
+        "server_load": stats.num_live_requests,
+        "num_requests_running": stats.num_running,
+        "num_requests_waiting": stats.num_waiting,
     }
 
 

@@ -12,6 +12,7 @@ from typing import Callable
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from trillm.engine.stats import ServingStats
 from trillm.sched_ext import FinishReason
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -26,7 +27,7 @@ E2E_BUCKETS = (
     0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0,
     1920.0, 7680.0,
 )
-# Read from the engine's stats at scrape time: (name, help, stats key, kind).
+# Read from the engine's stats at scrape time: (name, help, ServingStats field, kind).
 ENGINE_METRICS = (
     ("trillm:num_requests_running", "Requests in the running batch.", "num_running", GaugeMetricFamily),
     ("trillm:num_requests_waiting", "Requests waiting to be scheduled.", "num_waiting", GaugeMetricFamily),
@@ -45,7 +46,7 @@ ENGINE_METRICS = (
 
 
 class Metrics:
-    def __init__(self, model_name: str, engine_stats: Callable[[], dict]):
+    def __init__(self, model_name: str, engine_stats: Callable[[], ServingStats]):
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(model_name, engine_stats))
         by_model = dict(labelnames=["model_name"], registry=self.registry)
@@ -72,7 +73,7 @@ class Metrics:
 
 
 class _EngineCollector:
-    def __init__(self, model_name: str, engine_stats: Callable[[], dict]):
+    def __init__(self, model_name: str, engine_stats: Callable[[], ServingStats]):
         self._model_name = model_name
         self._stats = engine_stats
 
@@ -80,5 +81,5 @@ class _EngineCollector:
         stats = self._stats()
         for name, doc, key, family in ENGINE_METRICS:
             metric = family(name, doc, labels=["model_name"])
-            metric.add_metric([self._model_name], stats[key])
+            metric.add_metric([self._model_name], getattr(stats, key))
             yield metric
