@@ -82,7 +82,7 @@ def run_batch(core: EngineCore, batch: int, input_len: int, output_len: int, see
     """Adds `batch` requests and steps the engine until they finish. Returns the total time, the
     time to every request's first token, and the decode steps' times."""
     generator = torch.Generator().manual_seed(seed)
-    vocab = core.hf_config.vocab_size
+    vocab = core.config.hf_config.vocab_size
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     for i in range(batch):
         prompt = torch.randint(0, vocab, (input_len,), generator=generator).tolist()
@@ -130,14 +130,14 @@ def bench_mode(args, model_dir: str, enforce_eager: bool, peak_gbps: float) -> l
     graphs = core.runner.decode_graphs
     mode = "eager" if graphs is None else f"cuda graphs ({len(graphs.sizes)} sizes)"
     print(f"\n{mode}: engine ready in {time.perf_counter() - start:.1f} s "
-          f"({core.runner.dtype}, {core.hf_config.num_hidden_layers} layers)", flush=True)
+          f"({core.runner.config.dtype}, {core.config.hf_config.num_hidden_layers} layers)", flush=True)
     run_batch(core, min(2, max_batch), min(args.input_len, 16), 2, seed=0, device=args.device)  # warm-up
 
     model = core.runner.model
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    cfg = core.hf_config
+    cfg = core.config.hf_config
     kv_bytes_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim_of(cfg) \
-        * core.runner.dtype.itemsize
+        * core.runner.config.dtype.itemsize
     rows = []
     for batch in args.batch_sizes:
         result = run_batch(core, batch, args.input_len, args.output_len, seed=batch, device=args.device)

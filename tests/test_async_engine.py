@@ -85,7 +85,7 @@ async def test_stopping_one_member_leaves_the_others_running(engine, prompt):
 
 async def test_refused_admissions(engine, core, prompt):
     with pytest.raises(SamplingParamError) as too_long:
-        await engine.add("long", [([1] * (core.max_model_len + 1), SamplingParams())])
+        await engine.add("long", [([1] * (core.config.max_model_len + 1), SamplingParams())])
     assert too_long.value.param == "prompt"
     assert (await until_idle(engine)).num_used_blocks == 0
 

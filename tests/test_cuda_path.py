@@ -105,7 +105,7 @@ def decode_step(runner: ModelRunner, token_ids: list[list[int]], tables: list[li
 def assert_only_slots_changed(runner: ModelRunner, before: list[torch.Tensor], slots: torch.Tensor):
     """The cache equals `before` except at `slots`, where it is close (rewritten with the same
     keys and values, up to rounding of a different batch shape)."""
-    others = torch.ones(runner.num_kv_blocks * BLOCK_SIZE, dtype=torch.bool, device=runner.device)
+    others = torch.ones(runner.num_kv_blocks * BLOCK_SIZE, dtype=torch.bool, device=runner.config.device)
     others[slots] = False
     after = [c.flatten(0, 1) for kv in runner.kv_caches for c in kv]
     for now, then in zip(after, before):
@@ -138,7 +138,7 @@ def test_padded_decode_batch_gives_the_unpadded_logits(tiny_model_dir, backend):
     for ids, token in zip(token_ids, prefill.argmax(-1).tolist()):
         ids.append(token)
 
-    inputs = DecodeInputs(8, 64 // BLOCK_SIZE, 64, runner.device)
+    inputs = DecodeInputs(8, 64 // BLOCK_SIZE, 64, runner.config.device)
     # Three requests padded to 8 rows, then two of them (in the other order) padded to 4 rows of
     # the same buffers: rows that were real in the first step must become padding.
     for order, size in (([0, 1, 2], 8), ([2, 0], 4)):
@@ -153,7 +153,7 @@ def test_padded_decode_batch_gives_the_unpadded_logits(tiny_model_dir, backend):
             range(size + 1)
         )
         got = run_model(runner, padded)
-        assert got.shape == unpadded.shape == (n, runner.hf_config.vocab_size)
+        assert got.shape == unpadded.shape == (n, runner.config.hf_config.vocab_size)
         torch.testing.assert_close(got, unpadded, atol=1e-5, rtol=1e-5)
         assert_only_slots_changed(runner, before, batch.meta.slot_mapping)
         for ids, token in zip([token_ids[b] for b in order], unpadded.argmax(-1).tolist()):

@@ -64,7 +64,7 @@ async def test_tokenize_and_detokenize_round_trip(server):
     http = server.http()
     tokens = (await http.post("/tokenize", json={"prompt": PROMPT})).json()
     assert tokens["tokens"] == server.state.core.tokenizer.encode(PROMPT) and tokens["count"] == len(tokens["tokens"])
-    assert tokens["max_model_len"] == server.state.core.max_model_len
+    assert tokens["max_model_len"] == server.state.core.config.max_model_len
     assert (await http.post("/detokenize", json={"tokens": tokens["tokens"]})).json() == {"prompt": PROMPT}
     hi = [{"role": "user", "content": "Hi"}]
     chat = (await http.post("/tokenize", json={"messages": hi, "return_token_strs": True})).json()

@@ -70,7 +70,7 @@ def test_greedy_batch_matches_transformers_under_preemption_and_chunked_prefill(
     assert llm.engine.stats().num_preemptions > 0, "the pool was meant to force preemption"
     for ids, out in zip(prompt_ids, outputs):
         (completion,) = out.outputs
-        assert completion.token_ids == _expected(hf_greedy, ids, llm.engine.eos_token_id)
+        assert completion.token_ids == _expected(hf_greedy, ids, llm.engine.config.eos_token_id)
         assert completion.finish_reason in ("stop", "length")
     assert llm.engine.stats().num_used_blocks == 0
 
@@ -100,7 +100,7 @@ def test_greedy_with_prefix_cache_hits_matches_transformers(default_model_dir, h
     assert all(out.num_cached_tokens >= 32 for out in outputs), [o.num_cached_tokens for o in outputs]
     assert llm.engine.stats().prefix_cache_hits > 0
     for out in outputs:
-        assert out.outputs[0].token_ids == _expected(hf_greedy, out.prompt_token_ids, llm.engine.eos_token_id)
+        assert out.outputs[0].token_ids == _expected(hf_greedy, out.prompt_token_ids, llm.engine.config.eos_token_id)
 
 
 @pytest.fixture(scope="module")

@@ -29,11 +29,12 @@ def test_default_model_is_converted_once_into_the_cache(default_model_dir):
 
 
 def test_default_model_loads_from_the_cache(default_model_dir):
-    model, config, tokenizer, eos_token_ids, model_dir = load_model(EngineArgs(quantized_weights=False))
+    model, config, tokenizer, model_dir = load_model(EngineArgs(quantized_weights=False))
     assert model_dir == default_model_dir
-    assert config.model_type == "llama" and config.tie_word_embeddings
+    assert config.hf_config.model_type == "llama" and config.hf_config.tie_word_embeddings
+    assert (config.name, config.max_model_len, config.dtype) == ("SmolLM2-135M-Instruct", 8192, torch.float32)
     assert model.lm_head.weight is model.model.embed_tokens.weight  # tied: one tensor
-    assert eos_token_ids == [2] and tokenizer.eos_token_id == 2
+    assert config.eos_token_ids == (2,) and tokenizer.eos_token_id == 2
     assert "<|im_start|>assistant" in tokenizer.apply_chat_template(
         [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False
     )
@@ -117,6 +118,8 @@ def test_incomplete_or_foreign_checkpoints_are_refused(tiny_model_dir, tmp_path,
 def test_dtype_applies_to_weights_but_not_to_the_rope_cache(tiny_model_dir, dtype):
     model_dir = tiny_model_dir("llama")
     model, config = load_model(EngineArgs(model=model_dir, dtype=dtype))[:2]
+    assert config.dtype == getattr(torch, dtype)
+    config = config.hf_config
     assert {p.dtype for p in model.parameters()} == {getattr(torch, dtype)}
     assert torch.get_default_dtype() == torch.float32
     cache = model.model.cos_sin_cache
@@ -131,7 +134,7 @@ def test_eos_token_ids_come_from_the_generation_config(tiny_model_dir, tmp_path)
     shutil.copytree(tiny_model_dir("llama"), model_dir)
     (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
     loaded = load_model(EngineArgs(model=str(model_dir)))
-    assert loaded.eos_token_ids == [2, 7] and loaded.tokenizer is None
+    assert loaded.config.eos_token_ids == (2, 7) and loaded.config.eos_token_id == 2 and loaded.tokenizer is None
 
 
 def test_gguf_projections_dequantize_to_the_converted_weights(default_model_dir):

@@ -80,7 +80,7 @@ def make_sequences(runner: ModelRunner, lengths: list[int], num_decode: int = 0,
         num_blocks = -(-length // runner.block_size)
         table, blocks = blocks[:num_blocks], blocks[num_blocks:]
         assert len(table) == num_blocks, "test pool too small"
-        tokens = [rng.randrange(3, runner.hf_config.vocab_size) for _ in range(length)]
+        tokens = [rng.randrange(3, runner.config.hf_config.vocab_size) for _ in range(length)]
         sequences.append(Sequence(tokens, table, num_decode))
     return sequences
 
@@ -213,21 +213,21 @@ def test_dummy_weights_of_the_default_model_in_bf16(default_model_dir):
     assert runner.kv_caches[0][0].dtype == torch.bfloat16
     (seq,) = make_sequences(runner, [40])
     logits = run_step(runner, [seq.chunk(0, 40)])
-    assert logits.dtype == torch.float32 and logits.shape == (1, runner.hf_config.vocab_size)
+    assert logits.dtype == torch.float32 and logits.shape == (1, runner.config.hf_config.vocab_size)
     assert torch.isfinite(logits).all() and logits.std() > 0
 
 
 def test_kv_cache_sized_from_the_memory_budget(tiny_model_dir):
     runner = ModelRunner(EngineArgs(model=tiny_model_dir("qwen3"), block_size=8, kv_cache_memory=1 << 20))
-    cfg = runner.hf_config
+    cfg = runner.config.hf_config
     # 2 (K and V) * 2 layers * 8 tokens * 2 kv heads * head_dim 32 * 4 bytes
     assert runner.block_bytes == 2 * 2 * 8 * 2 * 32 * 4
     assert runner.num_kv_blocks == (1 << 20) // runner.block_bytes
     assert len(runner.kv_caches) == cfg.num_hidden_layers
     for k, v in runner.kv_caches:
         assert k.shape == v.shape == (runner.num_kv_blocks, 8, 2, 32) and k.is_contiguous()
-    assert runner.max_model_len == cfg.max_position_embeddings == 256
-    assert runner.eos_token_id == 2
+    assert runner.config.max_model_len == cfg.max_position_embeddings == 256
+    assert runner.config.eos_token_id == 2
     with pytest.raises(ValueError, match="max_position_embeddings"):
         ModelRunner(EngineArgs(model=tiny_model_dir("qwen3"), num_kv_blocks=4, max_model_len=257))
 
@@ -258,9 +258,9 @@ def test_default_model_matches_transformers(default_model_dir, source):
     projections multiply by its quantized blocks): the same greedy tokens as transformers."""
     model = default_model_dir if source == "hf-dir" else None
     runner = ModelRunner(EngineArgs(model=model, num_kv_blocks=32, block_size=16))
-    assert runner.model.kernels.name == ("triton" if runner.device.type == "cuda" else "cpu")  # auto's choice
+    assert runner.model.kernels.name == ("triton" if runner.config.device.type == "cuda" else "cpu")  # auto's choice
     on_blocks = runner.model.lm_head.quantized is not None
-    assert on_blocks == (source == "gguf" and runner.device.type == "cpu")
+    assert on_blocks == (source == "gguf" and runner.config.device.type == "cpu")
     tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
     hf = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
     prompts = [tokenizer.encode(p) for p in PROMPTS]

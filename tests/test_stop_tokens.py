@@ -35,7 +35,7 @@ def run(core: EngineCore, params: SamplingParams) -> tuple[list[int], str]:
 
 @pytest.mark.parametrize("eos", EOS_IDS)
 def test_every_eos_id_waits_for_min_tokens_then_ends_the_request(core, eos):
-    assert core.eos_token_ids == frozenset(EOS_IDS)
+    assert core.config.eos_token_ids == tuple(EOS_IDS)
     favoured = SamplingParams(temperature=0, max_tokens=10, min_tokens=3, logit_bias={eos: 100})
     tokens, reason = run(core, favoured)
     assert tokens[:3] and not set(tokens[:3]) & set(EOS_IDS), "no EOS id before min_tokens"

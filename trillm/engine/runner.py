@@ -18,6 +18,7 @@ from trillm.engine.attention import AttentionMetadata
 from trillm.engine.cuda_graphs import DecodeGraphs, use_cuda_graphs
 from trillm.engine.llama import head_dim_of
 from trillm.engine.loader import load_model
+from trillm.sched_ext import SchedulerOutput
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -36,56 +37,46 @@ class ModelRunner:
     def __init__(self, args: EngineArgs):
         self.args = args
         loaded = load_model(args)
-        self.model, self.hf_config, self.tokenizer = loaded.model, loaded.hf_config, loaded.tokenizer
+        self.model, self.config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
         if self.model.kernels.packs_linear_weights:
             self.model.pack_linear_weights()
-        self.eos_token_ids = loaded.eos_token_ids  # the engine stops on all of them
-        self.eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else -1
-        weight = self.model.model.embed_tokens.weight
-        self.device, self.dtype = weight.device, weight.dtype
-        if self.device.type == "cpu":
+        if self.config.device.type == "cpu":
             torch.set_num_threads(args.num_threads)
         self.block_size = args.block_size
-        max_positions = self.hf_config.max_position_embeddings
-        self.max_model_len = args.max_model_len or max_positions
-        if self.max_model_len > max_positions:
-            raise ValueError(
-                f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings {max_positions}."
-            )
         self.decode_graphs: DecodeGraphs | None = None  # captured once the KV cache exists
         # Tests set this to fail a step from inside the model's turn (a device error, say):
         # called with the SchedulerOutput at the start of every execute. None in production.
-        self.fault_hook: Callable[[object], None] | None = None
+        self.fault_hook: Callable[[SchedulerOutput], None] | None = None
         self.num_kv_blocks = args.num_kv_blocks or self._num_blocks_in_budget()
         if self.num_kv_blocks < 1:
             raise ValueError("The KV cache budget holds no block: raise the memory budget or lower block_size.")
         self.kv_caches = self._allocate_kv_cache(self.num_kv_blocks)
-        if use_cuda_graphs(self.device, args.enforce_eager, args.attention_backend):
+        if use_cuda_graphs(self.config.device, args.enforce_eager, args.attention_backend):
             self.decode_graphs = DecodeGraphs(
                 self.model,
                 self.kv_caches,
                 min(args.max_num_seqs, args.max_num_batched_tokens),  # the largest decode batch
-                self.max_model_len,
+                self.config.max_model_len,
                 self.block_size,
             )
 
     @property
     def block_bytes(self) -> int:
         """Bytes of one block of K and V over all layers."""
-        cfg = self.hf_config
+        cfg = self.config.hf_config
         elements = 2 * cfg.num_hidden_layers * self.block_size * cfg.num_key_value_heads * head_dim_of(cfg)
-        return elements * self.dtype.itemsize
+        return elements * self.config.dtype.itemsize
 
     def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer (K, V), each [num_blocks, block_size, Hk, D] and contiguous, carved from one
         allocation. Zeroed: attention masks unused slots, but 0 * NaN from stale memory is NaN."""
-        cfg = self.hf_config
+        cfg = self.config.hf_config
         shape = (cfg.num_hidden_layers, 2, num_blocks, self.block_size, cfg.num_key_value_heads, head_dim_of(cfg))
-        cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        cache = torch.zeros(shape, dtype=self.config.dtype, device=self.config.device)
         return [(layer[0], layer[1]) for layer in cache]
 
     def _num_blocks_in_budget(self) -> int:
-        if self.device.type != "cuda":
+        if self.config.device.type != "cuda":
             return self.args.kv_cache_memory // self.block_bytes
         return self._profile_free_cuda_bytes() // self.block_bytes
 
@@ -96,24 +87,24 @@ class ModelRunner:
         sampled, so the logits of max_num_seqs rows are counted too)."""
         args = self.args
         num_tokens = args.max_num_batched_tokens
-        num_seqs = max(min(args.max_num_seqs, num_tokens), _cdiv(num_tokens, self.max_model_len))
+        num_seqs = max(min(args.max_num_seqs, num_tokens), _cdiv(num_tokens, self.config.max_model_len))
         lengths = [num_tokens // num_seqs + (i < num_tokens % num_seqs) for i in range(num_seqs)]
         num_blocks = [_cdiv(n, self.block_size) for n in lengths]
         starts = [sum(num_blocks[:i]) for i in range(num_seqs)]
         tables = [list(range(start, start + n)) for start, n in zip(starts, num_blocks)]
         kv_caches = self._allocate_kv_cache(sum(num_blocks))
         batch = self.prepare([[0] * n for n in lengths], tables, lengths, [0] * num_seqs, [True] * num_seqs)
-        torch.cuda.reset_peak_memory_stats(self.device)
+        torch.cuda.reset_peak_memory_stats(self.config.device)
         self._run(batch, kv_caches)
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
+        torch.cuda.synchronize(self.config.device)
+        peak = torch.cuda.max_memory_allocated(self.config.device)
         del kv_caches, batch
         torch.cuda.empty_cache()
-        activations = peak - torch.cuda.memory_allocated(self.device)
-        free, total = torch.cuda.mem_get_info(self.device)
+        activations = peak - torch.cuda.memory_allocated(self.config.device)
+        free, total = torch.cuda.mem_get_info(self.config.device)
         return int(total * args.gpu_memory_utilization) - (total - free) - activations
 
-    def execute(self, sched) -> torch.Tensor:
+    def execute(self, sched: SchedulerOutput) -> torch.Tensor:
         """sched: a SchedulerOutput. Returns fp32 logits [N, vocab] for the N requests with
         needs_sample, in schedule order."""
         if self.fault_hook is not None:
@@ -163,7 +154,7 @@ class ModelRunner:
         slot_mapping = block_tables_t[request_of_row, positions_t // bs].long() * bs + positions_t % bs
 
         def to_device(t: torch.Tensor) -> torch.Tensor:
-            return t.to(self.device, non_blocking=True)
+            return t.to(self.config.device, non_blocking=True)
 
         meta = AttentionMetadata(
             slot_mapping=to_device(slot_mapping),

@@ -33,8 +33,8 @@ def _model_card(state) -> dict:
         "object": "model",
         "created": _STARTED,
         "owned_by": "trillm",
-        "root": state.settings.engine.model or state.core.model_name,
-        "max_model_len": state.core.max_model_len,
+        "root": state.settings.engine.model or state.core.config.name,
+        "max_model_len": state.core.config.max_model_len,
     }
 
 
@@ -54,14 +54,14 @@ async def model(model: str):
 @blueprint.get("/model_info")
 async def model_info():
     state = current()
-    config = state.core.hf_config
+    config = state.core.config.hf_config
     return {
-        "model_path": state.settings.engine.model or state.core.model_name,
+        "model_path": state.settings.engine.model or state.core.config.name,
         "served_model_name": state.model_name,
         "architectures": getattr(config, "architectures", None),
-        "max_model_len": state.core.max_model_len,
+        "max_model_len": state.core.config.max_model_len,
         "vocab_size": state.vocab_size,
-        "eos_token_id": state.core.eos_token_id,
+        "eos_token_id": state.core.config.eos_token_id,
         "is_generation": True,
     }
 

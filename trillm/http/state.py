@@ -38,8 +38,8 @@ class ServerState:
         self.engine = AsyncEngine(core, settings.max_waiting)
         self.tokenizer = core.tokenizer
         self.token_texts = TokenTexts(core.tokenizer)
-        self.vocab_size = core.hf_config.vocab_size
-        self.model_name = settings.served_model_name or core.model_name
+        self.vocab_size = core.config.hf_config.vocab_size
+        self.model_name = settings.served_model_name or core.config.name
         self.metrics = Metrics(self.model_name, self.engine.stats)
 
     def check_model(self, model: str | None) -> None:
