@@ -6,7 +6,12 @@ import trio
 import trio.testing
 
 from trillm import SamplingParams
-from trillm.engine.async_engine import AsyncEngine, EngineUnavailableError, QueueFullError
+from trillm.engine.async_engine import (
+    AsyncEngine,
+    EngineUnavailableError,
+    QueueFullError,
+)
+from trillm.engine.group import RequestGroup
 from trillm.sampling_params import SamplingParamError, StructuredOutput
 
 LONG_RUN = SamplingParams(max_tokens=1000, ignore_eos=True)  # ends only when stopped
@@ -35,7 +40,7 @@ async def until_idle(engine: AsyncEngine) -> dict:
 
 
 async def test_abort_frees_the_blocks_before_the_next_step(engine, prompt):
-    stream = await engine.add("a", [(prompt, LONG_RUN)])
+    stream = await engine.add(RequestGroup("a", [(prompt, LONG_RUN)]))
     outputs = []
     async for index, out in stream:
         assert index == 0
@@ -52,7 +57,7 @@ async def test_abort_frees_the_blocks_before_the_next_step(engine, prompt):
 
 
 async def test_closing_a_stream_aborts_its_request(engine, prompt):
-    stream = await engine.add("a", [(prompt, LONG_RUN)])
+    stream = await engine.add(RequestGroup("a", [(prompt, LONG_RUN)]))
     await anext(stream)
     stream.close()  # what a handler does when its client goes away
     stats = await until_idle(engine)
@@ -62,7 +67,8 @@ async def test_closing_a_stream_aborts_its_request(engine, prompt):
 async def test_samples_of_one_prompt_share_its_cached_blocks(engine, core, prompt):
     assert engine.reset_prefix_cache()
     long_prompt = prompt * 3
-    stream = await engine.add("n", [(long_prompt, SamplingParams(max_tokens=2, seed=i)) for i in range(3)])
+    group = RequestGroup("n", [(long_prompt, SamplingParams(max_tokens=2, seed=i)) for i in range(3)])
+    stream = await engine.add(group)
     cached = {}
     async for index, out in stream:
         cached[index] = out.num_cached_tokens
@@ -72,7 +78,8 @@ async def test_samples_of_one_prompt_share_its_cached_blocks(engine, core, promp
 
 
 async def test_stopping_one_member_leaves_the_others_running(engine, prompt):
-    stream = await engine.add("g", [(prompt, LONG_RUN), (prompt[:-1], SamplingParams(max_tokens=4, ignore_eos=True))])
+    group = RequestGroup("g", [(prompt, LONG_RUN), (prompt[:-1], SamplingParams(max_tokens=4, ignore_eos=True))])
+    stream = await engine.add(group)
     finals = {}
     async for index, out in stream:
         if index == 0 and 0 not in finals and not out.finished:
@@ -85,7 +92,7 @@ async def test_stopping_one_member_leaves_the_others_running(engine, prompt):
 
 async def test_refused_admissions(engine, core, prompt):
     with pytest.raises(SamplingParamError) as too_long:
-        await engine.add("long", [([1] * (core.config.max_model_len + 1), SamplingParams())])
+        await engine.add(RequestGroup("long", [([1] * (core.config.max_model_len + 1), SamplingParams())]))
     assert too_long.value.param == "prompt"
     assert (await until_idle(engine)).num_used_blocks == 0
 
@@ -94,7 +101,7 @@ async def test_waiting_queue_limit(core, prompt):
     engine = AsyncEngine(core, max_waiting=1)
 
     async def first_request():
-        stream = await engine.add("first", [(prompt, SamplingParams(max_tokens=2))])
+        stream = await engine.add(RequestGroup("first", [(prompt, SamplingParams(max_tokens=2))]))
         assert [out async for _, out in stream][-1].finish_reason == "length"
         await engine.aclose()
 
@@ -102,20 +109,20 @@ async def test_waiting_queue_limit(core, prompt):
         nursery.start_soon(first_request)
         await trio.testing.wait_all_tasks_blocked()  # "first" is queued; the engine task is not running yet
         with pytest.raises(QueueFullError):
-            await engine.add("second", [(prompt, SamplingParams(max_tokens=2))])
+            await engine.add(RequestGroup("second", [(prompt, SamplingParams(max_tokens=2))]))
         await nursery.start(engine.run)
 
 
 async def test_drain_lets_running_requests_finish_and_refuses_new_ones(engine, prompt):
-    short = await engine.add("short", [(prompt, SamplingParams(max_tokens=3, ignore_eos=True))])
+    short = await engine.add(RequestGroup("short", [(prompt, SamplingParams(max_tokens=3, ignore_eos=True))]))
     await engine.drain(timeout=60)  # returns once "short" has finished
     assert [out.finish_reason for _, out in [x async for x in short]][-1] == "length"
     with pytest.raises(EngineUnavailableError):
-        await engine.add("late", [(prompt, SamplingParams())])
+        await engine.add(RequestGroup("late", [(prompt, SamplingParams())]))
 
 
 async def test_drain_timeout_aborts(engine, prompt):
-    endless = await engine.add("endless", [(prompt, LONG_RUN)])
+    endless = await engine.add(RequestGroup("endless", [(prompt, LONG_RUN)]))
     await anext(endless)
     await engine.drain(timeout=0)
     assert [out async for _, out in endless][-1].finish_reason == "abort"
@@ -125,7 +132,7 @@ async def test_aclose_aborts_live_requests(core, prompt):
     engine = AsyncEngine(core, max_waiting=64)
     async with trio.open_nursery() as nursery:
         await nursery.start(engine.run)
-        stream = await engine.add("live", [(prompt, LONG_RUN)])
+        stream = await engine.add(RequestGroup("live", [(prompt, LONG_RUN)]))
         await anext(stream)
         await engine.aclose()
         assert [out async for _, out in stream][-1].finish_reason == "abort"
@@ -142,12 +149,12 @@ async def test_a_dying_engine_fails_streams_and_refuses_requests(core, prompt, m
     try:
         async with trio.open_nursery() as nursery:
             await nursery.start(engine.run)
-            stream = await engine.add("doomed", [(prompt, LONG_RUN)])
+            stream = await engine.add(RequestGroup("doomed", [(prompt, LONG_RUN)]))
             with pytest.raises(EngineUnavailableError, match="injected fault"):
                 await anext(stream)
             assert isinstance(engine.error, RuntimeError)
             with pytest.raises(EngineUnavailableError):
-                await engine.add("next", [(prompt, SamplingParams())])
+                await engine.add(RequestGroup("next", [(prompt, SamplingParams())]))
             await engine.aclose()
     finally:
         core.abort_request("doomed-0")  # the dead engine left it in the core
@@ -164,7 +171,8 @@ async def test_steps_and_compiles_do_not_wait_on_the_default_thread_limiter(engi
     try:
         schema = SamplingParams(max_tokens=4, structured_output=StructuredOutput("json_schema", '{"type": "integer"}'))
         with trio.fail_after(60):
-            stream = await engine.add("a", [(prompt, schema), (prompt, SamplingParams(max_tokens=3, ignore_eos=True))])
+            members = [(prompt, schema), (prompt, SamplingParams(max_tokens=3, ignore_eos=True))]
+            stream = await engine.add(RequestGroup("a", members))
             tokens = [0, 0]
             async for index, out in stream:
                 tokens[index] += len(out.new_token_ids)

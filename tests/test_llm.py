@@ -155,3 +155,17 @@ def test_parallel_samples_and_chat(llm):
     assert all(len(c.token_ids) >= 1 for c in out.outputs)
     chat = llm.chat([{"role": "user", "content": "Say hello."}], SamplingParams(temperature=0, max_tokens=8))[0]
     assert chat.prompt.startswith("<|im_start|>") and chat.outputs[0].text
+
+
+def test_samples_of_one_prompt_share_its_cached_blocks(llm):
+    """As the server does: the first sample computes the prompt, the others are admitted after
+    its first token and start after its full blocks; seeded samples still differ and repeat."""
+    assert llm.engine.reset_prefix_cache()
+    prompt = llm.tokenizer.encode("Name three rivers of Europe and say where each one rises. " * 4)
+    params = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=6, ignore_eos=True)
+    out = llm.generate([prompt], params)[0]
+    full_blocks = (len(prompt) - 1) // llm.engine.args.block_size * llm.engine.args.block_size
+    assert full_blocks > 0 and [c.num_cached_tokens for c in out.outputs] == [0, full_blocks, full_blocks]
+    again = llm.generate([prompt], params)[0]
+    assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1

@@ -8,15 +8,11 @@ channel. That single owner is what makes an abort clean: it is one command,
 applied between two steps, and the request's blocks are free before the next one.
 
 A client request may need several engine requests: `n` samples of a prompt, or a
-list of prompts. They form one *group*: one id that the server made (unique: the
-engine's key), maybe a client's own id for it (not unique: two live groups may
-share one), engine ids `{id}-{i}`, and one channel that carries all their outputs.
-`abort` takes either id.
-The `-{i}` suffix is always there, so engine ids of different groups never
-collide. A member whose prompt repeats an earlier member's (the `n` > 1 case) is
-admitted only once that member has produced its first token: by then its prompt's
-full blocks are in the prefix cache, and the samples share them instead of each
-computing the prompt again.
+list of prompts. They form one `RequestGroup` (trillm/engine/group.py: the fan-out,
+and the admission that lets repeated prompts share their cached blocks), with one id
+that the server made (unique), maybe a client's own id for it (not unique: two live
+groups may share one), and one channel that carries all their outputs. `abort`
+takes either id.
 
 Channels are unbounded: the engine task must never wait on a slow reader. Their
 size is bounded anyway, by each request's max_tokens.
@@ -30,8 +26,9 @@ from dataclasses import dataclass, field
 import trio
 
 from trillm.engine.core import EngineCore, StepOutput
+from trillm.engine.group import RequestGroup
 from trillm.engine.stats import ServingStats
-from trillm.sampling_params import SamplingParamError, SamplingParams
+from trillm.sampling_params import SamplingParamError
 from trillm.sched_ext import FinishReason
 
 log = logging.getLogger(__name__)
@@ -46,25 +43,18 @@ class EngineUnavailableError(RuntimeError):
     """The engine cannot take or finish requests: it died, or the server is shutting down."""
 
 
-@dataclass
-class Member:
-    """One engine request of a group."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-
-
 @dataclass(eq=False)
 class _Group:
-    request_id: str
+    requests: RequestGroup
     client_id: str | None
-    members: list[Member]
     send: trio.MemorySendChannel
     admitted: trio.Event = field(default_factory=trio.Event)
     error: Exception | None = None
     unfinished: int = 0  # members whose final output has not been sent yet
-    deferred: dict[str, list[int]] = field(default_factory=dict)  # engine id -> members waiting on its first token
+
+    @property
+    def request_id(self) -> str:
+        return self.requests.request_id
 
 
 class RequestStream:
@@ -76,12 +66,11 @@ class RequestStream:
 
     def __init__(self, engine: AsyncEngine, group: _Group, receive: trio.MemoryReceiveChannel):
         self.request_id = group.request_id
-        self.members = group.members
         self._engine = engine
         self._group = group
         self._receive = receive
-        self._index = {m.request_id: i for i, m in enumerate(group.members)}
-        self._unfinished = len(group.members)
+        self._index = group.requests.index
+        self._unfinished = len(group.requests.members)
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -99,7 +88,7 @@ class RequestStream:
 
     def stop(self, index: int, reason: FinishReason = FinishReason.STOP) -> None:
         """End one member early (a stop string matched); its final output still arrives."""
-        self._engine._enqueue(self._engine._finish_member, self.members[index].request_id, reason)
+        self._engine._enqueue(self._engine._finish_member, self._group, index, reason)
 
     def close(self) -> None:
         self._receive.close()
@@ -117,7 +106,7 @@ class AsyncEngine:
         self.num_steps = 0
         self._groups: dict[str, _Group] = {}  # server id -> group, from add() until its last final output
         self._by_client_id: dict[str, list[_Group]] = {}  # client id -> its live groups, oldest first
-        self._owner: dict[str, _Group] = {}  # engine id -> group, while the core holds the request
+        self._owner: dict[str, _Group] = {}  # engine id -> group, for every member of a live group
         self._commands: list[tuple] = []
         # Members of live groups without their final output: queued for admission, deferred
         # (see the module docstring), waiting or running in the core.
@@ -155,9 +144,8 @@ class AsyncEngine:
                 f"The server has {waiting} requests waiting and a limit of {self.max_waiting}; retry later."
             )
 
-    async def add(self, request_id: str, members: list[tuple[list[int], SamplingParams]], param: str = "prompt",
-                  client_id: str | None = None) -> RequestStream:
-        """Queue a group and wait until the engine admits it. `request_id` is the server's own
+    async def add(self, requests: RequestGroup, param: str = "prompt", client_id: str | None = None) -> RequestStream:
+        """Queue a group and wait until the engine admits it. Its id is the server's own
         (unique among live groups); `client_id`, the client's name for it, if any.
 
         Raises SamplingParamError (a ValueError with .param) if the engine refuses it (`param`
@@ -165,27 +153,23 @@ class AsyncEngine:
         has no room for the whole group, EngineUnavailableError when dead or closing. Nothing is
         compiled or queued for a group that is refused.
         """
-        assert members, "a group has at least one member"
-        self._check_open(request_id)
-        self.check_room(len(members), param)
+        size = len(requests.members)
+        self._check_open(requests.request_id)
+        self.check_room(size, param)
         # Grammars compile in worker threads, so admission between two steps finds them cached.
-        for spec in {params.structured_output for _, params in members} - {None}:
+        for spec in {m.params.structured_output for m in requests.members} - {None}:
             await trio.to_thread.run_sync(self.core.grammars.compile, spec, limiter=self._compile_limiter)
-        self._check_open(request_id)  # the world may have changed during the compiles
-        self.check_room(len(members), param)
+        self._check_open(requests.request_id)  # the world may have changed during the compiles
+        self.check_room(size, param)
         send, receive = trio.open_memory_channel[StepOutput](math.inf)
-        group = _Group(
-            request_id,
-            client_id,
-            [Member(f"{request_id}-{i}", list(ids), params) for i, (ids, params) in enumerate(members)],
-            send,
-        )
-        group.unfinished = len(group.members)
-        self._groups[request_id] = group
+        group = _Group(requests, client_id, send, unfinished=size)
+        self._groups[requests.request_id] = group
+        for member in requests.members:
+            self._owner[member.request_id] = group
         if client_id is not None:
             self._by_client_id.setdefault(client_id, []).append(group)
         self._idle = trio.Event() if self._idle.is_set() else self._idle
-        self._unfinished_members += len(group.members)
+        self._unfinished_members += size
         self._enqueue(self._admit, group)
         stream = RequestStream(self, group, receive)
         try:
@@ -298,25 +282,11 @@ class AsyncEngine:
         self._wake.set()
 
     def _admit(self, group: _Group) -> None:
-        """Add the group's members to the core; a member repeating an earlier member's prompt
-        is deferred until that one's first token (see the module docstring)."""
-        first_with_prompt: dict[tuple[int, ...], str] = {}
         try:
-            for i, member in enumerate(group.members):
-                key = tuple(member.prompt_token_ids)
-                if key in first_with_prompt:
-                    group.deferred.setdefault(first_with_prompt[key], []).append(i)
-                    continue
-                first_with_prompt[key] = member.request_id
-                self.core.add_request(member.request_id, member.prompt_token_ids, member.params)
-                self._owner[member.request_id] = group
+            group.requests.admit(self.core)
         except Exception as exc:  # noqa: BLE001 - one request's refusal (or our bug in admitting it) is not the engine's death
-            # add_request is all or nothing, so the core holds exactly the members in _owner.
             if not isinstance(exc, ValueError):
                 log.exception("request %s: admission failed", group.request_id)
-            for member in group.members:
-                if self._owner.pop(member.request_id, None) is not None:
-                    self.core.abort_request(member.request_id)
             group.error = exc
             group.send.close()
             self._unregister(group)
@@ -324,12 +294,7 @@ class AsyncEngine:
 
     def _deliver(self, out: StepOutput) -> None:
         group = self._owner[out.request_id]
-        for i in group.deferred.pop(out.request_id, ()):
-            member = group.members[i]
-            self.core.add_request(member.request_id, member.prompt_token_ids, member.params)
-            self._owner[member.request_id] = group
-        if out.finished:
-            del self._owner[out.request_id]
+        group.requests.on_output(self.core, out)
         self._send(group, out)
 
     def _send(self, group: _Group, out: StepOutput) -> None:
@@ -344,29 +309,23 @@ class AsyncEngine:
                 group.send.close()
                 self._unregister(group)
 
-    def _finish_member(self, request_id: str, reason: FinishReason) -> None:
-        if request_id in self._owner:
-            self._deliver(self.core.abort_request(request_id, reason))
+    def _finish_member(self, group: _Group, index: int, reason: FinishReason) -> None:
+        if self._groups.get(group.request_id) is group:
+            out = group.requests.stop(self.core, index, reason)
+            if out is not None:
+                self._send(group, out)
 
     def _abort_group(self, group: _Group, reason: FinishReason) -> None:
         if self._groups.get(group.request_id) is not group:
             return  # already ended
-        deferred = [i for waiting in group.deferred.values() for i in waiting]
-        group.deferred.clear()
-        for member in group.members:
-            if member.request_id in self._owner:
-                self._deliver(self.core.abort_request(member.request_id, reason))
-        for i in deferred:  # never reached the core: they end with no tokens
-            member = group.members[i]
-            self._send(group, StepOutput(
-                request_id=member.request_id, new_token_ids=[], new_logprobs=None, finished=True,
-                finish_reason=reason, stop_token_id=-1,
-                num_prompt_tokens=len(member.prompt_token_ids), num_cached_tokens=0,
-            ))
+        for out in group.requests.abort(self.core, reason):
+            self._send(group, out)
 
     def _unregister(self, group: _Group) -> None:
         assert self._groups.get(group.request_id) is group
         del self._groups[group.request_id]
+        for member in group.requests.members:
+            del self._owner[member.request_id]
         if group.client_id is not None:
             named = self._by_client_id[group.client_id]
             named.remove(group)

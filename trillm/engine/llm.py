@@ -1,12 +1,13 @@
 """LLM: the offline API. Feeds every prompt to one EngineCore and steps it until all finish."""
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from tqdm import tqdm
 
 from trillm.config import EngineArgs
 from trillm.engine.core import EngineCore
+from trillm.engine.group import RequestGroup
 from trillm.engine.output import Completion, OutputProcessor
 from trillm.sampling_params import SamplingParams
 from trillm.sched_ext import FinishReason
@@ -44,22 +45,27 @@ class LLM:
         params = params or SamplingParams()
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         assert len(params_list) == len(prompts), "one SamplingParams per prompt"
-        results, processors = [], {}
-        for prompt, p in zip(prompts, params_list):
-            text = prompt if isinstance(prompt, str) else None
-            if text is not None and self.tokenizer is None:
-                raise ValueError("This model has no tokenizer: give prompts as token-id lists.")
-            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-            result = RequestOutput(str(self._counter), text, ids, [])
-            self._counter += 1
-            for i in range(p.n):
-                sample_params = p if p.seed is None else replace(p, seed=p.seed + i)
-                rid = f"{result.request_id}-{i}"
-                # The processor first: if it refuses the params, the engine never holds the request.
-                processors[rid] = OutputProcessor(self.tokenizer, ids, sample_params, index=i)
-                self.engine.add_request(rid, ids, sample_params)
-                result.outputs.append(processors[rid].completion)
-            results.append(result)
+        results, groups, processors = [], [], {}
+        try:
+            for prompt, p in zip(prompts, params_list):
+                text = prompt if isinstance(prompt, str) else None
+                if text is not None and self.tokenizer is None:
+                    raise ValueError("This model has no tokenizer: give prompts as token-id lists.")
+                ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+                group = RequestGroup.fan_out(str(self._counter), [ids], p)
+                self._counter += 1
+                # The processors first: if one refuses the params, the engine never holds the group.
+                for i, member in enumerate(group.members):
+                    processors[member.request_id] = (group, OutputProcessor(self.tokenizer, ids, member.params, index=i))
+                group.admit(self.engine)
+                groups.append(group)
+                results.append(RequestOutput(group.request_id, text, ids, [
+                    processors[m.request_id][1].completion for m in group.members
+                ]))
+        except BaseException:
+            for group in groups:  # all or nothing: the groups admitted before the refusal go too
+                group.abort(self.engine, FinishReason.ABORT)
+            raise
         self._run(processors, use_tqdm)
         return results
 
@@ -85,15 +91,17 @@ class LLM:
             out.prompt = prompt
         return outputs
 
-    def _run(self, processors: dict[str, OutputProcessor], use_tqdm: bool) -> None:
+    def _run(self, processors: dict[str, tuple[RequestGroup, OutputProcessor]], use_tqdm: bool) -> None:
         live = set(processors)
         with tqdm(total=len(live), disable=not use_tqdm, desc="generate") as bar:
             while live:
                 assert self.engine.has_unfinished(), "live requests but nothing left in the engine"
                 for out in self.engine.step():
-                    delta = processors[out.request_id].process(out)
+                    group, processor = processors[out.request_id]
+                    group.on_output(self.engine, out)
+                    delta = processor.process(out)
                     if delta.finished:
                         if not out.finished:  # a stop string ended it
-                            self.engine.abort_request(out.request_id, FinishReason.STOP)
+                            group.stop(self.engine, group.index[out.request_id])
                         live.discard(out.request_id)
                         bar.update(1)

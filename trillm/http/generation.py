@@ -17,7 +17,7 @@ import trio
 
 from trillm.engine.async_engine import RequestStream
 from trillm.engine.output import Delta, OutputProcessor
-from trillm.http.protocol import sample_params
+from trillm.engine.group import RequestGroup
 from trillm.sampling_params import SamplingParamError, SamplingParams
 from trillm.sched_ext import FinishReason
 
@@ -40,18 +40,19 @@ class Generation:
         self._param = "n" if params.n > 1 else "prompt"
         self._engine.check_room(len(prompts) * params.n, self._param)
         self._metrics = state.metrics
-        self._members = [(ids, sample_params(params, i)) for ids in prompts for i in range(params.n)]
+        self._requests = RequestGroup.fan_out(request_id, prompts, params)
         self.processors = [
-            OutputProcessor(state.tokenizer, ids, p, index=k) for k, (ids, p) in enumerate(self._members)
+            OutputProcessor(state.tokenizer, m.prompt_token_ids, m.params, index=k)
+            for k, m in enumerate(self._requests.members)
         ]
         self._arrival = trio.current_time()
-        self._last_output: list[float | None] = [None] * len(self._members)
+        self._last_output: list[float | None] = [None] * len(self.processors)
         self._stream: RequestStream | None = None
         self._closed = False
 
     async def start(self) -> None:
         """Wait for the engine to admit every choice; raises what AsyncEngine.add raises."""
-        self._stream = await self._engine.add(self.request_id, self._members, self._param, self.client_id)
+        self._stream = await self._engine.add(self._requests, self._param, self.client_id)
         self._metrics.prompt_tokens.inc(sum(map(len, self.prompts)))
 
     async def run(self) -> None:

@@ -9,7 +9,6 @@ SamplingParamError names the field.
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -312,8 +311,3 @@ def _token_biases(logit_bias: dict[str, float] | None, vocab_size: int) -> dict[
             )
         biases[int(key)] = bias
     return biases
-
-
-def sample_params(params: SamplingParams, index: int) -> SamplingParams:
-    """The i-th of n samples: its own seed when seeded, so the samples differ but repeat."""
-    return params if params.seed is None else replace(params, seed=params.seed + index)
