@@ -1,0 +1,59 @@
+"""The engine's decode step on the default model, as a batch of requests sees it: the median
+time of one EngineCore.step() while every request of the batch decodes (scheduler, model,
+sampler, bookkeeping), best of three rounds. For comparing two versions of the engine.
+
+    PYTHONPATH=. python benchmarks/bench_step.py --batch-sizes 1 32
+
+One torch thread, greedy, ignore_eos, 128-token prompts (each request's differs in its last
+token, so none shares its last block), 40 output tokens.
+"""
+import argparse
+import os
+import statistics
+import time
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+
+from trillm import SamplingParams  # noqa: E402
+from trillm.config import EngineArgs  # noqa: E402
+from trillm.engine.core import EngineCore  # noqa: E402
+
+PROMPT = "Once upon a time, in a small village nestled between two mountains, " * 12
+
+
+def decode_step_ms(core: EngineCore, batch: int, rounds: int, prompt_len: int, output_len: int) -> float:
+    prompt = core.tokenizer.encode(PROMPT)[: prompt_len - 1]
+    best = float("inf")
+    for r in range(rounds):
+        for i in range(batch):
+            params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0)
+            core.add_request(f"b{batch}-{r}-{i}", prompt + [100 + i + 37 * r], params)
+        times = []
+        while core.has_unfinished():
+            start = time.perf_counter()
+            outputs = core.step()
+            elapsed = time.perf_counter() - start
+            if len(outputs) == batch and core.scheduler.num_waiting == 0 and all(len(o.new_token_ids) == 1 for o in outputs):
+                times.append(elapsed)
+        best = min(best, statistics.median(times[2:]) * 1000)
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=40)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    core = EngineCore(EngineArgs(num_kv_blocks=1024))
+    for batch in args.batch_sizes:
+        ms = decode_step_ms(core, batch, args.rounds, args.prompt_len, args.output_len)
+        print(f"batch {batch:3d}: decode step {ms:.2f} ms", flush=True)
+
+
+if __name__ == "__main__":
+    main()
