@@ -325,7 +325,7 @@ def test_quantized_projections_equal_their_dequantized_weights(tiny_model_dir, t
     from test_kernels import random_gguf_blocks
 
     from trillm.engine.llama import Linear
-    from trillm.engine.loader import load_model
+    from trillm.engine.loader import load_model, load_quantized_weights, load_weights, on_quantized_blocks, param_shard
     from trillm.kernels import quant
 
     model_dir = tiny_model_dir("llama", tie_word_embeddings=tied)
@@ -338,7 +338,7 @@ def test_quantized_projections_equal_their_dequantized_weights(tiny_model_dir, t
     hf_names.append("model.embed_tokens.weight" if tied else "lm_head.weight")
     weights = []
     for seed, name in enumerate(hf_names):
-        fused, _ = dense._param_shard(name)
+        fused, _ = param_shard(name)
         rows = {"q_proj": 64, "k_proj": 32, "v_proj": 32, "gate_proj": 128, "up_proj": 128}.get(
             name.split(".")[-2], shapes[fused][0])
         format = "q4_1" if ".mlp." in name else "q8_0"
@@ -346,7 +346,7 @@ def test_quantized_projections_equal_their_dequantized_weights(tiny_model_dir, t
             format = "q4_1"  # layer 1's q|k|v mixes formats
         weights.append((name, quant.from_gguf(format, random_gguf_blocks(format, rows, shapes[fused][1], seed))))
     mixed = "model.layers.1.self_attn.qkv_proj"
-    assert quantized.load_quantized_weights(weights) == 2 * 4 + 1 - 1
+    assert load_quantized_weights(quantized, weights) == 2 * 4 + 1 - 1
     for module_name, module in quantized.named_modules():
         if not isinstance(module, Linear):
             continue
@@ -354,7 +354,7 @@ def test_quantized_projections_equal_their_dequantized_weights(tiny_model_dir, t
             assert module.quantized is None and torch.equal(module.weight, dense.get_submodule(mixed).weight)
             continue
         shards = [w for n, w in weights  # in shard order: hf_names lists q, k, v and gate, up
-                  if ("lm_head.weight" if n == "model.embed_tokens.weight" else dense._param_shard(n)[0])
+                  if ("lm_head.weight" if n == "model.embed_tokens.weight" else param_shard(n)[0])
                   == f"{module_name}.weight"]
         assert module.weight is None and shards
         x = torch.randn(3, shards[0].in_features)
@@ -364,13 +364,13 @@ def test_quantized_projections_equal_their_dequantized_weights(tiny_model_dir, t
     # The loader's order: blocks first, then the checkpoint, whose moved projections' fp32
     # tensors are skipped (the loader never reads them; load_weights passes over them itself).
     first = load_model(EngineArgs(model=model_dir, load_format="dummy")).model
-    assert first.load_quantized_weights(weights) == 2 * 4 + 1 - 1
+    assert load_quantized_weights(first, weights) == 2 * 4 + 1 - 1
     with safe_open(os.path.join(model_dir, "model.safetensors"), framework="pt") as f:
         checkpoint = [(name, f.get_tensor(name)) for name in f.keys()]
-    skipped = {name for name, _ in checkpoint if first.on_quantized_blocks(name)}
+    skipped = {name for name, _ in checkpoint if on_quantized_blocks(first, name)}
     moved = {n for n in hf_names if n != "model.embed_tokens.weight" and not n.startswith("model.layers.1.self_attn.")}
     assert skipped == moved | {"model.layers.1.self_attn.o_proj.weight"}  # the tied table stays: it is the lookup
-    first.load_weights(checkpoint)
+    load_weights(first, checkpoint)
     for (name, got), want in zip(first.state_dict().items(), quantized.state_dict().values(), strict=True):
         assert torch.equal(got, want), name
     for (name, module), twin in zip(first.named_modules(), quantized.modules(), strict=True):

@@ -44,7 +44,7 @@ class AttentionBackend:
 
     name: str
     module_suffix: str
-    packs_linear_weights = False  # the runner calls model.pack_linear_weights() once loaded
+    packs_linear_weights = False  # the runner calls loader.pack_linear_weights(model) once loaded
     # for GGUF-quantized projections (trillm/kernels/quant.py): a class made from a QuantizedWeight,
     # called as (x, bias) -> y, whose runs(weight) says which it takes; None: dense weights only
     quantized_linear = None

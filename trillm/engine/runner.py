@@ -17,7 +17,7 @@ from trillm.config import EngineArgs
 from trillm.engine.attention import AttentionMetadata
 from trillm.engine.cuda_graphs import DecodeGraphs, use_cuda_graphs
 from trillm.engine.llama import head_dim_of
-from trillm.engine.loader import load_model
+from trillm.engine.loader import load_model, pack_linear_weights
 from trillm.sched_ext import SchedulerOutput
 
 
@@ -39,7 +39,7 @@ class ModelRunner:
         loaded = load_model(args)
         self.model, self.config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
         if self.model.kernels.packs_linear_weights:
-            self.model.pack_linear_weights()
+            pack_linear_weights(self.model)
         if self.config.device.type == "cpu":
             torch.set_num_threads(args.num_threads)
         self.block_size = args.block_size
