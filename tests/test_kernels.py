@@ -200,14 +200,15 @@ def test_paged_attention_strided_query():
 def test_torch_backends_plan_attention_once_per_step(backend_name):
     """Every layer of a step reuses one plan per sliding window, and attends as the reference does
     (the cpu family through its compiled decode kernel for the decode rows of the mixed batch)."""
-    from trillm.engine.attention import AttentionMetadata, get_attention_backend
+    from trillm.engine.attention import AttentionMetadata
+    from trillm.kernels.family import get_kernels
 
     num_queries, seq_lens = BATCHES["mixed"]
     k_cache, v_cache, block_tables, lens, starts = (
         t.cpu() for t in make_batch(num_queries, seq_lens, 16, 2, 64, torch.float32))
     slot_mapping = torch.full((sum(num_queries),), -1, dtype=torch.int64)  # write nothing
     meta = AttentionMetadata(slot_mapping, block_tables, lens, starts, max(seq_lens), max(num_queries))
-    backend = get_attention_backend(backend_name, torch.device("cpu"), torch.float32)
+    backend = get_kernels(backend_name, torch.device("cpu"), torch.float32)
     q = randn(sum(num_queries), 4, 64, seed=1).cpu()
     kv = randn(sum(num_queries), 2, 64, seed=2).cpu()
     for window in (None, None, 9, 9):  # four layers, two of them sliding

@@ -10,7 +10,7 @@ class EngineArgs:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: fp32 on CPU, bf16 on CUDA)
     load_format: str = "auto"  # auto | dummy (random weights from the config)
     device: str = "auto"  # auto | cpu | cuda
-    attention_backend: str = "auto"  # auto | torch | cpu | triton (auto: triton on CUDA, cpu on CPU when built)
+    attention_backend: str = "auto"  # the kernel family (trillm.kernels.family): auto | torch | cpu | triton
     # A GGUF model's Q4_1 / Q8_0 projections run on their blocks where the kernels can (the cpu
     # family, fp32); off: on the fp32 weights they dequantize to, as every other model does
     quantized_weights: bool = True

@@ -1,23 +1,15 @@
-"""What attention needs to know about one step's batch, and the kernel family that runs the model.
+"""What attention needs to know about one step's batch (the kernels that use it: trillm/kernels/family.py).
 
 The batch is flat: the new tokens of every scheduled request, back to back, no padding. Request b
 owns rows query_start_loc[b]:query_start_loc[b+1]; its context after this step is seq_lens[b]
 tokens, all of them in the paged KV cache once this step's keys and values are written to their
 slots. The metadata is built once per step and shared by every layer.
-
-A backend is a whole kernel family, not only attention: the torch reference twins or the Triton
-kernels. One name switches all of them, so a model never mixes a Triton attention with a torch
-norm by accident, and the model code stays the same on every device.
 """
 from __future__ import annotations
 
-import importlib
-import importlib.util
 from dataclasses import dataclass, field
 
 import torch
-
-from trillm.kernels.attention import attend_planned, plan_attention
 
 
 @dataclass
@@ -28,129 +20,6 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [B + 1] int32: row offsets of each request's new tokens
     max_seq_len: int
     max_query_len: int
-    # What a backend derives from the fields above, once per step, for every layer to reuse
+    # What a kernel family derives from the fields above, once per step, for every layer to reuse
     # (the torch family's attention plan). Fresh with each step's metadata, so never stale.
     per_step: dict = field(default_factory=dict, repr=False, compare=False)
-
-
-class AttentionBackend:
-    """The kernels a model calls, all from `trillm.kernels.<op><module_suffix>`.
-
-    The twins share signatures, so a backend is only a choice of modules. Subclasses name it;
-    the import happens at construction, so the CPU path never loads triton. `dtype` is the
-    model's, which its KV cache shares: a family whose kernels run only some dtypes picks them
-    there, once.
-    """
-
-    name: str
-    module_suffix: str
-    packs_linear_weights = False  # the runner calls loader.pack_linear_weights(model) once loaded
-    # for GGUF-quantized projections (trillm/kernels/quant.py): a class made from a QuantizedWeight,
-    # called as (x, bias) -> y, whose runs(weight) says which it takes; None: dense weights only
-    quantized_linear = None
-
-    def __init__(self, dtype: torch.dtype):
-        def kernels(op: str):
-            return importlib.import_module(f"trillm.kernels.{op}{self.module_suffix}")
-
-        norm = kernels("norm")
-        self.rms_norm = norm.rms_norm
-        self.fused_add_rms_norm = norm.fused_add_rms_norm
-        self.silu_and_mul = kernels("activation").silu_and_mul
-        self.rotary_embedding = kernels("rotary").rotary_embedding
-        self.write_kv = kernels("cache").write_kv
-        self.paged_attention = kernels("attention").paged_attention
-
-    def attend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-        sliding_window: int | None,
-    ) -> torch.Tensor:
-        """Writes this step's k, v [T, Hk, D] to the cache, then attends q [T, H, D] to the
-        whole context of each request. Returns [T, H, D]."""
-        self.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        return self.paged_attention(
-            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale, sliding_window
-        )
-
-
-class TorchAttentionBackend(AttentionBackend):
-    name = "torch"
-    module_suffix = ""
-    decode_kernel = None  # decode rows go through the gather and SDPA, as prefill chunks do
-
-    def attend(self, q, k, v, k_cache, v_cache, meta, scale, sliding_window):
-        """As AttentionBackend.attend, with the slots and masks planned once per step, not per layer."""
-        self.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        key = ("torch_attention_plan", sliding_window)
-        plan = meta.per_step.get(key)
-        if plan is None:
-            plan = meta.per_step[key] = plan_attention(
-                meta.block_tables,
-                meta.seq_lens,
-                meta.query_start_loc,
-                k_cache.shape[1],
-                sliding_window,
-                self.decode_kernel,
-            )
-        return attend_planned(q, k_cache, v_cache, plan, scale)
-
-
-class CpuAttentionBackend(TorchAttentionBackend):
-    """The torch twins, sped up where a CPU step spends its time: projections on oneDNN's packed
-    weights (trillm/kernels/linear_cpu.py) or, for a GGUF model, on its quantized blocks
-    (trillm/kernels/quant_cpu.pyx); decode attention by the compiled kernel
-    (trillm/kernels/attention_cpu.pyx), which reads the paged cache without a gather; norms,
-    SiLU-and-mul, rotary and the KV write each one compiled pass (trillm/kernels/ops_cpu.pyx).
-    fp32 only for the compiled kernels; other dtypes keep packed weights and the twins."""
-
-    name = "cpu"
-    packs_linear_weights = True
-
-    def __init__(self, dtype: torch.dtype):
-        super().__init__(dtype)
-        from trillm.kernels import ops_cpu, quant_cpu
-        from trillm.kernels.attention_cpu import paged_decode_attention
-
-        if dtype == torch.float32:
-            self.decode_kernel = paged_decode_attention
-            self.quantized_linear = quant_cpu.QuantizedLinear
-            self.rms_norm = ops_cpu.rms_norm
-            self.fused_add_rms_norm = ops_cpu.fused_add_rms_norm
-            self.silu_and_mul = ops_cpu.silu_and_mul
-            self.rotary_embedding = ops_cpu.rotary_embedding
-            self.write_kv = ops_cpu.write_kv
-
-
-class TritonAttentionBackend(AttentionBackend):
-    name = "triton"
-    module_suffix = "_triton"
-
-
-BACKENDS = {cls.name: cls for cls in (TorchAttentionBackend, CpuAttentionBackend, TritonAttentionBackend)}
-
-
-def get_attention_backend(name: str, device: torch.device, dtype: torch.dtype) -> AttentionBackend:
-    """`name` is EngineArgs.attention_backend; "auto" means Triton on CUDA, and on CPU the cpu
-    family where its compiled kernel is built and oneDNN runs the dtype, else the torch twins."""
-    cpu_runs = device.type == "cpu" and _cpu_backend_runs(dtype)
-    if name == "auto":
-        name = "triton" if device.type == "cuda" else "cpu" if cpu_runs else "torch"
-    if name not in BACKENDS:
-        raise ValueError(f"Unknown attention backend {name!r}; choose one of auto, {', '.join(BACKENDS)}.")
-    if name == "cpu" and not cpu_runs:
-        raise ValueError("The cpu backend runs on the CPU, in float32 or (with AVX512-bf16) bfloat16, once built.")
-    return BACKENDS[name](dtype)
-
-
-def _cpu_backend_runs(dtype: torch.dtype) -> bool:
-    from trillm.kernels import linear_cpu
-
-    built = all(importlib.util.find_spec(f"trillm.kernels.{ext}") for ext in ("attention_cpu", "ops_cpu", "quant_cpu"))
-    return built and linear_cpu.is_available(dtype)

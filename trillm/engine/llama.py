@@ -21,8 +21,9 @@ from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from trillm.engine.attention import AttentionBackend, AttentionMetadata
+from trillm.engine.attention import AttentionMetadata
 from trillm.kernels import linear_cpu, quant
+from trillm.kernels.family import Kernels
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -86,7 +87,7 @@ class Embedding(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float, kernels: AttentionBackend):
+    def __init__(self, size: int, eps: float, kernels: Kernels):
         super().__init__()
         self.weight = _empty(size)
         self.eps = eps
@@ -127,7 +128,7 @@ def sliding_window_of(config: PretrainedConfig, layer_idx: int) -> int | None:
 
 
 class Attention(nn.Module):
-    def __init__(self, config: PretrainedConfig, layer_idx: int, kernels: AttentionBackend):
+    def __init__(self, config: PretrainedConfig, layer_idx: int, kernels: Kernels):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -170,7 +171,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: PretrainedConfig, kernels: AttentionBackend):
+    def __init__(self, config: PretrainedConfig, kernels: Kernels):
         super().__init__()
         assert config.hidden_act == "silu", f"unsupported activation {config.hidden_act!r}"
         bias = getattr(config, "mlp_bias", False)
@@ -184,7 +185,7 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, layer_idx: int, kernels: AttentionBackend):
+    def __init__(self, config: PretrainedConfig, layer_idx: int, kernels: Kernels):
         super().__init__()
         self.self_attn = Attention(config, layer_idx, kernels)
         self.mlp = MLP(config, kernels)
@@ -203,7 +204,7 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: PretrainedConfig, kernels: AttentionBackend):
+    def __init__(self, config: PretrainedConfig, kernels: Kernels):
         super().__init__()
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i, kernels) for i in range(config.num_hidden_layers))
@@ -225,7 +226,7 @@ class LlamaForCausalLM(nn.Module):
     """Build it in the target dtype and on the target device (torch.device context and default
     dtype): the RoPE cache must stay fp32, which a later `.to(dtype)` would break."""
 
-    def __init__(self, config: PretrainedConfig, kernels: AttentionBackend):
+    def __init__(self, config: PretrainedConfig, kernels: Kernels):
         super().__init__()
         if config.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(

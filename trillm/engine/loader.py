@@ -33,7 +33,7 @@ from transformers import (
 )
 
 from trillm.config import EngineArgs
-from trillm.engine.attention import get_attention_backend
+from trillm.kernels.family import get_kernels
 from trillm.engine.gguf_weights import quantized_weights
 from trillm.engine.llama import Embedding, Linear, LlamaForCausalLM, RMSNorm
 from trillm.kernels import quant
@@ -176,7 +176,7 @@ def load_model(args: EngineArgs) -> LoadedModel:
     max_model_len = _max_model_len(args, config)  # refused before any weight is read
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
-    kernels = get_attention_backend(args.attention_backend, device, dtype)
+    kernels = get_kernels(args.attention_backend, device, dtype)
     with torch.device(device), _default_dtype(dtype):
         model = LlamaForCausalLM(config, kernels)
     if args.load_format == "dummy":

@@ -1,0 +1,142 @@
+"""The kernel family a model runs on: norms, activation, rotary, the KV write, attention and,
+where it has them, its own linears. A family is the torch reference twins, those twins with the
+CPU's compiled kernels where a CPU step spends its time, or the Triton kernels. One name
+(`EngineArgs.attention_backend`, the `--attention-backend` flag) switches all of them, so a model
+never mixes a Triton attention with a torch norm by accident, and the model code stays the same
+on every device.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from typing import TYPE_CHECKING
+
+import torch
+
+from trillm.kernels.attention import attend_planned, plan_attention
+
+if TYPE_CHECKING:
+    from trillm.engine.attention import AttentionMetadata
+
+
+class Kernels:
+    """The kernels a model calls, all from `trillm.kernels.<op><module_suffix>`.
+
+    The twins share signatures, so a family is only a choice of modules. Subclasses name it;
+    the import happens at construction, so the CPU path never loads triton. `dtype` is the
+    model's, which its KV cache shares: a family whose kernels run only some dtypes picks them
+    there, once.
+    """
+
+    name: str
+    module_suffix: str
+    packs_linear_weights = False  # the runner calls loader.pack_linear_weights(model) once loaded
+    # for GGUF-quantized projections (trillm/kernels/quant.py): a class made from a QuantizedWeight,
+    # called as (x, bias) -> y, whose runs(weight) says which it takes; None: dense weights only
+    quantized_linear = None
+
+    def __init__(self, dtype: torch.dtype):
+        def kernels(op: str):
+            return importlib.import_module(f"trillm.kernels.{op}{self.module_suffix}")
+
+        norm = kernels("norm")
+        self.rms_norm = norm.rms_norm
+        self.fused_add_rms_norm = norm.fused_add_rms_norm
+        self.silu_and_mul = kernels("activation").silu_and_mul
+        self.rotary_embedding = kernels("rotary").rotary_embedding
+        self.write_kv = kernels("cache").write_kv
+        self.paged_attention = kernels("attention").paged_attention
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        """Writes this step's k, v [T, Hk, D] to the cache, then attends q [T, H, D] to the
+        whole context of each request. Returns [T, H, D]."""
+        self.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        return self.paged_attention(
+            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale, sliding_window
+        )
+
+
+class TorchKernels(Kernels):
+    name = "torch"
+    module_suffix = ""
+    decode_kernel = None  # decode rows go through the gather and SDPA, as prefill chunks do
+
+    def attend(self, q, k, v, k_cache, v_cache, meta, scale, sliding_window):
+        """As Kernels.attend, with the slots and masks planned once per step, not per layer."""
+        self.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        key = ("torch_attention_plan", sliding_window)
+        plan = meta.per_step.get(key)
+        if plan is None:
+            plan = meta.per_step[key] = plan_attention(
+                meta.block_tables,
+                meta.seq_lens,
+                meta.query_start_loc,
+                k_cache.shape[1],
+                sliding_window,
+                self.decode_kernel,
+            )
+        return attend_planned(q, k_cache, v_cache, plan, scale)
+
+
+class CpuKernels(TorchKernels):
+    """The torch twins, sped up where a CPU step spends its time: projections on oneDNN's packed
+    weights (trillm/kernels/linear_cpu.py) or, for a GGUF model, on its quantized blocks
+    (trillm/kernels/quant_cpu.pyx); decode attention by the compiled kernel
+    (trillm/kernels/attention_cpu.pyx), which reads the paged cache without a gather; norms,
+    SiLU-and-mul, rotary and the KV write each one compiled pass (trillm/kernels/ops_cpu.pyx).
+    fp32 only for the compiled kernels; other dtypes keep packed weights and the twins."""
+
+    name = "cpu"
+    packs_linear_weights = True
+
+    def __init__(self, dtype: torch.dtype):
+        super().__init__(dtype)
+        from trillm.kernels import ops_cpu, quant_cpu
+        from trillm.kernels.attention_cpu import paged_decode_attention
+
+        if dtype == torch.float32:
+            self.decode_kernel = paged_decode_attention
+            self.quantized_linear = quant_cpu.QuantizedLinear
+            self.rms_norm = ops_cpu.rms_norm
+            self.fused_add_rms_norm = ops_cpu.fused_add_rms_norm
+            self.silu_and_mul = ops_cpu.silu_and_mul
+            self.rotary_embedding = ops_cpu.rotary_embedding
+            self.write_kv = ops_cpu.write_kv
+
+
+class TritonKernels(Kernels):
+    name = "triton"
+    module_suffix = "_triton"
+
+
+FAMILIES = {cls.name: cls for cls in (TorchKernels, CpuKernels, TritonKernels)}
+
+
+def get_kernels(name: str, device: torch.device, dtype: torch.dtype) -> Kernels:
+    """`name` is EngineArgs.attention_backend; "auto" means Triton on CUDA, and on CPU the cpu
+    family where its compiled kernel is built and oneDNN runs the dtype, else the torch twins."""
+    cpu_runs = device.type == "cpu" and _cpu_family_runs(dtype)
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "cpu" if cpu_runs else "torch"
+    if name not in FAMILIES:
+        raise ValueError(f"Unknown kernel family {name!r}; choose one of auto, {', '.join(FAMILIES)}.")
+    if name == "cpu" and not cpu_runs:
+        raise ValueError("The cpu kernel family runs on the CPU, in float32 or (with AVX512-bf16) bfloat16, once built.")
+    return FAMILIES[name](dtype)
+
+
+def _cpu_family_runs(dtype: torch.dtype) -> bool:
+    from trillm.kernels import linear_cpu
+
+    built = all(importlib.util.find_spec(f"trillm.kernels.{ext}") for ext in ("attention_cpu", "ops_cpu", "quant_cpu"))
+    return built and linear_cpu.is_available(dtype)
