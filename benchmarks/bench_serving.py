@@ -5,7 +5,10 @@ tokens) or `/v1/chat/completions` (prompts as text, decoded from the same random
 `--tokenizer`), with `ignore_eos` and `max_tokens = --output-len`, so every request produces
 exactly that many tokens whatever the model says. Requests start as fast as a concurrency cap
 allows, or as a Poisson process at `--request-rate` (still under the cap). Reports request
-throughput, output tokens/s, TTFT, TPOT and ITL (mean, median, p99), and writes JSON.
+throughput, output tokens/s, TTFT, TPOT and ITL (mean, median, p99), the prompt tokens the
+server says it found in its prefix cache, and writes JSON. `--shared-prefix-len N` makes a
+shared-prefix load: every prompt starts with the same N tokens, as requests under one long
+system prompt do.
 
     python -m benchmarks.bench_serving --base-url http://127.0.0.1:8000 --concurrency 8 \
         --num-prompts 32 --input-len 128 --output-len 128 --json out.json
@@ -42,6 +45,7 @@ class BenchConfig:
     request_rate: float = math.inf  # requests/s of a Poisson process; inf: all at once (capped)
     seed: int = 0
     token_range: tuple[int, int] = (1000, 30000)  # prompt token ids are drawn from [lo, hi)
+    shared_prefix_len: int = 0  # the first tokens of every prompt, the same for all (a system prompt)
     tokenizer: str | None = None  # an HF tokenizer directory; needed for the chat endpoint
     warmup: int = 1  # untimed requests first, one at a time
     timeout: float = 600.0
@@ -55,15 +59,21 @@ class RequestResult:
     latency: float = 0.0
     prompt_tokens: int = 0
     output_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens the server found in its prefix cache, where it says
     itl: list[float] = field(default_factory=list)
     error: str = ""
 
 
 def random_prompts(config: BenchConfig) -> list[list[int]]:
-    """The same seed gives the same prompts, so two servers measured one after the other see the same load."""
+    """The same seed gives the same prompts, so two servers measured one after the other see the same load.
+    Each is `input_len` tokens: the shared prefix (`shared_prefix_len`, the same for every prompt), then
+    its own random tokens."""
+    assert 0 <= config.shared_prefix_len <= config.input_len
     rng = random.Random(config.seed)
     lo, hi = config.token_range
-    return [[rng.randrange(lo, hi) for _ in range(config.input_len)] for _ in range(config.num_prompts)]
+    prefix = [rng.randrange(lo, hi) for _ in range(config.shared_prefix_len)]
+    own = config.input_len - config.shared_prefix_len
+    return [prefix + [rng.randrange(lo, hi) for _ in range(own)] for _ in range(config.num_prompts)]
 
 
 def request_body(config: BenchConfig, model: str, prompt: list[int], decode) -> tuple[str, dict]:
@@ -105,6 +115,8 @@ async def send_one(client: httpx.AsyncClient, config: BenchConfig, path: str, bo
                 if chunk.get("usage"):
                     result.prompt_tokens = chunk["usage"]["prompt_tokens"]
                     result.output_tokens = chunk["usage"]["completion_tokens"]
+                    details = chunk["usage"].get("prompt_tokens_details") or {}
+                    result.cached_tokens = details.get("cached_tokens") or 0
                 if any(chunk_text(config, choice) for choice in chunk.get("choices") or []):
                     now = time.perf_counter()
                     if last is None:
@@ -141,6 +153,7 @@ def summarize(config: BenchConfig, results: list[RequestResult], duration: float
         "duration_s": duration,
         "total_input_tokens": sum(r.prompt_tokens for r in done),
         "total_output_tokens": output_tokens,
+        "total_cached_tokens": sum(r.cached_tokens for r in done),
         "request_throughput": len(done) / duration,
         "output_throughput": output_tokens / duration,
         "ttft_ms": percentiles([r.ttft for r in done]),
@@ -198,7 +211,8 @@ def format_summary(label: str, summary: dict) -> str:
     lines = [
         f"== {label}: {summary['completed']} ok, {summary['failed']} failed in {summary['duration_s']:.1f} s",
         f"   request throughput {summary['request_throughput']:.2f} req/s, "
-        f"output {summary['output_throughput']:.1f} tok/s",
+        f"output {summary['output_throughput']:.1f} tok/s, "
+        f"{summary['total_cached_tokens']} of {summary['total_input_tokens']} prompt tokens cached",
     ]
     for name in ("ttft_ms", "tpot_ms", "itl_ms"):
         p = summary[name]
@@ -220,6 +234,8 @@ def parse_args(argv=None) -> tuple[BenchConfig, str | None]:
     parser.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals per second")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--token-range", type=int, nargs=2, default=[1000, 30000], metavar=("LO", "HI"))
+    parser.add_argument("--shared-prefix-len", type=int, default=0,
+                        help="a prefix every prompt shares, within --input-len (a long system prompt)")
     parser.add_argument("--tokenizer", default=None, help="HF tokenizer directory (for --endpoint chat)")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--json", default=None, help="write config, summary and per-request results here")
@@ -228,7 +244,7 @@ def parse_args(argv=None) -> tuple[BenchConfig, str | None]:
         base_url=args.base_url, model=args.model, endpoint=args.endpoint, num_prompts=args.num_prompts,
         input_len=args.input_len, output_len=args.output_len, concurrency=args.concurrency,
         request_rate=args.request_rate, seed=args.seed, token_range=tuple(args.token_range),
-        tokenizer=args.tokenizer, warmup=args.warmup,
+        tokenizer=args.tokenizer, warmup=args.warmup, shared_prefix_len=args.shared_prefix_len,
     )
     return config, args.json
 
