@@ -81,6 +81,9 @@ async def test_the_limit_counts_a_whole_group(core):
         too_many = await http.post("/generate", json={"input_ids": [[5, 6]] * (MAX_WAITING + 1)})
         assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "prompt"
         assert (await http.post("/v1/completions", json={"prompt": ["a"] * 2049})).status_code == 400
+        too_many = await http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                                  "n": MAX_WAITING + 1, "max_tokens": 2})
+        assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "n"
         results = []
 
         async def fill() -> None:
@@ -104,3 +107,10 @@ async def test_the_limit_counts_a_whole_group(core):
         assert results[0].usage.completion_tokens == 24
         stats = await settled_stats(http)
         assert stats["num_used_blocks"] == 0
+
+
+async def test_a_refused_chat_group_names_messages(core):
+    """The engine speaks of a prompt; a chat client sent messages, so the 400 names those."""
+    async with live_server(core, max_waiting=0) as server:
+        chat = await server.http().post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+        assert chat.status_code == 400 and chat.json()["error"]["param"] == "messages"

@@ -12,6 +12,7 @@ finished, failed, or its client went away.
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 
 import trio
 
@@ -25,9 +26,12 @@ log = logging.getLogger(__name__)
 
 
 class Generation:
-    def __init__(self, state, request_id: str, client_id: str | None, prompts: list[list[int]], params: SamplingParams):
+    def __init__(self, state, request_id: str, client_id: str | None, prompts: list[list[int]], params: SamplingParams,
+                 field_names: dict[str, str] | None = None):
         """`request_id`: the server's id (the engine's key); `client_id`: the client's own name
-        for the request, if it gave one (see trillm.http.state.request_id)."""
+        for the request, if it gave one (see trillm.http.state.request_id); `field_names`: the
+        client's names for the engine's fields where they differ (chat's `messages` for
+        `prompt`), so a refusal names the field the client sent."""
         if params.stop and state.tokenizer is None:
             raise SamplingParamError("stop", "Stop strings need text, and this model has no tokenizer.")
         self.request_id = request_id
@@ -35,10 +39,12 @@ class Generation:
         self.prompts = prompts
         self.n = params.n
         self._engine = state.engine
+        self._field_names = field_names or {}
         # Refused before a detokenizer is built for each member: a group too large for the
         # waiting limit costs nothing.
         self._param = "n" if params.n > 1 else "prompt"
-        self._engine.check_room(len(prompts) * params.n, self._param)
+        with self._in_client_terms():
+            self._engine.check_room(len(prompts) * params.n, self._param)
         self._metrics = state.metrics
         self._requests = RequestGroup.fan_out(request_id, prompts, params)
         self.processors = [
@@ -52,7 +58,8 @@ class Generation:
 
     async def start(self) -> None:
         """Wait for the engine to admit every choice; raises what AsyncEngine.add raises."""
-        self._stream = await self._engine.add(self._requests, self._param, self.client_id)
+        with self._in_client_terms():
+            self._stream = await self._engine.add(self._requests, self._param, self.client_id)
         self._metrics.prompt_tokens.inc(sum(map(len, self.prompts)))
 
     async def run(self) -> None:
@@ -117,6 +124,14 @@ class Generation:
             ", ".join(f"{p.completion.finish_reason or 'abort (client gone)'} after {len(p.completion.token_ids)} tokens"
                       for p in self.processors),
         )
+
+    @contextmanager
+    def _in_client_terms(self):
+        """A SamplingParamError raised inside names the client's field (`field_names`)."""
+        try:
+            yield
+        except SamplingParamError as exc:
+            raise SamplingParamError(self._field_names.get(exc.param, exc.param), str(exc)) from None
 
     def _observe(self, index: int, num_tokens: int, delta: Delta) -> None:
         now = trio.current_time()

@@ -18,7 +18,6 @@ from trillm.http.prompts import chat_prompt, completion_prompts, encode, require
 from trillm.http.protocol import AbortRequest, DetokenizeRequest, GenerateRequest, TokenizeRequest
 from trillm.http.sse import stream_response
 from trillm.http.state import current, parse_body, request_id
-from trillm.sampling_params import SamplingParamError
 from trillm.sched_ext import FinishReason
 
 blueprint = Blueprint("native", __name__)
@@ -32,11 +31,9 @@ async def generate():
         raise APIError(400, "Send exactly one of text and input_ids.", "text")
     prompt = req.text if req.text is not None else req.input_ids
     prompts = completion_prompts(state.tokenizer, prompt)
-    generation = Generation(state, *request_id("gen", req.rid), prompts, req.to_sampling_params())
-    try:
-        await generation.start()
-    except SamplingParamError as exc:
-        raise SamplingParamError("max_new_tokens" if exc.param == "max_tokens" else exc.param, str(exc)) from None
+    generation = Generation(state, *request_id("gen", req.rid), prompts, req.to_sampling_params(),
+                            field_names={"max_tokens": "max_new_tokens"})
+    await generation.start()
     batched = isinstance(req.text, list) or (req.input_ids is not None and isinstance(req.input_ids[0], list))
     chunks = GenerateChunks(generation)
     if req.stream:

@@ -18,7 +18,6 @@ from trillm.http.reasoning import reasoning_parser
 from trillm.http.sse import UsageChunks, stream_response
 from trillm.http.state import ServerState, current, parse_body, request_id
 from trillm.http.tools import forced_call_constraint, tool_choice
-from trillm.sampling_params import SamplingParamError
 
 blueprint = Blueprint("openai_chat", __name__)
 
@@ -35,16 +34,8 @@ async def chat_completions():
     if forced is not None:
         params = replace(params, structured_output=forced)
     prompt = chat_prompt(state.tokenizer, req.messages, req.chat_template_kwargs, tools=tools)
-    generation = Generation(state, *request_id("chatcmpl"), [prompt], params)
-    try:
-        await generation.start()
-    except SamplingParamError as exc:
-        # The engine speaks of "prompt" and "max_tokens"; this client sent messages, and maybe
-        # max_completion_tokens.
-        names = {"prompt": "messages"}
-        if req.max_completion_tokens is not None:
-            names["max_tokens"] = "max_completion_tokens"
-        raise SamplingParamError(names.get(exc.param, exc.param), str(exc)) from None
+    generation = Generation(state, *request_id("chatcmpl"), [prompt], params, field_names=req.field_names)
+    await generation.start()
     chunks = ChatChunks(generation, req, state, choice)
     if req.stream:
         return stream_response(generation, chunks)

@@ -205,10 +205,17 @@ class ChatCompletionRequest(SamplingFields):
         try:
             return self._sampling_params(vocab_size, max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
         except SamplingParamError as exc:
-            # The user named these differently: point at their field.
-            max_tokens_name = "max_tokens" if self.max_completion_tokens is None else "max_completion_tokens"
-            names = {"logprobs": "top_logprobs", "max_tokens": max_tokens_name}
-            raise SamplingParamError(names.get(exc.param, exc.param), str(exc)) from None
+            raise SamplingParamError(self.field_names.get(exc.param, exc.param), str(exc)) from None
+
+    @property
+    def field_names(self) -> dict[str, str]:
+        """The engine's and SamplingParams' names for what this client named differently, so
+        that an error points at the field the client sent."""
+        return {
+            "prompt": "messages",
+            "logprobs": "top_logprobs",
+            "max_tokens": "max_tokens" if self.max_completion_tokens is None else "max_completion_tokens",
+        }
 
 
 PromptList = Annotated[list[str], Field(max_length=MAX_PROMPTS)]
