@@ -11,12 +11,11 @@ from dataclasses import dataclass
 import torch
 
 from trillm.config import EngineArgs
+from trillm.engine.request import EngineRequest
 from trillm.engine.runner import ModelRunner
 from trillm.engine.sampler import Sampler, SamplingBatch, TokenLogprobs
-from trillm.engine import structured_output
-from trillm.engine.request import EngineRequest
 from trillm.engine.stats import EngineStats
-from trillm.engine.structured_output import Grammars
+from trillm.engine.structured_output import Grammars, accept
 from trillm.sampling_params import SamplingParamError, SamplingParams
 from trillm.sched_ext import FinishReason, Request, Scheduler
 
@@ -137,7 +136,7 @@ class EngineCore:
         # refused the token) ends the request too; abort frees its blocks at once.
         for i in constrained:
             request_id = rows[i].request_id
-            if not structured_output.accept(rows[i].matcher, sampled.token_ids[i]) and request_id not in finished_ids:
+            if not accept(rows[i].matcher, sampled.token_ids[i]) and request_id not in finished_ids:
                 self.scheduler.abort(request_id, FinishReason.STOP)
                 finished_ids.add(request_id)
         outputs = []

