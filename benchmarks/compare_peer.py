@@ -148,21 +148,27 @@ def ratio_table(ours: dict, peer: dict, peer_name: str, levels: list[int]) -> st
     return "\n".join(rows)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_load_arguments(parser: argparse.ArgumentParser) -> None:
+    """The load and the vLLM peer's settings, shared with neutral_compare.py so that both
+    comparisons measure the same thing by default."""
     parser.add_argument("--vllm-venv", default=".peers/vllm")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=2, help="prompts per level = rounds x concurrency")
-    parser.add_argument("--min-prompts", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--dtype", default=None, help="passed to both servers (default: each its own)")
     parser.add_argument("--vllm-memory-share", type=float, default=0.25, help="vLLM's --gpu-memory-utilization")
+    parser.add_argument("--startup-timeout", type=float, default=600)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_load_arguments(parser)
+    parser.add_argument("--min-prompts", type=int, default=4)
+    parser.add_argument("--dtype", default=None, help="passed to both servers (default: each its own)")
     parser.add_argument("--num-threads", type=int, default=1, help="trillm's torch threads")
     parser.add_argument("--trillm-dense", action="store_true", help="trillm on the fp32 weights, not the GGUF blocks")
     parser.add_argument("--vllm-omp-bind", default=None, help="vLLM's VLLM_CPU_OMP_THREADS_BIND (default: auto)")
-    parser.add_argument("--startup-timeout", type=float, default=600)
     skip = parser.add_mutually_exclusive_group()
     skip.add_argument("--skip-trillm", action="store_true", help="reuse trillm's reports from --out")
     skip.add_argument("--skip-peer", action="store_true", help="reuse vLLM's reports from --out")

@@ -24,7 +24,9 @@ import os
 import subprocess
 from pathlib import Path
 
-from benchmarks.compare_peer import REPO, free_port, stop, trillm_command, vllm_command, wait_ready
+from benchmarks.compare_peer import (
+    REPO, add_load_arguments, free_port, stop, trillm_command, vllm_command, wait_ready,
+)
 
 SERVED_NAME = "SmolLM2-135M-Instruct"
 
@@ -94,16 +96,9 @@ def table(results: dict, levels: list[int]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_load_arguments(parser)
     parser.add_argument("--order", nargs="+", default=list(SERVERS), choices=list(SERVERS))
-    parser.add_argument("--vllm-venv", default=".peers/vllm")
     parser.add_argument("--llama-dir", default=".peers/llama.cpp")
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
-    parser.add_argument("--input-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--rounds", type=int, default=2, help="prompts per level = rounds x concurrency")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--vllm-memory-share", type=float, default=0.25, help="vLLM's --gpu-memory-utilization")
-    parser.add_argument("--startup-timeout", type=float, default=600)
     parser.add_argument("--out", default="benchmarks/results/neutral.json")
     args = parser.parse_args()
     # What compare_peer's server commands read; the servers run at their defaults.
