@@ -13,7 +13,9 @@ setup(
             Extension("trillm.kernels.attention_cpu", ["trillm/kernels/attention_cpu.pyx"],
                       extra_compile_args=CPU_KERNEL_FLAGS),
             Extension("trillm.kernels.ops_cpu", ["trillm/kernels/ops_cpu.pyx"], extra_compile_args=CPU_KERNEL_FLAGS),
-            Extension("trillm.kernels.quant_cpu", ["trillm/kernels/quant_cpu.pyx"], extra_compile_args=CPU_KERNEL_FLAGS),
+            # -pthread: the helper threads of pool_cpu.h
+            Extension("trillm.kernels.quant_cpu", ["trillm/kernels/quant_cpu.pyx"],
+                      extra_compile_args=[*CPU_KERNEL_FLAGS, "-pthread"], extra_link_args=["-pthread"]),
         ],
         language_level=3,
         compiler_directives={"boundscheck": False, "wraparound": False},

@@ -4,7 +4,7 @@ sampler, bookkeeping), best of three rounds. For comparing two versions of the e
 
     PYTHONPATH=. python benchmarks/bench_step.py --batch-sizes 1 32
 
-One torch thread, greedy, ignore_eos, 128-token prompts (each request's differs in its last
+One torch thread (and by default one kernel thread), greedy, ignore_eos, 128-token prompts (each request's differs in its last
 token, so none shares its last block), 40 output tokens.
 """
 import argparse
@@ -47,9 +47,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=40)
+    parser.add_argument("--kernel-threads", type=int, default=1, help="threads of the compiled kernels")
+    parser.add_argument("--quantized-activations", action=argparse.BooleanOptionalAction, default=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    core = EngineCore(EngineArgs(num_kv_blocks=1024))
+    core = EngineCore(EngineArgs(num_kv_blocks=1024, kernel_threads=args.kernel_threads,
+                                 quantized_activations=args.quantized_activations))
     for batch in args.batch_sizes:
         ms = decode_step_ms(core, batch, args.rounds, args.prompt_len, args.output_len)
         print(f"batch {batch:3d}: decode step {ms:.2f} ms", flush=True)

@@ -425,6 +425,79 @@ def test_quantized_linear_matches_its_twin(format, rows, tiles, blocks, bias, se
     assert_close(quant_cpu.QuantizedLinear(weight)(x, b), quant.linear(x, weight, b), torch.float32)
 
 
+def test_activation_blocks_as_llama_cpp_makes_them():
+    """quant.quantize_rows (the twin of the kernel's quantization): |v| <= 127, the block's
+    largest |x| maps to +-127, an all-zero block stays zero, and e * v is x within e / 2."""
+    from trillm.kernels import quant
+
+    x = torch.randn(3, 96, generator=torch.Generator().manual_seed(1)) * torch.tensor([1.0, 100.0, 1e-3])[:, None]
+    x[1, 32:64] = 0
+    rows = quant.quantize_rows(x)
+    blocks = x.reshape(3, 3, 32)
+    v = rows.v.reshape(3, 3, 32).float()
+    assert rows.v.dtype == torch.int8 and v.abs().max() <= 127
+    assert torch.equal(v.abs().amax(-1)[rows.e != 0], torch.full_like(rows.e[rows.e != 0], 127.0))
+    assert torch.equal(v[1, 1], torch.zeros(32)) and rows.e[1, 1] == 0 and rows.s[1, 1] == 0
+    assert ((v * rows.e[..., None] - blocks).abs() <= rows.e[..., None] / 2 * (1 + 1e-6)).all()
+    assert torch.allclose(rows.s, rows.e * v.sum(-1))
+
+
+@settings(max_examples=25, deadline=None)
+@given(format=st.sampled_from(["q4_1", "q8_0"]), rows=st.integers(1, 70), tiles=st.integers(1, 5),
+       blocks=st.integers(1, 6), bias=st.booleans(), seed=st.integers(0, 2**16))
+def test_integer_linear_matches_its_twin_on_every_path(format, rows, tiles, blocks, bias, seed):
+    """Int8QuantizedLinear on each path this CPU runs (the widest, AVX2, plain C) against
+    quant.linear_int8: any row count (whole and partial groups of the kernel's 8 rows, several
+    row tiles past 64), any number of 16-output tiles and 32-input blocks, zero blocks of x."""
+    from trillm.kernels import quant, quant_cpu
+
+    weight = quant.from_gguf(format, random_gguf_blocks(format, 16 * tiles, 32 * blocks, seed))
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, 32 * blocks, generator=g) * torch.rand(rows, 1, generator=g) * 10
+    x[0, :32] = 0
+    b = torch.randn(16 * tiles) if bias else None
+    want = quant.linear_int8(x, weight, b)
+    assert "generic" in quant_cpu.isas()
+    for isa in quant_cpu.isas():
+        torch.testing.assert_close(quant_cpu.Int8QuantizedLinear(weight, isa)(x, b), want, atol=1e-4, rtol=1e-5)
+
+
+def test_integer_linear_is_the_exact_product_of_its_quantized_operands():
+    """With x already on its 8-bit grid (e * v exactly), the integer kernel has no rounding of its
+    own to hide behind: it equals the exact path (fp32 activations) on the same x."""
+    from trillm.kernels import quant, quant_cpu
+
+    for format in ("q4_1", "q8_0"):
+        weight = quant.from_gguf(format, random_gguf_blocks(format, 32, 128, seed=3))
+        v = torch.randint(-127, 128, (5, 128), generator=torch.Generator().manual_seed(4)).float()
+        v[:, ::32] = 127  # each block's largest |v|, so that e = 1 / 4 exactly
+        x = v / 4
+        assert torch.equal(quant.quantize_rows(x).v.float(), v)
+        torch.testing.assert_close(quant_cpu.Int8QuantizedLinear(weight)(x), quant.linear(x, weight), atol=1e-4, rtol=1e-5)
+
+
+def test_kernel_threads_share_the_tiles_without_changing_a_bit():
+    """Two threads split the output tiles; each output's sum runs in the same order either way,
+    so the result is the same to the bit, on both linears, called from two threads at once."""
+    import concurrent.futures
+
+    from trillm.kernels import quant, quant_cpu
+
+    weight = quant.from_gguf("q4_1", random_gguf_blocks("q4_1", 16 * 40, 32 * 6, seed=5))
+    x = torch.randn(37, 32 * 6, generator=torch.Generator().manual_seed(6))
+    linears = [quant_cpu.QuantizedLinear(weight), quant_cpu.Int8QuantizedLinear(weight)]
+    previous = quant_cpu.set_threads(1)
+    try:
+        alone = [linear(x) for linear in linears]
+        assert quant_cpu.set_threads(2) == 2
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            for _ in range(20):
+                together = list(pool.map(lambda linear: linear(x), linears))
+                assert all(torch.equal(a, b) for a, b in zip(alone, together))
+    finally:
+        quant_cpu.set_threads(previous)
+
+
 def test_quantized_linear_keeps_leading_dims_and_refuses_what_it_cannot_run():
     from trillm.kernels import quant, quant_cpu
 

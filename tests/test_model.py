@@ -255,9 +255,10 @@ PROMPTS = [
 @pytest.mark.parametrize("source", ["hf-dir", "gguf"])
 def test_default_model_matches_transformers(default_model_dir, source):
     """From the converted directory (fp32 projections) and from the GGUF file itself (on CPU, the
-    projections multiply by its quantized blocks): the same greedy tokens as transformers."""
+    projections multiply by its quantized blocks, on the exact path: fp32 activations): the same
+    greedy tokens as transformers."""
     model = default_model_dir if source == "hf-dir" else None
-    runner = ModelRunner(EngineArgs(model=model, num_kv_blocks=32, block_size=16))
+    runner = ModelRunner(EngineArgs(model=model, num_kv_blocks=32, block_size=16, quantized_activations=False))
     assert runner.model.kernels.name == ("triton" if runner.config.device.type == "cuda" else "cpu")  # auto's choice
     on_blocks = runner.model.lm_head.quantized is not None
     assert on_blocks == (source == "gguf" and runner.config.device.type == "cpu")
@@ -279,6 +280,27 @@ def test_default_model_matches_transformers(default_model_dir, source):
         assert (got - expected).abs().max() < 1e-3
         # greedy: our argmax at each step is the token transformers generated next
         assert got[:-1].argmax(-1).tolist() == seq.token_ids[seq.prompt_len :]
+
+
+def test_integer_activations_agree_with_the_exact_path_on_the_default_model():
+    """The default path (8-bit activations against the GGUF blocks) predicts, teacher-forced on
+    the opening of benchmarks/data/eval_text.txt, the exact path's next token almost everywhere,
+    at almost the same perplexity (the whole text's figures: benchmarks/bench_agreement.py)."""
+    text_path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "data", "eval_text.txt")
+    with open(text_path) as f:
+        text = f.read()[:1500]
+    logits = {}
+    for exact in (True, False):
+        runner = ModelRunner(EngineArgs(num_kv_blocks=32, quantized_activations=not exact))
+        assert runner.model.lm_head.quantized is not None
+        token_ids = runner.tokenizer.encode(text)
+        logits[exact] = runner.teacher_forced_logits(token_ids, chunk=128)
+    targets = torch.tensor(token_ids[1:])
+    agreement = (logits[True].argmax(-1) == logits[False].argmax(-1)).float().mean().item()
+    perplexity = {k: torch.nn.functional.cross_entropy(v[:-1], targets).exp().item() for k, v in logits.items()}
+    assert len(token_ids) > 250 and agreement > 0.9, agreement
+    assert abs(perplexity[False] / perplexity[True] - 1) < 0.02, perplexity
+    assert not torch.equal(logits[True], logits[False])  # two paths, not one twice
 
 
 def test_greedy_under_the_real_scheduler_matches_transformers(tiny_model_dir):
@@ -329,7 +351,7 @@ def test_quantized_projections_equal_their_dequantized_weights(tiny_model_dir, t
     from trillm.kernels import quant
 
     model_dir = tiny_model_dir("llama", tie_word_embeddings=tied)
-    quantized = load_model(EngineArgs(model=model_dir)).model
+    quantized = load_model(EngineArgs(model=model_dir, quantized_activations=False)).model  # the exact path
     dense = load_model(EngineArgs(model=model_dir, attention_backend="torch")).model
     shapes = {name: tuple(t.shape) for name, t in dense.state_dict().items()}
     hf_names = [f"model.layers.{i}.{proj}.weight" for i in range(2) for proj in (
@@ -363,7 +385,7 @@ def test_quantized_projections_equal_their_dequantized_weights(tiny_model_dir, t
 
     # The loader's order: blocks first, then the checkpoint, whose moved projections' fp32
     # tensors are skipped (the loader never reads them; load_weights passes over them itself).
-    first = load_model(EngineArgs(model=model_dir, load_format="dummy")).model
+    first = load_model(EngineArgs(model=model_dir, load_format="dummy", quantized_activations=False)).model
     assert load_quantized_weights(first, weights) == 2 * 4 + 1 - 1
     with safe_open(os.path.join(model_dir, "model.safetensors"), framework="pt") as f:
         checkpoint = [(name, f.get_tensor(name)) for name in f.keys()]

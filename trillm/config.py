@@ -14,6 +14,9 @@ class EngineArgs:
     # A GGUF model's Q4_1 / Q8_0 projections run on their blocks where the kernels can (the cpu
     # family, fp32); off: on the fp32 weights they dequantize to, as every other model does
     quantized_weights: bool = True
+    # ... and, on the cpu family, as integer dot products with each activation row quantized to
+    # 8-bit blocks (trillm/kernels/quant_int8_cpu.h); off: fp32 activations, the exact path
+    quantized_activations: bool = True
     seed: int = 0  # seeds dummy weights and unseeded sampling
     block_size: int = 16
     kv_cache_memory: int = 1 << 30  # bytes of KV cache on CPU
@@ -25,6 +28,9 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     enforce_eager: bool = False  # CUDA: no CUDA graphs
     num_threads: int = 1  # torch intra-op threads on CPU
+    # threads of the compiled CPU kernels (trillm/kernels/pool_cpu.h), the step's included;
+    # None: one per core this process may run on
+    kernel_threads: int | None = None
 
     @classmethod
     def field_names(cls) -> list[str]:

@@ -8,6 +8,7 @@ reach the end of its prompt needs none. On CUDA, pure-decode steps replay CUDA g
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -42,6 +43,7 @@ class ModelRunner:
             pack_linear_weights(self.model)
         if self.config.device.type == "cpu":
             torch.set_num_threads(args.num_threads)
+            self.model.kernels.set_threads(args.kernel_threads or len(os.sched_getaffinity(0)))
         self.block_size = args.block_size
         self.decode_graphs: DecodeGraphs | None = None  # captured once the KV cache exists
         # Tests set this to fail a step from inside the model's turn (a device error, say):
@@ -118,6 +120,21 @@ class ModelRunner:
             sched.needs_sample,
         )
         return self._run(batch, self.kv_caches)
+
+    @torch.inference_mode()
+    def teacher_forced_logits(self, token_ids: list[int], chunk: int = 512) -> torch.Tensor:
+        """fp32 logits [len(token_ids), vocab] at every position of one sequence (what the model
+        predicts after each prefix), in prefill chunks. For offline measurement: it writes the KV
+        cache's first blocks, so it must not run beside live requests."""
+        table = list(range(_cdiv(len(token_ids), self.block_size)))
+        assert len(table) <= self.num_kv_blocks, "the KV cache is too small for this sequence"
+        logits = []
+        for start in range(0, len(token_ids), chunk):
+            end = min(start + chunk, len(token_ids))
+            batch = self.prepare([token_ids[:end]], [table], [end - start], [start], [True])
+            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
+            logits.append(self.model.compute_logits(hidden).float())
+        return torch.cat(logits)
 
     def prepare(
         self,

@@ -35,7 +35,10 @@ class Kernels:
     # called as (x, bias) -> y, whose runs(weight) says which it takes; None: dense weights only
     quantized_linear = None
 
-    def __init__(self, dtype: torch.dtype):
+    def __init__(self, dtype: torch.dtype, quantized_activations: bool = True):
+        """`quantized_activations`: whether a family with a quantized_linear runs it on 8-bit
+        activations (EngineArgs.quantized_activations); the others ignore it."""
+
         def kernels(op: str):
             return importlib.import_module(f"trillm.kernels.{op}{self.module_suffix}")
 
@@ -46,6 +49,11 @@ class Kernels:
         self.rotary_embedding = kernels("rotary").rotary_embedding
         self.write_kv = kernels("cache").write_kv
         self.paged_attention = kernels("attention").paged_attention
+
+    def set_threads(self, threads: int) -> int:
+        """Threads the family's own compiled kernels use (EngineArgs.kernel_threads); returns the
+        number in effect. Families without a thread pool run on the caller's thread."""
+        return 1
 
     def attend(
         self,
@@ -94,24 +102,31 @@ class CpuKernels(TorchKernels):
     (trillm/kernels/quant_cpu.pyx); decode attention by the compiled kernel
     (trillm/kernels/attention_cpu.pyx), which reads the paged cache without a gather; norms,
     SiLU-and-mul, rotary and the KV write each one compiled pass (trillm/kernels/ops_cpu.pyx).
-    fp32 only for the compiled kernels; other dtypes keep packed weights and the twins."""
+    fp32 only for the compiled kernels; other dtypes keep packed weights and the twins. The
+    quantized projections multiply 8-bit activations in integers (quant_int8_cpu.h) unless
+    `quantized_activations` is off, and share their output tiles among `set_threads` threads."""
 
     name = "cpu"
     packs_linear_weights = True
 
-    def __init__(self, dtype: torch.dtype):
-        super().__init__(dtype)
+    def __init__(self, dtype: torch.dtype, quantized_activations: bool = True):
+        super().__init__(dtype, quantized_activations)
         from trillm.kernels import ops_cpu, quant_cpu
         from trillm.kernels.attention_cpu import paged_decode_attention
 
         if dtype == torch.float32:
             self.decode_kernel = paged_decode_attention
-            self.quantized_linear = quant_cpu.QuantizedLinear
+            self.quantized_linear = quant_cpu.Int8QuantizedLinear if quantized_activations else quant_cpu.QuantizedLinear
             self.rms_norm = ops_cpu.rms_norm
             self.fused_add_rms_norm = ops_cpu.fused_add_rms_norm
             self.silu_and_mul = ops_cpu.silu_and_mul
             self.rotary_embedding = ops_cpu.rotary_embedding
             self.write_kv = ops_cpu.write_kv
+
+    def set_threads(self, threads: int) -> int:
+        from trillm.kernels import quant_cpu
+
+        return quant_cpu.set_threads(threads)
 
 
 class TritonKernels(Kernels):
@@ -122,9 +137,10 @@ class TritonKernels(Kernels):
 FAMILIES = {cls.name: cls for cls in (TorchKernels, CpuKernels, TritonKernels)}
 
 
-def get_kernels(name: str, device: torch.device, dtype: torch.dtype) -> Kernels:
+def get_kernels(name: str, device: torch.device, dtype: torch.dtype, quantized_activations: bool = True) -> Kernels:
     """`name` is EngineArgs.attention_backend; "auto" means Triton on CUDA, and on CPU the cpu
-    family where its compiled kernel is built and oneDNN runs the dtype, else the torch twins."""
+    family where its compiled kernel is built and oneDNN runs the dtype, else the torch twins.
+    `quantized_activations` goes to the family (Kernels.__init__)."""
     cpu_runs = device.type == "cpu" and _cpu_family_runs(dtype)
     if name == "auto":
         name = "triton" if device.type == "cuda" else "cpu" if cpu_runs else "torch"
@@ -132,7 +148,7 @@ def get_kernels(name: str, device: torch.device, dtype: torch.dtype) -> Kernels:
         raise ValueError(f"Unknown kernel family {name!r}; choose one of auto, {', '.join(FAMILIES)}.")
     if name == "cpu" and not cpu_runs:
         raise ValueError("The cpu kernel family runs on the CPU, in float32 or (with AVX512-bf16) bfloat16, once built.")
-    return FAMILIES[name](dtype)
+    return FAMILIES[name](dtype, quantized_activations)
 
 
 def _cpu_family_runs(dtype: torch.dtype) -> bool:

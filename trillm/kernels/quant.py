@@ -82,3 +82,46 @@ def dequantize(weight: QuantizedWeight) -> torch.Tensor:
 def linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The twin of quant_cpu.QuantizedLinear: x W^T (+ b) on the dequantized weight."""
     return F.linear(x, dequantize(weight), bias)
+
+
+class QuantizedRows(NamedTuple):
+    """Activations in 8-bit blocks of 32 (llama.cpp's Q8_1): x ~ e * v per block, s = e * sum(v)."""
+
+    v: torch.Tensor  # [M, K] int8, -127..127
+    e: torch.Tensor  # [M, K / 32] fp32
+    s: torch.Tensor  # [M, K / 32] fp32
+
+
+def quantize_rows(x: torch.Tensor) -> QuantizedRows:
+    """x [M, K] fp32 -> its blocks, as trillm/kernels/quant_int8_cpu.h makes them, bit for bit:
+    e = max|x| / 127, v = round-half-even(x * (1 / e)), 0 where e is 0."""
+    rows, k = x.shape
+    blocks = x.reshape(rows, k // BLOCK, BLOCK)
+    e = blocks.abs().amax(dim=-1) / 127.0
+    inv = torch.where(e != 0, 1.0 / e, torch.zeros_like(e))
+    v = torch.round(blocks * inv[..., None]).to(torch.int8)
+    s = e * v.sum(dim=-1, dtype=torch.int32).float()
+    return QuantizedRows(v.reshape(rows, k), e, s)
+
+
+def linear_int8(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The twin of quant_cpu.Int8QuantizedLinear: x's rows quantized by `quantize_rows`, then per
+    block of 32 inputs d e sum(q v) + m s (Q8_0: the exact d e sum(q v)), in float64 so that
+    only the kernel's fp32 sums differ from it."""
+    shape = x.shape
+    rows = quantize_rows(x.reshape(-1, shape[-1]).float())
+    n, blocks = weight.scales.shape
+    if weight.format == "q4_1":
+        packed = weight.quants.reshape(n, blocks, BLOCK // 2)
+        q = torch.cat((packed & 15, packed >> 4), dim=-1)
+    else:
+        q = weight.quants.reshape(n, blocks, BLOCK)
+    v = rows.v.reshape(-1, blocks, BLOCK)
+    dots = torch.einsum("mbk,nbk->mnb", v.double(), q.double())  # exact: integers below 2^53
+    y = (dots * weight.scales.double()[None] * rows.e.double()[:, None]).sum(-1)
+    if weight.mins is not None:
+        y += rows.s.double() @ weight.mins.double().T
+    y = y.float()
+    if bias is not None:
+        y += bias
+    return y.reshape(*shape[:-1], n)

@@ -1,8 +1,12 @@
 # cython: language_level=3, wraparound=True
-"""Linear layers on GGUF-quantized weights on CPU, compiled: the C kernel in quant_cpu.h behind a
-torch-tensor API. Its reference is trillm/kernels/quant.py's `linear` (dequantize, then F.linear).
-fp32 activations; the GIL is released while the kernel runs."""
-from libc.stdint cimport int64_t, uintptr_t
+"""Linear layers on GGUF-quantized weights on CPU, compiled, behind a torch-tensor API: the fp32
+kernel in quant_cpu.h (QuantizedLinear, the exact path) and the integer one in quant_int8_cpu.h
+(Int8QuantizedLinear, activations quantized to 8 bits). Their references are trillm/kernels/
+quant.py's `linear` and `linear_int8`. Both share the pool of helper threads in pool_cpu.h; the
+GIL is released while a kernel runs."""
+import threading
+
+from libc.stdint cimport int64_t, uint8_t, uintptr_t
 
 import torch
 
@@ -13,47 +17,137 @@ cdef extern from "quant_cpu.h" nogil:
     int QUANT_Q8_0
     int TILE_N
     int quantized_linear_f32(float *out, const float *x, int64_t M, int64_t K, int64_t N, int format,
-                              const void *quants, const float *scales, const float *mins)
+                              const void *quants, const float *scales, const float *mins, int64_t chunks)
+    int pool_set_helpers(int helpers)
+
+cdef extern from "quant_int8_cpu.h" nogil:
+    int INT8_GENERIC, INT8_AVX2, INT8_AVXVNNI, INT8_AVX512VNNI
+    int int8_isa_supported(int isa)
+    int int8_best_isa()
+    int int8_linear(float *out, const float *x, int64_t M, int64_t K, int64_t N, int nibbles, const uint8_t *u,
+                    const float *d, const float *m, int isa, int64_t chunks)
 
 FORMATS = {"q4_1": QUANT_Q4_1, "q8_0": QUANT_Q8_0}
+# the integer kernel's paths, widest last
+ISAS = {"generic": INT8_GENERIC, "avx2": INT8_AVX2, "avx_vnni": INT8_AVXVNNI, "avx512_vnni": INT8_AVX512VNNI}
+# chunks a projection's output tiles are cut into per thread: a helper that starts late still
+# finds some, and no thread is left with one large remainder
+CHUNKS_PER_THREAD = 4
+
+# One job at a time goes to the pool (the engine's step is one thread; tests may call from more).
+_pool_lock = threading.Lock()
+_threads = 1
+
+
+def set_threads(threads: int) -> int:
+    """Threads the kernels of this module use, the caller's included: helpers are started once and
+    then sleep between steps. Returns the number in effect."""
+    global _threads
+    with _pool_lock:
+        _threads = 1 + pool_set_helpers(max(threads, 1) - 1)
+        return _threads
+
+
+def isas() -> list[str]:
+    """The integer kernel's paths this CPU runs, widest last."""
+    return [name for name, isa in ISAS.items() if int8_isa_supported(isa)]
+
+
+def runs(weight: QuantizedWeight) -> bool:
+    """Whether the kernels take this weight: its rows must fill tiles of 16."""
+    return weight.format in FORMATS and weight.out_features % TILE_N == 0
+
+
+def _tiled(per_row, tiles: int, blocks: int):
+    """[N, blocks * c] -> [N / 16, blocks, c, 16]: a tile's 16 rows side by side, block by block."""
+    return per_row.reshape(tiles, TILE_N, blocks, -1).permute(0, 2, 3, 1).contiguous()
+
+
+def _check_input(x, in_features: int):
+    assert x.dtype == torch.float32 and x.device.type == "cpu" and x.shape[-1] == in_features, (x.dtype, x.shape)
+    return x.reshape(-1, in_features).contiguous()
 
 
 class QuantizedLinear:
-    """x -> x W^T (+ bias) for one QuantizedWeight, regrouped once into the kernel's tiles."""
+    """x -> x W^T (+ bias) for one QuantizedWeight with fp32 activations, regrouped once into the
+    kernel's tiles."""
 
-    @staticmethod
-    def runs(weight: QuantizedWeight) -> bool:
-        """Whether the kernel takes this weight: its rows must fill tiles of 16."""
-        return weight.format in FORMATS and weight.out_features % TILE_N == 0
+    runs = staticmethod(runs)
 
     def __init__(self, weight: QuantizedWeight):
-        assert self.runs(weight), (weight.format, weight.out_features)
+        assert runs(weight), (weight.format, weight.out_features)
         self.format = FORMATS[weight.format]
         self.out_features, self.in_features = weight.out_features, weight.in_features
         tiles, blocks = weight.out_features // TILE_N, weight.in_features // BLOCK
-
-        def tiled(per_row):  # [N, blocks * c] -> [N / 16, blocks, c, 16]
-            return per_row.reshape(tiles, TILE_N, blocks, -1).permute(0, 2, 3, 1).contiguous()
-
-        self.quants, self.scales = tiled(weight.quants), tiled(weight.scales)
-        self.mins = tiled(weight.mins) if weight.mins is not None else None
+        self.quants, self.scales = _tiled(weight.quants, tiles, blocks), _tiled(weight.scales, tiles, blocks)
+        self.mins = _tiled(weight.mins, tiles, blocks) if weight.mins is not None else None
 
     def __call__(self, x, bias=None):
         """x [..., K] fp32 on the CPU -> [..., N] fp32."""
-        assert x.dtype == torch.float32 and x.device.type == "cpu" and x.shape[-1] == self.in_features, (x.dtype, x.shape)
-        x2 = x.reshape(-1, self.in_features).contiguous()
+        x2 = _check_input(x, self.in_features)
         out = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
         cdef int64_t M = x2.shape[0], K = self.in_features, N = self.out_features
-        cdef int fmt = self.format, rc
+        cdef int fmt = self.format, rc = 0
+        cdef int64_t chunks
         cdef float *out_ptr = <float *><uintptr_t>out.data_ptr()
         cdef const float *x_ptr = <const float *><uintptr_t>x2.data_ptr()
         cdef const void *quants_ptr = <const void *><uintptr_t>self.quants.data_ptr()
         cdef const float *scales_ptr = <const float *><uintptr_t>self.scales.data_ptr()
         cdef const float *mins_ptr = <const float *><uintptr_t>(self.mins.data_ptr() if self.mins is not None else 0)
-        with nogil:
-            rc = quantized_linear_f32(out_ptr, x_ptr, M, K, N, fmt, quants_ptr, scales_ptr, mins_ptr)
+        with _pool_lock:
+            chunks = _threads * CHUNKS_PER_THREAD
+            with nogil:
+                rc = quantized_linear_f32(out_ptr, x_ptr, M, K, N, fmt, quants_ptr, scales_ptr, mins_ptr, chunks)
         if rc != 0:
             raise MemoryError("quantized linear: no memory for the transposed rows")
+        if bias is not None:
+            out += bias
+        return out.view(*x.shape[:-1], N)
+
+
+class Int8QuantizedLinear:
+    """x -> x W^T (+ bias) for one QuantizedWeight as integer dot products: each row of x is
+    quantized to 8-bit blocks (quant_int8_cpu.h says how). `isa` picks the kernel's path (one of
+    isas(); the widest by default)."""
+
+    runs = staticmethod(runs)
+
+    def __init__(self, weight: QuantizedWeight, isa: str | None = None):
+        assert runs(weight), (weight.format, weight.out_features)
+        assert isa is None or isa in isas(), (isa, isas())
+        self.isa = ISAS[isa] if isa is not None else int8_best_isa()
+        self.out_features, self.in_features = weight.out_features, weight.in_features
+        tiles, blocks = weight.out_features // TILE_N, weight.in_features // BLOCK
+        self.nibbles = weight.format == "q4_1"
+
+        def grouped(u):  # [N, blocks * 4 * c] bytes -> [N / 16, blocks, c, 16, 4]: 4 inputs per 32-bit lane
+            return u.reshape(tiles, TILE_N, blocks, -1, 4).permute(0, 2, 3, 1, 4).contiguous()
+
+        if self.nibbles:
+            self.u, self.m = grouped(weight.quants), _tiled(weight.mins, tiles, blocks)
+        else:  # Q8_0's q as u = q + 128 with m = -128 d
+            self.u = grouped(weight.quants.view(torch.uint8) ^ 0x80)
+            self.m = _tiled(weight.scales * -128.0, tiles, blocks)
+        self.d = _tiled(weight.scales, tiles, blocks)
+
+    def __call__(self, x, bias=None):
+        """x [..., K] fp32 on the CPU -> [..., N] fp32."""
+        x2 = _check_input(x, self.in_features)
+        out = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
+        cdef int64_t M = x2.shape[0], K = self.in_features, N = self.out_features
+        cdef int nibbles = self.nibbles, isa = self.isa, rc = 0
+        cdef int64_t chunks
+        cdef float *out_ptr = <float *><uintptr_t>out.data_ptr()
+        cdef const float *x_ptr = <const float *><uintptr_t>x2.data_ptr()
+        cdef const uint8_t *u_ptr = <const uint8_t *><uintptr_t>self.u.data_ptr()
+        cdef const float *d_ptr = <const float *><uintptr_t>self.d.data_ptr()
+        cdef const float *m_ptr = <const float *><uintptr_t>self.m.data_ptr()
+        with _pool_lock:
+            chunks = _threads * CHUNKS_PER_THREAD
+            with nogil:
+                rc = int8_linear(out_ptr, x_ptr, M, K, N, nibbles, u_ptr, d_ptr, m_ptr, isa, chunks)
+        if rc != 0:
+            raise MemoryError("quantized linear: no memory for the quantized rows")
         if bias is not None:
             out += bias
         return out.view(*x.shape[:-1], N)

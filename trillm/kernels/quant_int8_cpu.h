@@ -1,0 +1,377 @@
+/* Linear layers on CPU as integer dot products: y = x W^T with W in GGUF's Q4_1 or Q8_0 blocks
+ * and x quantized, row by row, to 8-bit blocks of 32 inputs (as llama.cpp's Q8_1).
+ *
+ * Why: once a batch has a few rows, the fp32 kernel (quant_cpu.h) is bound by its multiply-adds,
+ * 16 per instruction. `vpdpbusd` (AVX512-VNNI) does 64 byte products a instruction, summed in
+ * int32, so the work per block of 32 inputs falls to a few integer instructions and one fp32
+ * multiply-add at the block's scales.
+ *
+ * The arithmetic. Every weight is written unsigned, w = d * u + m: Q4_1 as GGUF stores it
+ * (u = 0..15), Q8_0 as u = q + 128 with m = -128 d (exact, a power of two). An activation block is
+ * x ~ e * v, v = round(x / e) in -127..127 with e = max|x| / 127, and carries s = e * sum(v). Then
+ *     sum_k w_k x_k ~ d e sum_k u_k v_k + m s,
+ * where sum u v is exact in int32 and the only rounding beyond x's is fp32 at the block scales.
+ * One form serves both formats, and `vpdpbusd` (unsigned u times signed v) runs it as it is.
+ *
+ * Layout: weights in tiles of 16 output rows, block by block, four inputs of one row in 32 bits,
+ * so that one 64-byte register holds four inputs for all 16 rows (one 32-bit lane per row) and
+ * meets a row of x as one broadcast 32-bit word of four v's: no horizontal sums. Q4_1: [N / 16,
+ * K / 32, 4, 16, 4] bytes, byte c of group g holding GGUF's byte 4g + c (inputs 4g + c in the low
+ * nibble, 16 + 4g + c in the high one); Q8_0: [N / 16, K / 32, 8, 16, 4] bytes u, group g inputs
+ * 4g..4g + 3. d and m: [N / 16, K / 32, 16] fp32. Activations: v [M, K] int8, e and s [M, K / 32].
+ *
+ * Three paths, chosen at run time, each checked against quant.py's twin: AVX512-VNNI; AVX2 (each
+ * 16-row register split in two 8-row halves, with AVX-VNNI's `vpdpbusd` where the CPU has it,
+ * else `vpmaddubsw` + `vpmaddwd`, which saturates beyond 16-bit pairs, hence u split in nibbles
+ * for Q8_0); and plain C.
+ */
+#ifndef TRILLM_QUANT_INT8_CPU_H
+#define TRILLM_QUANT_INT8_CPU_H
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "pool_cpu.h"
+
+#define INT8_BLOCK 32
+#define INT8_TILE_N 16
+#define INT8_ROWS 8   /* rows of x that share each block of weights in registers */
+#define INT8_M_TILE 64 /* rows of x kept in cache while every tile of W passes */
+
+enum int8_isa { INT8_AUTO = 0, INT8_GENERIC = 1, INT8_AVX2 = 2, INT8_AVXVNNI = 3, INT8_AVX512VNNI = 4 };
+
+struct int8_weight {
+    int nibbles; /* 1: Q4_1's packed nibbles; 0: a byte per input (Q8_0) */
+    int64_t tiles, blocks;
+    const uint8_t *u;
+    const float *d, *m;
+};
+
+struct int8_rows {
+    int64_t K, blocks;
+    const int8_t *v;
+    const float *e, *s;
+};
+
+/* Quantizes x [M, K] fp32 (K a multiple of 32) into v, e, s, as the twin does: e = max|x| / 127,
+ * v = round-half-even(x * (1 / e)) (0 where e is 0), s = e * sum(v). */
+static void int8_quantize_rows_generic(const float *x, int64_t M, int64_t K, int8_t *v, float *e, float *s)
+{
+    const int64_t blocks = K / INT8_BLOCK;
+    for (int64_t r = 0; r < M; r++)
+        for (int64_t b = 0; b < blocks; b++) {
+            const float *xb = x + r * K + b * INT8_BLOCK;
+            float amax = 0.0f;
+            for (int k = 0; k < INT8_BLOCK; k++) amax = fmaxf(amax, fabsf(xb[k]));
+            const float eb = amax / 127.0f;
+            const float inv = eb != 0.0f ? 1.0f / eb : 0.0f;
+            int32_t sum = 0;
+            for (int k = 0; k < INT8_BLOCK; k++) {
+                const int32_t q = (int32_t)nearbyintf(xb[k] * inv);
+                v[r * K + b * INT8_BLOCK + k] = (int8_t)q;
+                sum += q;
+            }
+            e[r * blocks + b] = eb;
+            s[r * blocks + b] = eb * (float)sum;
+        }
+}
+
+/* out[r * N + 16 t + i] for `rows` rows from r0 and the 16 outputs of tile t. */
+typedef void int8_rows_kernel(int rows, float *out, int64_t N, const struct int8_rows *x, int64_t r0,
+                              const struct int8_weight *w, int64_t t);
+
+static inline int int8_weight_groups(const struct int8_weight *w) { return w->nibbles ? 4 : 8; }
+
+/* u of input k of output row i in block `block` (a tile's blocks follow each other). */
+static inline int32_t int8_weight_at(const struct int8_weight *w, int64_t block, int i, int k)
+{
+    const int64_t base = block * int8_weight_groups(w) * INT8_TILE_N * 4;
+    if (!w->nibbles) return w->u[base + ((k / 4) * INT8_TILE_N + i) * 4 + k % 4];
+    const int j = k % 16;
+    const uint8_t byte = w->u[base + ((j / 4) * INT8_TILE_N + i) * 4 + j % 4];
+    return k < 16 ? byte & 15 : byte >> 4;
+}
+
+static void int8_rows_generic(int rows, float *out, int64_t N, const struct int8_rows *x, int64_t r0,
+                              const struct int8_weight *w, int64_t t)
+{
+    for (int r = 0; r < rows; r++) {
+        float acc[INT8_TILE_N] = {0};
+        const int8_t *v = x->v + (r0 + r) * x->K;
+        for (int64_t b = 0; b < w->blocks; b++) {
+            const int64_t block = t * w->blocks + b;
+            const float e = x->e[(r0 + r) * x->blocks + b], s = x->s[(r0 + r) * x->blocks + b];
+            for (int i = 0; i < INT8_TILE_N; i++) {
+                int32_t dot = 0;
+                for (int k = 0; k < INT8_BLOCK; k++) dot += int8_weight_at(w, block, i, k) * v[b * INT8_BLOCK + k];
+                acc[i] = fmaf(w->d[block * INT8_TILE_N + i] * e, (float)dot, acc[i]);
+                acc[i] = fmaf(w->m[block * INT8_TILE_N + i], s, acc[i]);
+            }
+        }
+        memcpy(out + (r0 + r) * N + t * INT8_TILE_N, acc, sizeof(acc));
+    }
+}
+
+#if defined(__GNUC__) && defined(__x86_64__)
+#include <immintrin.h>
+
+static inline int32_t int8_word(const int8_t *p)
+{
+    int32_t word;
+    memcpy(&word, p, sizeof(word));
+    return word;
+}
+
+/* As int8_quantize_rows_generic, a block in two registers (vcvtps2dq rounds half to even). */
+__attribute__((target("avx512f,avx512bw"))) static void int8_quantize_rows_avx512(const float *x, int64_t M, int64_t K,
+                                                                                 int8_t *v, float *e, float *s)
+{
+    const int64_t blocks = K / INT8_BLOCK;
+    for (int64_t r = 0; r < M; r++)
+        for (int64_t b = 0; b < blocks; b++) {
+            const float *xb = x + r * K + b * INT8_BLOCK;
+            const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
+            const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+            const float eb = amax / 127.0f;
+            const __m512 inv = _mm512_set1_ps(eb != 0.0f ? 1.0f / eb : 0.0f);
+            const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, inv)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, inv));
+            _mm_storeu_si128((__m128i *)(v + r * K + b * INT8_BLOCK), _mm512_cvtepi32_epi8(q0));
+            _mm_storeu_si128((__m128i *)(v + r * K + b * INT8_BLOCK + 16), _mm512_cvtepi32_epi8(q1));
+            e[r * blocks + b] = eb;
+            s[r * blocks + b] = eb * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+        }
+}
+
+/* `rows` and `nibbles` are constants at each call site, so each pair compiles to its own loop
+ * with the accumulators in registers. */
+__attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline)) static inline void int8_rows_avx512_body(
+    int rows, int nibbles, float *out, int64_t N, const struct int8_rows *x, int64_t r0, const struct int8_weight *w,
+    int64_t t)
+{
+    __m512 acc[INT8_ROWS];
+    _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
+    const __m512i low = _mm512_set1_epi8(15);
+    for (int64_t b = 0; b < w->blocks; b++) {
+        const int64_t block = t * w->blocks + b;
+        const __m512 d = _mm512_loadu_ps(w->d + block * INT8_TILE_N), m = _mm512_loadu_ps(w->m + block * INT8_TILE_N);
+        __m512i u[8];
+        if (nibbles) {
+            const uint8_t *q = w->u + block * 4 * 64;
+            _Pragma("GCC unroll 4") for (int g = 0; g < 4; g++) {
+                const __m512i packed = _mm512_loadu_si512(q + g * 64);
+                u[g] = _mm512_and_si512(packed, low);
+                u[g + 4] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+            }
+        } else {
+            const uint8_t *q = w->u + block * 8 * 64;
+            _Pragma("GCC unroll 8") for (int g = 0; g < 8; g++) u[g] = _mm512_loadu_si512(q + g * 64);
+        }
+        _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) {
+            const int8_t *v = x->v + (r0 + r) * x->K + b * INT8_BLOCK;
+            __m512i dot = _mm512_setzero_si512();
+            _Pragma("GCC unroll 8") for (int g = 0; g < 8; g++)
+                dot = _mm512_dpbusd_epi32(dot, u[g], _mm512_set1_epi32(int8_word(v + 4 * g)));
+            const int64_t at = (r0 + r) * x->blocks + b;
+            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(x->e[at])), _mm512_cvtepi32_ps(dot), acc[r]);
+            acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(x->s[at]), acc[r]);
+        }
+    }
+    _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) _mm512_storeu_ps(out + (r0 + r) * N + t * INT8_TILE_N, acc[r]);
+}
+
+#define INT8_ROWS_SWITCH(BODY)                                                                             \
+    switch (rows) {                                                                                        \
+        INT8_ROWS_CASE(BODY, 1) INT8_ROWS_CASE(BODY, 2) INT8_ROWS_CASE(BODY, 3) INT8_ROWS_CASE(BODY, 4)      \
+        INT8_ROWS_CASE(BODY, 5) INT8_ROWS_CASE(BODY, 6) INT8_ROWS_CASE(BODY, 7) INT8_ROWS_CASE(BODY, 8)      \
+    }
+#define INT8_ROWS_CASE(BODY, R)                                                                            \
+    case R:                                                                                                \
+        if (w->nibbles)                                                                                    \
+            BODY(R, 1, out, N, x, r0, w, t);                                                               \
+        else                                                                                               \
+            BODY(R, 0, out, N, x, r0, w, t);                                                               \
+        break;
+
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) static void int8_rows_avx512vnni(
+    int rows, float *out, int64_t N, const struct int8_rows *x, int64_t r0, const struct int8_weight *w, int64_t t)
+{
+    INT8_ROWS_SWITCH(int8_rows_avx512_body)
+}
+
+/* The AVX2 body, once with AVX-VNNI's vpdpbusd and once with vpmaddubsw + vpmaddwd (DOT_NIBBLES:
+ * a dot of unsigned values below 16, whose 16-bit pair sums cannot saturate; DOT_BYTES: any u). */
+#define INT8_DEFINE_AVX2_BODY(NAME, TARGET, DOT_NIBBLES, DOT_BYTES)                                        \
+    __attribute__((target(TARGET), always_inline)) static inline void NAME(                                \
+        int rows, int nibbles, float *out, int64_t N, const struct int8_rows *x, int64_t r0,                 \
+        const struct int8_weight *w, int64_t t)                                                            \
+    {                                                                                                      \
+        __m256 acc[INT8_ROWS][2];                                                                          \
+        _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps(); \
+        const __m256i low = _mm256_set1_epi8(15);                                                          \
+        for (int64_t b = 0; b < w->blocks; b++) {                                                          \
+            const int64_t block = t * w->blocks + b;                                                       \
+            for (int half = 0; half < 2; half++) {                                                         \
+                const __m256 d = _mm256_loadu_ps(w->d + block * INT8_TILE_N + 8 * half);                   \
+                const __m256 m = _mm256_loadu_ps(w->m + block * INT8_TILE_N + 8 * half);                   \
+                __m256i u[8];                                                                              \
+                if (nibbles) {                                                                             \
+                    const uint8_t *q = w->u + block * 4 * 64 + 32 * half;                                  \
+                    for (int g = 0; g < 4; g++) {                                                          \
+                        const __m256i packed = _mm256_loadu_si256((const __m256i *)(q + g * 64));          \
+                        u[g] = _mm256_and_si256(packed, low);                                              \
+                        u[g + 4] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);                    \
+                    }                                                                                      \
+                } else {                                                                                   \
+                    const uint8_t *q = w->u + block * 8 * 64 + 32 * half;                                  \
+                    for (int g = 0; g < 8; g++) u[g] = _mm256_loadu_si256((const __m256i *)(q + g * 64));  \
+                }                                                                                          \
+                _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) {                                   \
+                    const int8_t *v = x->v + (r0 + r) * x->K + b * INT8_BLOCK;                             \
+                    __m256i dot = _mm256_setzero_si256();                                                  \
+                    for (int g = 0; g < 8; g++) {                                                          \
+                        const __m256i vg = _mm256_set1_epi32(int8_word(v + 4 * g));                        \
+                        dot = nibbles ? DOT_NIBBLES(dot, u[g], vg) : DOT_BYTES(dot, u[g], vg);             \
+                    }                                                                                      \
+                    const int64_t at = (r0 + r) * x->blocks + b;                                           \
+                    acc[r][half] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(x->e[at])),             \
+                                                   _mm256_cvtepi32_ps(dot), acc[r][half]);                 \
+                    acc[r][half] = _mm256_fmadd_ps(m, _mm256_set1_ps(x->s[at]), acc[r][half]);             \
+                }                                                                                          \
+            }                                                                                              \
+        }                                                                                                  \
+        _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) {                                           \
+            _mm256_storeu_ps(out + (r0 + r) * N + t * INT8_TILE_N, acc[r][0]);                             \
+            _mm256_storeu_ps(out + (r0 + r) * N + t * INT8_TILE_N + 8, acc[r][1]);                         \
+        }                                                                                                  \
+    }
+
+__attribute__((target("avx2"), always_inline)) static inline __m256i int8_dot_maddubs(__m256i acc, __m256i u, __m256i v)
+{
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, v), _mm256_set1_epi16(1)));
+}
+
+/* u = 16 h + l with h, l below 16: two saturation-free dots */
+__attribute__((target("avx2"), always_inline)) static inline __m256i int8_dot_maddubs_bytes(__m256i acc, __m256i u,
+                                                                                              __m256i v)
+{
+    const __m256i low = _mm256_set1_epi8(15);
+    const __m256i h = _mm256_and_si256(_mm256_srli_epi16(u, 4), low), l = _mm256_and_si256(u, low);
+    return int8_dot_maddubs(_mm256_add_epi32(acc, _mm256_slli_epi32(int8_dot_maddubs(_mm256_setzero_si256(), h, v), 4)),
+                            l, v);
+}
+
+__attribute__((target("avx2,avxvnni"), always_inline)) static inline __m256i int8_dot_avxvnni(__m256i acc, __m256i u,
+                                                                                                __m256i v)
+{
+    return _mm256_dpbusd_avx_epi32(acc, u, v);
+}
+
+INT8_DEFINE_AVX2_BODY(int8_rows_avx2_body, "avx2,fma", int8_dot_maddubs, int8_dot_maddubs_bytes)
+INT8_DEFINE_AVX2_BODY(int8_rows_avxvnni_body, "avx2,fma,avxvnni", int8_dot_avxvnni, int8_dot_avxvnni)
+
+__attribute__((target("avx2,fma"))) static void int8_rows_avx2(
+    int rows, float *out, int64_t N, const struct int8_rows *x, int64_t r0, const struct int8_weight *w, int64_t t)
+{
+    INT8_ROWS_SWITCH(int8_rows_avx2_body)
+}
+
+__attribute__((target("avx2,fma,avxvnni"))) static void int8_rows_avxvnni(
+    int rows, float *out, int64_t N, const struct int8_rows *x, int64_t r0, const struct int8_weight *w, int64_t t)
+{
+    INT8_ROWS_SWITCH(int8_rows_avxvnni_body)
+}
+
+static int int8_isa_supported(int isa)
+{
+    __builtin_cpu_init();
+    switch (isa) {
+    case INT8_GENERIC: return 1;
+    case INT8_AVX2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    case INT8_AVXVNNI:
+        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("avxvnni");
+    case INT8_AVX512VNNI:
+        return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+               __builtin_cpu_supports("avx512vnni");
+    }
+    return 0;
+}
+
+static int8_rows_kernel *int8_kernel_of(int isa)
+{
+    switch (isa) {
+    case INT8_AVX2: return int8_rows_avx2;
+    case INT8_AVXVNNI: return int8_rows_avxvnni;
+    case INT8_AVX512VNNI: return int8_rows_avx512vnni;
+    }
+    return int8_rows_generic;
+}
+static void int8_quantize_rows(int isa, const float *x, int64_t M, int64_t K, int8_t *v, float *e, float *s)
+{
+    if (isa == INT8_AVX512VNNI)
+        int8_quantize_rows_avx512(x, M, K, v, e, s);
+    else
+        int8_quantize_rows_generic(x, M, K, v, e, s);
+}
+#else
+static int int8_isa_supported(int isa) { return isa == INT8_GENERIC; }
+static void int8_quantize_rows(int isa, const float *x, int64_t M, int64_t K, int8_t *v, float *e, float *s)
+{
+    int8_quantize_rows_generic(x, M, K, v, e, s);
+}
+static int8_rows_kernel *int8_kernel_of(int isa) { return int8_rows_generic; }
+#endif
+
+/* The widest path this CPU runs. */
+static int int8_best_isa(void)
+{
+    for (int isa = INT8_AVX512VNNI; isa > INT8_GENERIC; isa--)
+        if (int8_isa_supported(isa)) return isa;
+    return INT8_GENERIC;
+}
+
+struct int8_job {
+    int8_rows_kernel *kernel;
+    float *out;
+    int64_t M, N, tiles_per_chunk;
+    struct int8_rows x;
+    struct int8_weight w;
+};
+
+/* Tiles [c * tiles_per_chunk, ...) of W against every row: x's rows INT8_M_TILE at a time, which
+ * stay in cache while those tiles pass, INT8_ROWS at a time over each tile. */
+static void int8_chunk(void *ctx, int64_t c)
+{
+    const struct int8_job *job = ctx;
+    const int64_t t0 = c * job->tiles_per_chunk;
+    const int64_t t1 = t0 + job->tiles_per_chunk < job->w.tiles ? t0 + job->tiles_per_chunk : job->w.tiles;
+    for (int64_t m0 = 0; m0 < job->M; m0 += INT8_M_TILE) {
+        const int64_t m1 = m0 + INT8_M_TILE < job->M ? m0 + INT8_M_TILE : job->M;
+        for (int64_t t = t0; t < t1; t++)
+            for (int64_t r0 = m0; r0 < m1; r0 += INT8_ROWS)
+                job->kernel(m1 - r0 < INT8_ROWS ? (int)(m1 - r0) : INT8_ROWS, job->out, job->N, &job->x, r0, &job->w, t);
+    }
+}
+
+/* out [M, N] = x [M, K] W^T, fp32, contiguous; K a multiple of 32, N of 16; `isa` one this CPU
+ * runs (int8_isa_supported). x is quantized once, then the output tiles are shared among the
+ * caller and the pool's helpers (pool_cpu.h), `chunks` pieces. Returns 0, or -1 when out of
+ * memory. */
+static int int8_linear(float *out, const float *x, int64_t M, int64_t K, int64_t N, int nibbles, const uint8_t *u,
+                       const float *d, const float *m, int isa, int64_t chunks)
+{
+    const int64_t blocks = K / INT8_BLOCK;
+    int8_t *v = malloc((size_t)(M * K) + 2 * sizeof(float) * (size_t)(M * blocks));
+    if (v == NULL) return -1;
+    float *e = (float *)(v + M * K); /* K is a multiple of 32: aligned for floats */
+    float *s = e + M * blocks;
+    int8_quantize_rows(isa, x, M, K, v, e, s);
+    struct int8_job job = {int8_kernel_of(isa), out, M, N, 0, {K, blocks, v, e, s}, {nibbles, N / INT8_TILE_N, blocks, u, d, m}};
+    job.tiles_per_chunk = (job.w.tiles + chunks - 1) / chunks;
+    pool_run(int8_chunk, &job, (job.w.tiles + job.tiles_per_chunk - 1) / job.tiles_per_chunk);
+    free(v);
+    return 0;
+}
+
+#endif
