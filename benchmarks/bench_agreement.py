@@ -1,6 +1,7 @@
-"""How far the integer path (8-bit activations, trillm/kernels/quant_int8_cpu.h) moves the
-default model from the exact path (fp32 activations on the same GGUF blocks): teacher-forced top-1
-agreement and perplexity on a fixed text, benchmarks/data/eval_text.txt.
+"""How far the CPU defaults move the default model from the exact path (fp32 activations on the
+same GGUF blocks, an fp32 KV cache): 8-bit activations (trillm/kernels/quant_int8_cpu.h), an
+fp16 KV cache, and both (the default). Teacher-forced top-1 agreement with the exact path and
+perplexity, on a fixed text, benchmarks/data/eval_text.txt.
 
     PYTHONPATH=. python benchmarks/bench_agreement.py [--text FILE] [--json out.json]
 
@@ -22,22 +23,29 @@ from trillm.engine.runner import ModelRunner
 TEXT = os.path.join(os.path.dirname(__file__), "data", "eval_text.txt")
 
 
-def measure(token_ids: list[int], paths: dict[str, EngineArgs]) -> dict:
-    """Per path its perplexity; with two paths, the agreement of the second with the first."""
-    logits = {}
-    for name, args in paths.items():
-        runner = ModelRunner(args)
-        logits[name] = runner.teacher_forced_logits(token_ids)
-        del runner
+def teacher_forced(token_ids: list[int], args: EngineArgs) -> torch.Tensor:
+    runner = ModelRunner(args)
+    return runner.teacher_forced_logits(token_ids)
+
+
+def measure(token_ids: list[int], paths: dict[str, dict]) -> dict:
+    """Per path (EngineArgs fields) its perplexity and, past the first, its agreement with the
+    first."""
+    common = dict(num_kv_blocks=512, max_num_batched_tokens=512)
     targets = torch.tensor(token_ids[1:])
     result = {"tokens": len(token_ids)}
-    for name, lg in logits.items():
-        nll = torch.nn.functional.cross_entropy(lg[:-1].double(), targets)
-        result[f"perplexity_{name}"] = math.exp(nll.item())
-    (first, a), (second, b) = logits.items()
-    result["top1_agreement"] = (a.argmax(-1) == b.argmax(-1)).double().mean().item()
-    result["max_abs_logit_diff"] = (a - b).abs().max().item()
-    result["perplexity_change"] = result[f"perplexity_{second}"] / result[f"perplexity_{first}"] - 1
+    reference = None
+    for name, fields in paths.items():
+        logits = teacher_forced(token_ids, EngineArgs(**common, **fields))
+        nll = torch.nn.functional.cross_entropy(logits[:-1].double(), targets)
+        row = {"perplexity": math.exp(nll.item())}
+        if reference is None:
+            reference = (logits, row["perplexity"])
+        else:
+            row["top1_agreement"] = (logits.argmax(-1) == reference[0].argmax(-1)).double().mean().item()
+            row["max_abs_logit_diff"] = (logits - reference[0]).abs().max().item()
+            row["perplexity_change"] = row["perplexity"] / reference[1] - 1
+        result[name] = row
     return result
 
 
@@ -47,14 +55,19 @@ def main() -> None:
     parser.add_argument("--json")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    common = dict(num_kv_blocks=512, max_num_batched_tokens=512)
-    paths = {"exact": EngineArgs(quantized_activations=False, **common), "int8": EngineArgs(**common)}
+    paths = {
+        "exact": dict(quantized_activations=False, kv_cache_dtype="float32"),
+        "int8 activations": dict(kv_cache_dtype="float32"),
+        "fp16 KV cache": dict(quantized_activations=False),
+        "default (both)": {},
+    }
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(None))
     with open(args.text) as f:
         token_ids = tokenizer.encode(f.read())
     result = measure(token_ids, paths)
-    for key, value in result.items():
-        print(f"{key}: {value:.6g}" if isinstance(value, float) else f"{key}: {value}")
+    print(f"tokens: {result['tokens']}")
+    for name in paths:
+        print(f"{name}: " + ", ".join(f"{k} {v:.6g}" for k, v in result[name].items()))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

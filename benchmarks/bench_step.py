@@ -1,8 +1,9 @@
-"""The engine's decode step on the default model, as a batch of requests sees it: the median
-time of one EngineCore.step() while every request of the batch decodes (scheduler, model,
-sampler, bookkeeping), best of three rounds. For comparing two versions of the engine.
+"""The engine's step on the default model, as requests see it: the median time of one
+EngineCore.step() while every request of a batch decodes (scheduler, model, sampler,
+bookkeeping), best of three rounds; and the step that prefills one prompt of each
+--prefill-lens, best of three. For comparing two versions of the engine.
 
-    PYTHONPATH=. python benchmarks/bench_step.py --batch-sizes 1 32
+    PYTHONPATH=. python benchmarks/bench_step.py --batch-sizes 1 32 --prefill-lens 512 1024
 
 One torch thread (and by default one kernel thread), greedy, ignore_eos, 128-token prompts (each request's differs in its last
 token, so none shares its last block), 40 output tokens.
@@ -41,12 +42,29 @@ def decode_step_ms(core: EngineCore, batch: int, rounds: int, prompt_len: int, o
     return best
 
 
+def prefill_step_ms(core: EngineCore, length: int, rounds: int) -> float:
+    """The step that computes a whole `length`-token prompt (and samples its first token); a
+    different prompt each round, so no prefix-cache hit."""
+    base = core.tokenizer.encode(PROMPT * (1 + length // 100))
+    best = float("inf")
+    for r in range(rounds):
+        prompt = [100 + r] + base[: length - 1]
+        core.add_request(f"p{length}-{r}", prompt, SamplingParams(max_tokens=1, ignore_eos=True, temperature=0))
+        start = time.perf_counter()
+        core.step()
+        best = min(best, (time.perf_counter() - start) * 1000)
+        while core.has_unfinished():
+            core.step()
+    return best
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=40)
+    parser.add_argument("--prefill-lens", type=int, nargs="*", default=[])
     parser.add_argument("--kernel-threads", type=int, default=1, help="threads of the compiled kernels")
     parser.add_argument("--quantized-activations", action=argparse.BooleanOptionalAction, default=True)
     args = parser.parse_args()
@@ -56,6 +74,9 @@ def main() -> None:
     for batch in args.batch_sizes:
         ms = decode_step_ms(core, batch, args.rounds, args.prompt_len, args.output_len)
         print(f"batch {batch:3d}: decode step {ms:.2f} ms", flush=True)
+    for length in args.prefill_lens:
+        ms = prefill_step_ms(core, length, args.rounds)
+        print(f"prompt {length:4d}: prefill step {ms:.1f} ms", flush=True)
 
 
 if __name__ == "__main__":

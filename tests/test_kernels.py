@@ -252,39 +252,73 @@ def test_paged_attention_ragged(batch, block_size, group, sliding_window, num_sp
 
 
 def check_cpu_decode_attention(seq_lens, *, block_size=16, head_dim=64, num_kv_heads=2, group=1,
-                               sliding_window=None, seed=0):
-    """The compiled decode kernel against the torch twin, on a cache whose unowned slots are poison."""
+                               sliding_window=None, seed=0, cache_dtype=torch.float32, threads=1):
+    """The compiled decode kernel against the torch twin, on a cache (fp32 or fp16) whose unowned
+    slots are poison, on one thread or shared among the pool's."""
+    from trillm.kernels import pool_cpu
     from trillm.kernels.attention_cpu import paged_decode_attention
 
     k_cache, v_cache, block_tables, lens, starts = (t.cpu() for t in make_batch(
         [1] * len(seq_lens), seq_lens, block_size, num_kv_heads, head_dim, torch.float32, seed))
+    k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
     q = randn(len(seq_lens), num_kv_heads * group, head_dim, seed=seed + 1).cpu()
     scale = head_dim**-0.5
     want = attention.paged_attention(q, k_cache, v_cache, block_tables, lens, starts, scale, sliding_window)
-    got = paged_decode_attention(q, k_cache, v_cache, block_tables, lens, scale, sliding_window)
+    previous = pool_cpu.set_threads(threads)
+    try:
+        got = paged_decode_attention(q, k_cache, v_cache, block_tables, lens, scale, sliding_window)
+    finally:
+        pool_cpu.set_threads(previous)
     assert got.shape == q.shape and got.dtype == torch.float32
     assert_close(got, want, torch.float32)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(
     "block_size,head_dim,group,num_kv_heads,sliding_window",
     [(16, 64, 1, 2, None), (16, 64, 3, 3, None), (32, 128, 8, 1, None), (16, 64, 3, 2, 9), (32, 64, 1, 4, 1)],
 )
-def test_cpu_decode_attention(block_size, head_dim, group, num_kv_heads, sliding_window):
+def test_cpu_decode_attention(block_size, head_dim, group, num_kv_heads, sliding_window, cache_dtype):
     check_cpu_decode_attention([1, 17, 40, 33, 64, 200], block_size=block_size, head_dim=head_dim, group=group,
-                               num_kv_heads=num_kv_heads, sliding_window=sliding_window)
+                               num_kv_heads=num_kv_heads, sliding_window=sliding_window, cache_dtype=cache_dtype)
 
 
 @settings(max_examples=30, deadline=None)
 @given(
-    seq_lens=st.lists(st.integers(1, 70), min_size=1, max_size=6),
+    seq_lens=st.lists(st.integers(1, 70), min_size=1, max_size=9),
     block_size=st.sampled_from([16, 32]),
     group=st.sampled_from([1, 3, 8]),
     sliding_window=st.sampled_from([None, 1, 7, 33]),
+    cache_dtype=st.sampled_from([torch.float32, torch.float16]),
+    threads=st.sampled_from([1, 2]),
 )
-def test_cpu_decode_attention_ragged(seq_lens, block_size, group, sliding_window):
+def test_cpu_decode_attention_ragged(seq_lens, block_size, group, sliding_window, cache_dtype, threads):
     check_cpu_decode_attention(seq_lens, block_size=block_size, group=group, num_kv_heads=1,
-                               sliding_window=sliding_window)
+                               sliding_window=sliding_window, cache_dtype=cache_dtype, threads=threads)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    batch=ragged_batches(),
+    block_size=st.sampled_from([16, 32]),
+    group=st.sampled_from([1, 3]),
+    sliding_window=st.sampled_from([None, 1, 7, 33]),
+    cache_dtype=st.sampled_from([torch.float32, torch.float16]),
+)
+def test_cpu_row_attention_matches_the_twin_on_mixed_steps(batch, block_size, group, sliding_window, cache_dtype):
+    """The cpu family's plan: every row of prefill chunks and decodes through the compiled kernel,
+    each as a query at its own position; the same output as the twin's gather and SDPA."""
+    from trillm.kernels.attention_cpu import paged_decode_attention
+
+    num_queries, seq_lens = batch
+    k_cache, v_cache, block_tables, lens, starts = (t.cpu() for t in make_batch(
+        num_queries, seq_lens, block_size, 2, 64, torch.float32, 0))
+    k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
+    q = randn(sum(num_queries), 2 * group, 64, seed=1).cpu()
+    want = attention.paged_attention(q, k_cache, v_cache, block_tables, lens, starts, 0.125, sliding_window)
+    plan = attention.plan_attention(block_tables, lens, starts, block_size, sliding_window, paged_decode_attention)
+    assert plan.single_group and len(plan.groups) == 1
+    assert_close(attention.attend_planned(q, k_cache, v_cache, plan, 0.125), want, torch.float32)
 
 
 def test_cpu_decode_attention_refuses_what_it_cannot_read():
@@ -481,21 +515,21 @@ def test_kernel_threads_share_the_tiles_without_changing_a_bit():
     so the result is the same to the bit, on both linears, called from two threads at once."""
     import concurrent.futures
 
-    from trillm.kernels import quant, quant_cpu
+    from trillm.kernels import pool_cpu, quant, quant_cpu
 
     weight = quant.from_gguf("q4_1", random_gguf_blocks("q4_1", 16 * 40, 32 * 6, seed=5))
     x = torch.randn(37, 32 * 6, generator=torch.Generator().manual_seed(6))
     linears = [quant_cpu.QuantizedLinear(weight), quant_cpu.Int8QuantizedLinear(weight)]
-    previous = quant_cpu.set_threads(1)
+    previous = pool_cpu.set_threads(1)
     try:
         alone = [linear(x) for linear in linears]
-        assert quant_cpu.set_threads(2) == 2
+        assert pool_cpu.set_threads(2) == 2
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             for _ in range(20):
                 together = list(pool.map(lambda linear: linear(x), linears))
                 assert all(torch.equal(a, b) for a, b in zip(alone, together))
     finally:
-        quant_cpu.set_threads(previous)
+        pool_cpu.set_threads(previous)
 
 
 def test_quantized_linear_keeps_leading_dims_and_refuses_what_it_cannot_run():

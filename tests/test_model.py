@@ -85,8 +85,12 @@ def make_sequences(runner: ModelRunner, lengths: list[int], num_decode: int = 0,
     return sequences
 
 
+# the exact path, which transformers' logits judge: fp32 activations and an fp32 KV cache
+EXACT = dict(quantized_activations=False, kv_cache_dtype="float32")
+
+
 def tiny_runner(model_dir: str, **args) -> ModelRunner:
-    return ModelRunner(EngineArgs(model=model_dir, num_kv_blocks=48, block_size=BLOCK_SIZE, **args))
+    return ModelRunner(EngineArgs(model=model_dir, num_kv_blocks=48, block_size=BLOCK_SIZE, **{**EXACT, **args}))
 
 
 def hf_logits(model_dir: str, sequences: list[Sequence]) -> list[torch.Tensor]:
@@ -217,15 +221,19 @@ def test_dummy_weights_of_the_default_model_in_bf16(default_model_dir):
     assert torch.isfinite(logits).all() and logits.std() > 0
 
 
-def test_kv_cache_sized_from_the_memory_budget(tiny_model_dir):
-    runner = ModelRunner(EngineArgs(model=tiny_model_dir("qwen3"), block_size=8, kv_cache_memory=1 << 20))
+@pytest.mark.parametrize("kv_cache_dtype,itemsize", [("auto", 2), ("float32", 4)])
+def test_kv_cache_sized_from_the_memory_budget(tiny_model_dir, kv_cache_dtype, itemsize):
+    """On CPU an fp32 model's cache is fp16 unless asked otherwise: twice the blocks."""
+    runner = ModelRunner(EngineArgs(model=tiny_model_dir("qwen3"), block_size=8, kv_cache_memory=1 << 20,
+                                    kv_cache_dtype=kv_cache_dtype))
     cfg = runner.config.hf_config
-    # 2 (K and V) * 2 layers * 8 tokens * 2 kv heads * head_dim 32 * 4 bytes
-    assert runner.block_bytes == 2 * 2 * 8 * 2 * 32 * 4
+    # 2 (K and V) * 2 layers * 8 tokens * 2 kv heads * head_dim 32 * bytes per element
+    assert runner.block_bytes == 2 * 2 * 8 * 2 * 32 * itemsize
     assert runner.num_kv_blocks == (1 << 20) // runner.block_bytes
     assert len(runner.kv_caches) == cfg.num_hidden_layers
     for k, v in runner.kv_caches:
         assert k.shape == v.shape == (runner.num_kv_blocks, 8, 2, 32) and k.is_contiguous()
+        assert k.dtype == v.dtype == {2: torch.float16, 4: torch.float32}[itemsize]
     assert runner.config.max_model_len == cfg.max_position_embeddings == 256
     assert runner.config.eos_token_id == 2
     with pytest.raises(ValueError, match="max_position_embeddings"):
@@ -258,7 +266,7 @@ def test_default_model_matches_transformers(default_model_dir, source):
     projections multiply by its quantized blocks, on the exact path: fp32 activations): the same
     greedy tokens as transformers."""
     model = default_model_dir if source == "hf-dir" else None
-    runner = ModelRunner(EngineArgs(model=model, num_kv_blocks=32, block_size=16, quantized_activations=False))
+    runner = ModelRunner(EngineArgs(model=model, num_kv_blocks=32, block_size=16, **EXACT))
     assert runner.model.kernels.name == ("triton" if runner.config.device.type == "cuda" else "cpu")  # auto's choice
     on_blocks = runner.model.lm_head.quantized is not None
     assert on_blocks == (source == "gguf" and runner.config.device.type == "cpu")
@@ -283,7 +291,7 @@ def test_default_model_matches_transformers(default_model_dir, source):
 
 
 def test_integer_activations_agree_with_the_exact_path_on_the_default_model():
-    """The default path (8-bit activations against the GGUF blocks) predicts, teacher-forced on
+    """The default path (8-bit activations against the GGUF blocks, an fp16 KV cache) predicts, teacher-forced on
     the opening of benchmarks/data/eval_text.txt, the exact path's next token almost everywhere,
     at almost the same perplexity (the whole text's figures: benchmarks/bench_agreement.py)."""
     text_path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "data", "eval_text.txt")
@@ -291,7 +299,7 @@ def test_integer_activations_agree_with_the_exact_path_on_the_default_model():
         text = f.read()[:1500]
     logits = {}
     for exact in (True, False):
-        runner = ModelRunner(EngineArgs(num_kv_blocks=32, quantized_activations=not exact))
+        runner = ModelRunner(EngineArgs(num_kv_blocks=32, **(EXACT if exact else {})))
         assert runner.model.lm_head.quantized is not None
         token_ids = runner.tokenizer.encode(text)
         logits[exact] = runner.teacher_forced_logits(token_ids, chunk=128)
@@ -303,6 +311,27 @@ def test_integer_activations_agree_with_the_exact_path_on_the_default_model():
     assert not torch.equal(logits[True], logits[False])  # two paths, not one twice
 
 
+def test_a_prompt_computes_the_same_whatever_else_the_step_holds():
+    """On the default CPU path (8-bit activations, an fp16 cache) a prompt's last logits are the
+    same to the bit whether it is prefilled whole and alone, in chunks beside another request's
+    prefill and decodes, or after a prefix-cache hit (its first blocks written by another
+    request): every kernel computes a row on its own. Before attention went row by row, SDPA's
+    blocking followed the step's shape and a greedy answer could change with the cache's state."""
+    runner = ModelRunner(EngineArgs(num_kv_blocks=64, block_size=16))
+    assert runner.model.kernels.name == "cpu" and runner.model.kernels.kv_cache_dtype == torch.float16
+    prompt, other = make_sequences(runner, [45, 30], seed=3)
+    alone = run_step(runner, [prompt.chunk(0, 45)])[0]
+
+    chunks = [(0, 7), (7, 16), (23, 22)]
+    other_steps = [other.chunk(0, 30), other.chunk(29, 1), other.chunk(29, 1)]
+    for (start, n), beside in zip(chunks, other_steps):
+        logits = run_step(runner, [beside, prompt.chunk(start, n)])
+    assert torch.equal(logits[-1], alone)
+
+    # a prefix-cache hit: the first 32 positions' blocks already hold the prompt's keys and values
+    assert torch.equal(run_step(runner, [prompt.chunk(32, 13)])[0], alone)
+
+
 def test_greedy_under_the_real_scheduler_matches_transformers(tiny_model_dir):
     """The scheduler's own batches: chunked prefill (a 7-token budget), prefix-cache hits (a shared
     prefix: a request's first chunk starts past blocks another request wrote) and preemption (a
@@ -311,7 +340,7 @@ def test_greedy_under_the_real_scheduler_matches_transformers(tiny_model_dir):
     from trillm.sched_ext import Scheduler
 
     model_dir = tiny_model_dir("llama")
-    runner = ModelRunner(EngineArgs(model=model_dir, num_kv_blocks=14, block_size=BLOCK_SIZE))
+    runner = ModelRunner(EngineArgs(model=model_dir, num_kv_blocks=14, block_size=BLOCK_SIZE, **EXACT))
     scheduler = Scheduler(runner.num_kv_blocks, BLOCK_SIZE, max_num_batched_tokens=7, max_num_seqs=4)
     rng = random.Random(0)
     prefix = [rng.randrange(3, 256) for _ in range(12)]

@@ -19,6 +19,9 @@ class EngineArgs:
     quantized_activations: bool = True
     seed: int = 0  # seeds dummy weights and unseeded sampling
     block_size: int = 16
+    # auto | float32 | float16 | bfloat16. auto: fp16 on the cpu family when the model is fp32
+    # (decode attention streams the cache, and fp16 halves it), else the model's dtype
+    kv_cache_dtype: str = "auto"
     kv_cache_memory: int = 1 << 30  # bytes of KV cache on CPU
     gpu_memory_utilization: float = 0.9  # share of GPU memory for weights + activations + KV on CUDA
     num_kv_blocks: int | None = None  # overrides both budgets (tests use tiny pools)

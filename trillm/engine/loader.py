@@ -171,7 +171,7 @@ def load_model(args: EngineArgs) -> LoadedModel:
     max_model_len = _max_model_len(args, config)  # refused before any weight is read
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
-    kernels = get_kernels(args.attention_backend, device, dtype, args.quantized_activations)
+    kernels = get_kernels(args.attention_backend, device, dtype, args.quantized_activations, args.kv_cache_dtype)
     with torch.device(device), _default_dtype(dtype):
         model = LlamaForCausalLM(config, kernels)
     if args.load_format == "dummy":

@@ -67,14 +67,14 @@ class ModelRunner:
         """Bytes of one block of K and V over all layers."""
         cfg = self.config.hf_config
         elements = 2 * cfg.num_hidden_layers * self.block_size * cfg.num_key_value_heads * head_dim_of(cfg)
-        return elements * self.config.dtype.itemsize
+        return elements * self.model.kernels.kv_cache_dtype.itemsize
 
     def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer (K, V), each [num_blocks, block_size, Hk, D] and contiguous, carved from one
         allocation. Zeroed: attention masks unused slots, but 0 * NaN from stale memory is NaN."""
         cfg = self.config.hf_config
         shape = (cfg.num_hidden_layers, 2, num_blocks, self.block_size, cfg.num_key_value_heads, head_dim_of(cfg))
-        cache = torch.zeros(shape, dtype=self.config.dtype, device=self.config.device)
+        cache = torch.zeros(shape, dtype=self.model.kernels.kv_cache_dtype, device=self.config.device)
         return [(layer[0], layer[1]) for layer in cache]
 
     def _num_blocks_in_budget(self) -> int:

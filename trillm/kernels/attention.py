@@ -12,9 +12,12 @@ metadata only, so a model builds it once per step and reuses it in every layer (
 backend keeps it in AttentionMetadata.per_step): on CPU, rebuilding slots and masks in each of
 30 layers cost more than the attention math itself.
 
-Given a `decode_kernel` (the compiled CPU kernel in attention_cpu.pyx), the decode rows skip the
-gather: the kernel reads their keys and values straight from the cache blocks. Prefill chunks
-always take the gather and SDPA, whose matrix multiplies suit many queries per request.
+Given a `row_kernel` (the compiled CPU kernel in attention_cpu.pyx), every query row, decode
+and prefill alike, goes through it on its own: the kernel reads the row's keys and values straight
+from the cache blocks, and a row's arithmetic does not depend on what else the step holds. So a
+prompt gives the same output whether it is prefilled whole, in chunks, after a prefix-cache hit
+or beside other requests (with SDPA, whose blocking follows the number of queries, a greedy
+answer could change with the cache's state once 8-bit activations amplified the last bits).
 """
 from __future__ import annotations
 
@@ -58,12 +61,13 @@ class Group:
 
 
 @dataclass
-class PagedDecodeGroup:
-    """Decode rows for a kernel that reads the paged cache itself: their block tables, not slots."""
+class PagedRowsGroup:
+    """Query rows for a kernel that reads the paged cache itself, each attending to the positions
+    before it: row i's block table and its own context length (its position + 1)."""
 
     rows: slice | torch.Tensor
-    block_tables: torch.Tensor  # [B, max_blocks] int32, contiguous
-    seq_lens: torch.Tensor  # [B] int32
+    block_tables: torch.Tensor  # [R, max_blocks] int32, contiguous
+    seq_lens: torch.Tensor  # [R] int32
     sliding_window: int | None
     kernel: Callable
 
@@ -76,8 +80,8 @@ class PagedDecodeGroup:
 @dataclass
 class AttentionPlan:
     num_tokens: int
-    groups: list[Group | PagedDecodeGroup]  # the decode rows as one group, then each prefill chunk
-    pure_decode: bool  # one group holding every row in order: its output is the whole output
+    groups: list[Group | PagedRowsGroup]  # the decode rows as one group, then each prefill chunk
+    single_group: bool  # one group holding every row in order: its output is the whole output
 
 
 def _slots(block_tables: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
@@ -101,10 +105,13 @@ def plan_attention(
     query_start_loc: torch.Tensor,
     block_size: int,
     sliding_window: int | None = None,
-    decode_kernel: Callable | None = None,
+    row_kernel: Callable | None = None,
 ) -> AttentionPlan:
-    """Decode rows (one query each) form one padded group; each prefill chunk is its own group,
-    so a long prompt never pads every decode row to its length."""
+    """With a row_kernel: every row in one group. Without: decode rows (one query each) form one
+    padded group, and each prefill chunk is its own group, so a long prompt never pads every
+    decode row to its length."""
+    if row_kernel is not None:
+        return _plan_rows(block_tables, seq_lens, query_start_loc, sliding_window, row_kernel)
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     num_queries = [starts[b + 1] - starts[b] for b in range(len(lens))]
@@ -118,12 +125,9 @@ def plan_attention(
             idx = torch.tensor(decode, device=block_tables.device)
             rows = torch.tensor([starts[b] for b in decode], device=block_tables.device)
             tables, k_len = block_tables[idx], seq_lens[idx]
-        if decode_kernel is not None:
-            groups.append(PagedDecodeGroup(rows, tables.contiguous(), k_len.contiguous(), sliding_window, decode_kernel))
-        else:
-            k_len = k_len.long()
-            groups.append(Group(rows, 1, _slots(tables, length, block_size),
-                                _mask((k_len - 1)[:, None], k_len, length, sliding_window)))
+        k_len = k_len.long()
+        groups.append(Group(rows, 1, _slots(tables, length, block_size),
+                            _mask((k_len - 1)[:, None], k_len, length, sliding_window)))
     for b, nq in enumerate(num_queries):
         if nq <= 1:
             continue
@@ -133,7 +137,23 @@ def plan_attention(
             q_pos = torch.arange(lens[b] - nq, lens[b], device=block_tables.device)[None]
             mask = _mask(q_pos, seq_lens[b : b + 1].long(), lens[b], sliding_window)
         groups.append(Group(slice(starts[b], starts[b + 1]), nq, _slots(block_tables[b : b + 1], lens[b], block_size), mask))
-    return AttentionPlan(starts[-1], groups, pure_decode=bool(decode) and len(decode) == len(lens))
+    return AttentionPlan(starts[-1], groups, single_group=bool(decode) and len(decode) == len(lens))
+
+
+def _plan_rows(block_tables, seq_lens, query_start_loc, sliding_window, row_kernel) -> AttentionPlan:
+    """Every row as its own query for row_kernel: its request's block table, and its position + 1
+    as its context length (a pure-decode step already has both)."""
+    num_rows = int(query_start_loc[-1])
+    if num_rows == seq_lens.shape[0]:
+        tables, lens = block_tables, seq_lens
+    else:
+        ends = query_start_loc[1:].long()
+        request_of_row = torch.repeat_interleave(torch.arange(seq_lens.shape[0]), ends - query_start_loc[:-1].long())
+        # row i of a request whose queries end at `end`: position seq_len - (end - i)
+        lens = (seq_lens.long() - ends + 1)[request_of_row] + torch.arange(num_rows)
+        tables, lens = block_tables.index_select(0, request_of_row), lens.int()
+    group = PagedRowsGroup(slice(0, num_rows), tables.contiguous(), lens.contiguous(), sliding_window, row_kernel)
+    return AttentionPlan(num_rows, [group], single_group=True)
 
 
 def attend_planned(
@@ -141,7 +161,7 @@ def attend_planned(
 ) -> torch.Tensor:
     """q: [T, H, D]; caches: [num_blocks, block_size, Hk, D]. Returns [T, H, D]."""
     assert q.shape[0] == plan.num_tokens, (q.shape, plan.num_tokens)
-    if plan.pure_decode:
+    if plan.single_group:
         return plan.groups[0].attend(q, k_cache, v_cache, scale)  # no scatter into a new tensor
     out = torch.empty_like(q)
     for group in plan.groups:

@@ -3,25 +3,33 @@
 
 Same contract as a decode group of the torch twin (trillm/kernels/attention.py), which is its
 reference: one query per request, at position seq_lens[b] - 1, attending causally (and within
-the sliding window) to its context in the paged cache. fp32 only; the GIL is released while the
-kernel runs, so the server's event loop keeps going.
+the sliding window) to its context in the paged cache. fp32 queries, an fp32 or fp16 cache; the
+requests are shared among the threads of pool_cpu, and the GIL is released while the kernel
+runs, so the server's event loop keeps going.
 """
 from libc.stdint cimport int32_t, int64_t, uintptr_t
 
 import torch
 
+from trillm.kernels cimport pool_cpu
+from trillm.kernels.pool_cpu cimport pool_runner
+
 cdef extern from "attention_cpu.h" nogil:
-    int paged_decode_attention_f32(
-        float *out, const float *q, const float *k_cache, const float *v_cache,
+    int paged_decode_attention_c "paged_decode_attention"(
+        float *out, const float *q, const void *k_cache, const void *v_cache, int f16,
         const int32_t *block_tables, const int32_t *seq_lens,
         int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-        int64_t block_size, int64_t max_blocks, float scale, int64_t window)
+        int64_t block_size, int64_t max_blocks, float scale, int64_t window, pool_runner *run, int64_t chunks)
+
+CACHE_DTYPES = (torch.float32, torch.float16)
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, float scale, sliding_window=None):
-    """q: [B, H, D] fp32; caches: [num_blocks, block_size, Hk, D] fp32; block_tables: [B, max_blocks]
-    int32; seq_lens: [B] int32 (each >= 1). All contiguous, on the CPU. Returns [B, H, D]."""
-    for t, dtype in ((q, torch.float32), (k_cache, torch.float32), (v_cache, torch.float32),
+    """q: [B, H, D] fp32; caches: [num_blocks, block_size, Hk, D] fp32 or fp16; block_tables:
+    [B, max_blocks] int32; seq_lens: [B] int32 (each >= 1). All contiguous, on the CPU. Returns
+    [B, H, D] fp32."""
+    assert k_cache.dtype in CACHE_DTYPES and v_cache.dtype == k_cache.dtype, (k_cache.dtype, v_cache.dtype)
+    for t, dtype in ((q, torch.float32), (k_cache, k_cache.dtype), (v_cache, k_cache.dtype),
                      (block_tables, torch.int32), (seq_lens, torch.int32)):
         assert t.dtype == dtype and t.device.type == "cpu" and t.is_contiguous(), (t.dtype, t.device, t.shape)
     assert k_cache.shape == v_cache.shape and q.shape[2] == k_cache.shape[3] and q.shape[1] % k_cache.shape[2] == 0
@@ -30,16 +38,19 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, float sc
     cdef int64_t num_seqs = q.shape[0], num_heads = q.shape[1], head_dim = q.shape[2]
     cdef int64_t block_size = k_cache.shape[1], num_kv_heads = k_cache.shape[2]
     cdef int64_t max_blocks = block_tables.shape[1], window = sliding_window or 0
+    cdef int f16 = k_cache.dtype == torch.float16
     cdef float *out_ptr = <float *><uintptr_t>out.data_ptr()
     cdef const float *q_ptr = <const float *><uintptr_t>q.data_ptr()
-    cdef const float *k_ptr = <const float *><uintptr_t>k_cache.data_ptr()
-    cdef const float *v_ptr = <const float *><uintptr_t>v_cache.data_ptr()
+    cdef const void *k_ptr = <const void *><uintptr_t>k_cache.data_ptr()
+    cdef const void *v_ptr = <const void *><uintptr_t>v_cache.data_ptr()
     cdef const int32_t *tables_ptr = <const int32_t *><uintptr_t>block_tables.data_ptr()
     cdef const int32_t *lens_ptr = <const int32_t *><uintptr_t>seq_lens.data_ptr()
+    cdef int64_t chunks = pool_cpu.chunks()
     cdef int rc
     with nogil:
-        rc = paged_decode_attention_f32(out_ptr, q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, num_seqs, num_heads,
-                                        num_kv_heads, head_dim, block_size, max_blocks, scale, window)
+        rc = paged_decode_attention_c(out_ptr, q_ptr, k_ptr, v_ptr, f16, tables_ptr, lens_ptr, num_seqs, num_heads,
+                                      num_kv_heads, head_dim, block_size, max_blocks, scale, window, pool_cpu.run,
+                                      chunks)
     if rc != 0:
         raise MemoryError("paged_decode_attention: no memory for the scores")
     return out

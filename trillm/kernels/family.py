@@ -35,9 +35,13 @@ class Kernels:
     # called as (x, bias) -> y, whose runs(weight) says which it takes; None: dense weights only
     quantized_linear = None
 
-    def __init__(self, dtype: torch.dtype, quantized_activations: bool = True):
+    def __init__(self, dtype: torch.dtype, quantized_activations: bool = True, kv_cache_dtype: str = "auto"):
         """`quantized_activations`: whether a family with a quantized_linear runs it on 8-bit
-        activations (EngineArgs.quantized_activations); the others ignore it."""
+        activations (EngineArgs.quantized_activations); the others ignore it. `kv_cache_dtype`
+        (EngineArgs.kv_cache_dtype) becomes self.kv_cache_dtype, "auto" the family's choice."""
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"Unknown KV cache dtype {kv_cache_dtype!r}; choose one of {', '.join(KV_CACHE_DTYPES)}.")
+        self.kv_cache_dtype = KV_CACHE_DTYPES[kv_cache_dtype] or self.auto_kv_cache_dtype(dtype)
 
         def kernels(op: str):
             return importlib.import_module(f"trillm.kernels.{op}{self.module_suffix}")
@@ -49,6 +53,10 @@ class Kernels:
         self.rotary_embedding = kernels("rotary").rotary_embedding
         self.write_kv = kernels("cache").write_kv
         self.paged_attention = kernels("attention").paged_attention
+
+    def auto_kv_cache_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The KV cache's dtype for a model in `dtype` when none is asked for."""
+        return dtype
 
     def set_threads(self, threads: int) -> int:
         """Threads the family's own compiled kernels use (EngineArgs.kernel_threads); returns the
@@ -77,7 +85,7 @@ class Kernels:
 class TorchKernels(Kernels):
     name = "torch"
     module_suffix = ""
-    decode_kernel = None  # decode rows go through the gather and SDPA, as prefill chunks do
+    row_kernel = None  # query rows go through the gather and SDPA (attention.plan_attention)
 
     def attend(self, q, k, v, k_cache, v_cache, meta, scale, sliding_window):
         """As Kernels.attend, with the slots and masks planned once per step, not per layer."""
@@ -91,7 +99,7 @@ class TorchKernels(Kernels):
                 meta.query_start_loc,
                 k_cache.shape[1],
                 sliding_window,
-                self.decode_kernel,
+                self.row_kernel,
             )
         return attend_planned(q, k_cache, v_cache, plan, scale)
 
@@ -99,48 +107,64 @@ class TorchKernels(Kernels):
 class CpuKernels(TorchKernels):
     """The torch twins, sped up where a CPU step spends its time: projections on oneDNN's packed
     weights (trillm/kernels/linear_cpu.py) or, for a GGUF model, on its quantized blocks
-    (trillm/kernels/quant_cpu.pyx); decode attention by the compiled kernel
-    (trillm/kernels/attention_cpu.pyx), which reads the paged cache without a gather; norms,
+    (trillm/kernels/quant_cpu.pyx); attention, every query row on its own, by the compiled kernel
+    (trillm/kernels/attention_cpu.pyx), which reads the paged cache without a gather, so that a
+    row's result never depends on the rest of the step; norms,
     SiLU-and-mul, rotary and the KV write each one compiled pass (trillm/kernels/ops_cpu.pyx).
     fp32 only for the compiled kernels; other dtypes keep packed weights and the twins. The
     quantized projections multiply 8-bit activations in integers (quant_int8_cpu.h) unless
-    `quantized_activations` is off, and share their output tiles among `set_threads` threads."""
+    `quantized_activations` is off; they and decode attention share their work among
+    `set_threads` threads. An fp32 model keeps its KV cache in fp16 unless told otherwise."""
 
     name = "cpu"
     packs_linear_weights = True
 
-    def __init__(self, dtype: torch.dtype, quantized_activations: bool = True):
-        super().__init__(dtype, quantized_activations)
+    def __init__(self, dtype: torch.dtype, quantized_activations: bool = True, kv_cache_dtype: str = "auto"):
+        super().__init__(dtype, quantized_activations, kv_cache_dtype)
         from trillm.kernels import ops_cpu, quant_cpu
-        from trillm.kernels.attention_cpu import paged_decode_attention
+        from trillm.kernels.attention_cpu import CACHE_DTYPES, paged_decode_attention
 
         if dtype == torch.float32:
-            self.decode_kernel = paged_decode_attention
+            if self.kv_cache_dtype in CACHE_DTYPES:
+                self.row_kernel = paged_decode_attention
+            if self.kv_cache_dtype == torch.float32:  # an fp16 cache takes the twin's converting copy
+                self.write_kv = ops_cpu.write_kv
             self.quantized_linear = quant_cpu.Int8QuantizedLinear if quantized_activations else quant_cpu.QuantizedLinear
             self.rms_norm = ops_cpu.rms_norm
             self.fused_add_rms_norm = ops_cpu.fused_add_rms_norm
             self.silu_and_mul = ops_cpu.silu_and_mul
             self.rotary_embedding = ops_cpu.rotary_embedding
-            self.write_kv = ops_cpu.write_kv
+
+    def auto_kv_cache_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return torch.float16 if dtype == torch.float32 else dtype
 
     def set_threads(self, threads: int) -> int:
-        from trillm.kernels import quant_cpu
+        from trillm.kernels import pool_cpu
 
-        return quant_cpu.set_threads(threads)
+        return pool_cpu.set_threads(threads)
 
 
 class TritonKernels(Kernels):
     name = "triton"
     module_suffix = "_triton"
 
+    def __init__(self, dtype: torch.dtype, quantized_activations: bool = True, kv_cache_dtype: str = "auto"):
+        super().__init__(dtype, quantized_activations, kv_cache_dtype)
+        if self.kv_cache_dtype != dtype:
+            raise ValueError(f"The triton kernels keep the KV cache in the model's dtype ({dtype}); "
+                             f"--kv-cache-dtype {kv_cache_dtype} is for the torch and cpu families.")
+
 
 FAMILIES = {cls.name: cls for cls in (TorchKernels, CpuKernels, TritonKernels)}
+KV_CACHE_DTYPES = {"auto": None, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def get_kernels(name: str, device: torch.device, dtype: torch.dtype, quantized_activations: bool = True) -> Kernels:
+def get_kernels(
+    name: str, device: torch.device, dtype: torch.dtype, quantized_activations: bool = True, kv_cache_dtype: str = "auto"
+) -> Kernels:
     """`name` is EngineArgs.attention_backend; "auto" means Triton on CUDA, and on CPU the cpu
     family where its compiled kernel is built and oneDNN runs the dtype, else the torch twins.
-    `quantized_activations` goes to the family (Kernels.__init__)."""
+    `quantized_activations` and `kv_cache_dtype` go to the family (Kernels.__init__)."""
     cpu_runs = device.type == "cpu" and _cpu_family_runs(dtype)
     if name == "auto":
         name = "triton" if device.type == "cuda" else "cpu" if cpu_runs else "torch"
@@ -148,11 +172,11 @@ def get_kernels(name: str, device: torch.device, dtype: torch.dtype, quantized_a
         raise ValueError(f"Unknown kernel family {name!r}; choose one of auto, {', '.join(FAMILIES)}.")
     if name == "cpu" and not cpu_runs:
         raise ValueError("The cpu kernel family runs on the CPU, in float32 or (with AVX512-bf16) bfloat16, once built.")
-    return FAMILIES[name](dtype, quantized_activations)
+    return FAMILIES[name](dtype, quantized_activations, kv_cache_dtype)
 
 
 def _cpu_family_runs(dtype: torch.dtype) -> bool:
     from trillm.kernels import linear_cpu
 
-    built = all(importlib.util.find_spec(f"trillm.kernels.{ext}") for ext in ("attention_cpu", "ops_cpu", "quant_cpu"))
+    built = all(importlib.util.find_spec(f"trillm.kernels.{ext}") for ext in ("attention_cpu", "ops_cpu", "pool_cpu", "quant_cpu"))
     return built and linear_cpu.is_available(dtype)

@@ -10,8 +10,9 @@
  * Helpers spin a short while after each job (the next projection follows within microseconds in
  * a step), then sleep on a condition variable.
  *
- * Ownership: one pool per process, started on the first job that asks for helpers; `pool_run`
- * is called by one thread at a time (the engine's step; quant_cpu.pyx holds a lock around it).
+ * Ownership: one pool per process (pool_cpu.pyx; the kernels' modules reach it through its
+ * `run`), started by the first pool_set_helpers that asks for helpers; jobs from several threads
+ * take turns.
  * A job's context lives on the caller's stack: a helper touches it only after claiming a chunk,
  * and `pool_run` returns only when every chunk is done.
  */
@@ -19,17 +20,23 @@
 #define TRILLM_POOL_CPU_H
 
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 
-#define POOL_MAX_HELPERS 63
-#define POOL_HELPER_SPINS 20000 /* polls for the next job before a helper sleeps */
-#define POOL_CALLER_SPINS 4000  /* polls for helpers' chunks before the caller sleeps */
+#include "shared_cpu.h"
 
-typedef void pool_chunk_fn(void *ctx, int64_t chunk);
+#define POOL_MAX_HELPERS 63
+/* A helper polls for the next job: first with `pause` (the next projection of a step follows
+ * within microseconds), then yielding its core at each poll, so that another thread that wants
+ * it (the server's event loop) runs first; then it sleeps. */
+#define POOL_HELPER_PAUSES 2000
+#define POOL_HELPER_YIELDS 200
+#define POOL_CALLER_SPINS 4000 /* polls for helpers' chunks before the caller sleeps */
 
 struct pool {
+    pthread_mutex_t run_lock; /* one job at a time */
     pthread_mutex_t lock;
     pthread_cond_t job_posted, job_done;
     int helpers;        /* started */
@@ -49,7 +56,8 @@ struct pool {
 #define POOL_FIELD(word, shift) ((int64_t)(((word) >> (shift)) & POOL_MAX_CHUNKS))
 #define POOL_GEN(word) ((uint32_t)((word) >> (2 * POOL_FIELD_BITS)))
 
-static struct pool the_pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER};
+static struct pool the_pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER,
+                               PTHREAD_COND_INITIALIZER};
 
 static inline void pool_pause(void)
 {
@@ -88,8 +96,11 @@ static void *pool_helper(void *arg)
     uint32_t seen = POOL_GEN(atomic_load(&p->claim));
     for (;;) {
         uint32_t gen = seen;
-        for (int spin = 0; spin < POOL_HELPER_SPINS && gen == seen; spin++) {
-            pool_pause();
+        for (int spin = 0; spin < POOL_HELPER_PAUSES + POOL_HELPER_YIELDS && gen == seen; spin++) {
+            if (spin < POOL_HELPER_PAUSES)
+                pool_pause();
+            else
+                sched_yield();
             gen = POOL_GEN(atomic_load(&p->claim));
         }
         if (gen == seen) {
@@ -135,7 +146,8 @@ static int pool_set_helpers(int helpers)
 }
 
 /* Runs fn(ctx, c) for every chunk c < chunks, on the caller and the helpers; returns when all
- * are done. Never waits for a helper that has not claimed a chunk. */
+ * are done (a pool_runner). Never waits for a helper that has not claimed a chunk. Callers from
+ * several threads take turns. */
 static void pool_run(pool_chunk_fn *fn, void *ctx, int64_t chunks)
 {
     struct pool *p = &the_pool;
@@ -143,6 +155,7 @@ static void pool_run(pool_chunk_fn *fn, void *ctx, int64_t chunks)
         for (int64_t c = 0; c < chunks; c++) fn(ctx, c);
         return;
     }
+    pthread_mutex_lock(&p->run_lock);
     const uint32_t gen = (POOL_GEN(atomic_load(&p->claim)) + 1) & POOL_GEN(~(uint64_t)0); /* wraps */
     p->fn = fn;
     p->ctx = ctx;
@@ -163,6 +176,7 @@ static void pool_run(pool_chunk_fn *fn, void *ctx, int64_t chunks)
         atomic_store(&p->caller_asleep, 0);
         pthread_mutex_unlock(&p->lock);
     }
+    pthread_mutex_unlock(&p->run_lock);
 }
 
 #endif

@@ -21,15 +21,15 @@
  * (inputs j and j + 16), so that enough multiply-add chains are in flight.
  *
  * Loops: x is cut into tiles of M_TILE rows, which stay in cache while every tile of W passes;
- * a tile of W stays in cache while every ROWS rows of the x tile pass. The tiles of W are split
- * in chunks among the caller and the helper threads of pool_cpu.h. GCC's vector extensions
+ * a tile of W stays in cache while every ROWS rows of the x tile pass (shared_cpu.h's tile loop,
+ * whose chunks of tiles are shared among the pool's threads). GCC's vector extensions
  * widen bytes to ints one element at a time, hence AVX-512 intrinsics; without AVX-512 a plain C
  * loop gives the same sums.
  */
 #include <stdint.h>
 #include <stdlib.h>
 
-#include "pool_cpu.h"
+#include "shared_cpu.h"
 
 #define QUANT_Q4_1 0
 #define QUANT_Q8_0 1
@@ -165,35 +165,23 @@ struct f32_job {
     rows_kernel *rows_of;
     float *out;
     const float *xt;
-    int64_t M, K, N, tiles_per_chunk;
+    int64_t K, N;
     struct quantized_weight w;
 };
 
-/* Tiles [c * tiles_per_chunk, ...) of W against every row: x's rows M_TILE at a time, which stay
- * in cache while those tiles pass, ROWS at a time over each tile. */
-static void f32_chunk(void *ctx, int64_t c)
+static void f32_rows(const void *ctx, int rows, int64_t r0, int64_t t)
 {
     const struct f32_job *job = ctx;
-    const int64_t t0 = c * job->tiles_per_chunk;
-    const int64_t t1 = t0 + job->tiles_per_chunk < job->w.tiles ? t0 + job->tiles_per_chunk : job->w.tiles;
-    for (int64_t m0 = 0; m0 < job->M; m0 += M_TILE) {
-        const int64_t m1 = m0 + M_TILE < job->M ? m0 + M_TILE : job->M;
-        for (int64_t t = t0; t < t1; t++)
-            for (int64_t r0 = m0; r0 < m1; r0 += ROWS)
-                job->rows_of(m1 - r0 < ROWS ? (int)(m1 - r0) : ROWS, job->out + r0 * job->N, job->xt + r0 * job->K,
-                             job->N, &job->w, t);
-    }
+    job->rows_of(rows, job->out + r0 * job->N, job->xt + r0 * job->K, job->N, &job->w, t);
 }
 
-/* out: [M, N]; x: [M, K], both fp32 and contiguous; K a multiple of 32, N of 16. Output tiles are
- * shared among the caller and the pool's helpers (pool_cpu.h), `chunks` pieces. Returns 0, or -1
- * when out of memory. */
+/* out: [M, N]; x: [M, K], both fp32 and contiguous; K a multiple of 32, N of 16. The output tiles
+ * are cut in about `chunks` pieces for `run` (shared_cpu.h). Returns 0, or -1 when out of memory. */
 static int quantized_linear_f32(
     float *out, const float *x, int64_t M, int64_t K, int64_t N, int format, const void *quants,
-    const float *scales, const float *mins, int64_t chunks)
+    const float *scales, const float *mins, pool_runner *run, int64_t chunks)
 {
-    struct f32_job job = {pick_rows_kernel(), out, NULL, M, K, N, 0, {format, N / TILE_N, K / BLOCK, quants, scales, mins}};
-    job.tiles_per_chunk = (job.w.tiles + chunks - 1) / chunks;
+    struct f32_job job = {pick_rows_kernel(), out, NULL, K, N, {format, N / TILE_N, K / BLOCK, quants, scales, mins}};
     /* the rows transposed ROWS at a time, so that the kernel finds every row's value of input k
      * at one address plus a constant */
     float *xt = malloc(sizeof(float) * (size_t)(((M + ROWS - 1) / ROWS) * ROWS * K));
@@ -202,7 +190,8 @@ static int quantized_linear_f32(
         for (int64_t r = r0; r < r0 + ROWS && r < M; r++)
             for (int64_t k = 0; k < K; k++) xt[r0 * K + k * ROWS + (r - r0)] = x[r * K + k];
     job.xt = xt;
-    pool_run(f32_chunk, &job, (job.w.tiles + job.tiles_per_chunk - 1) / job.tiles_per_chunk);
+    struct tile_loop loop = {f32_rows, &job, M, job.w.tiles, 0, M_TILE, ROWS};
+    tile_loop_run(run, &loop, chunks);
     free(xt);
     return 0;
 }

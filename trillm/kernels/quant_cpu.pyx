@@ -2,14 +2,14 @@
 """Linear layers on GGUF-quantized weights on CPU, compiled, behind a torch-tensor API: the fp32
 kernel in quant_cpu.h (QuantizedLinear, the exact path) and the integer one in quant_int8_cpu.h
 (Int8QuantizedLinear, activations quantized to 8 bits). Their references are trillm/kernels/
-quant.py's `linear` and `linear_int8`. Both share the pool of helper threads in pool_cpu.h; the
-GIL is released while a kernel runs."""
-import threading
-
+quant.py's `linear` and `linear_int8`. Both share their output tiles among the threads of
+pool_cpu; the GIL is released while a kernel runs."""
 from libc.stdint cimport int64_t, uint8_t, uintptr_t
 
 import torch
 
+from trillm.kernels cimport pool_cpu
+from trillm.kernels.pool_cpu cimport pool_runner
 from trillm.kernels.quant import BLOCK, QuantizedWeight
 
 cdef extern from "quant_cpu.h" nogil:
@@ -17,37 +17,19 @@ cdef extern from "quant_cpu.h" nogil:
     int QUANT_Q8_0
     int TILE_N
     int quantized_linear_f32(float *out, const float *x, int64_t M, int64_t K, int64_t N, int format,
-                              const void *quants, const float *scales, const float *mins, int64_t chunks)
-    int pool_set_helpers(int helpers)
+                              const void *quants, const float *scales, const float *mins, pool_runner *run,
+                              int64_t chunks)
 
 cdef extern from "quant_int8_cpu.h" nogil:
     int INT8_GENERIC, INT8_AVX2, INT8_AVXVNNI, INT8_AVX512VNNI
     int int8_isa_supported(int isa)
     int int8_best_isa()
     int int8_linear(float *out, const float *x, int64_t M, int64_t K, int64_t N, int nibbles, const uint8_t *u,
-                    const float *d, const float *m, int isa, int64_t chunks)
+                    const float *d, const float *m, int isa, pool_runner *run, int64_t chunks)
 
 FORMATS = {"q4_1": QUANT_Q4_1, "q8_0": QUANT_Q8_0}
 # the integer kernel's paths, widest last
 ISAS = {"generic": INT8_GENERIC, "avx2": INT8_AVX2, "avx_vnni": INT8_AVXVNNI, "avx512_vnni": INT8_AVX512VNNI}
-# chunks a projection's output tiles are cut into per thread: a helper that starts late still
-# finds some, and no thread is left with one large remainder
-CHUNKS_PER_THREAD = 4
-
-# One job at a time goes to the pool (the engine's step is one thread; tests may call from more).
-_pool_lock = threading.Lock()
-_threads = 1
-
-
-def set_threads(threads: int) -> int:
-    """Threads the kernels of this module use, the caller's included: helpers are started once and
-    then sleep between steps. Returns the number in effect."""
-    global _threads
-    with _pool_lock:
-        _threads = 1 + pool_set_helpers(max(threads, 1) - 1)
-        return _threads
-
-
 def isas() -> list[str]:
     """The integer kernel's paths this CPU runs, widest last."""
     return [name for name, isa in ISAS.items() if int8_isa_supported(isa)]
@@ -88,16 +70,14 @@ class QuantizedLinear:
         out = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
         cdef int64_t M = x2.shape[0], K = self.in_features, N = self.out_features
         cdef int fmt = self.format, rc = 0
-        cdef int64_t chunks
         cdef float *out_ptr = <float *><uintptr_t>out.data_ptr()
         cdef const float *x_ptr = <const float *><uintptr_t>x2.data_ptr()
         cdef const void *quants_ptr = <const void *><uintptr_t>self.quants.data_ptr()
         cdef const float *scales_ptr = <const float *><uintptr_t>self.scales.data_ptr()
         cdef const float *mins_ptr = <const float *><uintptr_t>(self.mins.data_ptr() if self.mins is not None else 0)
-        with _pool_lock:
-            chunks = _threads * CHUNKS_PER_THREAD
-            with nogil:
-                rc = quantized_linear_f32(out_ptr, x_ptr, M, K, N, fmt, quants_ptr, scales_ptr, mins_ptr, chunks)
+        cdef int64_t chunks = pool_cpu.chunks()
+        with nogil:
+            rc = quantized_linear_f32(out_ptr, x_ptr, M, K, N, fmt, quants_ptr, scales_ptr, mins_ptr, pool_cpu.run, chunks)
         if rc != 0:
             raise MemoryError("quantized linear: no memory for the transposed rows")
         if bias is not None:
@@ -136,16 +116,14 @@ class Int8QuantizedLinear:
         out = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
         cdef int64_t M = x2.shape[0], K = self.in_features, N = self.out_features
         cdef int nibbles = self.nibbles, isa = self.isa, rc = 0
-        cdef int64_t chunks
         cdef float *out_ptr = <float *><uintptr_t>out.data_ptr()
         cdef const float *x_ptr = <const float *><uintptr_t>x2.data_ptr()
         cdef const uint8_t *u_ptr = <const uint8_t *><uintptr_t>self.u.data_ptr()
         cdef const float *d_ptr = <const float *><uintptr_t>self.d.data_ptr()
         cdef const float *m_ptr = <const float *><uintptr_t>self.m.data_ptr()
-        with _pool_lock:
-            chunks = _threads * CHUNKS_PER_THREAD
-            with nogil:
-                rc = int8_linear(out_ptr, x_ptr, M, K, N, nibbles, u_ptr, d_ptr, m_ptr, isa, chunks)
+        cdef int64_t chunks = pool_cpu.chunks()
+        with nogil:
+            rc = int8_linear(out_ptr, x_ptr, M, K, N, nibbles, u_ptr, d_ptr, m_ptr, isa, pool_cpu.run, chunks)
         if rc != 0:
             raise MemoryError("quantized linear: no memory for the quantized rows")
         if bias is not None:

@@ -33,7 +33,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "pool_cpu.h"
+#include "shared_cpu.h"
 
 #define INT8_BLOCK 32
 #define INT8_TILE_N 16
@@ -334,32 +334,22 @@ static int int8_best_isa(void)
 struct int8_job {
     int8_rows_kernel *kernel;
     float *out;
-    int64_t M, N, tiles_per_chunk;
+    int64_t N;
     struct int8_rows x;
     struct int8_weight w;
 };
 
-/* Tiles [c * tiles_per_chunk, ...) of W against every row: x's rows INT8_M_TILE at a time, which
- * stay in cache while those tiles pass, INT8_ROWS at a time over each tile. */
-static void int8_chunk(void *ctx, int64_t c)
+static void int8_rows(const void *ctx, int rows, int64_t r0, int64_t t)
 {
     const struct int8_job *job = ctx;
-    const int64_t t0 = c * job->tiles_per_chunk;
-    const int64_t t1 = t0 + job->tiles_per_chunk < job->w.tiles ? t0 + job->tiles_per_chunk : job->w.tiles;
-    for (int64_t m0 = 0; m0 < job->M; m0 += INT8_M_TILE) {
-        const int64_t m1 = m0 + INT8_M_TILE < job->M ? m0 + INT8_M_TILE : job->M;
-        for (int64_t t = t0; t < t1; t++)
-            for (int64_t r0 = m0; r0 < m1; r0 += INT8_ROWS)
-                job->kernel(m1 - r0 < INT8_ROWS ? (int)(m1 - r0) : INT8_ROWS, job->out, job->N, &job->x, r0, &job->w, t);
-    }
+    job->kernel(rows, job->out, job->N, &job->x, r0, &job->w, t);
 }
 
 /* out [M, N] = x [M, K] W^T, fp32, contiguous; K a multiple of 32, N of 16; `isa` one this CPU
- * runs (int8_isa_supported). x is quantized once, then the output tiles are shared among the
- * caller and the pool's helpers (pool_cpu.h), `chunks` pieces. Returns 0, or -1 when out of
- * memory. */
+ * runs (int8_isa_supported). x is quantized once, then the output tiles are cut in about `chunks`
+ * pieces for `run` (shared_cpu.h). Returns 0, or -1 when out of memory. */
 static int int8_linear(float *out, const float *x, int64_t M, int64_t K, int64_t N, int nibbles, const uint8_t *u,
-                       const float *d, const float *m, int isa, int64_t chunks)
+                       const float *d, const float *m, int isa, pool_runner *run, int64_t chunks)
 {
     const int64_t blocks = K / INT8_BLOCK;
     int8_t *v = malloc((size_t)(M * K) + 2 * sizeof(float) * (size_t)(M * blocks));
@@ -367,9 +357,9 @@ static int int8_linear(float *out, const float *x, int64_t M, int64_t K, int64_t
     float *e = (float *)(v + M * K); /* K is a multiple of 32: aligned for floats */
     float *s = e + M * blocks;
     int8_quantize_rows(isa, x, M, K, v, e, s);
-    struct int8_job job = {int8_kernel_of(isa), out, M, N, 0, {K, blocks, v, e, s}, {nibbles, N / INT8_TILE_N, blocks, u, d, m}};
-    job.tiles_per_chunk = (job.w.tiles + chunks - 1) / chunks;
-    pool_run(int8_chunk, &job, (job.w.tiles + job.tiles_per_chunk - 1) / job.tiles_per_chunk);
+    struct int8_job job = {int8_kernel_of(isa), out, N, {K, blocks, v, e, s}, {nibbles, N / INT8_TILE_N, blocks, u, d, m}};
+    struct tile_loop loop = {int8_rows, &job, M, job.w.tiles, 0, INT8_M_TILE, INT8_ROWS};
+    tile_loop_run(run, &loop, chunks);
     free(v);
     return 0;
 }

@@ -1,6 +1,7 @@
-/* What the compiled CPU kernels (attention_cpu.h, ops_cpu.h) share: their multiversioning, and
- * an e^x in plain arithmetic the compiler vectorizes (a libm expf is a call per element: in
- * decode attention's softmax it was a fifth of the kernel's time).
+/* What the compiled CPU kernels share: their multiversioning, the thread pool's interface
+ * (pool_cpu.pyx runs it; a kernel is handed its `pool_runner`), the tile loop of the quantized
+ * linears, and an e^x in plain arithmetic the compiler vectorizes (a libm expf is a call per
+ * element: in decode attention's softmax it was a fifth of the kernel's time).
  */
 #ifndef TRILLM_SHARED_CPU_H
 #define TRILLM_SHARED_CPU_H
@@ -8,11 +9,48 @@
 #include <stdint.h>
 
 #if defined(__GNUC__) && defined(__x86_64__) && !defined(__clang__)
-/* One build runs on any x86-64; the loader picks the widest vector unit this CPU has. */
-#define TRILLM_MULTIVERSION __attribute__((target_clones("avx512f", "avx2", "default")))
+/* One build runs on any x86-64; the loader picks the widest level this CPU has (x86-64-v3 and
+ * v4 bring F16C, which the fp16 KV cache needs: without it each fp16 load is a library call). */
+#define TRILLM_MULTIVERSION __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
 #define TRILLM_MULTIVERSION
 #endif
+
+/* A job cut in `chunks` pieces: fn(ctx, c) for each c < chunks, on the caller and the pool's
+ * helpers; returns when all are done (pool_cpu.h). */
+typedef void pool_chunk_fn(void *ctx, int64_t chunk);
+typedef void pool_runner(pool_chunk_fn *fn, void *ctx, int64_t chunks);
+
+/* The loop of both quantized linears (quant_cpu.h, quant_int8_cpu.h): one chunk is a run of
+ * output tiles of W against every row of x, whose rows are taken m_tile at a time (they stay in
+ * cache while those tiles pass) and `rows` at a time over each tile. */
+typedef void tile_rows_fn(const void *job, int rows, int64_t r0, int64_t t);
+
+struct tile_loop {
+    tile_rows_fn *call;
+    const void *job;
+    int64_t M, tiles, tiles_per_chunk, m_tile, rows;
+};
+
+static void tile_loop_chunk(void *ctx, int64_t c)
+{
+    const struct tile_loop *loop = ctx;
+    const int64_t t0 = c * loop->tiles_per_chunk;
+    const int64_t t1 = t0 + loop->tiles_per_chunk < loop->tiles ? t0 + loop->tiles_per_chunk : loop->tiles;
+    for (int64_t m0 = 0; m0 < loop->M; m0 += loop->m_tile) {
+        const int64_t m1 = m0 + loop->m_tile < loop->M ? m0 + loop->m_tile : loop->M;
+        for (int64_t t = t0; t < t1; t++)
+            for (int64_t r0 = m0; r0 < m1; r0 += loop->rows)
+                loop->call(loop->job, m1 - r0 < loop->rows ? (int)(m1 - r0) : (int)loop->rows, r0, t);
+    }
+}
+
+/* Runs the loop over all tiles in about `chunks` pieces. */
+static inline void tile_loop_run(pool_runner *run, struct tile_loop *loop, int64_t chunks)
+{
+    loop->tiles_per_chunk = (loop->tiles + chunks - 1) / chunks;
+    run(tile_loop_chunk, loop, (loop->tiles + loop->tiles_per_chunk - 1) / loop->tiles_per_chunk);
+}
 
 /* e^x within 2 ulp of expf on [-87, 88]; x is clamped there (below -87 the result would be
  * subnormal, which next to a softmax's largest term, e^0, or to SiLU's 1 is nothing).
