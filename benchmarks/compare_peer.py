@@ -95,7 +95,7 @@ def wait_ready(process: subprocess.Popen, base_url: str, timeout: float) -> floa
                 return time.monotonic() - start
         except httpx.HTTPError:
             pass
-        time.sleep(1)
+        time.sleep(0.1)
     raise TimeoutError(f"the server was not ready after {timeout} s")
 
 

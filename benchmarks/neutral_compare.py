@@ -4,7 +4,9 @@
 each server is started on a free loopback port at its defaults, measured at every concurrency
 level, then stopped, so no two compete for the cores. Prints, per level, each server's output
 throughput, mean TTFT and the tokens it really produced (llama-server's OpenAI endpoint may stop
-on EOS despite ignore_eos), and the ratios trillm / peer; writes everything to one JSON file.
+on EOS despite ignore_eos), and the ratios trillm / peer; per server its start-up time (to a
+200 from /v1/models) and the peak resident memory of its whole process tree; writes everything
+to one JSON file.
 
     benchmarks/peers/setup_vllm_cpu.sh .peers/vllm
     benchmarks/peers/setup_llama_server.sh .peers/llama.cpp
@@ -59,6 +61,21 @@ def bench_serve(args, model_dir: str, base_url: str, concurrency: int, result: P
     return json.loads(result.read_text())
 
 
+def peak_rss_mib(pid: int) -> float:
+    """The sum of the peak resident sets (VmHWM) of a process and all its live descendants."""
+    total, pending = 0.0, [pid]
+    while pending:
+        p = pending.pop()
+        try:
+            status = Path(f"/proc/{p}/status").read_text()
+            for task in Path(f"/proc/{p}/task").iterdir():
+                pending += [int(c) for c in (task / "children").read_text().split()]
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        total += next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM:")) / 1024
+    return total
+
+
 def measure(name: str, args, model_dir: str, out_dir: Path) -> dict:
     port = free_port()
     command, env = SERVERS[name](args, model_dir, port)
@@ -74,7 +91,9 @@ def measure(name: str, args, model_dir: str, out_dir: Path) -> dict:
                                                      "mean_tpot_ms", "total_output_tokens", "completed")}
                 print(f"{name} c={c}: {r['output_throughput']:.1f} tok/s, TTFT {r['mean_ttft_ms']:.0f} ms, "
                       f"{r['total_output_tokens']} tokens", flush=True)
-            return {"startup_s": ready, "levels": levels}
+            peak = peak_rss_mib(process.pid)
+            print(f"{name}: ready in {ready:.1f} s, peak resident memory {peak:.0f} MiB", flush=True)
+            return {"startup_s": ready, "peak_rss_mib": peak, "levels": levels}
         finally:
             stop(process)
 
@@ -116,6 +135,8 @@ def main() -> None:
     print(f"\nvllm bench serve, {args.input_len} input / {args.output_len} output tokens, "
           f"{args.rounds} x c prompts, order {' -> '.join(args.order)}")
     print(table(results, args.concurrency))
+    for name in args.order:
+        print(f"{name}: ready in {results[name]['startup_s']:.1f} s, peak RSS {results[name]['peak_rss_mib']:.0f} MiB")
 
 
 if __name__ == "__main__":

@@ -149,7 +149,7 @@ def test_gguf_projections_dequantize_to_the_converted_weights(default_model_dir)
     config = AutoConfig.from_pretrained(default_model_dir)
     converted = safe_open(os.path.join(default_model_dir, "model.safetensors"), framework="pt")
     formats = {}
-    for name, weight in quantized_weights(default_model_path(), config):
+    for name, weight in quantized_weights(default_model_path(), config, default_model_dir):
         assert torch.equal(quant.dequantize(weight), converted.get_tensor(name)), name
         formats[weight.format] = formats.get(weight.format, 0) + 1
     assert formats == {"q4_1": 7 * config.num_hidden_layers, "q8_0": 1}  # the tied embeddings are Q8_0
@@ -162,3 +162,23 @@ def test_default_model_runs_its_projections_on_the_gguf_blocks():
     assert model.model.embed_tokens.weight is not None  # the lookup keeps its fp32 table
     dense = load_model(EngineArgs(quantized_weights=False)).model
     assert all(m.quantized is None for m in dense.modules() if isinstance(m, Linear))
+
+
+def test_gguf_tensor_index_is_read_once_and_kept(tmp_path):
+    """The first load reads where each tensor lies with GGUFReader and writes it to the cache
+    directory; a later load takes it from there, and slices the same bytes GGUFReader gives."""
+    import numpy as np
+    from gguf import GGUFReader
+
+    from trillm.engine.gguf_weights import INDEX_FILE, tensor_index
+    from trillm.engine.loader import default_model_path
+
+    reader = GGUFReader(default_model_path())
+    index = tensor_index(default_model_path(), str(tmp_path))
+    assert (tmp_path / INDEX_FILE).exists() and [e["name"] for e in index] == [t.name for t in reader.tensors]
+    (tmp_path / INDEX_FILE).write_text(json.dumps(index[:3]))  # a kept index is what later loads read
+    assert tensor_index(default_model_path(), str(tmp_path)) == index[:3]
+    data = np.memmap(default_model_path(), dtype=np.uint8, mode="r")
+    for entry, tensor in zip(index, reader.tensors):
+        got = np.asarray(data[entry["offset"] : entry["offset"] + entry["bytes"]]).view(tensor.data.dtype)
+        assert np.array_equal(got.reshape(entry["shape"]), tensor.data), entry["name"]

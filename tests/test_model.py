@@ -311,6 +311,24 @@ def test_integer_activations_agree_with_the_exact_path_on_the_default_model():
     assert not torch.equal(logits[True], logits[False])  # two paths, not one twice
 
 
+def test_kv_cache_memory_becomes_resident_only_as_blocks_are_written(tiny_model_dir):
+    """A 4 GiB budget on CPU costs next to nothing until requests write blocks: the cache is an
+    anonymous mapping (zero pages), not a zeroed, and so resident, allocation."""
+
+    def resident_mib() -> float:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+
+    before = resident_mib()
+    runner = ModelRunner(EngineArgs(model=tiny_model_dir("qwen3"), kv_cache_memory=4 << 30, **EXACT))
+    assert runner.num_kv_blocks * runner.block_bytes > (4 << 30) - runner.block_bytes
+    assert resident_mib() - before < 512
+    k_cache, v_cache = runner.kv_caches[0]
+    assert not k_cache.any() and not v_cache.any()  # zero, as attention needs
+    seq = make_sequences(runner, [40])[0]
+    assert torch.isfinite(run_step(runner, [seq.chunk(0, 40)])).all()
+
+
 def test_a_prompt_computes_the_same_whatever_else_the_step_holds():
     """On the default CPU path (8-bit activations, an fp16 cache) a prompt's last logits are the
     same to the bit whether it is prefilled whole and alone, in chunks beside another request's

@@ -5,9 +5,15 @@ by them instead of by fp32 copies, and then fills everything else from the fp32 
 converts the file into (trillm/engine/loader.py). Only Llama-family tensor names are mapped, and
 q/k rows get the reordering transformers applies (llama.cpp stores them permuted for its RoPE
 layout); a dequantized result equals the fp32 tensor the directory holds, which the tests check.
+
+Where each tensor lies in the file is read once, by gguf-py's GGUFReader, and kept in the
+converted directory (`gguf_tensors.json`): the reader parses every metadata field, the whole
+vocabulary included, which took seconds of every start-up; later loads map the file and slice.
 """
 from __future__ import annotations
 
+import json
+import os
 import re
 from collections.abc import Iterator
 
@@ -43,14 +49,44 @@ def hf_name(gguf_name: str) -> str | None:
     return f"model.layers.{match[1]}.{LAYER_TENSORS[match[2]]}.weight"
 
 
-def quantized_weights(gguf_path: str, config: PretrainedConfig) -> Iterator[tuple[str, quant.QuantizedWeight]]:
+INDEX_FILE = "gguf_tensors.json"
+
+
+def tensor_index(gguf_path: str, cache_dir: str) -> list[dict]:
+    """Every tensor of the file: its name, GGML type, absolute byte offset, size in bytes and the
+    shape of its data as GGUFReader gives it (rows x bytes for block formats). Read from cache_dir's
+    INDEX_FILE, or from the file and then written there (atomically: a reader never sees half)."""
+    path = os.path.join(cache_dir, INDEX_FILE)
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        pass
+    index = [
+        {"name": t.name, "type": int(t.tensor_type), "offset": int(t.data_offset), "bytes": int(t.n_bytes),
+         "shape": list(t.data.shape)}
+        for t in GGUFReader(gguf_path).tensors
+    ]
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(index, f)
+    os.replace(tmp, path)
+    return index
+
+
+def quantized_weights(
+    gguf_path: str, config: PretrainedConfig, cache_dir: str
+) -> Iterator[tuple[str, quant.QuantizedWeight]]:
     """(HF name, weight) for every projection stored in a format the kernels run; others (F32,
-    K-quants) are not listed, and stay on their fp32 copies."""
-    for tensor in GGUFReader(gguf_path).tensors:
-        name = hf_name(tensor.name)
-        if name is None or tensor.tensor_type not in FORMATS:
+    K-quants) are not listed, and stay on their fp32 copies. cache_dir: the file's converted
+    directory, which keeps the tensor index."""
+    data = np.memmap(gguf_path, dtype=np.uint8, mode="r")
+    for tensor in tensor_index(gguf_path, cache_dir):
+        name, kind = hf_name(tensor["name"]), GGMLQuantizationType(tensor["type"])
+        if name is None or kind not in FORMATS:
             continue
-        weight = quant.from_gguf(FORMATS[tensor.tensor_type], torch.from_numpy(np.array(tensor.data)))
+        blocks = np.array(data[tensor["offset"] : tensor["offset"] + tensor["bytes"]]).reshape(tensor["shape"])
+        weight = quant.from_gguf(FORMATS[kind], torch.from_numpy(blocks))
         if ".q_proj." in name:
             weight = weight.rows(_unpermute(weight.out_features, config.num_attention_heads))
         elif ".k_proj." in name:

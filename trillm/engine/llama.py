@@ -19,8 +19,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from trillm.engine.attention import AttentionMetadata
 from trillm.kernels import linear_cpu, quant
@@ -104,12 +102,18 @@ class RMSNorm(nn.Module):
 def rope_cos_sin_cache(config: PretrainedConfig, max_positions: int) -> torch.Tensor:
     """[max_positions, head_dim] fp32: cos | sin of every position, times the RoPE type's
     attention scaling (1 except yarn / longrope). Frequencies come from transformers' own
-    functions, so every rope_type (llama3, yarn, linear, ...) matches it exactly; "dynamic"
+    functions (the default type from its formula, repeated here), so every rope_type (llama3,
+    yarn, linear, ...) matches it exactly; "dynamic"
     and "longrope" are taken at their max-length setting, not re-derived per sequence."""
     rope_type = config.rope_parameters.get("rope_type", "default")
-    if rope_type == "default":
-        inv_freq, scaling = LlamaRotaryEmbedding.compute_default_rope_parameters(config)
+    if rope_type == "default":  # transformers' compute_default_rope_parameters, op for op
+        dim = head_dim_of(config)
+        inv_freq = 1.0 / (config.rope_parameters["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        scaling = 1.0
     else:
+        # imported here: the module costs a second of start-up that the default type never needs
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
         inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config)
     assert 2 * inv_freq.numel() == head_dim_of(config), "partial rotary embeddings are not supported"
     freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq.float())

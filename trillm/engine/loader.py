@@ -180,7 +180,7 @@ def load_model(args: EngineArgs) -> LoadedModel:
         gguf_path = gguf_file(args.model)
         if args.quantized_weights and kernels.quantized_linear is not None and gguf_path is not None:
             # first: the projections that move onto the blocks never read their fp32 copies
-            load_quantized_weights(model, quantized_weights(gguf_path, config))
+            load_quantized_weights(model, quantized_weights(gguf_path, config, model_dir))
         load_weights(model, _safetensors_weights(model_dir, skip=functools.partial(on_quantized_blocks, model)))
     else:
         raise ValueError(f"Unknown load format {args.load_format!r}; choose auto or dummy.")

@@ -8,6 +8,8 @@ reach the end of its prompt needs none. On CUDA, pure-decode steps replay CUDA g
 """
 from __future__ import annotations
 
+import math
+import mmap
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -71,10 +73,18 @@ class ModelRunner:
 
     def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer (K, V), each [num_blocks, block_size, Hk, D] and contiguous, carved from one
-        allocation. Zeroed: attention masks unused slots, but 0 * NaN from stale memory is NaN."""
+        allocation. Zeroed: attention masks unused slots, but 0 * NaN from stale memory is NaN.
+        On CPU the allocation is an anonymous mapping, zero by the kernel's promise, whose pages
+        become resident only once a block is written: a server holds the memory its requests
+        use, not its whole budget (torch.zeros would write, and so keep, every page)."""
         cfg = self.config.hf_config
         shape = (cfg.num_hidden_layers, 2, num_blocks, self.block_size, cfg.num_key_value_heads, head_dim_of(cfg))
-        cache = torch.zeros(shape, dtype=self.model.kernels.kv_cache_dtype, device=self.config.device)
+        dtype = self.model.kernels.kv_cache_dtype
+        if self.config.device.type == "cpu":
+            pages = mmap.mmap(-1, math.prod(shape) * dtype.itemsize)
+            cache = torch.frombuffer(pages, dtype=dtype).view(shape)  # the tensor keeps `pages` alive
+        else:
+            cache = torch.zeros(shape, dtype=dtype, device=self.config.device)
         return [(layer[0], layer[1]) for layer in cache]
 
     def _num_blocks_in_budget(self) -> int:
