@@ -379,15 +379,20 @@ def test_cpu_rotary_embedding_matches_its_twin(head_dim, is_neox):
     assert_close(q, q_ref, torch.float32)
 
 
-def test_cpu_write_kv_matches_its_twin():
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+def test_cpu_write_kv_matches_its_twin(cache_dtype):
+    """fp32 rows copied, or rounded to fp16 exactly as torch's .to() rounds them (to nearest
+    even: the values below include halfway cases and ones past fp16's range)."""
     from trillm.kernels import ops_cpu
 
     block_size, hk, head_dim, num_blocks = 16, 2, 64, 4
     kv = randn(7, 3 * hk * head_dim)  # k and v as strided views of one fused projection
+    kv[0, :4] = torch.tensor([1 + 2**-11, 1 + 3 * 2**-11, 70000.0, -1e-8])
     k = kv[:, hk * head_dim : 2 * hk * head_dim].view(7, hk, head_dim)
     v = kv[:, 2 * hk * head_dim :].view(7, hk, head_dim)
+    k[0, 0, :4] = kv[0, :4]
     slots = torch.tensor([3, -1, block_size + 1, 2 * block_size - 1, -1, 0, 3 * block_size + 5])
-    caches = [randn(num_blocks, block_size, hk, head_dim, seed=s) for s in (2, 3)]
+    caches = [randn(num_blocks, block_size, hk, head_dim, seed=s).to(cache_dtype) for s in (2, 3)]
     want = [c.clone() for c in caches]
     cache.write_kv(k, v, *want, slots)
     ops_cpu.write_kv(k, v, *caches, slots)

@@ -16,7 +16,6 @@
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
 #include "shared_cpu.h"
 
@@ -29,52 +28,11 @@ static inline void prefetch_row(const void *row, int64_t bytes)
     for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch((const char *)row + off);
 }
 
-/* fp16 -> fp32, n values: F16C's vcvtph2ps where the CPU has it (GCC does not vectorize a
- * _Float16 conversion loop itself: each value became a call or a scalar instruction). */
-typedef void widen_fn(float *dst, const uint16_t *src, int64_t n);
-
-static void widen_generic(float *dst, const uint16_t *src, int64_t n)
-{
-    for (int64_t i = 0; i < n; i++) {
-        _Float16 h;
-        memcpy(&h, src + i, sizeof(h));
-        dst[i] = (float)h;
-    }
-}
-
-#if defined(__GNUC__) && defined(__x86_64__)
-#include <immintrin.h>
-
-__attribute__((target("avx512f"))) static void widen_avx512(float *dst, const uint16_t *src, int64_t n)
-{
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(src + i))));
-    widen_generic(dst + i, src + i, n - i);
-}
-
-__attribute__((target("avx,f16c"))) static void widen_f16c(float *dst, const uint16_t *src, int64_t n)
-{
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
-    widen_generic(dst + i, src + i, n - i);
-}
-
-static widen_fn *pick_widen(void)
-{
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f")) return widen_avx512;
-    if (__builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c")) return widen_f16c;
-    return widen_generic;
-}
-#else
-static widen_fn *pick_widen(void) { return widen_generic; }
-#endif
-
 struct decode_job {
     float *out;
     const float *q;
     const void *k_cache, *v_cache;
-    widen_fn *widen; /* NULL: an fp32 cache, read in place; else how an fp16 row is widened */
+    f16_widen_fn *widen; /* NULL: an fp32 cache, read in place; else how an fp16 row is widened */
     const int32_t *block_tables, *seq_lens;
     int64_t num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks, window, max_padded, per_chunk;
     float scale;
@@ -201,7 +159,7 @@ static int paged_decode_attention(
     int64_t max_len = 1;
     for (int64_t b = 0; b < num_seqs; b++)
         if (seq_lens[b] > max_len) max_len = seq_lens[b];
-    struct decode_job job = {out, q, k_cache, v_cache, f16 ? pick_widen() : NULL, block_tables, seq_lens, num_seqs,
+    struct decode_job job = {out, q, k_cache, v_cache, f16 ? pick_f16_widen() : NULL, block_tables, seq_lens, num_seqs,
                              num_heads, num_kv_heads, head_dim, block_size, max_blocks, window, (max_len + 3) / 4 * 4,
                              0, scale, 0};
     job.per_chunk = (num_seqs + chunks - 1) / chunks;

@@ -125,9 +125,8 @@ class CpuKernels(TorchKernels):
         from trillm.kernels.attention_cpu import CACHE_DTYPES, paged_decode_attention
 
         if dtype == torch.float32:
-            if self.kv_cache_dtype in CACHE_DTYPES:
+            if self.kv_cache_dtype in CACHE_DTYPES:  # fp32 or fp16; a bf16 cache keeps the twins
                 self.row_kernel = paged_decode_attention
-            if self.kv_cache_dtype == torch.float32:  # an fp16 cache takes the twin's converting copy
                 self.write_kv = ops_cpu.write_kv
             self.quantized_linear = quant_cpu.Int8QuantizedLinear if quantized_activations else quant_cpu.QuantizedLinear
             self.rms_norm = ops_cpu.rms_norm

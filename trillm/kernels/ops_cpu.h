@@ -92,18 +92,25 @@ static int rotary_embedding_f32(float *restrict x, const int64_t *restrict posit
 }
 
 /* The rows of token t (row_size floats, at k + t * k_stride and v + t * v_stride) into cache slot
- * slots[t] of each cache ([num_slots, row_size]); a negative slot (padding) is skipped. Returns 0,
- * or -1 (writing nothing) when a slot is past the cache. */
-static int write_kv_f32(float *restrict k_cache, float *restrict v_cache, const float *restrict k,
-                        const float *restrict v, const int64_t *restrict slots, int64_t T, int64_t num_slots,
-                        int64_t row_size, int64_t k_stride, int64_t v_stride)
+ * slots[t] of each cache ([num_slots, row_size], fp32, or with f16 fp16 rounded to nearest even);
+ * a negative slot (padding) is skipped. Returns 0, or -1 (writing nothing) when a slot is past
+ * the cache. */
+static int write_kv(void *restrict k_cache, void *restrict v_cache, int f16, const float *restrict k,
+                    const float *restrict v, const int64_t *restrict slots, int64_t T, int64_t num_slots,
+                    int64_t row_size, int64_t k_stride, int64_t v_stride)
 {
     for (int64_t t = 0; t < T; t++)
         if (slots[t] >= num_slots) return -1;
+    f16_narrow_fn *narrow = f16 ? pick_f16_narrow() : NULL;
     for (int64_t t = 0; t < T; t++) {
         if (slots[t] < 0) continue;
-        memcpy(k_cache + slots[t] * row_size, k + t * k_stride, sizeof(float) * (size_t)row_size);
-        memcpy(v_cache + slots[t] * row_size, v + t * v_stride, sizeof(float) * (size_t)row_size);
+        if (narrow != NULL) {
+            narrow((uint16_t *)k_cache + slots[t] * row_size, k + t * k_stride, row_size);
+            narrow((uint16_t *)v_cache + slots[t] * row_size, v + t * v_stride, row_size);
+        } else {
+            memcpy((float *)k_cache + slots[t] * row_size, k + t * k_stride, sizeof(float) * (size_t)row_size);
+            memcpy((float *)v_cache + slots[t] * row_size, v + t * v_stride, sizeof(float) * (size_t)row_size);
+        }
     }
     return 0;
 }

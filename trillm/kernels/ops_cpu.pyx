@@ -12,8 +12,9 @@ cdef extern from "ops_cpu.h" nogil:
     void silu_and_mul_f32(float *out, const float *x, int64_t T, int64_t inter)
     int rotary_embedding_f32(float *x, const int64_t *positions, const float *cos_sin, int64_t max_positions,
                              int64_t T, int64_t heads, int64_t head_dim, int64_t row_stride, int neox)
-    int write_kv_f32(float *k_cache, float *v_cache, const float *k, const float *v, const int64_t *slots, int64_t T,
-                     int64_t num_slots, int64_t row_size, int64_t k_stride, int64_t v_stride)
+    int write_kv_c "write_kv"(void *k_cache, void *v_cache, int f16, const float *k, const float *v,
+                              const int64_t *slots, int64_t T, int64_t num_slots, int64_t row_size, int64_t k_stride,
+                              int64_t v_stride)
 
 
 cdef inline float *address(t):
@@ -101,21 +102,24 @@ def rotary_embedding(positions, q, k, cos_sin_cache, is_neox=True):
 
 
 def write_kv(k, v, k_cache, v_cache, slot_mapping):
-    """As cache.write_kv: k, v [T, Hk, D] into their slots of the caches (negative: skipped)."""
-    check(k), check(v), check(k_cache), check(v_cache), check(slot_mapping, torch.int64)
+    """As cache.write_kv: k, v [T, Hk, D] fp32 into their slots of the caches (fp32 or fp16;
+    negative slots: skipped)."""
+    check(k), check(v), check(k_cache, k_cache.dtype), check(v_cache, k_cache.dtype), check(slot_mapping, torch.int64)
+    assert k_cache.dtype in (torch.float32, torch.float16), k_cache.dtype
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
     assert slot_mapping.is_contiguous() and slot_mapping.shape == k.shape[:1], (slot_mapping.shape, k.shape)
     assert k.shape == v.shape and k.shape[1:] == k_cache.shape[2:], (k.shape, v.shape, k_cache.shape)
     assert k.stride(2) == v.stride(2) == 1 and k.stride(1) == v.stride(1) == k.shape[2], (k.stride(), v.stride())
     cdef int64_t T = k.shape[0], row_size = k.shape[1] * k.shape[2]
     cdef int64_t num_slots = k_cache.shape[0] * k_cache.shape[1], k_stride = k.stride(0), v_stride = v.stride(0)
-    cdef float *kc_ptr = address(k_cache)
-    cdef float *vc_ptr = address(v_cache)
+    cdef void *kc_ptr = <void *><uintptr_t>k_cache.data_ptr()
+    cdef void *vc_ptr = <void *><uintptr_t>v_cache.data_ptr()
+    cdef int f16 = k_cache.dtype == torch.float16
     cdef const float *k_ptr = address(k)
     cdef const float *v_ptr = address(v)
     cdef const int64_t *slots_ptr = <const int64_t *><uintptr_t>slot_mapping.data_ptr()
     cdef int rc
     with nogil:
-        rc = write_kv_f32(kc_ptr, vc_ptr, k_ptr, v_ptr, slots_ptr, T, num_slots, row_size, k_stride, v_stride)
+        rc = write_kv_c(kc_ptr, vc_ptr, f16, k_ptr, v_ptr, slots_ptr, T, num_slots, row_size, k_stride, v_stride)
     if rc != 0:
         raise IndexError("write_kv: a slot is past the end of the cache")

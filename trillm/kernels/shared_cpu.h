@@ -7,6 +7,7 @@
 #define TRILLM_SHARED_CPU_H
 
 #include <stdint.h>
+#include <string.h>
 
 #if defined(__GNUC__) && defined(__x86_64__) && !defined(__clang__)
 /* One build runs on any x86-64; the loader picks the widest level this CPU has (x86-64-v3 and
@@ -14,6 +15,73 @@
 #define TRILLM_MULTIVERSION __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
 #define TRILLM_MULTIVERSION
+#endif
+
+/* fp16 <-> fp32 for the KV cache, n values, rounding to nearest even (as torch's .to()): F16C's
+ * vcvtph2ps / vcvtps2ph where the CPU has them. GCC 12 vectorizes no _Float16 conversion loop:
+ * each value became a library call or a scalar instruction. fp16 values travel as uint16_t. */
+typedef void f16_widen_fn(float *dst, const uint16_t *src, int64_t n);
+typedef void f16_narrow_fn(uint16_t *dst, const float *src, int64_t n);
+
+static inline void f16_widen_generic(float *dst, const uint16_t *src, int64_t n)
+{
+    for (int64_t i = 0; i < n; i++) {
+        _Float16 h;
+        memcpy(&h, src + i, sizeof(h));
+        dst[i] = (float)h;
+    }
+}
+
+static inline void f16_narrow_generic(uint16_t *dst, const float *src, int64_t n)
+{
+    for (int64_t i = 0; i < n; i++) {
+        const _Float16 h = (_Float16)src[i];
+        memcpy(dst + i, &h, sizeof(h));
+    }
+}
+
+#if defined(__GNUC__) && defined(__x86_64__)
+#include <immintrin.h>
+
+__attribute__((target("avx512f"))) static inline void f16_widen_avx512(float *dst, const uint16_t *src, int64_t n)
+{
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(src + i))));
+    f16_widen_generic(dst + i, src + i, n - i);
+}
+
+__attribute__((target("avx,f16c"))) static inline void f16_widen_f16c(float *dst, const uint16_t *src, int64_t n)
+{
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
+    f16_widen_generic(dst + i, src + i, n - i);
+}
+
+__attribute__((target("avx,f16c"))) static inline void f16_narrow_f16c(uint16_t *dst, const float *src, int64_t n)
+{
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(dst + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+    f16_narrow_generic(dst + i, src + i, n - i);
+}
+
+static inline f16_widen_fn *pick_f16_widen(void)
+{
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f")) return f16_widen_avx512;
+    if (__builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c")) return f16_widen_f16c;
+    return f16_widen_generic;
+}
+
+static inline f16_narrow_fn *pick_f16_narrow(void)
+{
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c")) return f16_narrow_f16c;
+    return f16_narrow_generic;
+}
+#else
+static inline f16_widen_fn *pick_f16_widen(void) { return f16_widen_generic; }
+static inline f16_narrow_fn *pick_f16_narrow(void) { return f16_narrow_generic; }
 #endif
 
 /* A job cut in `chunks` pieces: fn(ctx, c) for each c < chunks, on the caller and the pool's
