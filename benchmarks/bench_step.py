@@ -9,8 +9,11 @@ One torch thread (and by default one kernel thread), greedy, ignore_eos, 128-tok
 token, so none shares its last block), 40 output tokens.
 """
 import argparse
+import atexit
 import os
 import statistics
+import subprocess
+import sys
 import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -65,10 +68,15 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=40)
     parser.add_argument("--prefill-lens", type=int, nargs="*", default=[])
+    parser.add_argument("--busy-process", action="store_true",
+                        help="measure beside a process that keeps one core busy (a spinning Python loop)")
     parser.add_argument("--kernel-threads", type=int, default=1, help="threads of the compiled kernels")
     parser.add_argument("--quantized-activations", action=argparse.BooleanOptionalAction, default=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.busy_process:
+        busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        atexit.register(busy.kill)
     core = EngineCore(EngineArgs(num_kv_blocks=1024, kernel_threads=args.kernel_threads,
                                  quantized_activations=args.quantized_activations))
     for batch in args.batch_sizes:
