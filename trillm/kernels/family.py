@@ -113,7 +113,7 @@ class CpuKernels(TorchKernels):
     SiLU-and-mul, rotary and the KV write each one compiled pass (trillm/kernels/ops_cpu.pyx).
     fp32 only for the compiled kernels; other dtypes keep packed weights and the twins. The
     quantized projections multiply 8-bit activations in integers (quant_int8_cpu.h) unless
-    `quantized_activations` is off; they and decode attention share their work among
+    `quantized_activations` is off; they and attention share their work among
     `set_threads` threads. An fp32 model keeps its KV cache in fp16 unless told otherwise."""
 
     name = "cpu"

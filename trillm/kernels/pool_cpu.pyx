@@ -27,10 +27,6 @@ def set_threads(int threads) -> int:
     return _threads
 
 
-def threads() -> int:
-    return _threads
-
-
 cdef int64_t chunks() noexcept nogil:
     """How many pieces a job should be cut into."""
     return _threads * CHUNKS_PER_THREAD

@@ -67,15 +67,22 @@ def cat(weights: list[QuantizedWeight]) -> QuantizedWeight:
     )
 
 
-def dequantize(weight: QuantizedWeight) -> torch.Tensor:
-    """[N, K] fp32, bit for bit what gguf-py (and so transformers) makes of the same blocks."""
+def block_quants(weight: QuantizedWeight) -> torch.Tensor:
+    """[N, K / 32, 32]: each block's integer quants in input order (Q4_1: 0..15 uint8, its nibbles
+    unpacked; Q8_0: int8)."""
     rows, blocks = weight.scales.shape
     if weight.format == "q4_1":
         packed = weight.quants.reshape(rows, blocks, BLOCK // 2)
-        q = torch.cat((packed & 15, packed >> 4), dim=-1).float()
-        w = weight.scales[..., None] * q + weight.mins[..., None]
-    else:
-        w = weight.quants.reshape(rows, blocks, BLOCK).float() * weight.scales[..., None]
+        return torch.cat((packed & 15, packed >> 4), dim=-1)
+    return weight.quants.reshape(rows, blocks, BLOCK)
+
+
+def dequantize(weight: QuantizedWeight) -> torch.Tensor:
+    """[N, K] fp32, bit for bit what gguf-py (and so transformers) makes of the same blocks."""
+    rows, blocks = weight.scales.shape
+    w = weight.scales[..., None] * block_quants(weight).float()
+    if weight.mins is not None:
+        w = w + weight.mins[..., None]
     return w.reshape(rows, blocks * BLOCK)
 
 
@@ -111,13 +118,8 @@ def linear_int8(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | N
     shape = x.shape
     rows = quantize_rows(x.reshape(-1, shape[-1]).float())
     n, blocks = weight.scales.shape
-    if weight.format == "q4_1":
-        packed = weight.quants.reshape(n, blocks, BLOCK // 2)
-        q = torch.cat((packed & 15, packed >> 4), dim=-1)
-    else:
-        q = weight.quants.reshape(n, blocks, BLOCK)
     v = rows.v.reshape(-1, blocks, BLOCK)
-    dots = torch.einsum("mbk,nbk->mnb", v.double(), q.double())  # exact: integers below 2^53
+    dots = torch.einsum("mbk,nbk->mnb", v.double(), block_quants(weight).double())  # exact: integers below 2^53
     y = (dots * weight.scales.double()[None] * rows.e.double()[:, None]).sum(-1)
     if weight.mins is not None:
         y += rows.s.double() @ weight.mins.double().T

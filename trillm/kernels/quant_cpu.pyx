@@ -45,16 +45,28 @@ def _tiled(per_row, tiles: int, blocks: int):
     return per_row.reshape(tiles, TILE_N, blocks, -1).permute(0, 2, 3, 1).contiguous()
 
 
-def _check_input(x, in_features: int):
-    assert x.dtype == torch.float32 and x.device.type == "cpu" and x.shape[-1] == in_features, (x.dtype, x.shape)
-    return x.reshape(-1, in_features).contiguous()
-
-
-class QuantizedLinear:
-    """x -> x W^T (+ bias) for one QuantizedWeight with fp32 activations, regrouped once into the
-    kernel's tiles."""
+class _TiledLinear:
+    """What both linears share: the input's checks and shape, the output, the bias. A subclass
+    regroups its weight once and multiplies in `_multiply(out, x2)`, which returns the C
+    kernel's code (0, or -1 when out of memory)."""
 
     runs = staticmethod(runs)
+
+    def __call__(self, x, bias=None):
+        """x [..., K] fp32 on the CPU -> [..., N] fp32."""
+        assert x.dtype == torch.float32 and x.device.type == "cpu" and x.shape[-1] == self.in_features, (x.dtype, x.shape)
+        x2 = x.reshape(-1, self.in_features).contiguous()
+        out = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
+        if self._multiply(out, x2) != 0:
+            raise MemoryError(f"{type(self).__name__}: no memory for the kernel's copy of the rows")
+        if bias is not None:
+            out += bias
+        return out.view(*x.shape[:-1], self.out_features)
+
+
+class QuantizedLinear(_TiledLinear):
+    """x -> x W^T (+ bias) for one QuantizedWeight with fp32 activations, regrouped once into the
+    kernel's tiles."""
 
     def __init__(self, weight: QuantizedWeight):
         assert runs(weight), (weight.format, weight.out_features)
@@ -64,10 +76,7 @@ class QuantizedLinear:
         self.quants, self.scales = _tiled(weight.quants, tiles, blocks), _tiled(weight.scales, tiles, blocks)
         self.mins = _tiled(weight.mins, tiles, blocks) if weight.mins is not None else None
 
-    def __call__(self, x, bias=None):
-        """x [..., K] fp32 on the CPU -> [..., N] fp32."""
-        x2 = _check_input(x, self.in_features)
-        out = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
+    def _multiply(self, out, x2) -> int:
         cdef int64_t M = x2.shape[0], K = self.in_features, N = self.out_features
         cdef int fmt = self.format, rc = 0
         cdef float *out_ptr = <float *><uintptr_t>out.data_ptr()
@@ -78,19 +87,13 @@ class QuantizedLinear:
         cdef int64_t chunks = pool_cpu.chunks()
         with nogil:
             rc = quantized_linear_f32(out_ptr, x_ptr, M, K, N, fmt, quants_ptr, scales_ptr, mins_ptr, pool_cpu.run, chunks)
-        if rc != 0:
-            raise MemoryError("quantized linear: no memory for the transposed rows")
-        if bias is not None:
-            out += bias
-        return out.view(*x.shape[:-1], N)
+        return rc
 
 
-class Int8QuantizedLinear:
+class Int8QuantizedLinear(_TiledLinear):
     """x -> x W^T (+ bias) for one QuantizedWeight as integer dot products: each row of x is
     quantized to 8-bit blocks (quant_int8_cpu.h says how). `isa` picks the kernel's path (one of
     isas(); the widest by default)."""
-
-    runs = staticmethod(runs)
 
     def __init__(self, weight: QuantizedWeight, isa: str | None = None):
         assert runs(weight), (weight.format, weight.out_features)
@@ -110,10 +113,7 @@ class Int8QuantizedLinear:
             self.m = _tiled(weight.scales * -128.0, tiles, blocks)
         self.d = _tiled(weight.scales, tiles, blocks)
 
-    def __call__(self, x, bias=None):
-        """x [..., K] fp32 on the CPU -> [..., N] fp32."""
-        x2 = _check_input(x, self.in_features)
-        out = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
+    def _multiply(self, out, x2) -> int:
         cdef int64_t M = x2.shape[0], K = self.in_features, N = self.out_features
         cdef int nibbles = self.nibbles, isa = self.isa, rc = 0
         cdef float *out_ptr = <float *><uintptr_t>out.data_ptr()
@@ -124,8 +124,4 @@ class Int8QuantizedLinear:
         cdef int64_t chunks = pool_cpu.chunks()
         with nogil:
             rc = int8_linear(out_ptr, x_ptr, M, K, N, nibbles, u_ptr, d_ptr, m_ptr, isa, pool_cpu.run, chunks)
-        if rc != 0:
-            raise MemoryError("quantized linear: no memory for the quantized rows")
-        if bias is not None:
-            out += bias
-        return out.view(*x.shape[:-1], N)
+        return rc
