@@ -42,6 +42,10 @@ class Schedule:
     num_computed_tokens: list[int]
     needs_sample: list[bool]
 
+    @property
+    def total_num_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens)
+
 
 class Sequence:
     """One request's prompt and the tokens it will go on to decode. `chunk` shows the request as the
@@ -67,7 +71,7 @@ def run_step(runner: ModelRunner, chunks: list[tuple[Request, int, int]]) -> tor
             [s for _, s, _ in chunks],
             [s + n == len(r.token_ids) for r, s, n in chunks],
         )
-    )
+    ).logits
 
 
 def make_sequences(runner: ModelRunner, lengths: list[int], num_decode: int = 0, seed: int = 0) -> list[Sequence]:
@@ -370,7 +374,7 @@ def test_greedy_under_the_real_scheduler_matches_transformers(tiny_model_dir):
     num_partial_chunks = 0
     while scheduler.has_unfinished():
         out = scheduler.schedule()
-        logits = runner.execute(out)
+        logits = runner.execute(out).logits
         num_partial_chunks += out.needs_sample.count(False)
         greedy = iter(logits.argmax(-1).tolist())
         scheduler.update(out, [next(greedy) if need else -1 for need in out.needs_sample])

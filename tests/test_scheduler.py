@@ -280,7 +280,33 @@ def test_prompts_that_can_never_fit_are_refused():
     with pytest.raises(ValueError, match="empty"):
         Request("e", [], 5)
     with pytest.raises(ValueError, match="max_tokens"):
-        Request("e", [1], 0)
+        Request("e", [1], -1)
+
+
+def test_a_prefill_only_request_computes_its_prompt_and_samples_nothing():
+    sched = Scheduler(16, BS, max_num_batched_tokens=6)
+    sched.add(Request("a", range(1, 11), 0))
+    out, finished = step(sched)
+    assert plan(out) == [("a", 6, 0, False)] and not finished
+    out, finished = step(sched)
+    assert plan(out) == [("a", 4, 6, False)]
+    a = finished[0]
+    assert (a.request_id, a.finish_reason, a.token_ids, a.block_table) == ("a", "length", list(range(1, 11)), [])
+    assert sched.allocator.num_used_blocks == 0 and sched.allocator.num_cached_blocks == 10 // BS  # full blocks
+
+
+def test_a_prefix_hit_limit_caps_the_cached_blocks_a_request_takes():
+    sched = Scheduler(16, BS)
+    sched.add(Request("a", range(1, 3 * BS + 2), 1))
+    run_to_end(sched, [5])
+    for limit, hit_blocks in ((-1, 3), (0, 0), (BS - 1, 0), (2 * BS + 3, 2)):
+        rid = f"limit{limit}"
+        sched.add(Request(rid, range(1, 3 * BS + 2), 1, prefix_hit_limit=limit))
+        out = sched.schedule()
+        assert plan(out) == [(rid, 3 * BS + 1 - hit_blocks * BS, hit_blocks * BS, True)]
+        finished = sched.update(out, [5])
+        assert finished[0].num_cached_tokens == hit_blocks * BS
+        sched.check_invariants()
 
 
 def trace(module, seed: int) -> list:
@@ -292,8 +318,10 @@ def trace(module, seed: int) -> list:
     for i in range(60):
         if rng.random() < 0.3:
             prompt = prefix[:rng.randrange(10)] + [rng.randrange(1, 6) for _ in range(rng.randrange(1, 8))]
-            sched.add(module.Request(f"r{i}", prompt, rng.randrange(1, 12), eos_token_id=EOS,
-                                     min_tokens=rng.randrange(3)))
+            max_tokens = rng.randrange(12)
+            sched.add(module.Request(f"r{i}", prompt, max_tokens, eos_token_id=EOS,
+                                     min_tokens=min(rng.randrange(3), max_tokens),
+                                     prefix_hit_limit=rng.choice([-1, -1, 0, BS])))
         out = sched.schedule()
         events.append((plan(out), out.num_decodes, out.preempted, [list(r.block_table) for r in out.requests]))
         finished = sched.update(out, [rng.randrange(6) for _ in out.requests])
@@ -348,10 +376,11 @@ def scheduler_machine(num_blocks: int, max_num_batched_tokens: int, max_num_seqs
             return chain
 
         @rule(prefix=st.sampled_from(PREFIXES), suffix=st.lists(st.integers(1, VOCAB - 1), max_size=3 * BS),
-              max_tokens=st.integers(1, 24), min_tokens=st.integers(0, 3), ignore_eos=st.booleans(),
-              stop_token_ids=st.sampled_from([(), (1,)]))
-        def add(self, prefix, suffix, max_tokens, min_tokens, ignore_eos, stop_token_ids):
-            self.add_request(list(prefix) + suffix, max_tokens, min_tokens, ignore_eos, stop_token_ids)
+              max_tokens=st.integers(0, 24), min_tokens=st.integers(0, 3), ignore_eos=st.booleans(),
+              stop_token_ids=st.sampled_from([(), (1,)]), prefix_hit_limit=st.sampled_from([-1, -1, 0, 5, 2 * BS]))
+        def add(self, prefix, suffix, max_tokens, min_tokens, ignore_eos, stop_token_ids, prefix_hit_limit):
+            self.add_request(list(prefix) + suffix, max_tokens, min(min_tokens, max_tokens), ignore_eos,
+                             stop_token_ids, prefix_hit_limit)
 
         @rule(prefix=st.sampled_from(PREFIXES), suffix=st.lists(st.integers(1, VOCAB - 1), max_size=2 * BS),
               copies=st.integers(2, 3), max_tokens=st.integers(1, 8))
@@ -368,9 +397,11 @@ def scheduler_machine(num_blocks: int, max_num_batched_tokens: int, max_num_seqs
             previous = data.draw(st.sampled_from(sorted(self.done)))
             rid = self.add_request(self.expected[previous] + suffix, max_tokens, 0, True, ())
             if rid is not None and check_hit_rates and previous in self.computed_blocks:
-                self.min_hits[rid] = self.computed_blocks[previous]
+                # A prefill-only turn computed its last token too, which a follow-up never takes.
+                self.min_hits[rid] = min(self.computed_blocks[previous], (len(self.expected[rid]) - 1) // BS)
 
-        def add_request(self, prompt, max_tokens, min_tokens, ignore_eos, stop_token_ids) -> str | None:
+        def add_request(self, prompt, max_tokens, min_tokens, ignore_eos, stop_token_ids,
+                        prefix_hit_limit=-1) -> str | None:
             """Add a request, or check that it is refused; its id if it was added."""
             rid = f"r{self.count}"
             self.count += 1
@@ -379,7 +410,7 @@ def scheduler_machine(num_blocks: int, max_num_batched_tokens: int, max_num_seqs
                     Request(rid, prompt, max_tokens)
                 return None
             request = Request(rid, prompt, max_tokens, min_tokens=min_tokens, eos_token_id=EOS,
-                              stop_token_ids=stop_token_ids, ignore_eos=ignore_eos)
+                              stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, prefix_hit_limit=prefix_hit_limit)
             if len(prompt) >= max_model_len or cdiv(len(prompt) + 1, BS) > num_blocks:
                 with pytest.raises(ValueError):
                     self.sched.add(request)
@@ -416,11 +447,12 @@ def scheduler_machine(num_blocks: int, max_num_batched_tokens: int, max_num_seqs
             for r, n, computed, needs_sample in zip(out.requests, out.num_scheduled_tokens,
                                                     out.num_computed_tokens, out.needs_sample):
                 assert r.status == RUNNING and r.num_computed_tokens == computed and n >= 1
-                assert needs_sample == (computed + n == len(r.token_ids))
+                assert needs_sample == (r.max_tokens > 0 and computed + n == len(r.token_ids))
                 assert len(r.block_table) == cdiv(computed + n, BS)
                 chain = self.prefix_chain(r.token_ids)
                 if r.request_id in was_waiting:
                     assert computed % BS == 0 and computed <= (len(r.token_ids) - 1) // BS * BS
+                    assert r.prefix_hit_limit < 0 or computed <= r.prefix_hit_limit
                     assert enable_prefix_caching or computed == 0
                     if r.num_preemptions == 0 and r.request_id in self.min_hits:
                         assert computed >= self.min_hits.pop(r.request_id) * BS, f"{r} missed cached blocks"
@@ -441,7 +473,11 @@ def scheduler_machine(num_blocks: int, max_num_batched_tokens: int, max_num_seqs
                 if needs_sample:
                     self.expected[rid].append(token)
                 assert r.token_ids == self.expected[rid]
-                reason = self.expected_finish(r, token) if needs_sample else None
+                if needs_sample:
+                    reason = self.expected_finish(r, token)
+                else:  # a prefill-only request ends with its prompt, every other chunk goes on
+                    prompt_done = r.max_tokens == 0 and r.num_computed_tokens == len(r.token_ids)
+                    reason = "length" if prompt_done else None
                 if rid in finished_ids:
                     assert (r.status, r.finish_reason, r.block_table) == (FINISHED, reason, [])
                     assert r.stop_token_id == (token if reason == "stop" else -1)

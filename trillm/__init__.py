@@ -3,9 +3,10 @@
 `LLM` is imported lazily so that `trillm.sched_ext` and `trillm.sampling_params`
 stay importable without torch.
 """
+from trillm.pooling_params import PoolingParams, PoolingType
 from trillm.sampling_params import SamplingParams, StructuredOutput
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutput"]
+__all__ = ["LLM", "PoolingParams", "PoolingType", "SamplingParams", "StructuredOutput"]
 __version__ = "0.1.0"
 
 

@@ -16,6 +16,7 @@ _GREEDY_EPS = 1e-5
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
 # torch.Generator.manual_seed takes a signed or unsigned 64-bit value; beyond that it raises.
 SEED_RANGE = (-(2**63), 2**64)
+MAX_LOGPROBS = 20  # top logprobs per token, OpenAI's bound
 
 
 class SamplingParamError(ValueError):
@@ -63,7 +64,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     logit_bias: dict[int, float] | None = None
     seed: int | None = None
-    max_tokens: int | None = 16  # None: up to the model's context length
+    max_tokens: int | None = 16  # None: up to the model's context length; 0: the prompt alone
     min_tokens: int = 0
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
@@ -72,6 +73,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     logprobs: int | None = None  # None: none; 0: the sampled token's; k: plus the top k
+    # The prompt tokens' logprobs, as `logprobs` (None: none), from position prompt_logprobs_start
+    # on; position 0 has nothing before it, so its entry is None.
+    prompt_logprobs: int | None = None
+    prompt_logprobs_start: int = 0
     structured_output: StructuredOutput | None = None  # a grammar the output must match
 
     def __post_init__(self) -> None:
@@ -105,19 +110,31 @@ class SamplingParams:
             bad("frequency_penalty", f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}.")
         if not -2 <= self.presence_penalty <= 2:
             bad("presence_penalty", f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            bad("max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}.")
+        if self.max_tokens is not None and self.max_tokens < 0:
+            bad("max_tokens", f"max_tokens must be non-negative, got {self.max_tokens}.")
         if self.min_tokens < 0:
             bad("min_tokens", f"min_tokens must be non-negative, got {self.min_tokens}.")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad("min_tokens", f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens}).")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            bad("logprobs", f"logprobs must be in [0, 20], got {self.logprobs}.")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                bad(name, f"{name} must be in [0, {MAX_LOGPROBS}], got {value}.")
+        if self.prompt_logprobs_start < 0:
+            bad("prompt_logprobs_start", f"prompt_logprobs_start must be non-negative, got {self.prompt_logprobs_start}.")
         if self.seed is not None and not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]:
             bad("seed", f"seed must be a 64-bit integer, got {self.seed}.")
         for token_id, bias in (self.logit_bias or {}).items():
             if not -100 <= bias <= 100:
                 bad("logit_bias", f"logit_bias for token {token_id} must be in [-100, 100], got {bias}.")
+
+    @property
+    def prefix_hit_limit(self) -> int:
+        """Prompt tokens the prefix cache may serve (-1: any). A prompt logprob at position p
+        comes from the hidden state at p - 1, which a cached block does not have."""
+        if self.prompt_logprobs is None:
+            return -1
+        return max(self.prompt_logprobs_start - 1, 0)
 
     @property
     def greedy(self) -> bool:

@@ -28,7 +28,7 @@ import trio
 from trillm.engine.core import EngineCore, StepOutput
 from trillm.engine.group import RequestGroup
 from trillm.engine.stats import ServingStats
-from trillm.sampling_params import SamplingParamError
+from trillm.sampling_params import SamplingParamError, SamplingParams
 from trillm.sched_ext import FinishReason
 
 log = logging.getLogger(__name__)
@@ -157,7 +157,8 @@ class AsyncEngine:
         self._check_open(requests.request_id)
         self.check_room(size, param)
         # Grammars compile in worker threads, so admission between two steps finds them cached.
-        for spec in {m.params.structured_output for m in requests.members} - {None}:
+        specs = {m.params.structured_output for m in requests.members if isinstance(m.params, SamplingParams)}
+        for spec in specs - {None}:
             await trio.to_thread.run_sync(self.core.grammars.compile, spec, limiter=self._compile_limiter)
         self._check_open(requests.request_id)  # the world may have changed during the compiles
         self.check_room(size, param)

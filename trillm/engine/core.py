@@ -11,13 +11,16 @@ from dataclasses import dataclass
 import torch
 
 from trillm.config import EngineArgs
+from trillm.engine.pooler import Pooler
+from trillm.engine.prompt_logprobs import PromptLogprobs, fill_prompt_logprobs
 from trillm.engine.request import EngineRequest
 from trillm.engine.runner import ModelRunner
 from trillm.engine.sampler import Sampler, SamplingBatch, TokenLogprobs
 from trillm.engine.stats import EngineStats
 from trillm.engine.structured_output import Grammars, accept
+from trillm.pooling_params import PoolingParams
 from trillm.sampling_params import SamplingParamError, SamplingParams
-from trillm.sched_ext import FinishReason, Request, Scheduler
+from trillm.sched_ext import FinishReason, Request, Scheduler, SchedulerOutput
 
 
 @dataclass
@@ -32,6 +35,9 @@ class StepOutput:
     stop_token_id: int
     num_prompt_tokens: int
     num_cached_tokens: int
+    # In the output of the step that computed the prompt's last token, when asked:
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # from params.prompt_logprobs_start on
+    pooled: torch.Tensor | None = None  # a pooling request's vector: fp32 [hidden], raw
 
 
 class EngineCore:
@@ -53,8 +59,10 @@ class EngineCore:
         self.requests: dict[str, EngineRequest] = {}  # live requests, from add_request to their end
         self.num_preemptions = 0
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | PoolingParams) -> None:
         """Queue a request; raises ValueError (SamplingParamError with .param) if it can never run.
+        SamplingParams generate (max_tokens 0: the prompt alone, for its logprobs); PoolingParams
+        make a prefill-only request that ends with its pooled hidden state.
 
         All or nothing: every check, and everything that can raise (the grammar's matcher
         too), comes before the scheduler takes the request, so a refused request leaves no
@@ -64,9 +72,11 @@ class EngineCore:
         if not prompt_token_ids:
             raise SamplingParamError("prompt", "The prompt is empty.")
         vocab_size = self.config.hf_config.vocab_size
-        for param, ids in (
-            ("prompt", prompt_token_ids), ("logit_bias", params.logit_bias or {}), ("stop_token_ids", params.stop_token_ids)
-        ):
+        sampling = isinstance(params, SamplingParams)
+        checked = [("prompt", prompt_token_ids)]
+        if sampling:
+            checked += [("logit_bias", params.logit_bias or {}), ("stop_token_ids", params.stop_token_ids)]
+        for param, ids in checked:
             if any(not 0 <= t < vocab_size for t in ids):
                 raise SamplingParamError(param, f"Token ids in {param} must be in [0, {vocab_size}).")
         if len(prompt_token_ids) >= self.config.max_model_len:
@@ -75,6 +85,10 @@ class EngineCore:
                 f"The prompt is {len(prompt_token_ids)} tokens long; this model's context is "
                 f"{self.config.max_model_len} tokens, which must hold the prompt and at least one new token.",
             )
+        if not sampling:
+            request = Request(request_id, list(prompt_token_ids), 0, prefix_hit_limit=params.pooling.prefix_hit_limit)
+            self._add(EngineRequest(request, params, None, pooler=Pooler(params.pooling, len(prompt_token_ids))))
+            return
         max_tokens = self.config.max_model_len - len(prompt_token_ids)  # none asked: to the end of the context
         if params.max_tokens is not None:
             if params.max_tokens > max_tokens:
@@ -94,15 +108,22 @@ class EngineCore:
             # The request's one stop set, EOS ids included: the sampler masks the same set.
             stop_token_ids=params.stop_token_set(self.config.eos_token_ids),
             ignore_eos=params.ignore_eos,
+            prefix_hit_limit=params.prefix_hit_limit,
         )
         generator = None if params.seed is None else torch.Generator().manual_seed(params.seed)
         # Made before the scheduler takes the request: the matcher is what can still fail.
         matcher = None if params.structured_output is None else self.grammars.matcher(params.structured_output)
+        prompt_logprobs = None
+        if params.prompt_logprobs is not None:
+            prompt_logprobs = PromptLogprobs(list(prompt_token_ids), params.prompt_logprobs_start, params.prompt_logprobs)
+        self._add(EngineRequest(request, params, generator, matcher, prompt_logprobs=prompt_logprobs))
+
+    def _add(self, row: EngineRequest) -> None:
         try:
-            self.scheduler.add(request)
+            self.scheduler.add(row.seq)
         except ValueError as e:
             raise SamplingParamError("prompt", str(e)) from None
-        self.requests[request_id] = EngineRequest(request, params, generator, matcher)
+        self.requests[row.request_id] = row
 
     def abort_request(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> StepOutput | None:
         """End a request now and free its blocks; None if it is unknown or already finished."""
@@ -110,42 +131,66 @@ class EngineCore:
         if request is None:
             return None
         del self.requests[request_id]
-        return self._output(request, [], None, finished=True)
+        return self._output(request, [], None, True)
 
     def step(self) -> list[StepOutput]:
         sched = self.scheduler.schedule()
         self.num_preemptions += len(sched.preempted)
         if not sched.requests:
             return []
-        logits = self.runner.execute(sched)
-        rows = [self.requests[r.request_id] for r, need in zip(sched.requests, sched.needs_sample) if need]
+        scheduled = [self.requests[r.request_id] for r in sched.requests]
+        wants_hidden = any(row.wants_hidden for row in scheduled)
+        out = self.runner.execute(sched, keep_hidden=wants_hidden)
+        if wants_hidden:
+            self._take_hidden(sched, scheduled, out.hidden)
+        rows = [row for row, need in zip(scheduled, sched.needs_sample) if need]
+        sampled_ids, sampled_logprobs = [], []
         constrained = [i for i, row in enumerate(rows) if row.matcher is not None]
-        if constrained:
-            self.grammars.mask(logits, constrained, [rows[i].matcher for i in constrained])
-        sampled = self.sampler.sample(logits, SamplingBatch(
-            params=[row.params for row in rows],
-            token_ids=[row.seq.token_ids for row in rows],
-            num_prompt_tokens=[row.seq.num_prompt_tokens for row in rows],
-            generators=[row.generator for row in rows],
-            stop_ids=[row.seq.stop_token_ids for row in rows],
-        ))
-        tokens = iter(sampled.token_ids)
+        if rows:
+            logits = out.logits
+            if constrained:
+                self.grammars.mask(logits, constrained, [rows[i].matcher for i in constrained])
+            sampled = self.sampler.sample(logits, SamplingBatch(
+                params=[row.params for row in rows],
+                token_ids=[row.seq.token_ids for row in rows],
+                num_prompt_tokens=[row.seq.num_prompt_tokens for row in rows],
+                generators=[row.generator for row in rows],
+                stop_ids=[row.seq.stop_token_ids for row in rows],
+            ))
+            sampled_ids, sampled_logprobs = sampled.token_ids, sampled.logprobs
+        tokens = iter(sampled_ids)
         finished = self.scheduler.update(sched, [next(tokens) if need else -1 for need in sched.needs_sample])
         finished_ids = {r.request_id for r in finished}
         # A grammar that ended without the scheduler's say (its stop token was ignored, or it
         # refused the token) ends the request too; abort frees its blocks at once.
         for i in constrained:
             request_id = rows[i].request_id
-            if not accept(rows[i].matcher, sampled.token_ids[i]) and request_id not in finished_ids:
+            if not accept(rows[i].matcher, sampled_ids[i]) and request_id not in finished_ids:
                 self.scheduler.abort(request_id, FinishReason.STOP)
                 finished_ids.add(request_id)
         outputs = []
-        for row, token, logprobs in zip(rows, sampled.token_ids, sampled.logprobs):
+        for row, token, logprobs in zip(rows, sampled_ids, sampled_logprobs):
             is_finished = row.request_id in finished_ids
-            outputs.append(self._output(row.seq, [token], None if logprobs is None else [logprobs], is_finished))
+            outputs.append(self._output(row.seq, [token], None if logprobs is None else [logprobs], is_finished, row))
+        for row, need in zip(scheduled, sched.needs_sample):
+            if not need and row.request_id in finished_ids:  # prefill only: its prompt is done
+                outputs.append(self._output(row.seq, [], None, True, row))
         for request_id in finished_ids:
             del self.requests[request_id]
         return outputs
+
+    def _take_hidden(self, sched: SchedulerOutput, scheduled: list[EngineRequest], hidden: torch.Tensor) -> None:
+        """Hand each chunk's hidden states to the requests that gather from them."""
+        wanted = []
+        offset = 0
+        for row, first, count in zip(scheduled, sched.num_computed_tokens, sched.num_scheduled_tokens):
+            if row.prompt_logprobs is not None:
+                wanted.append((row.prompt_logprobs, offset, row.prompt_logprobs.rows_wanted(first, count)))
+            if row.pooler is not None:
+                row.pooler.take(first, hidden[offset:offset + count])
+            offset += count
+        if any(rows for _, _, rows in wanted):
+            fill_prompt_logprobs(hidden, wanted, self.runner.compute_logits)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -169,7 +214,13 @@ class EngineCore:
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.allocator.reset_prefix_cache()
 
-    def _output(self, request: Request, tokens, logprobs, finished: bool) -> StepOutput:
+    def _output(self, request: Request, tokens, logprobs, finished: bool, row: EngineRequest | None = None) -> StepOutput:
+        """`row`: the request's record, whose finished prompt logprobs or pooled vector go out now."""
+        prompt_logprobs = pooled = None
+        if row is not None and row.prompt_logprobs is not None and row.prompt_logprobs.done:
+            prompt_logprobs, row.prompt_logprobs = row.prompt_logprobs.entries, None
+        if row is not None and row.pooler is not None and row.pooler.result is not None:
+            pooled, row.pooler = row.pooler.result, None
         return StepOutput(
             request_id=request.request_id,
             new_token_ids=tokens,
@@ -179,4 +230,6 @@ class EngineCore:
             stop_token_id=request.stop_token_id if finished else -1,
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=request.num_cached_tokens,
+            prompt_logprobs=prompt_logprobs,
+            pooled=pooled,
         )

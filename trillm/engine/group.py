@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from trillm.engine.core import EngineCore, StepOutput
+from trillm.pooling_params import PoolingParams
 from trillm.sampling_params import SamplingParams
 from trillm.sched_ext import FinishReason
 
@@ -28,7 +29,7 @@ class Member:
 
     request_id: str
     prompt_token_ids: list[int]
-    params: SamplingParams
+    params: SamplingParams | PoolingParams
 
 
 class RequestGroup:
@@ -43,10 +44,12 @@ class RequestGroup:
         self._deferred: dict[str, list[int]] = {}  # member id -> members waiting on its first token
 
     @classmethod
-    def fan_out(cls, request_id: str, prompts: list[list[int]], params: SamplingParams) -> RequestGroup:
-        """`params.n` samples of each prompt, in OpenAI's order, a seeded sample i with seed + i."""
+    def fan_out(cls, request_id: str, prompts: list[list[int]], params: SamplingParams | PoolingParams) -> RequestGroup:
+        """`params.n` samples of each prompt, in OpenAI's order, a seeded sample i with seed + i
+        (a pooling request: one member per prompt)."""
         return cls(request_id, [
-            (ids, params if params.seed is None else replace(params, seed=params.seed + i))
+            (ids, params if isinstance(params, PoolingParams) or params.seed is None
+             else replace(params, seed=params.seed + i))
             for ids in prompts
             for i in range(params.n)
         ])

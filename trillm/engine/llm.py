@@ -3,12 +3,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+import torch.nn.functional as F
 from tqdm import tqdm
 
 from trillm.config import EngineArgs
 from trillm.engine.core import EngineCore
 from trillm.engine.group import RequestGroup
-from trillm.engine.output import Completion, OutputProcessor
+from trillm.engine.output import Completion, output_processor
+from trillm.pooling_params import PoolingParams, PoolingType
 from trillm.sampling_params import SamplingParams
 from trillm.sched_ext import FinishReason
 
@@ -45,29 +48,19 @@ class LLM:
         params = params or SamplingParams()
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         assert len(params_list) == len(prompts), "one SamplingParams per prompt"
-        results, groups, processors = [], [], {}
-        try:
-            for prompt, p in zip(prompts, params_list):
-                text = prompt if isinstance(prompt, str) else None
-                if text is not None and self.tokenizer is None:
-                    raise ValueError("This model has no tokenizer: give prompts as token-id lists.")
-                ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-                group = RequestGroup.fan_out(str(self._counter), [ids], p)
-                self._counter += 1
-                # The processors first: if one refuses the params, the engine never holds the group.
-                for i, member in enumerate(group.members):
-                    processors[member.request_id] = (group, OutputProcessor(self.tokenizer, ids, member.params, index=i))
-                group.admit(self.engine)
-                groups.append(group)
-                results.append(RequestOutput(group.request_id, text, ids, [
-                    processors[m.request_id][1].completion for m in group.members
-                ]))
-        except BaseException:
-            for group in groups:  # all or nothing: the groups admitted before the refusal go too
-                group.abort(self.engine, FinishReason.ABORT)
-            raise
-        self._run(processors, use_tqdm)
-        return results
+        return self._run(prompts, params_list, use_tqdm)
+
+    def embed(
+        self, prompts: str | list[str] | list[list[int]], pooling: PoolingType = PoolingType.LAST,
+        normalize: bool = True, use_tqdm: bool = False,
+    ) -> list[torch.Tensor]:
+        """One vector (fp32 [hidden]) per prompt: its final hidden states pooled, L2-normalised
+        unless `normalize` is false."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        outputs = self._run(prompts, [PoolingParams(pooling)] * len(prompts), use_tqdm)
+        vectors = [out.outputs[0].pooled for out in outputs]
+        return [F.normalize(v, dim=0) if normalize else v for v in vectors]
 
     def chat(
         self,
@@ -91,7 +84,29 @@ class LLM:
             out.prompt = prompt
         return outputs
 
-    def _run(self, processors: dict[str, tuple[RequestGroup, OutputProcessor]], use_tqdm: bool) -> None:
+    def _run(self, prompts, params_list: list, use_tqdm: bool) -> list[RequestOutput]:
+        """Admit every prompt (all or nothing), then step until each has finished."""
+        results, groups, processors = [], [], {}
+        try:
+            for prompt, p in zip(prompts, params_list):
+                text = prompt if isinstance(prompt, str) else None
+                if text is not None and self.tokenizer is None:
+                    raise ValueError("This model has no tokenizer: give prompts as token-id lists.")
+                ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+                group = RequestGroup.fan_out(str(self._counter), [ids], p)
+                self._counter += 1
+                # The processors first: if one refuses the params, the engine never holds the group.
+                for i, member in enumerate(group.members):
+                    processors[member.request_id] = (group, output_processor(self.tokenizer, ids, member.params, i))
+                group.admit(self.engine)
+                groups.append(group)
+                results.append(RequestOutput(group.request_id, text, ids, [
+                    processors[m.request_id][1].completion for m in group.members
+                ]))
+        except BaseException:
+            for group in groups:  # all or nothing: the groups admitted before the refusal go too
+                group.abort(self.engine, FinishReason.ABORT)
+            raise
         live = set(processors)
         with tqdm(total=len(live), disable=not use_tqdm, desc="generate") as bar:
             while live:
@@ -105,3 +120,4 @@ class LLM:
                             group.stop(self.engine, group.index[out.request_id])
                         live.discard(out.request_id)
                         bar.update(1)
+        return results

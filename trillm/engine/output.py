@@ -9,9 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from trillm.engine.core import StepOutput
 from trillm.engine.detokenizer import IncrementalDetokenizer
 from trillm.engine.sampler import TokenLogprobs
+from trillm.pooling_params import PoolingParams
 from trillm.sampling_params import SamplingParams
 from trillm.sched_ext import FinishReason
 
@@ -26,6 +29,8 @@ class Delta:
     finished: bool
     finish_reason: FinishReason | None
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # in the delta where they arrived
+    pooled: torch.Tensor | None = None  # a pooling request's vector, in its final delta
 
 
 @dataclass
@@ -40,6 +45,8 @@ class Completion:
     stop_reason: str | int | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # when asked: from prompt_logprobs_start on
+    pooled: torch.Tensor | None = None  # a pooling request's vector (fp32, raw)
 
 
 class TokenIdsOnly:
@@ -104,4 +111,32 @@ class OutputProcessor:
         c.text += text
         c.token_ids.extend(tokens)
         c.finish_reason, c.stop_reason = finish_reason, stop_reason
-        return Delta(text, tokens, logprobs, finish_reason is not None, finish_reason, stop_reason)
+        if out.prompt_logprobs is not None:
+            c.prompt_logprobs = out.prompt_logprobs
+        return Delta(text, tokens, logprobs, finish_reason is not None, finish_reason, stop_reason, out.prompt_logprobs)
+
+
+class PoolingProcessor:
+    """Per pooling request, what OutputProcessor is per generating one: its one final output
+    carries the pooled vector; there is no text."""
+
+    def __init__(self, index: int = 0):
+        self.completion = Completion(index=index)
+
+    @property
+    def finished(self) -> bool:
+        return self.completion.finish_reason is not None
+
+    def process(self, out: StepOutput) -> Delta:
+        assert not self.finished and out.finished, "a pooling request has one output, its last"
+        c = self.completion
+        c.num_prompt_tokens, c.num_cached_tokens = out.num_prompt_tokens, out.num_cached_tokens
+        c.finish_reason, c.pooled = out.finish_reason, out.pooled
+        return Delta("", [], None, True, out.finish_reason, pooled=out.pooled)
+
+
+def output_processor(tokenizer, prompt_token_ids: list[int], params: SamplingParams | PoolingParams, index: int = 0):
+    """The processor for a request of these params: OutputProcessor or PoolingProcessor."""
+    if isinstance(params, PoolingParams):
+        return PoolingProcessor(index)
+    return OutputProcessor(tokenizer, prompt_token_ids, params, index)

@@ -1,8 +1,9 @@
 """EngineRequest: one live engine request, everything about it in one record.
 
 The scheduler's Cython `Request` holds what scheduling needs (tokens, blocks, status, the
-stop set); this record wraps it with what the rest of a step needs: the sampling params, the
-request's own random generator, its grammar matcher. `EngineCore` keeps one dict of these,
+stop set); this record wraps it with what the rest of a step needs: the sampling (or pooling)
+params, the request's own random generator, its grammar matcher, and what it gathers from the
+steps' hidden states (prompt logprobs, a pooled vector) until it is delivered. `EngineCore` keeps one dict of these,
 from `add_request` until the request finishes or is aborted, when its one entry goes.
 """
 from __future__ import annotations
@@ -11,6 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
+from trillm.engine.pooler import Pooler
+from trillm.engine.prompt_logprobs import PromptLogprobs
+from trillm.pooling_params import PoolingParams
 from trillm.sampling_params import SamplingParams
 from trillm.sched_ext import Request
 
@@ -18,9 +22,17 @@ from trillm.sched_ext import Request
 @dataclass(eq=False)
 class EngineRequest:
     seq: Request  # the scheduler's record; the stop set is its stop_token_ids
-    params: SamplingParams
+    params: SamplingParams | PoolingParams
     generator: torch.Generator | None  # made from params.seed at admission; None: the global one
     matcher: object | None = None  # the xgrammar GrammarMatcher of a constrained request
+    # Filled from the steps' hidden states; None once delivered (or never asked).
+    prompt_logprobs: PromptLogprobs | None = None
+    pooler: Pooler | None = None
+
+    @property
+    def wants_hidden(self) -> bool:
+        """Its chunks' hidden states are needed this step."""
+        return self.prompt_logprobs is not None or self.pooler is not None
 
     @property
     def request_id(self) -> str:

@@ -36,6 +36,17 @@ class ModelInput:
     sample_rows: torch.Tensor  # [N] int64: the last row of each chunk that needs a sample
 
 
+@dataclass
+class ModelOutput:
+    """One step's results: `logits` fp32 [N, vocab] for the N requests that sample, in schedule
+    order; `hidden` [T, hidden], the final hidden states of every computed row (chunk after
+    chunk, in schedule order) when the step was asked to keep them, else None. Both are valid
+    until the next step (on CUDA graphs, `hidden` is the graph's own output)."""
+
+    logits: torch.Tensor
+    hidden: torch.Tensor | None
+
+
 class ModelRunner:
     def __init__(self, args: EngineArgs):
         self.args = args
@@ -107,7 +118,7 @@ class ModelRunner:
         kv_caches = self._allocate_kv_cache(sum(num_blocks))
         batch = self.prepare([[0] * n for n in lengths], tables, lengths, [0] * num_seqs, [True] * num_seqs)
         torch.cuda.reset_peak_memory_stats(self.config.device)
-        self._run(batch, kv_caches)
+        self.compute_logits(self._forward(batch, kv_caches)[batch.sample_rows])
         torch.cuda.synchronize(self.config.device)
         peak = torch.cuda.max_memory_allocated(self.config.device)
         del kv_caches, batch
@@ -116,9 +127,9 @@ class ModelRunner:
         free, total = torch.cuda.mem_get_info(self.config.device)
         return int(total * args.gpu_memory_utilization) - (total - free) - activations
 
-    def execute(self, sched: SchedulerOutput) -> torch.Tensor:
-        """sched: a SchedulerOutput. Returns fp32 logits [N, vocab] for the N requests with
-        needs_sample, in schedule order."""
+    def execute(self, sched: SchedulerOutput, keep_hidden: bool = False) -> ModelOutput:
+        """sched: a SchedulerOutput. `keep_hidden`: also return every row's final hidden state
+        (for prompt logprobs and pooling)."""
         if self.fault_hook is not None:
             self.fault_hook(sched)
         requests = sched.requests
@@ -129,7 +140,15 @@ class ModelRunner:
             sched.num_computed_tokens,
             sched.needs_sample,
         )
-        return self._run(batch, self.kv_caches)
+        hidden = self._forward(batch, self.kv_caches)[: sched.total_num_tokens]
+        return ModelOutput(self.compute_logits(hidden[batch.sample_rows]), hidden if keep_hidden else None)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [rows, vocab] of final hidden states [rows, hidden]; no rows, no work."""
+        if hidden.shape[0] == 0:
+            return torch.empty(0, self.config.hf_config.vocab_size, dtype=torch.float32, device=hidden.device)
+        return self.model.compute_logits(hidden).float()
 
     @torch.inference_mode()
     def teacher_forced_logits(self, token_ids: list[int], chunk: int = 512) -> torch.Tensor:
@@ -142,8 +161,7 @@ class ModelRunner:
         for start in range(0, len(token_ids), chunk):
             end = min(start + chunk, len(token_ids))
             batch = self.prepare([token_ids[:end]], [table], [end - start], [start], [True])
-            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
-            logits.append(self.model.compute_logits(hidden).float())
+            logits.append(self.compute_logits(self._forward(batch, self.kv_caches)))
         return torch.cat(logits)
 
     def prepare(
@@ -163,7 +181,7 @@ class ModelRunner:
         ):
             end = start + num_new
             assert num_new > 0 and end <= len(ids), (start, num_new, len(ids))
-            assert sample == (end == len(ids)), "a request samples exactly when its chunk reaches its last token"
+            assert not sample or end == len(ids), "a request samples only when its chunk reaches its last token"
             assert end <= len(table) * bs, "the block table must cover the context"
             input_ids += ids[start:end]
             positions += range(start, end)
@@ -199,10 +217,9 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def _run(self, batch: ModelInput, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    def _forward(self, batch: ModelInput, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Final hidden states; on CUDA graphs padded past the batch's rows, which come first."""
         if self.decode_graphs is not None and self.decode_graphs.can_run(batch):
             assert kv_caches is self.kv_caches, "the graphs were captured on the engine's KV cache"
-            hidden = self.decode_graphs.forward(batch)  # padded rows; sample_rows are the real ones
-        else:
-            hidden = self.model(batch.input_ids, batch.positions, kv_caches, batch.meta)
-        return self.model.compute_logits(hidden[batch.sample_rows]).float()
+            return self.decode_graphs.forward(batch)
+        return self.model(batch.input_ids, batch.positions, kv_caches, batch.meta)

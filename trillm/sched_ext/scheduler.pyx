@@ -47,7 +47,14 @@ def _cdiv(a: cython.int, b: cython.int) -> cython.int:
 
 @cython.cclass
 class Request:
-    """One sequence: its prompt, its output so far, and where it stands."""
+    """One sequence: its prompt, its output so far, and where it stands.
+
+    `max_tokens` 0 makes a prefill-only request: it computes its prompt, samples nothing, and
+    finishes with "length" in the step that computes its last prompt token (an embedding, or a
+    prompt whose logprobs alone were asked). `prefix_hit_limit` (tokens, -1: none) caps what its
+    first blocks may take from the prefix cache: a cached block has KV but no hidden states, and
+    prompt logprobs or mean pooling need the hidden state of every row they cover. The request's
+    own full blocks still enter the cache."""
 
     request_id = cython.declare(str, visibility="readonly")
     token_ids = cython.declare(list, visibility="readonly")
@@ -57,6 +64,7 @@ class Request:
     eos_token_id = cython.declare(cython.int, visibility="readonly")
     stop_token_ids = cython.declare(frozenset, visibility="readonly")
     ignore_eos = cython.declare(cython.bint, visibility="readonly")
+    prefix_hit_limit = cython.declare(cython.int, visibility="readonly")
     arrival = cython.declare(cython.double, visibility="readonly")
     num_computed_tokens = cython.declare(cython.int, visibility="readonly")
     num_cached_tokens = cython.declare(cython.int, visibility="readonly")
@@ -70,13 +78,14 @@ class Request:
 
     def __init__(self, request_id: str, prompt_token_ids, max_tokens: cython.int, *,
                  min_tokens: cython.int = 0, eos_token_id: cython.int = -1, stop_token_ids=(),
-                 ignore_eos: cython.bint = False, arrival: cython.double = 0.0):
+                 ignore_eos: cython.bint = False, prefix_hit_limit: cython.int = -1,
+                 arrival: cython.double = 0.0):
         self.request_id = request_id
         self.token_ids = list(prompt_token_ids)
         if not self.token_ids:
             raise ValueError(f"request {request_id!r}: the prompt is empty")
-        if max_tokens < 1:
-            raise ValueError(f"request {request_id!r}: max_tokens must be at least 1, got {max_tokens}")
+        if max_tokens < 0:
+            raise ValueError(f"request {request_id!r}: max_tokens must be non-negative, got {max_tokens}")
         if min_tokens < 0:
             raise ValueError(f"request {request_id!r}: min_tokens must be non-negative, got {min_tokens}")
         self.num_prompt_tokens = len(self.token_ids)
@@ -85,6 +94,7 @@ class Request:
         self.eos_token_id = eos_token_id
         self.stop_token_ids = frozenset(stop_token_ids)
         self.ignore_eos = ignore_eos
+        self.prefix_hit_limit = prefix_hit_limit
         self.arrival = arrival
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
@@ -139,7 +149,8 @@ class SchedulerOutput:
         self.requests.append(request)
         self.num_scheduled_tokens.append(num_new)
         self.num_computed_tokens.append(request.num_computed_tokens)
-        self.needs_sample.append(request.num_computed_tokens + num_new == len(request.token_ids))
+        self.needs_sample.append(request.max_tokens > 0
+                                 and request.num_computed_tokens + num_new == len(request.token_ids))
         self.total_num_tokens += num_new
 
     @cython.cfunc
@@ -300,6 +311,8 @@ class Scheduler:
             num_tokens = len(request.token_ids)
             # The last token is always computed: its logits give the next token.
             max_hits = (num_tokens - 1) // block_size if alloc.enable_prefix_caching else 0
+            if request.prefix_hit_limit >= 0:
+                max_hits = min(max_hits, request.prefix_hit_limit // block_size)
             hits = alloc.match_prefix(request.token_ids, request._block_hashes, max_hits)
             computed = len(hits) * block_size
             num_new = min(num_tokens - computed, budget)
@@ -345,7 +358,12 @@ class Scheduler:
             if after // block_size > before // block_size:
                 alloc.cache_full_blocks(request.block_table, request.token_ids, request._block_hashes,
                                         before // block_size, after // block_size)
-            if output.needs_sample[k] and self._append_token(request, sampled[k]):
+            if output.needs_sample[k]:
+                if self._append_token(request, sampled[k]):
+                    finished.append(request)
+            elif request.max_tokens == 0 and after == len(request.token_ids):
+                request.finish_reason = FinishReason.LENGTH  # prefill only: its prompt is done
+                request._status = FINISHED
                 finished.append(request)
         if finished:
             for request in finished:
