@@ -76,11 +76,13 @@ def fill_prompt_logprobs(
         index = torch.tensor(rows[lo:lo + ROWS_PER_PROJECTION], device=hidden.device)
         logprobs = torch.log_softmax(logits_of(hidden[index]), dim=-1)
         target = torch.tensor(targets[lo:lo + ROWS_PER_PROJECTION], device=hidden.device)
-        chosen = logprobs.gather(1, target.unsqueeze(1)).squeeze(1).tolist()
+        chosen = logprobs.gather(1, target.unsqueeze(1))
+        ranks = (logprobs > chosen).sum(dim=1).add_(1).tolist()
+        chosen = chosen.squeeze(1).tolist()
         top_values, top_ids = logprobs.topk(max_top, dim=-1) if max_top else (None, None)
         top_values = top_values.tolist() if max_top else None
         top_ids = top_ids.tolist() if max_top else None
         for i, owner in enumerate(owners[lo:lo + ROWS_PER_PROJECTION]):
             k = owner.num_top
             top = list(zip(top_ids[i][:k], top_values[i][:k])) if k else []
-            owner.entries.append(TokenLogprobs(chosen[i], top))
+            owner.entries.append(TokenLogprobs(chosen[i], top, ranks[i]))

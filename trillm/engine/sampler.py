@@ -33,10 +33,12 @@ from trillm.sampling_params import SamplingParams
 
 @dataclass
 class TokenLogprobs:
-    """The sampled token's raw logprob and the top-n raw logprobs, highest first."""
+    """The sampled (or prompt) token's raw logprob and the top-n raw logprobs, highest first;
+    `rank`, where computed (prompt logprobs), the token's 1-based place in its distribution."""
 
     logprob: float
     top: list[tuple[int, float]]
+    rank: int | None = None
 
 
 @dataclass(frozen=True)

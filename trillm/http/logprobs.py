@@ -1,5 +1,8 @@
 """Logprobs in the two OpenAI shapes: chat's `content[{token, logprob, bytes, top_logprobs}]`
-and completions' parallel lists `tokens / token_logprobs / top_logprobs / text_offset`.
+and completions' parallel lists `tokens / token_logprobs / top_logprobs / text_offset` (where an
+echoed prompt's first token has null for both, as OpenAI and vLLM send it), and the prompt's in
+vLLM's `prompt_logprobs` shape: per prompt token null (the first) or `{token id: {logprob, rank,
+decoded_token}}`, the prompt token and its top ones.
 
 A token is shown as its own decoded text, special tokens included, as vLLM does;
 `bytes` are that text's UTF-8 bytes. A model without a tokenizer shows
@@ -45,10 +48,11 @@ def chat_logprobs(texts: TokenTexts, token_ids: list[int], logprobs: list[TokenL
 
 
 def completion_logprobs(
-    texts: TokenTexts, token_ids: list[int], logprobs: list[TokenLogprobs], text_offset: int
+    texts: TokenTexts, token_ids: list[int], logprobs: list[TokenLogprobs | None], text_offset: int
 ) -> dict:
-    """`top_logprobs[i]` holds the sampled token and the top ones, as vLLM's do; `text_offset`
-    is where the first token's text starts in the choice's whole text."""
+    """`top_logprobs[i]` holds the token and the top ones, as vLLM's do; `text_offset` is where
+    the first token's text starts in the choice's whole text. A None entry (an echoed prompt's
+    first token) is null in both lists."""
     assert len(token_ids) == len(logprobs)
     tokens = [texts.text(t) for t in token_ids]
     offsets = []
@@ -57,10 +61,34 @@ def completion_logprobs(
         text_offset += len(text)
     return {
         "tokens": tokens,
-        "token_logprobs": [_logprob(lp.logprob) for lp in logprobs],
+        "token_logprobs": [None if lp is None else _logprob(lp.logprob) for lp in logprobs],
         "top_logprobs": [
-            {tokens[i]: _logprob(lp.logprob), **{texts.text(t): _logprob(v) for t, v in lp.top}}
+            None if lp is None else {tokens[i]: _logprob(lp.logprob), **{texts.text(t): _logprob(v) for t, v in lp.top}}
             for i, lp in enumerate(logprobs)
         ],
         "text_offset": offsets,
     }
+
+
+def join_completion_logprobs(first: dict, second: dict) -> dict:
+    """Two parts of one choice's completion logprobs (an echoed prompt's, then the output's)."""
+    return {key: first[key] + second[key] for key in first}
+
+
+def vllm_prompt_logprobs(
+    texts: TokenTexts, prompt_token_ids: list[int], logprobs: list[TokenLogprobs | None]
+) -> list[dict | None]:
+    """The prompt's logprobs in vLLM's shape; `logprobs` cover the prompt's last len(logprobs) tokens."""
+    token_ids = prompt_token_ids[len(prompt_token_ids) - len(logprobs):]
+
+    def entry(token_id: int, logprob: float, rank: int) -> dict:
+        return {"logprob": _logprob(logprob), "rank": rank, "decoded_token": texts.text(token_id)}
+
+    out = []
+    for token_id, lp in zip(token_ids, logprobs):
+        if lp is None:
+            out.append(None)
+            continue
+        ranked = {str(t): entry(t, v, rank) for rank, (t, v) in enumerate(lp.top, start=1)}
+        out.append({str(token_id): entry(token_id, lp.logprob, lp.rank), **ranked})
+    return out

@@ -1,5 +1,6 @@
 """The native endpoints, in the shapes SGLang-style servers use: /generate, /abort_request,
-/tokenize, /detokenize, /flush_cache.
+/tokenize, /detokenize, /flush_cache; and vLLM's /tokenizer_info, which lets clients such as
+lm-evaluation-harness tokenize through the server instead of loading the tokenizer themselves.
 
 Schema errors here are 422, as the FastAPI servers these endpoints come from answer;
 a value out of range is still 400. Both use the OpenAI error body.
@@ -59,6 +60,11 @@ class GenerateChunks:
         if c.logprobs is not None:
             meta["output_token_logprobs"] = [[lp.logprob, t] for t, lp in zip(c.token_ids, c.logprobs)]
             meta["output_top_logprobs"] = [[[v, t] for t, v in lp.top] for lp in c.logprobs]
+        if c.prompt_logprobs is not None:  # from logprob_start_len on; position 0's logprob is null
+            prompt = self.generation.prompts[index // self.generation.n]
+            ids = prompt[len(prompt) - len(c.prompt_logprobs):]
+            meta["input_token_logprobs"] = [[lp and lp.logprob, t] for t, lp in zip(ids, c.prompt_logprobs)]
+            meta["input_top_logprobs"] = [lp and [[v, t] for t, v in lp.top] for lp in c.prompt_logprobs]
         return {"index": index, "text": c.text, "output_ids": c.token_ids, "meta_info": meta}
 
     def opening(self) -> list[dict]:
@@ -124,6 +130,22 @@ async def detokenize():
     if bad:
         raise APIError(400, f"Token ids must be in [0, {state.vocab_size}); got {bad[0]}.", "tokens")
     return {"prompt": state.tokenizer.decode(req.tokens)}
+
+
+@blueprint.get("/tokenizer_info")
+async def tokenizer_info():
+    state = current()
+    tokenizer = state.tokenizer
+    require_tokenizer(tokenizer, "model")
+    return {
+        "tokenizer_class": type(tokenizer).__name__,
+        "eos_token": tokenizer.eos_token,
+        "bos_token": tokenizer.bos_token,
+        "pad_token": tokenizer.pad_token,
+        "unk_token": tokenizer.unk_token,
+        "chat_template": tokenizer.chat_template,
+        "model_max_length": state.core.config.max_model_len,
+    }
 
 
 @blueprint.post("/flush_cache")

@@ -11,7 +11,7 @@ from quart import Blueprint
 from trillm.engine.output import Delta
 from trillm.http.chat_output import ChatOutput, tool_reader
 from trillm.http.generation import Generation
-from trillm.http.logprobs import TokenTexts, chat_logprobs
+from trillm.http.logprobs import TokenTexts, chat_logprobs, vllm_prompt_logprobs
 from trillm.http.prompts import chat_prompt
 from trillm.http.protocol import ChatCompletionRequest
 from trillm.http.reasoning import reasoning_parser
@@ -66,7 +66,7 @@ class ChatChunks(UsageChunks):
         parts = output.feed(delta.text)
         if delta.finished:
             parts += output.finish()
-        if not (parts or delta.logprobs or delta.finished):
+        if not (parts or delta.logprobs or delta.finished or delta.prompt_logprobs is not None):
             return None  # text held back (half a character, a possible stop string, tag or call)
         message = {"content": parts.content}
         if output.has_reasoning and parts.reasoning:
@@ -81,7 +81,14 @@ class ChatChunks(UsageChunks):
         }
         if delta.finished:
             choice["stop_reason"] = delta.stop_reason
-        return self._chunk([choice])
+        chunk = self._chunk([choice])
+        if delta.prompt_logprobs is not None:
+            chunk["prompt_logprobs"] = self._prompt_logprobs(delta.prompt_logprobs)
+        return chunk
+
+    def _prompt_logprobs(self, logprobs) -> list[dict | None]:
+        """vLLM's top-level `prompt_logprobs` (one prompt, however many choices)."""
+        return vllm_prompt_logprobs(self.texts, self.generation.prompts[0], logprobs)
 
     def response(self) -> dict:
         choices = []
@@ -96,4 +103,8 @@ class ChatChunks(UsageChunks):
                 "finish_reason": output.finish_reason(c.finish_reason),
                 "stop_reason": c.stop_reason,
             })
-        return {**self.head, "object": "chat.completion", "choices": choices, "usage": self.generation.usage()}
+        response = {**self.head, "object": "chat.completion", "choices": choices, "usage": self.generation.usage()}
+        prompt_logprobs = self.generation.processors[0].completion.prompt_logprobs
+        if prompt_logprobs is not None:
+            response["prompt_logprobs"] = self._prompt_logprobs(prompt_logprobs)
+        return response

@@ -1,4 +1,10 @@
-"""POST /v1/completions: a prompt as text, token ids, or a list of either; `echo`; `n` samples each."""
+"""POST /v1/completions: a prompt as text, token ids, or a list of either; `echo`; `n` samples each.
+
+With `echo` and `logprobs`, each choice's logprobs start with the prompt's tokens (the first
+one's null), which is what evaluation harnesses score; `max_tokens` 0 then returns the prompt
+alone. vLLM's `prompt_logprobs` add a `prompt_logprobs` list to each choice. Prompt logprobs come
+with the engine's first output of a choice, so a stream with them sends the echo there, joined
+to the first generated text, rather than in an opening chunk."""
 from __future__ import annotations
 
 import time
@@ -7,7 +13,7 @@ from quart import Blueprint
 
 from trillm.engine.output import Delta
 from trillm.http.generation import Generation
-from trillm.http.logprobs import TokenTexts, completion_logprobs
+from trillm.http.logprobs import TokenTexts, completion_logprobs, join_completion_logprobs, vllm_prompt_logprobs
 from trillm.http.prompts import completion_prompts, decode
 from trillm.http.protocol import CompletionRequest
 from trillm.http.sse import UsageChunks, stream_response
@@ -53,30 +59,47 @@ class CompletionChunks(UsageChunks):
         self.texts = texts
         self.echoes = [echoes[i // generation.n] for i in range(generation.num_choices)]  # per choice
         self.text_offsets = [len(e) for e in self.echoes]  # where each choice's next token starts
+        # Where the prompt's logprobs go: the echo's (OpenAI's), vLLM's prompt_logprobs, or both.
+        self.echo_logprobs = req.echo_logprobs
+        self.vllm_prompt_logprobs = req.prompt_logprobs is not None
+
+    def _prompt(self, index: int) -> list[int]:
+        return self.generation.prompts[index // self.generation.n]
 
     def opening(self) -> list[dict]:
+        if self.echo_logprobs:
+            return []  # the echo goes with the prompt's logprobs, in the choice's first chunk
         return [
             self._chunk([{"index": i, "text": echo, "logprobs": None, "finish_reason": None}])
             for i, echo in enumerate(self.echoes)
             if echo
         ]
 
-    def _logprobs(self, index: int, token_ids: list[int], logprobs) -> dict | None:
+    def _logprobs(self, index: int, token_ids: list[int], logprobs, prompt_logprobs=None) -> dict | None:
+        """The choice's logprobs for these new tokens, after the echoed prompt's when
+        `prompt_logprobs` (the engine's, from position 0) arrived with them."""
         if logprobs is None:
             return None
         out = completion_logprobs(self.texts, token_ids, logprobs, self.text_offsets[index])
         self.text_offsets[index] += sum(map(len, out["tokens"]))
+        if self.echo_logprobs and prompt_logprobs is not None:
+            out = join_completion_logprobs(completion_logprobs(self.texts, self._prompt(index), prompt_logprobs, 0), out)
         return out
 
+    def _choice(self, index: int, text: str, logprobs: dict | None, finish_reason, prompt_logprobs) -> dict:
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        if self.vllm_prompt_logprobs and prompt_logprobs is not None:
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(self.texts, self._prompt(index), prompt_logprobs)
+        return choice
+
     def chunk(self, index: int, delta: Delta) -> dict | None:
-        if not (delta.text or delta.logprobs or delta.finished):
+        if not (delta.text or delta.logprobs or delta.finished or delta.prompt_logprobs is not None):
             return None
-        choice = {
-            "index": index,
-            "text": delta.text,
-            "logprobs": self._logprobs(index, delta.token_ids, delta.logprobs),
-            "finish_reason": delta.finish_reason,
-        }
+        text = delta.text
+        if self.echo_logprobs and delta.prompt_logprobs is not None:
+            text = self.echoes[index] + text
+        logprobs = self._logprobs(index, delta.token_ids, delta.logprobs, delta.prompt_logprobs)
+        choice = self._choice(index, text, logprobs, delta.finish_reason, delta.prompt_logprobs)
         if delta.finished:
             choice["stop_reason"] = delta.stop_reason
         return self._chunk([choice])
@@ -85,11 +108,8 @@ class CompletionChunks(UsageChunks):
         choices = []
         for i, processor in enumerate(self.generation.processors):
             c = processor.completion
-            choices.append({
-                "index": i,
-                "text": self.echoes[i] + c.text,
-                "logprobs": self._logprobs(i, c.token_ids, c.logprobs),
-                "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason,
-            })
+            logprobs = self._logprobs(i, c.token_ids, c.logprobs, c.prompt_logprobs)
+            choice = self._choice(i, self.echoes[i] + c.text, logprobs, c.finish_reason, c.prompt_logprobs)
+            choice["stop_reason"] = c.stop_reason
+            choices.append(choice)
         return {**self.head, "choices": choices, "usage": self.generation.usage()}

@@ -86,8 +86,11 @@ class SamplingFields(Strict):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     response_format: ResponseFormat | None = None
+    prompt_logprobs: int | None = None  # vLLM's: the prompt tokens' logprobs, with this many top ones
 
-    def _sampling_params(self, vocab_size: int, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _sampling_params(
+        self, vocab_size: int, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
         if self.stream_options is not None and not self.stream:
             raise SamplingParamError("stream_options", "stream_options is only allowed when stream is true.")
         return SamplingParams(
@@ -110,6 +113,7 @@ class SamplingFields(Strict):
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             logprobs=logprobs,
+            prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
             structured_output=self.response_format.to_structured_output() if self.response_format else None,
         )
 
@@ -202,6 +206,8 @@ class ChatCompletionRequest(SamplingFields):
         if self.top_logprobs is not None and not self.logprobs:
             raise SamplingParamError("top_logprobs", "top_logprobs needs logprobs to be true.")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        if max_tokens == 0:
+            raise SamplingParamError(self.field_names["max_tokens"], "max_tokens must be at least 1.")
         try:
             return self._sampling_params(vocab_size, max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
         except SamplingParamError as exc:
@@ -231,15 +237,26 @@ class CompletionRequest(SamplingFields):
     suffix: None = None
 
     def to_sampling_params(self, vocab_size: int) -> SamplingParams:
-        if self.echo and self.logprobs is not None:
-            raise SamplingParamError("echo", "echo together with logprobs is not supported (no prompt logprobs).")
-        return self._sampling_params(vocab_size, self.max_tokens, self.logprobs)
+        """echo with logprobs k reports the prompt's tokens too, with k top logprobs each (the
+        engine's prompt_logprobs, unless the request sets its own). max_tokens 0 is the prompt
+        alone, which only echo or prompt_logprobs makes worth asking."""
+        if self.max_tokens == 0 and not self.echo and self.prompt_logprobs is None:
+            raise SamplingParamError(
+                "max_tokens", "max_tokens 0 returns nothing without echo or prompt_logprobs; ask for at least 1."
+            )
+        prompt_logprobs = self.logprobs if self.echo and self.prompt_logprobs is None else None
+        return self._sampling_params(vocab_size, self.max_tokens, self.logprobs, prompt_logprobs)
+
+    @property
+    def echo_logprobs(self) -> bool:
+        """The echoed prompt carries logprobs (OpenAI's echo with logprobs)."""
+        return bool(self.echo) and self.logprobs is not None
 
 
 class NativeSamplingParams(Strict):
     """/generate's sampling_params: SamplingParams' names, with SGLang's max_new_tokens / min_new_tokens."""
 
-    max_new_tokens: int | None = 128
+    max_new_tokens: int | None = 128  # 0: the prompt alone (for its logprobs)
     min_new_tokens: int = 0
     n: int = Field(1, ge=1, le=MAX_N)
     temperature: float = 1.0
@@ -266,6 +283,7 @@ class GenerateRequest(Strict):
     rid: str | None = None
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    logprob_start_len: int = Field(-1, ge=-1)  # SGLang's: -1, the output's logprobs only
 
     def to_sampling_params(self) -> SamplingParams:
         p = self.sampling_params
@@ -277,7 +295,13 @@ class GenerateRequest(Strict):
             stop=[p.stop] if isinstance(p.stop, str) else list(p.stop or []),
             stop_token_ids=list(p.stop_token_ids or []),
             logprobs=self.top_logprobs_num if self.return_logprob else None,
+            prompt_logprobs=self.top_logprobs_num if self.input_logprobs else None,
+            prompt_logprobs_start=max(self.logprob_start_len, 0),
         )
+
+    @property
+    def input_logprobs(self) -> bool:
+        return self.return_logprob and self.logprob_start_len >= 0
 
 
 class AbortRequest(Strict):

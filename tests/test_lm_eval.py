@@ -1,0 +1,89 @@
+"""lm-evaluation-harness's `local-completions` runs a multiple-choice task against a live server.
+
+Its loglikelihood requests are `echo: true, logprobs: 1, max_tokens: 1` completions whose
+`token_logprobs[ctxlen:-1]` it sums per choice. The task (tests/data/lm_eval_tiny) is run as
+token ids and as text, and each item's loglikelihoods and the accuracy lm-eval reports are
+checked against transformers' on the same token ids. The server runs the exact path (fp32
+activations and KV cache), on which trillm matches transformers to about 1e-4."""
+import functools
+import glob
+import json
+import os
+import sys
+
+import pytest
+import torch
+import trio
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from http_support import live_server
+from trillm.config import EngineArgs
+from trillm.engine.core import EngineCore
+
+TASK_DIR = "tests/data/lm_eval_tiny"
+TASK = "trillm_tiny_mc"
+
+
+@functools.cache
+def exact_core(model_dir: str) -> EngineCore:
+    return EngineCore(EngineArgs(model=model_dir, num_kv_blocks=64, quantized_activations=False,
+                                 kv_cache_dtype="float32"))
+
+
+def transformers_loglikelihoods(model_dir: str) -> list[list[float]]:
+    """Per item, per choice: log P(" " + choice | question) as lm-eval tokenizes them (context and
+    continuation, with its target delimiter " ", encoded apart, then joined)."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    out = []
+    with open(os.path.join(TASK_DIR, f"{TASK}.jsonl")) as f:
+        for line in f:
+            doc = json.loads(line)
+            context = tokenizer.encode(f"Question: {doc['question']}\nAnswer:")
+            row = []
+            for choice in doc["choices"]:
+                continuation = tokenizer.encode(" " + choice)
+                ids = context + continuation
+                with torch.inference_mode():
+                    logprobs = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+                row.append(sum(logprobs[len(context) + i - 1, t].item() for i, t in enumerate(continuation)))
+            out.append((row, doc["answer"]))
+    return out
+
+
+async def run_lm_eval(url: str, model: str, tokenizer: str, tokenized: bool, out_dir: str) -> tuple[dict, list]:
+    """`tokenizer`: a local directory, or "remote" for the server's /tokenizer_info and /tokenize."""
+    backend = ["tokenizer_backend=remote"] if tokenizer == "remote" else [
+        f"tokenizer={tokenizer}", "tokenizer_backend=huggingface"]
+    model_args = ",".join([
+        f"model={model}", f"base_url={url}/v1/completions", *backend,
+        f"tokenized_requests={tokenized}", "num_concurrent=1", "max_retries=1",
+    ])
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "OPENAI_API_KEY": "none"}
+    command = [sys.executable, "-m", "lm_eval", "--model", "local-completions", "--model_args", model_args,
+               "--tasks", TASK, "--include_path", TASK_DIR, "--output_path", out_dir, "--log_samples"]
+    result = await trio.run_process(command, env=env, capture_stdout=True, capture_stderr=True, check=False)
+    assert result.returncode == 0, result.stderr.decode()[-4000:]
+    (results_file,) = glob.glob(os.path.join(out_dir, "**", "results_*.json"), recursive=True)
+    (samples_file,) = glob.glob(os.path.join(out_dir, "**", f"samples_{TASK}_*.jsonl"), recursive=True)
+    with open(results_file) as f:
+        results = json.load(f)["results"][TASK]
+    with open(samples_file) as f:
+        samples = sorted((json.loads(line) for line in f), key=lambda s: s["doc_id"])
+    return results, samples
+
+
+@pytest.mark.parametrize("tokenized, tokenizer", [(True, "local"), (False, "remote")],
+                         ids=["token_ids_local_tokenizer", "text_server_tokenizer"])
+async def test_lm_eval_multiple_choice_matches_transformers(default_model_dir, tmp_path, tokenized, tokenizer):
+    expected = transformers_loglikelihoods(default_model_dir)
+    tokenizer = default_model_dir if tokenizer == "local" else tokenizer
+    async with live_server(exact_core(default_model_dir)) as server:
+        results, samples = await run_lm_eval(server.url, server.model, tokenizer, tokenized, str(tmp_path))
+    assert len(samples) == len(expected)
+    for sample, (row, answer) in zip(samples, expected):
+        got = [float(resp[0][0]) for resp in sample["resps"]]  # lm-eval logs them as strings
+        assert got == pytest.approx(row, abs=1e-3), sample["doc"]
+    want = sum(max(range(len(row)), key=row.__getitem__) == answer for row, answer in expected) / len(expected)
+    assert results["acc,none"] == pytest.approx(want)
+    assert want > 0  # the model gets some right: a broken loglikelihood would not
