@@ -40,6 +40,16 @@ def shared_core() -> EngineCore:
     return EngineCore(EngineArgs(num_kv_blocks=NUM_KV_BLOCKS))
 
 
+EXACT = dict(quantized_activations=False, kv_cache_dtype="float32")  # fp32 activations and KV: transformers' numbers
+
+
+@functools.cache
+def exact_core(model_dir: str) -> EngineCore:
+    """An engine on the exact path (fp32 activations and KV cache), one per directory per process:
+    for tests that compare served numbers with transformers'."""
+    return EngineCore(EngineArgs(model=model_dir, num_kv_blocks=64, **EXACT))
+
+
 @functools.cache
 def tiny_core(model_dir: str) -> EngineCore:
     """A tiny random model's engine (tests/conftest.py makes them), one per directory per process.

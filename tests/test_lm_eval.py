@@ -5,7 +5,6 @@ Its loglikelihood requests are `echo: true, logprobs: 1, max_tokens: 1` completi
 token ids and as text, and each item's loglikelihoods and the accuracy lm-eval reports are
 checked against transformers' on the same token ids. The server runs the exact path (fp32
 activations and KV cache), on which trillm matches transformers to about 1e-4."""
-import functools
 import glob
 import json
 import os
@@ -16,18 +15,10 @@ import torch
 import trio
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from http_support import live_server
-from trillm.config import EngineArgs
-from trillm.engine.core import EngineCore
+from http_support import exact_core, live_server
 
 TASK_DIR = "tests/data/lm_eval_tiny"
 TASK = "trillm_tiny_mc"
-
-
-@functools.cache
-def exact_core(model_dir: str) -> EngineCore:
-    return EngineCore(EngineArgs(model=model_dir, num_kv_blocks=64, quantized_activations=False,
-                                 kv_cache_dtype="float32"))
 
 
 def transformers_loglikelihoods(model_dir: str) -> list[list[float]]:

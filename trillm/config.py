@@ -34,6 +34,9 @@ class EngineArgs:
     # threads of the compiled CPU kernels (trillm/kernels/pool_cpu.h), the step's included;
     # None: one per core this process may run on
     kernel_threads: int | None = None
+    # How embedding requests pool the prompt's final hidden states: last | mean | cls. None: the
+    # model's sentence-transformers config (modules.json's Pooling module), else last
+    pooling_type: str | None = None
 
     @classmethod
     def field_names(cls) -> list[str]:

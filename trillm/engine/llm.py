@@ -51,13 +51,14 @@ class LLM:
         return self._run(prompts, params_list, use_tqdm)
 
     def embed(
-        self, prompts: str | list[str] | list[list[int]], pooling: PoolingType = PoolingType.LAST,
+        self, prompts: str | list[str] | list[list[int]], pooling: PoolingType | None = None,
         normalize: bool = True, use_tqdm: bool = False,
     ) -> list[torch.Tensor]:
-        """One vector (fp32 [hidden]) per prompt: its final hidden states pooled, L2-normalised
-        unless `normalize` is false."""
+        """One vector (fp32 [hidden]) per prompt: its final hidden states pooled (`pooling`, or the
+        model's, `ModelConfig.pooling_type`), L2-normalised unless `normalize` is false."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        pooling = pooling or self.engine.config.pooling_type
         outputs = self._run(prompts, [PoolingParams(pooling)] * len(prompts), use_tqdm)
         vectors = [out.outputs[0].pooled for out in outputs]
         return [F.normalize(v, dim=0) if normalize else v for v in vectors]

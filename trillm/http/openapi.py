@@ -22,7 +22,10 @@ from trillm.http.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     GenerateRequest,
+    RerankRequest,
+    ScoreRequest,
     TokenizeRequest,
 )
 
@@ -35,6 +38,13 @@ BODIES: dict[str, type[BaseModel]] = {
     "/abort_request": AbortRequest,
     "/tokenize": TokenizeRequest,
     "/detokenize": DetokenizeRequest,
+    "/v1/embeddings": EmbeddingRequest,
+    "/pooling": EmbeddingRequest,
+    "/score": ScoreRequest,
+    "/v1/score": ScoreRequest,
+    "/rerank": RerankRequest,
+    "/v1/rerank": RerankRequest,
+    "/v2/rerank": RerankRequest,
 }
 BODILESS_POSTS = {"/flush_cache", "/ping"}
 REF_TEMPLATE = "#/components/schemas/{model}"

@@ -253,6 +253,39 @@ class CompletionRequest(SamplingFields):
         return bool(self.echo) and self.logprobs is not None
 
 
+class EmbeddingRequest(Strict):
+    """OpenAI's embeddings body (also /pooling's, as vLLM's)."""
+
+    model: str | None = None
+    input: Prompt
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1)  # keep the first `dimensions`, then renormalise
+    user: str | None = None
+
+
+TextList = Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)]
+
+
+class ScoreRequest(Strict):
+    """vLLM's /score: text_1 against each text_2 (one against many), or pair by pair (equal lists)."""
+
+    model: str | None = None
+    text_1: str | TextList
+    text_2: str | TextList
+    user: str | None = None
+
+
+class RerankRequest(Strict):
+    """The Jina / Cohere rerank body, as vLLM serves it at /rerank, /v1/rerank and /v2/rerank."""
+
+    model: str | None = None
+    query: str
+    documents: TextList
+    top_n: int | None = Field(None, ge=0)  # None or 0: every document
+    return_documents: bool = True
+    user: str | None = None
+
+
 class NativeSamplingParams(Strict):
     """/generate's sampling_params: SamplingParams' names, with SGLang's max_new_tokens / min_new_tokens."""
 

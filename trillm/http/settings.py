@@ -32,6 +32,7 @@ class ServerSettings:
     log_level: str = "info"
     tool_call_parser: str | None = None  # hermes | llama3_json: reads tool calls for tool_choice auto
     reasoning_parser: str | None = None  # deepseek_r1 | qwen3: <think>...</think> -> reasoning_content
+    normalize_embeddings: bool = True  # /v1/embeddings vectors L2-normalised (off: as pooled)
     engine: EngineArgs = field(default_factory=EngineArgs)
 
     def redacted(self) -> dict:
