@@ -2,7 +2,8 @@
 (a module, not a test file).
 
 Each request is a streamed completion of random token ids with `ignore_eos`, `logprobs=0` (so every
-token is its own chunk, and a chunk's logprobs count its tokens) and a usage chunk. Its fate is
+token is its own chunk, and a chunk's logprobs count its tokens) and a usage chunk; every fourth is
+a streamed /v1/responses request instead, judged by its typed events and its final usage. Its fate is
 drawn in advance: run to the end, go away (close the stream after k chunks, or give up at a random
 time, possibly before the response starts), or be aborted through /abort_request after k chunks.
 What actually happened is judged from what the client saw: an abort that loses the race with the
@@ -11,6 +12,7 @@ completed too.
 """
 from __future__ import annotations
 
+import json
 import random
 import threading
 from collections import Counter
@@ -78,7 +80,47 @@ async def run_soak(server: LiveServer, num_requests: int, seed: int, max_tokens:
     rng.shuffle(fates)
     started = trio.current_time()
 
+    async def one_response(i: int, fate: str) -> None:
+        """A streamed response: its final event says completed, incomplete (max_output_tokens) or,
+        when aborted, cancelled; a client that leaves sees no final event."""
+        words = " ".join(f"w{rng.randrange(1000)}" for _ in range(rng.randint(1, 4)))
+        n = rng.randint(max_tokens[0], min(max_tokens[1], 24))  # the template takes ~40 tokens of a short context
+        k = rng.randint(1, 6)  # events seen before leaving / aborting
+        final, events, abort_status = None, 0, None
+        body = {"model": server.model, "input": words, "max_output_tokens": n, "stream": True}
+        async with http.stream("POST", "/v1/responses", json=body, headers={"X-Request-Id": f"soak-{i}"}) as response:
+            report.num_5xx += response.status_code >= 500
+            assert response.status_code == 200, (response.status_code, await response.aread())
+            async for line in response.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                event = json.loads(line[len("data: "):])
+                events += 1
+                if event["type"] in ("response.completed", "response.incomplete", "response.failed"):
+                    final = event["response"]
+                if fate == "disconnect" and events == k and final is None:
+                    break
+                if fate == "abort" and events == k and abort_status is None:
+                    abort_status = (await http.post("/abort_request", json={"rid": f"soak-{i}"})).status_code
+                    report.num_5xx += abort_status >= 500
+                    assert abort_status in (200, 404), abort_status
+        if final is None:
+            assert fate == "disconnect", f"response {i} ({fate}) ended without a final event"
+            report.num_disconnected += 1
+            return
+        report.num_tokens += final["usage"]["output_tokens"]
+        if final["status"] == "cancelled":
+            assert abort_status == 200 and final["usage"]["output_tokens"] < n, (i, final["usage"], n)
+            report.num_aborted += 1
+            return
+        assert final["status"] in ("completed", "incomplete"), final["status"]
+        assert final["status"] == "completed" or final["usage"]["output_tokens"] == n
+        report.num_completed += 1
+        report.num_abort_races += fate == "abort"
+
     async def one(i: int, fate: str) -> None:
+        if i % 4 == 3:
+            return await one_response(i, fate)
         prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(1, 24))]
         n = rng.randint(*max_tokens)
         k = rng.randint(0 if fate == "disconnect" else 1, n - 1)  # chunks seen before leaving / aborting

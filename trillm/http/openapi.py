@@ -17,6 +17,7 @@ from quart import Blueprint, current_app
 
 import trillm
 from trillm.http.errors import ERROR_TYPES
+from trillm.http.responses_protocol import ResponsesRequest
 from trillm.http.protocol import (
     AbortRequest,
     ChatCompletionRequest,
@@ -38,6 +39,7 @@ BODIES: dict[str, type[BaseModel]] = {
     "/abort_request": AbortRequest,
     "/tokenize": TokenizeRequest,
     "/detokenize": DetokenizeRequest,
+    "/v1/responses": ResponsesRequest,
     "/v1/embeddings": EmbeddingRequest,
     "/pooling": EmbeddingRequest,
     "/score": ScoreRequest,
@@ -46,7 +48,7 @@ BODIES: dict[str, type[BaseModel]] = {
     "/v1/rerank": RerankRequest,
     "/v2/rerank": RerankRequest,
 }
-BODILESS_POSTS = {"/flush_cache", "/ping"}
+BODILESS_POSTS = {"/flush_cache", "/ping", "/v1/responses/<response_id>/cancel"}
 REF_TEMPLATE = "#/components/schemas/{model}"
 
 ERROR_SCHEMA = {

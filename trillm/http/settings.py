@@ -33,6 +33,7 @@ class ServerSettings:
     tool_call_parser: str | None = None  # hermes | llama3_json: reads tool calls for tool_choice auto
     reasoning_parser: str | None = None  # deepseek_r1 | qwen3: <think>...</think> -> reasoning_content
     normalize_embeddings: bool = True  # /v1/embeddings vectors L2-normalised (off: as pooled)
+    responses_store_size: int = 1024  # /v1/responses kept for GET and previous_response_id (LRU)
     engine: EngineArgs = field(default_factory=EngineArgs)
 
     def redacted(self) -> dict:

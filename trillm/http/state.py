@@ -19,6 +19,7 @@ from trillm.http.logprobs import TokenTexts
 from trillm.http.logs import REQUEST_ID
 from trillm.http.metrics import Metrics
 from trillm.http.reasoning import REASONING_PARSERS
+from trillm.http.responses_store import ResponseStore
 from trillm.http.settings import ServerSettings
 from trillm.http.tool_parsers import TOOL_PARSERS
 
@@ -41,6 +42,7 @@ class ServerState:
         self.vocab_size = core.config.hf_config.vocab_size
         self.model_name = settings.served_model_name or core.config.name
         self.metrics = Metrics(self.model_name, self.engine.stats)
+        self.responses = ResponseStore(settings.responses_store_size)
 
     def check_model(self, model: str | None) -> None:
         """OpenAI clients must name a model; any name but ours is a 404, as with vLLM."""
@@ -69,13 +71,14 @@ async def parse_body(model: type[pydantic.BaseModel], status: int = 400):
         raise from_validation_error(exc, status) from None
 
 
-def request_id(prefix: str, rid: str | None = None) -> tuple[str, str | None]:
+def request_id(prefix: str, rid: str | None = None, separator: str = "-") -> tuple[str, str | None]:
     """A fresh `{prefix}-<hex>`, the server's id for this request (the engine's key and the
     response's `id`), and the client's own id for it, if any: the native body's `rid`, else the
     X-Request-Id header. A client's id is never trusted as a key: two live requests may carry
     the same one (a proxy's retry); it names the request in logs and in `/abort_request`, and
-    the response's X-Request-Id header echoes the header's."""
-    server_id = f"{prefix}-{uuid.uuid4().hex}"
+    the response's X-Request-Id header echoes the header's. (`separator`: "_" for OpenAI's
+    Responses ids, `resp_<hex>`.)"""
+    server_id = f"{prefix}{separator}{uuid.uuid4().hex}"
     client_id = rid or g.get("client_request_id")
     g.request_id = server_id
     REQUEST_ID.set(client_id or server_id)
