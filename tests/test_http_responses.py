@@ -7,7 +7,7 @@ import pytest
 import trio
 
 from fuzz_support import assert_openai_error
-from http_support import frozen_engine, settled_stats
+from http_support import frozen_engine, live_server, settled_stats
 
 WEATHER = {
     "type": "function", "name": "get_weather", "description": "The weather in a city.",
@@ -232,3 +232,25 @@ async def test_bad_responses_requests_are_4xx_naming_the_field(server, body, sta
     for path in ("/v1/responses/resp_nope", "/v1/responses/resp_nope/input_items"):
         missing = await server.http().get(path)
         assert missing.status_code == 404 and "resp_nope" in missing.json()["error"]["message"]
+
+
+async def test_reasoning_items_with_a_reasoning_parser(core):
+    # deepseek_r1 reads the output as reasoning until </think>, which this model never writes:
+    # the whole answer is a reasoning item, streamed as reasoning_text events.
+    async with live_server(core, reasoning_parser="deepseek_r1") as server:
+        client = server.openai()
+        args = dict(model=server.model, input="Say hello.", max_output_tokens=12, temperature=0,
+                    reasoning={"effort": "low"})
+        whole = await client.responses.create(**args)
+        (item,) = whole.output
+        assert item.type == "reasoning" and item.content[0].type == "reasoning_text"
+        chat = await client.chat.completions.create(model=server.model, max_tokens=12, temperature=0,
+                                                    messages=[{"role": "user", "content": "Say hello."}])
+        assert item.content[0].text == chat.choices[0].message.reasoning_content
+        assert 0 < whole.usage.output_tokens_details.reasoning_tokens <= whole.usage.output_tokens
+        assert whole.reasoning.effort == "low"
+        events = [e async for e in await client.responses.create(**args, stream=True)]
+        types = [e.type for e in events]
+        assert "response.reasoning_text.done" in types and "response.output_text.delta" not in types
+        deltas = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+        assert deltas == item.content[0].text == events[-1].response.output[0].content[0].text

@@ -1,6 +1,7 @@
 """The server as a user runs it, in its own process on a free port, with the real `openai` client:
 `python -m trillm serve` through a SIGTERM while streams run (the drain lets one finish; a second
 signal aborts the other), and Hypercorn's own launch of the app factory, configured by TRILLM_*."""
+import json
 import os
 import re
 import signal
@@ -115,9 +116,10 @@ async def test_hypercorn_launches_the_app_factory_from_the_environment():
 
 
 async def test_sigterm_under_load_ends_every_stream_with_a_final_chunk_and_exits(tiny_text_model_dir):
-    """Forty streams of random lengths when SIGTERM arrives: those that finish within the drain end
-    with "length", the rest with "abort"; every one gets its final chunk, and the process exits 0.
-    Its log names the request on every line about one."""
+    """Forty completion streams of random lengths and eight streamed responses when SIGTERM
+    arrives: those that finish within the drain end with "length" (a response: completed or
+    incomplete), the rest with "abort" (a response: cancelled); every one gets its final chunk or
+    event, and the process exits 0. Its log names the request on every line about one."""
     async with trio.open_nursery() as nursery:
         command = [sys.executable, "-m", "trillm", "serve", "--port", "0", "--model", tiny_text_model_dir]
         command += ["--drain-timeout", "1"]
@@ -141,14 +143,37 @@ async def test_sigterm_under_load_ends_every_stream_with_a_final_chunk_and_exits
                 if chunk.choices[0].finish_reason:
                     finishes[i] = chunk.choices[0].finish_reason
 
+        async def response_stream(i: int) -> None:
+            body = {"model": model, "input": f"Word {i}", "max_output_tokens": 100 + 10 * (i - 40), "stream": True}
+            async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+                async with http.stream("POST", "/v1/responses", json=body,
+                                       headers={"X-Request-Id": f"term-{i}"}) as response:
+                    assert response.status_code == 200, await response.aread()
+                    async for line in response.aiter_lines():
+                        if not line.startswith("data: "):
+                            continue
+                        event = json.loads(line[len("data: "):])
+                        if i not in started:
+                            started.append(i)
+                            if len(started) == 48:
+                                all_started.set()
+                        if event["type"] in ("response.completed", "response.incomplete", "response.failed"):
+                            finishes[i] = event["response"]["status"]
+
         async with trio.open_nursery() as streams:
             for i in range(40):
                 streams.start_soon(stream, i)
+            for i in range(40, 48):
+                streams.start_soon(response_stream, i)
             await all_started.wait()
             process.send_signal(signal.SIGTERM)
-        assert len(finishes) == 40 and set(finishes.values()) <= {"length", "abort"}, finishes
+        assert len(finishes) == 48, finishes
+        assert {finishes[i] for i in range(40)} <= {"length", "abort"}, finishes
+        responses = {finishes[i] for i in range(40, 48)}
+        assert "cancelled" in responses and responses <= {"completed", "incomplete", "cancelled"}, finishes
         await client.close()
         with trio.fail_after(60):
             assert await process.wait() == 0, "\n".join(log)
     ended = [line for line in log if "ended after" in line]
-    assert len(ended) == 40 and all(re.search(r"\[term-\d+\] cmpl-[0-9a-f]{32} ended after", line) for line in ended), ended
+    assert len(ended) == 48, ended
+    assert all(re.search(r"\[term-\d+\] (cmpl-|resp_)[0-9a-f]{32} ended after", line) for line in ended), ended

@@ -182,3 +182,19 @@ def test_gguf_tensor_index_is_read_once_and_kept(tmp_path):
     for entry, tensor in zip(index, reader.tensors):
         got = np.asarray(data[entry["offset"] : entry["offset"] + entry["bytes"]]).view(tensor.data.dtype)
         assert np.array_equal(got.reshape(entry["shape"]), tensor.data), entry["name"]
+
+
+def test_the_pooling_type_comes_from_a_sentence_transformers_config(tmp_path):
+    from trillm.engine.loader import sentence_transformers_pooling
+    from trillm.pooling_params import PoolingType
+
+    assert sentence_transformers_pooling(str(tmp_path)) is None  # no modules.json
+    (tmp_path / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+    ]))
+    (tmp_path / "1_Pooling").mkdir()
+    for flag, expected in (("pooling_mode_mean_tokens", PoolingType.MEAN), ("pooling_mode_cls_token", PoolingType.CLS),
+                           ("pooling_mode_lasttoken", PoolingType.LAST), ("pooling_mode_max_tokens", None)):
+        (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 64, flag: True}))
+        assert sentence_transformers_pooling(str(tmp_path)) == expected

@@ -142,3 +142,11 @@ def test_a_step_mixing_embeddings_and_generation_gives_each_its_result_alone(tin
     for i in range(len(prompts)):
         assert tokens[f"g{i}"] == alone_tokens[i]
         torch.testing.assert_close(pooled[f"e{i}"], alone_vectors[i], atol=1e-5, rtol=1e-5)
+
+
+def test_a_prompt_logprobs_request_still_caches_its_own_blocks(tiny_model_dir, prompts):
+    llm = trillm.LLM(tiny_model_dir("llama"), num_kv_blocks=64, block_size=4, **EXACT)
+    first = llm.generate(prompts[1], SamplingParams(max_tokens=0, prompt_logprobs=0))[0]
+    assert first.num_cached_tokens == 0
+    later = llm.generate(prompts[1], SamplingParams(max_tokens=1))[0]
+    assert later.num_cached_tokens == (len(prompts[1]) - 1) // 4 * 4
