@@ -18,6 +18,7 @@ import logging
 from dataclasses import replace
 
 from quart import g, request
+from quart_cors import cors
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
@@ -66,6 +67,7 @@ def create_app(settings: ServerSettings | None = None, core: EngineCore | None =
         return response
 
     _register_error_handlers(app)
+    _allow_cross_origin(app, settings)
 
     @app.before_serving
     async def start_engine():
@@ -76,6 +78,24 @@ def create_app(settings: ServerSettings | None = None, core: EngineCore | None =
         await state.engine.aclose()
 
     return app
+
+
+def _allow_cross_origin(app: QuartTrio, settings: ServerSettings) -> None:
+    """CORS headers for browser front ends, by quart-cors: preflights (`OPTIONS`, which need no
+    API key) get the Access-Control-Allow-* headers, and every response, errors included, the
+    allowed origin. A wildcard origin is sent as `*`, as vLLM's server sends it; with credentials
+    allowed the origin must be named (a browser refuses `*` with credentials)."""
+    origins = settings.as_list(settings.allowed_origins)
+    if settings.allow_credentials and "*" in origins:
+        raise ValueError("--allow-credentials needs --allowed-origins to name the origins, not '*'.")
+    cors(
+        app,
+        allow_origin=origins,
+        allow_methods=settings.as_list(settings.allowed_methods),
+        allow_headers=settings.as_list(settings.allowed_headers),
+        allow_credentials=settings.allow_credentials,
+        send_origin_wildcard=True,
+    )
 
 
 def _register_error_handlers(app: QuartTrio) -> None:

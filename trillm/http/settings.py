@@ -8,6 +8,7 @@ environment path exists for launches where we do not own the command line:
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import types
 import typing
@@ -34,7 +35,23 @@ class ServerSettings:
     reasoning_parser: str | None = None  # deepseek_r1 | qwen3: <think>...</think> -> reasoning_content
     normalize_embeddings: bool = True  # /v1/embeddings vectors L2-normalised (off: as pooled)
     responses_store_size: int = 1024  # /v1/responses kept for GET and previous_response_id (LRU)
+    # CORS, with vLLM's flags and defaults: lists as JSON ('["https://a.example"]') or comma-separated
+    allowed_origins: str = "*"
+    allowed_methods: str = "*"
+    allowed_headers: str = "*"
+    allow_credentials: bool = False
     engine: EngineArgs = field(default_factory=EngineArgs)
+
+    @staticmethod
+    def as_list(value: str) -> list[str]:
+        """A list setting's items: a JSON list, or comma-separated."""
+        text = value.strip()
+        if text.startswith("["):
+            items = json.loads(text)
+            if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
+                raise ValueError(f"expected a JSON list of strings, got {value!r}")
+            return items
+        return [item.strip() for item in text.split(",") if item.strip()]
 
     def redacted(self) -> dict:
         """Everything, for /server_info, with secrets replaced."""
