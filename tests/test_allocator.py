@@ -239,3 +239,20 @@ def test_hash_chain_memo_is_extended_not_recomputed():
     other: list = []
     alloc.match_prefix(tokens(9, 2, 3), other, 3)
     assert all(a != b for a, b in zip(hashes, other))  # a chain: one change moves every later key
+
+
+def test_a_cache_salt_isolates_cached_blocks_even_through_a_hash_collision():
+    alloc = BlockAllocator(16, BS)
+    prompt = tokens(1, 2, 3)
+    salted_hashes: list = []
+    salted: list[int] = []
+    alloc.allocate(salted, 3)
+    alloc.cache_full_blocks(salted, prompt, salted_hashes, 0, 3, "tenant-a")
+    assert alloc.match_prefix(prompt, [], 3) == []  # unsalted: no hit
+    assert alloc.match_prefix(prompt, [], 3, "tenant-b") == []
+    assert alloc.match_prefix(prompt, [], 3, "tenant-a") == salted
+    # tenant b's lookup forced onto tenant a's keys (a hash collision): the identities differ.
+    assert alloc.match_prefix(prompt, list(salted_hashes), 3, "tenant-b") == []
+    unsalted = computed_table(alloc, prompt)
+    assert not set(unsalted) & set(salted) and alloc.match_prefix(prompt, [], 3) == unsalted
+    alloc.check_invariants([salted, unsalted])

@@ -188,3 +188,19 @@ async def test_vllm_extras_are_accepted(server):
                     "chat_template_kwargs": {}},
     )
     assert out.usage.completion_tokens == 5 and out.choices[0].finish_reason == "length"
+
+
+async def test_cache_salt_isolates_tenants_in_the_prefix_cache(server):
+    client = server.openai()
+
+    async def cached(salt):
+        extra = {} if salt is None else {"cache_salt": salt}
+        out = await client.completions.create(model=server.model, prompt=LONG_PROMPT + " Salted.", max_tokens=1,
+                                              extra_body=extra)
+        return out.usage.prompt_tokens_details.cached_tokens
+
+    await cached("tenant-a")  # computes and caches the prompt under tenant-a
+    assert await cached("tenant-b") == 0 and await cached(None) == 0
+    assert await cached("tenant-a") > 0 and await cached("tenant-b") > 0 and await cached(None) > 0
+    bad = await server.http().post("/v1/completions", json={"prompt": "hi", "cache_salt": " "})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "cache_salt"

@@ -295,6 +295,17 @@ def test_a_prefill_only_request_computes_its_prompt_and_samples_nothing():
     assert sched.allocator.num_used_blocks == 0 and sched.allocator.num_cached_blocks == 10 // BS  # full blocks
 
 
+def test_requests_share_cached_blocks_only_under_the_same_cache_salt():
+    sched = Scheduler(32, BS)
+    prompt = list(range(1, 3 * BS + 2))
+    sched.add(Request("a", prompt, 1, cache_salt="tenant-a"))
+    run_to_end(sched, [5])
+    for rid, salt, hit_blocks in (("b", "tenant-b", 0), ("plain", "", 0), ("a2", "tenant-a", 3), ("b2", "tenant-b", 3)):
+        sched.add(Request(rid, prompt, 1, cache_salt=salt))
+        assert run_to_end(sched, [5]).num_cached_tokens == hit_blocks * BS, rid
+    sched.check_invariants()
+
+
 def test_a_prefix_hit_limit_caps_the_cached_blocks_a_request_takes():
     sched = Scheduler(16, BS)
     sched.add(Request("a", range(1, 3 * BS + 2), 1))
@@ -366,10 +377,12 @@ def scheduler_machine(num_blocks: int, max_num_batched_tokens: int, max_num_seqs
             self.count = 0
             self.computed_blocks: dict[str, int] = {}  # ended request -> full blocks it computed
             self.min_hits: dict[str, int] = {}  # follow-up -> blocks its first admission must hit
+            self.sched_salts: dict[str, str] = {}  # request -> its cache salt
 
-        def prefix_chain(self, token_ids: list[int]) -> list[int]:
-            """Per position, an id of the exact prefix ending there."""
-            chain, pid = [], -1
+        def prefix_chain(self, token_ids: list[int], salt: str = "") -> list[int]:
+            """Per position, an id of the exact prefix ending there, under a cache salt: KV of one
+            salt is foreign to every other."""
+            chain, pid = [], self.prefix_ids.setdefault(("salt", salt), len(self.prefix_ids)) if salt else -1
             for token in token_ids:
                 pid = self.prefix_ids.setdefault((pid, token), len(self.prefix_ids))
                 chain.append(pid)
@@ -377,10 +390,11 @@ def scheduler_machine(num_blocks: int, max_num_batched_tokens: int, max_num_seqs
 
         @rule(prefix=st.sampled_from(PREFIXES), suffix=st.lists(st.integers(1, VOCAB - 1), max_size=3 * BS),
               max_tokens=st.integers(0, 24), min_tokens=st.integers(0, 3), ignore_eos=st.booleans(),
-              stop_token_ids=st.sampled_from([(), (1,)]), prefix_hit_limit=st.sampled_from([-1, -1, 0, 5, 2 * BS]))
-        def add(self, prefix, suffix, max_tokens, min_tokens, ignore_eos, stop_token_ids, prefix_hit_limit):
+              stop_token_ids=st.sampled_from([(), (1,)]), prefix_hit_limit=st.sampled_from([-1, -1, 0, 5, 2 * BS]),
+              cache_salt=st.sampled_from(["", "", "a", "b"]))
+        def add(self, prefix, suffix, max_tokens, min_tokens, ignore_eos, stop_token_ids, prefix_hit_limit, cache_salt):
             self.add_request(list(prefix) + suffix, max_tokens, min(min_tokens, max_tokens), ignore_eos,
-                             stop_token_ids, prefix_hit_limit)
+                             stop_token_ids, prefix_hit_limit, cache_salt)
 
         @rule(prefix=st.sampled_from(PREFIXES), suffix=st.lists(st.integers(1, VOCAB - 1), max_size=2 * BS),
               copies=st.integers(2, 3), max_tokens=st.integers(1, 8))
@@ -395,13 +409,15 @@ def scheduler_machine(num_blocks: int, max_num_batched_tokens: int, max_num_seqs
         def follow_up(self, data, suffix, max_tokens):
             """The next turn of an ended conversation: its tokens, then more."""
             previous = data.draw(st.sampled_from(sorted(self.done)))
-            rid = self.add_request(self.expected[previous] + suffix, max_tokens, 0, True, ())
+            # The next turn of a tenant's conversation carries the tenant's salt.
+            rid = self.add_request(self.expected[previous] + suffix, max_tokens, 0, True, (),
+                                   cache_salt=self.sched_salts.get(previous, ""))
             if rid is not None and check_hit_rates and previous in self.computed_blocks:
                 # A prefill-only turn computed its last token too, which a follow-up never takes.
                 self.min_hits[rid] = min(self.computed_blocks[previous], (len(self.expected[rid]) - 1) // BS)
 
         def add_request(self, prompt, max_tokens, min_tokens, ignore_eos, stop_token_ids,
-                        prefix_hit_limit=-1) -> str | None:
+                        prefix_hit_limit=-1, cache_salt="") -> str | None:
             """Add a request, or check that it is refused; its id if it was added."""
             rid = f"r{self.count}"
             self.count += 1
@@ -410,12 +426,14 @@ def scheduler_machine(num_blocks: int, max_num_batched_tokens: int, max_num_seqs
                     Request(rid, prompt, max_tokens)
                 return None
             request = Request(rid, prompt, max_tokens, min_tokens=min_tokens, eos_token_id=EOS,
-                              stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, prefix_hit_limit=prefix_hit_limit)
+                              stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, prefix_hit_limit=prefix_hit_limit,
+                              cache_salt=cache_salt)
             if len(prompt) >= max_model_len or cdiv(len(prompt) + 1, BS) > num_blocks:
                 with pytest.raises(ValueError):
                     self.sched.add(request)
                 return None
             self.sched.add(request)
+            self.sched_salts[rid] = cache_salt
             self.live.add(rid)
             self.expected[rid] = list(prompt)
             return rid
@@ -449,7 +467,7 @@ def scheduler_machine(num_blocks: int, max_num_batched_tokens: int, max_num_seqs
                 assert r.status == RUNNING and r.num_computed_tokens == computed and n >= 1
                 assert needs_sample == (r.max_tokens > 0 and computed + n == len(r.token_ids))
                 assert len(r.block_table) == cdiv(computed + n, BS)
-                chain = self.prefix_chain(r.token_ids)
+                chain = self.prefix_chain(r.token_ids, r.cache_salt)
                 if r.request_id in was_waiting:
                     assert computed % BS == 0 and computed <= (len(r.token_ids) - 1) // BS * BS
                     assert r.prefix_hit_limit < 0 or computed <= r.prefix_hit_limit

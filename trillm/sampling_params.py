@@ -77,6 +77,7 @@ class SamplingParams:
     # on; position 0 has nothing before it, so its entry is None.
     prompt_logprobs: int | None = None
     prompt_logprobs_start: int = 0
+    cache_salt: str | None = None  # requests share prefix-cached blocks only under the same salt
     structured_output: StructuredOutput | None = None  # a grammar the output must match
 
     def __post_init__(self) -> None:
@@ -120,6 +121,8 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and not 0 <= value <= MAX_LOGPROBS:
                 bad(name, f"{name} must be in [0, {MAX_LOGPROBS}], got {value}.")
+        if self.cache_salt is not None and not self.cache_salt.strip():
+            bad("cache_salt", "cache_salt must be a non-empty string when given.")
         if self.prompt_logprobs_start < 0:
             bad("prompt_logprobs_start", f"prompt_logprobs_start must be non-negative, got {self.prompt_logprobs_start}.")
         if self.seed is not None and not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]:

@@ -109,6 +109,7 @@ class EngineCore:
             stop_token_ids=params.stop_token_set(self.config.eos_token_ids),
             ignore_eos=params.ignore_eos,
             prefix_hit_limit=params.prefix_hit_limit,
+            cache_salt=params.cache_salt or "",
         )
         generator = None if params.seed is None else torch.Generator().manual_seed(params.seed)
         # Made before the scheduler takes the request: the matcher is what can still fail.

@@ -87,6 +87,7 @@ class SamplingFields(Strict):
     spaces_between_special_tokens: bool = True
     response_format: ResponseFormat | None = None
     prompt_logprobs: int | None = None  # vLLM's: the prompt tokens' logprobs, with this many top ones
+    cache_salt: str | None = None  # vLLM's and TensorRT-LLM's: prefix-cache isolation between tenants
 
     def _sampling_params(
         self, vocab_size: int, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
@@ -114,6 +115,7 @@ class SamplingFields(Strict):
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             logprobs=logprobs,
             prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
+            cache_salt=self.cache_salt,
             structured_output=self.response_format.to_structured_output() if self.response_format else None,
         )
 

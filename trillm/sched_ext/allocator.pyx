@@ -18,6 +18,10 @@ previous hit returned, in the same generation (a block's generation moves on eac
 time it is handed out afresh, so a parent that was evicted and reused for other
 tokens no longer matches). By induction the whole prefix is then exactly equal.
 
+A request's cache salt (tenants' isolation, vLLM's `cache_salt`) enters the chain at its root
+and the identity of its first block, so requests with different salts never share a block,
+not even through a hash collision; "" is no salt.
+
 The per-block state lives in typed arrays and the LRU is linked through them, so
 every operation costs O(blocks touched), never O(num_blocks). The same file runs
 as plain Python (Cython's pure-Python mode), which is how the benchmark measures
@@ -130,20 +134,20 @@ class BlockAllocator:
         del table[:]
 
     @cython.ccall
-    def match_prefix(self, token_ids: list, block_hashes: list, max_blocks: cython.int) -> list:
+    def match_prefix(self, token_ids: list, block_hashes: list, max_blocks: cython.int, salt: str = "") -> list:
         """The longest run of cached blocks holding exactly the first full blocks
-        of `token_ids` (at most `max_blocks`). Changes nothing but `block_hashes`,
-        the per-request memo of the hash chain, which it extends as needed."""
+        of `token_ids` (at most `max_blocks`) under `salt`. Changes nothing but
+        `block_hashes`, the per-request memo of the hash chain, which it extends as needed."""
         hits: list = []
         if not self.enable_prefix_caching or max_blocks <= 0:
             return hits
-        self._extend_hashes(token_ids, block_hashes, max_blocks)
+        self._extend_hashes(token_ids, block_hashes, max_blocks, salt)
         parent: cython.int = -1
         block: cython.int
         i: cython.int
         for i in range(max_blocks):
             block = self._cache.get(block_hashes[i], -1)
-            if block < 0 or not self._holds(block, parent, self._block_tokens(token_ids, i)):
+            if block < 0 or not self._holds(block, parent, self._block_tokens(token_ids, i, salt)):
                 break
             hits.append(block)
             parent = block
@@ -165,8 +169,10 @@ class BlockAllocator:
         self.prefix_cache_hits += len(prefix)
 
     @cython.ccall
-    def cache_full_blocks(self, table: list, token_ids: list, block_hashes: list, start: cython.int, end: cython.int):
-        """Offer blocks `table[start:end]`, now full and computed, to the prefix cache.
+    def cache_full_blocks(self, table: list, token_ids: list, block_hashes: list, start: cython.int, end: cython.int,
+                          salt: str = ""):
+        """Offer blocks `table[start:end]`, now full and computed, to the prefix cache (under
+        the request's `salt`).
 
         A block whose prefix is already cached in another block (the same prefix
         computed twice at once: a burst of requests sharing a system prompt) is
@@ -179,7 +185,7 @@ class BlockAllocator:
         """
         if not self.enable_prefix_caching:
             return
-        self._extend_hashes(token_ids, block_hashes, end)
+        self._extend_hashes(token_ids, block_hashes, end, salt)
         block: cython.int
         twin: cython.int
         parent: cython.int
@@ -190,7 +196,7 @@ class BlockAllocator:
                 continue  # a prefix hit: cached already
             key = block_hashes[i]
             parent = table[i - 1] if i > 0 else -1
-            tokens = self._block_tokens(token_ids, i)
+            tokens = self._block_tokens(token_ids, i, salt)
             twin = self._cache.get(key, -1)
             if twin < 0:
                 self._cache[key] = block
@@ -279,17 +285,20 @@ class BlockAllocator:
         return self._tokens[block] == tokens
 
     @cython.cfunc
-    def _block_tokens(self, token_ids: list, index: cython.int) -> tuple:
-        return tuple(token_ids[index * self.block_size:(index + 1) * self.block_size])
+    def _block_tokens(self, token_ids: list, index: cython.int, salt: str) -> tuple:
+        """A block's identity: its tokens; a salted first block's, (salt, tokens), which no
+        unsalted or otherwise salted block equals."""
+        tokens = tuple(token_ids[index * self.block_size:(index + 1) * self.block_size])
+        return (salt, tokens) if index == 0 and salt else tokens
 
     @cython.cfunc
-    def _extend_hashes(self, token_ids: list, block_hashes: list, num_full: cython.int):
+    def _extend_hashes(self, token_ids: list, block_hashes: list, num_full: cython.int, salt: str):
         """Extend the hash chain memo to the first `num_full` full blocks."""
         assert num_full * self.block_size <= len(token_ids), "hash of a block that is not full"
         i: cython.int = len(block_hashes)
         key = block_hashes[i - 1] if i > 0 else _ROOT_KEY
         while i < num_full:
-            key = hash((key, self._block_tokens(token_ids, i)))
+            key = hash((key, self._block_tokens(token_ids, i, salt)))
             block_hashes.append(key)
             i += 1
 

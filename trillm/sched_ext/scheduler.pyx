@@ -54,7 +54,8 @@ class Request:
     prompt whose logprobs alone were asked). `prefix_hit_limit` (tokens, -1: none) caps what its
     first blocks may take from the prefix cache: a cached block has KV but no hidden states, and
     prompt logprobs or mean pooling need the hidden state of every row they cover. The request's
-    own full blocks still enter the cache."""
+    own full blocks still enter the cache. `cache_salt` ("": none) isolates its cached blocks:
+    only requests with the same salt share them."""
 
     request_id = cython.declare(str, visibility="readonly")
     token_ids = cython.declare(list, visibility="readonly")
@@ -65,6 +66,7 @@ class Request:
     stop_token_ids = cython.declare(frozenset, visibility="readonly")
     ignore_eos = cython.declare(cython.bint, visibility="readonly")
     prefix_hit_limit = cython.declare(cython.int, visibility="readonly")
+    cache_salt = cython.declare(str, visibility="readonly")
     arrival = cython.declare(cython.double, visibility="readonly")
     num_computed_tokens = cython.declare(cython.int, visibility="readonly")
     num_cached_tokens = cython.declare(cython.int, visibility="readonly")
@@ -78,7 +80,7 @@ class Request:
 
     def __init__(self, request_id: str, prompt_token_ids, max_tokens: cython.int, *,
                  min_tokens: cython.int = 0, eos_token_id: cython.int = -1, stop_token_ids=(),
-                 ignore_eos: cython.bint = False, prefix_hit_limit: cython.int = -1,
+                 ignore_eos: cython.bint = False, prefix_hit_limit: cython.int = -1, cache_salt: str = "",
                  arrival: cython.double = 0.0):
         self.request_id = request_id
         self.token_ids = list(prompt_token_ids)
@@ -95,6 +97,7 @@ class Request:
         self.stop_token_ids = frozenset(stop_token_ids)
         self.ignore_eos = ignore_eos
         self.prefix_hit_limit = prefix_hit_limit
+        self.cache_salt = cache_salt
         self.arrival = arrival
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
@@ -313,7 +316,7 @@ class Scheduler:
             max_hits = (num_tokens - 1) // block_size if alloc.enable_prefix_caching else 0
             if request.prefix_hit_limit >= 0:
                 max_hits = min(max_hits, request.prefix_hit_limit // block_size)
-            hits = alloc.match_prefix(request.token_ids, request._block_hashes, max_hits)
+            hits = alloc.match_prefix(request.token_ids, request._block_hashes, max_hits, request.cache_salt)
             computed = len(hits) * block_size
             num_new = min(num_tokens - computed, budget)
             need = _cdiv(computed + num_new, block_size) - len(hits)
@@ -357,7 +360,7 @@ class Scheduler:
             request.num_computed_tokens = after
             if after // block_size > before // block_size:
                 alloc.cache_full_blocks(request.block_table, request.token_ids, request._block_hashes,
-                                        before // block_size, after // block_size)
+                                        before // block_size, after // block_size, request.cache_salt)
             if output.needs_sample[k]:
                 if self._append_token(request, sampled[k]):
                     finished.append(request)
