@@ -295,6 +295,39 @@ def test_a_prefill_only_request_computes_its_prompt_and_samples_nothing():
     assert sched.allocator.num_used_blocks == 0 and sched.allocator.num_cached_blocks == 10 // BS  # full blocks
 
 
+def test_priority_policy_admits_the_best_ranked_first():
+    sched = Scheduler(64, BS, max_num_batched_tokens=64, max_num_seqs=2, policy="priority")
+    for rid, priority in (("low", 5), ("mid", 1), ("high", -3), ("mid2", 1)):
+        sched.add(Request(rid, [1, 2, 3], 4, priority=priority))
+    out, _ = step(sched)
+    assert [r.request_id for r in out.requests] == ["high", "mid"]  # then mid2 (same priority, later), then low
+    fcfs = Scheduler(64, BS, max_num_batched_tokens=64, max_num_seqs=2)
+    for rid, priority in (("low", 5), ("high", -3)):
+        fcfs.add(Request(rid, [1, 2, 3], 4, priority=priority))
+    assert [r.request_id for r in step(fcfs)[0].requests] == ["low", "high"]  # fcfs ignores priority
+
+
+def test_priority_policy_preempts_the_worst_ranked_for_a_better_arrival():
+    sched = Scheduler(4, BS, max_num_batched_tokens=64, max_num_seqs=4, policy="priority")
+    sched.add(Request("low", list(range(1, 2 * BS)), 20, priority=2, ignore_eos=True))
+    sched.add(Request("mid", list(range(1, BS)), 20, priority=1, ignore_eos=True))
+    step(sched)
+    assert sched.num_running == 2 and sched.allocator.num_free_blocks == 1
+    sched.add(Request("high", [9] * (2 * BS - 1), 20, priority=0, ignore_eos=True))  # needs 2 blocks
+    out, _ = step(sched)
+    assert out.preempted == ["low"]  # the worst ranked goes, not the newest
+    assert [r.request_id for r in out.requests] == ["mid", "high"]
+    assert sched.get("low").status == WAITING
+    # out of blocks while decoding, the worst running request is preempted first, whatever its age
+    sched2 = Scheduler(3, BS, max_num_batched_tokens=64, policy="priority")
+    sched2.add(Request("old-low", [1] * (BS - 1), 20, priority=9, ignore_eos=True))
+    sched2.add(Request("new-high", [2] * (BS - 1), 20, priority=0, ignore_eos=True))
+    preempted = []
+    for _ in range(2 * BS):
+        preempted += step(sched2)[0].preempted
+    assert preempted and set(preempted) == {"old-low"}
+
+
 def test_requests_share_cached_blocks_only_under_the_same_cache_salt():
     sched = Scheduler(32, BS)
     prompt = list(range(1, 3 * BS + 2))
@@ -320,10 +353,10 @@ def test_a_prefix_hit_limit_caps_the_cached_blocks_a_request_takes():
         sched.check_invariants()
 
 
-def trace(module, seed: int) -> list:
+def trace(module, seed: int, policy: str = "fcfs") -> list:
     """Everything observable of a random workload, run on `module`'s Scheduler."""
     rng = random.Random(seed)
-    sched = module.Scheduler(12, BS, max_num_batched_tokens=10, max_num_seqs=3, max_model_len=30)
+    sched = module.Scheduler(12, BS, max_num_batched_tokens=10, max_num_seqs=3, max_model_len=30, policy=policy)
     prefix = [rng.randrange(1, 6) for _ in range(9)]
     events = []
     for i in range(60):
@@ -332,7 +365,7 @@ def trace(module, seed: int) -> list:
             max_tokens = rng.randrange(12)
             sched.add(module.Request(f"r{i}", prompt, max_tokens, eos_token_id=EOS,
                                      min_tokens=min(rng.randrange(3), max_tokens),
-                                     prefix_hit_limit=rng.choice([-1, -1, 0, BS])))
+                                     prefix_hit_limit=rng.choice([-1, -1, 0, BS]), priority=rng.randrange(-1, 2)))
         out = sched.schedule()
         events.append((plan(out), out.num_decodes, out.preempted, [list(r.block_table) for r in out.requests]))
         finished = sched.update(out, [rng.randrange(6) for _ in out.requests])
@@ -342,10 +375,11 @@ def trace(module, seed: int) -> list:
     return events
 
 
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
 @pytest.mark.parametrize("seed", range(3))
-def test_compiled_and_plain_python_agree(seed):
+def test_compiled_and_plain_python_agree(seed, policy):
     _, uncompiled = load_uncompiled()
-    assert trace(compiled_scheduler, seed) == trace(uncompiled, seed)
+    assert trace(compiled_scheduler, seed, policy) == trace(uncompiled, seed, policy)
 
 
 # --- stateful tests -------------------------------------------------------------------
@@ -355,7 +389,7 @@ PREFIXES = [(), (2, 3, 4, 5, 2), (2, 3, 4, 5, 2, 4, 4, 3, 5), (5, 5, 4, 3, 2, 2,
 
 
 def scheduler_machine(num_blocks: int, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
-                      enable_prefix_caching: bool = True, check_hit_rates: bool = False):
+                      enable_prefix_caching: bool = True, check_hit_rates: bool = False, policy: str = "fcfs"):
     """A state machine class driving one scheduler configuration. `check_hit_rates` (for a pool
     too large to evict from): a follow-up turn must hit at least every full block computed for
     the conversation it extends."""
@@ -367,7 +401,7 @@ def scheduler_machine(num_blocks: int, max_num_batched_tokens: int, max_num_seqs
         def __init__(self):
             super().__init__()
             self.sched = Scheduler(num_blocks, BS, max_num_batched_tokens, max_num_seqs, max_model_len,
-                                   enable_prefix_caching)
+                                   enable_prefix_caching, policy)
             self.max_len = min(max_model_len, num_blocks * BS + 1)
             self.live: set[str] = set()
             self.done: set[str] = set()
@@ -391,10 +425,11 @@ def scheduler_machine(num_blocks: int, max_num_batched_tokens: int, max_num_seqs
         @rule(prefix=st.sampled_from(PREFIXES), suffix=st.lists(st.integers(1, VOCAB - 1), max_size=3 * BS),
               max_tokens=st.integers(0, 24), min_tokens=st.integers(0, 3), ignore_eos=st.booleans(),
               stop_token_ids=st.sampled_from([(), (1,)]), prefix_hit_limit=st.sampled_from([-1, -1, 0, 5, 2 * BS]),
-              cache_salt=st.sampled_from(["", "", "a", "b"]))
-        def add(self, prefix, suffix, max_tokens, min_tokens, ignore_eos, stop_token_ids, prefix_hit_limit, cache_salt):
+              cache_salt=st.sampled_from(["", "", "a", "b"]), priority=st.integers(-2, 2))
+        def add(self, prefix, suffix, max_tokens, min_tokens, ignore_eos, stop_token_ids, prefix_hit_limit, cache_salt,
+                priority):
             self.add_request(list(prefix) + suffix, max_tokens, min(min_tokens, max_tokens), ignore_eos,
-                             stop_token_ids, prefix_hit_limit, cache_salt)
+                             stop_token_ids, prefix_hit_limit, cache_salt, priority)
 
         @rule(prefix=st.sampled_from(PREFIXES), suffix=st.lists(st.integers(1, VOCAB - 1), max_size=2 * BS),
               copies=st.integers(2, 3), max_tokens=st.integers(1, 8))
@@ -417,7 +452,7 @@ def scheduler_machine(num_blocks: int, max_num_batched_tokens: int, max_num_seqs
                 self.min_hits[rid] = min(self.computed_blocks[previous], (len(self.expected[rid]) - 1) // BS)
 
         def add_request(self, prompt, max_tokens, min_tokens, ignore_eos, stop_token_ids,
-                        prefix_hit_limit=-1, cache_salt="") -> str | None:
+                        prefix_hit_limit=-1, cache_salt="", priority=0) -> str | None:
             """Add a request, or check that it is refused; its id if it was added."""
             rid = f"r{self.count}"
             self.count += 1
@@ -427,7 +462,7 @@ def scheduler_machine(num_blocks: int, max_num_batched_tokens: int, max_num_seqs
                 return None
             request = Request(rid, prompt, max_tokens, min_tokens=min_tokens, eos_token_id=EOS,
                               stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, prefix_hit_limit=prefix_hit_limit,
-                              cache_salt=cache_salt)
+                              cache_salt=cache_salt, priority=priority)
             if len(prompt) >= max_model_len or cdiv(len(prompt) + 1, BS) > num_blocks:
                 with pytest.raises(ValueError):
                     self.sched.add(request)
@@ -458,8 +493,12 @@ def scheduler_machine(num_blocks: int, max_num_batched_tokens: int, max_num_seqs
                 r = sched.get(rid)
                 assert r.status == WAITING and r.block_table == [] and r.num_computed_tokens == 0
                 assert rid not in ids
-            if out.preempted:
-                assert not was_waiting & set(ids), "admitted in a step that preempted"
+            admitted = was_waiting & set(ids)
+            if out.preempted and policy == "fcfs":
+                assert not admitted, "admitted in a step that preempted"
+            still_waiting = [sched.get(rid) for rid in was_waiting - admitted]
+            if admitted and still_waiting:  # who runs first: admission follows rank
+                assert max(sched.get(rid).rank for rid in admitted) < min(r.rank for r in still_waiting)
             SchedulerMachine.preemptions += len(out.preempted)
             holders = Counter(b for rid in self.live for b in sched.get(rid).block_table)
             for r, n, computed, needs_sample in zip(out.requests, out.num_scheduled_tokens,
@@ -585,6 +624,13 @@ def test_stateful_tiny_pool_preempts():
     machine = scheduler_machine(num_blocks=5, max_num_batched_tokens=8, max_num_seqs=4, max_model_len=24)
     run_state_machine_as_test(machine, settings=STATEFUL)
     assert machine.preemptions > 0 and machine.prefix_hits > 0
+
+
+def test_stateful_priority_policy_in_a_tiny_pool():
+    machine = scheduler_machine(num_blocks=5, max_num_batched_tokens=8, max_num_seqs=3, max_model_len=24,
+                                policy="priority")
+    run_state_machine_as_test(machine, settings=STATEFUL)
+    assert machine.preemptions > 0
 
 
 def test_stateful_tiny_pool_without_prefix_caching():

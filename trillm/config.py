@@ -29,6 +29,9 @@ class EngineArgs:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     enable_prefix_caching: bool = True
+    # fcfs: arrival order; priority: a request's `priority` first (lower runs first, vLLM's), then
+    # arrival, and the worst-ranked running request is the one preempted
+    scheduling_policy: str = "fcfs"
     enforce_eager: bool = False  # CUDA: no CUDA graphs
     num_threads: int = 1  # torch intra-op threads on CPU
     # threads of the compiled CPU kernels (trillm/kernels/pool_cpu.h), the step's included;

@@ -78,6 +78,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     prompt_logprobs_start: int = 0
     cache_salt: str | None = None  # requests share prefix-cached blocks only under the same salt
+    priority: int = 0  # under the priority scheduling policy, lower runs first (vLLM's)
     structured_output: StructuredOutput | None = None  # a grammar the output must match
 
     def __post_init__(self) -> None:

@@ -53,6 +53,7 @@ class EngineCore:
             args.max_num_seqs,
             self.config.max_model_len,
             args.enable_prefix_caching,
+            args.scheduling_policy,
         )
         self.sampler = Sampler()
         self.grammars = Grammars(self.tokenizer, self.config.hf_config.vocab_size, list(self.config.eos_token_ids))
@@ -85,6 +86,8 @@ class EngineCore:
                 f"The prompt is {len(prompt_token_ids)} tokens long; this model's context is "
                 f"{self.config.max_model_len} tokens, which must hold the prompt and at least one new token.",
             )
+        if sampling and params.priority and self.args.scheduling_policy != "priority":
+            raise SamplingParamError("priority", "priority needs a server started with --scheduling-policy priority.")
         if not sampling:
             request = Request(request_id, list(prompt_token_ids), 0, prefix_hit_limit=params.pooling.prefix_hit_limit)
             self._add(EngineRequest(request, params, None, pooler=Pooler(params.pooling, len(prompt_token_ids))))
@@ -110,6 +113,7 @@ class EngineCore:
             ignore_eos=params.ignore_eos,
             prefix_hit_limit=params.prefix_hit_limit,
             cache_salt=params.cache_salt or "",
+            priority=params.priority,
         )
         generator = None if params.seed is None else torch.Generator().manual_seed(params.seed)
         # Made before the scheduler takes the request: the matcher is what can still fail.

@@ -88,6 +88,7 @@ class SamplingFields(Strict):
     response_format: ResponseFormat | None = None
     prompt_logprobs: int | None = None  # vLLM's: the prompt tokens' logprobs, with this many top ones
     cache_salt: str | None = None  # vLLM's and TensorRT-LLM's: prefix-cache isolation between tenants
+    priority: int = Field(0, ge=-(2**31), lt=2**31)  # vLLM's: lower runs first (--scheduling-policy priority)
 
     def _sampling_params(
         self, vocab_size: int, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
@@ -116,6 +117,7 @@ class SamplingFields(Strict):
             logprobs=logprobs,
             prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
             cache_salt=self.cache_salt,
+            priority=self.priority,
             structured_output=self.response_format.to_structured_output() if self.response_format else None,
         )
 

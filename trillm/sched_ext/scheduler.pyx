@@ -19,6 +19,15 @@ Ordering needs no sorting: admission takes the head of `waiting` and appends to
 arrival order holds along running + waiting at all times, and the newest running
 request is simply the last one.
 
+Under the "priority" policy (vLLM's: a lower `priority` runs first) each request's rank is
+(priority, arrival) instead of arrival alone ("fcfs" ranks every request at priority 0, which
+is the order above). `waiting` and `running` are each kept in rank order, by insertion from
+the end that is nearer, so the best waiting request is admitted first, running requests get
+the budget best first, and out of blocks the worst-ranked running request is the one
+preempted. A waiting request that outranks the worst running one and cannot be admitted (no
+blocks, or max_num_seqs running) preempts running requests, worst first, before the step is
+planned, until it fits.
+
 The file runs both compiled and as plain Python (Cython's pure-Python mode).
 """
 from collections import deque
@@ -45,6 +54,15 @@ def _cdiv(a: cython.int, b: cython.int) -> cython.int:
     return (a + b - 1) // b
 
 
+def _insert_ranked(queue, request) -> None:
+    """Insert into a rank-ordered list or deque, scanning from the end: new arrivals (and, under
+    fcfs, everything admitted) belong last, so this is usually one comparison."""
+    i = len(queue)
+    while i > 0 and queue[i - 1].rank > request.rank:
+        i -= 1
+    queue.insert(i, request)
+
+
 @cython.cclass
 class Request:
     """One sequence: its prompt, its output so far, and where it stands.
@@ -67,6 +85,8 @@ class Request:
     ignore_eos = cython.declare(cython.bint, visibility="readonly")
     prefix_hit_limit = cython.declare(cython.int, visibility="readonly")
     cache_salt = cython.declare(str, visibility="readonly")
+    priority = cython.declare(cython.int, visibility="readonly")
+    rank = cython.declare(tuple, visibility="readonly")  # (priority under the policy, arrival); set by add()
     arrival = cython.declare(cython.double, visibility="readonly")
     num_computed_tokens = cython.declare(cython.int, visibility="readonly")
     num_cached_tokens = cython.declare(cython.int, visibility="readonly")
@@ -81,7 +101,7 @@ class Request:
     def __init__(self, request_id: str, prompt_token_ids, max_tokens: cython.int, *,
                  min_tokens: cython.int = 0, eos_token_id: cython.int = -1, stop_token_ids=(),
                  ignore_eos: cython.bint = False, prefix_hit_limit: cython.int = -1, cache_salt: str = "",
-                 arrival: cython.double = 0.0):
+                 priority: cython.int = 0, arrival: cython.double = 0.0):
         self.request_id = request_id
         self.token_ids = list(prompt_token_ids)
         if not self.token_ids:
@@ -98,6 +118,8 @@ class Request:
         self.ignore_eos = ignore_eos
         self.prefix_hit_limit = prefix_hit_limit
         self.cache_salt = cache_salt
+        self.priority = priority
+        self.rank = None
         self.arrival = arrival
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
@@ -175,16 +197,21 @@ class Scheduler:
     max_num_seqs = cython.declare(cython.int, visibility="readonly")
     max_model_len = cython.declare(cython.int, visibility="readonly")
     _max_len: cython.int  # a request whose token_ids reach this length is done
-    _waiting: object  # deque[Request], oldest first
-    _running: list  # list[Request], oldest first
+    policy = cython.declare(str, visibility="readonly")  # "fcfs" | "priority"
+    _waiting: object  # deque[Request], in rank order
+    _running: list  # list[Request], in rank order
     _requests: dict  # request_id -> Request, for every live request
     _next_seq: cython.longlong
+    _preempted_for_rank: cython.bint  # this schedule() preempted for a better-ranked waiting request
 
     def __init__(self, num_blocks: cython.int, block_size: cython.int = 16,
                  max_num_batched_tokens: cython.int = 2048, max_num_seqs: cython.int = 256,
-                 max_model_len: cython.int = 8192, enable_prefix_caching: cython.bint = True):
+                 max_model_len: cython.int = 8192, enable_prefix_caching: cython.bint = True, policy: str = "fcfs"):
         if max_num_batched_tokens < 1 or max_num_seqs < 1 or max_model_len < 2:
             raise ValueError("need max_num_batched_tokens >= 1, max_num_seqs >= 1 and max_model_len >= 2")
+        if policy not in ("fcfs", "priority"):
+            raise ValueError(f"the scheduling policy is fcfs or priority, got {policy!r}")
+        self.policy = policy
         self.allocator = BlockAllocator(num_blocks, block_size, enable_prefix_caching)
         self.block_size = block_size
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -197,6 +224,7 @@ class Scheduler:
         self._running = []
         self._requests = {}
         self._next_seq = 0
+        self._preempted_for_rank = False
 
     @property
     def num_waiting(self) -> int:
@@ -226,8 +254,9 @@ class Scheduler:
             raise ValueError(f"the prompt has {num_prompt} tokens and cannot fit in the KV cache "
                              f"({self.allocator.num_blocks} blocks of {self.block_size} tokens)")
         request._seq = self._next_seq
+        request.rank = (request.priority if self.policy == "priority" else 0, request._seq)
         self._next_seq += 1
-        self._waiting.append(request)
+        _insert_ranked(self._waiting, request)
         self._requests[request.request_id] = request
 
     def abort(self, request_id: str, reason=FinishReason.ABORT):
@@ -251,6 +280,8 @@ class Scheduler:
         out: SchedulerOutput = SchedulerOutput()
         prefills: SchedulerOutput = SchedulerOutput()
         alloc: BlockAllocator = self.allocator
+        if self.policy == "priority":
+            self._preempt_for_better_ranked(out)
         running: list = self._running
         budget: cython.int = self.max_num_batched_tokens
         block_size: cython.int = self.block_size
@@ -272,8 +303,9 @@ class Scheduler:
             (out if num_new == 1 else prefills)._add(request, num_new)
             budget -= num_new
             i += 1
-        if not out.preempted:
+        if not out.preempted or self._preempted_for_rank:
             budget = self._admit(budget, out, prefills)
+        self._preempted_for_rank = False
         out.num_decodes = len(out.requests)
         out._extend(prefills)
         assert out.total_num_tokens == self.max_num_batched_tokens - budget
@@ -285,16 +317,46 @@ class Scheduler:
         False if `request` itself had to go."""
         victim: Request
         while not self.allocator.can_allocate(need):
-            victim = self._running.pop()
-            self.allocator.free(victim.block_table)
-            victim.num_computed_tokens = 0
-            victim._status = WAITING
-            victim.num_preemptions += 1
-            self._waiting.appendleft(victim)
-            out.preempted.append(victim.request_id)
+            victim = self._preempt_last(out)
             if victim is request:
                 return False
         return True
+
+    @cython.cfunc
+    def _preempt_last(self, out: SchedulerOutput) -> Request:
+        """Preempt the worst-ranked running request by recompute; it waits, in rank order."""
+        victim: Request = self._running.pop()
+        self.allocator.free(victim.block_table)
+        victim.num_computed_tokens = 0
+        victim._status = WAITING
+        victim.num_preemptions += 1
+        _insert_ranked(self._waiting, victim)
+        out.preempted.append(victim.request_id)
+        return victim
+
+    @cython.cfunc
+    def _preempt_for_better_ranked(self, out: SchedulerOutput):
+        """Priority policy: while the best waiting request outranks the worst running one and
+        could not be admitted now (no blocks for its first chunk, or max_num_seqs running),
+        preempt the worst running one. Admission in this step then goes ahead."""
+        head: Request
+        alloc: BlockAllocator = self.allocator
+        while len(self._waiting) > 0 and len(self._running) > 0:
+            head = self._waiting[0]
+            if head.rank >= self._running[len(self._running) - 1].rank:
+                return
+            num_tokens: cython.int = len(head.token_ids)
+            max_hits: cython.int = (num_tokens - 1) // self.block_size if alloc.enable_prefix_caching else 0
+            if head.prefix_hit_limit >= 0:
+                max_hits = min(max_hits, head.prefix_hit_limit // self.block_size)
+            hits = alloc.match_prefix(head.token_ids, head._block_hashes, max_hits, head.cache_salt)
+            first = len(hits) * self.block_size + min(num_tokens - len(hits) * self.block_size,
+                                                        self.max_num_batched_tokens)
+            need: cython.int = _cdiv(first, self.block_size) - len(hits)
+            if len(self._running) < self.max_num_seqs and alloc.can_allocate(need, hits):
+                return
+            self._preempt_last(out)
+            self._preempted_for_rank = True
 
     @cython.cfunc
     def _admit(self, budget: cython.int, out: SchedulerOutput, prefills: SchedulerOutput) -> cython.int:
@@ -311,6 +373,8 @@ class Scheduler:
         need: cython.int
         while budget > 0 and len(waiting) > 0 and len(self._running) < self.max_num_seqs:
             request = waiting[0]
+            if request.request_id in out.preempted:
+                break  # preempted by this very schedule(): it waits for a later step
             num_tokens = len(request.token_ids)
             # The last token is always computed: its logits give the next token.
             max_hits = (num_tokens - 1) // block_size if alloc.enable_prefix_caching else 0
@@ -329,7 +393,7 @@ class Scheduler:
                 request.num_cached_tokens = computed
             request.num_computed_tokens = computed
             request._status = RUNNING
-            self._running.append(request)
+            _insert_ranked(self._running, request)
             (out if num_new == 1 else prefills)._add(request, num_new)
             budget -= num_new
         return budget
@@ -406,11 +470,14 @@ class Scheduler:
             assert request._status == RUNNING and self._requests[request.request_id] is request
             assert 0 <= request.num_computed_tokens < len(request.token_ids) < self._max_len
             assert len(request.block_table) == _cdiv(request.num_computed_tokens, self.block_size)
-            assert request._seq > last_seq, "running + waiting is out of arrival order"
+            assert self.policy == "priority" or request._seq > last_seq, "running + waiting is out of arrival order"
             last_seq = request._seq
+        for ranked in (self._running, self._waiting):
+            ranks = [request.rank for request in ranked]
+            assert ranks == sorted(ranks), "a queue is out of rank order"
         for request in self._waiting:
             assert request._status == WAITING and self._requests[request.request_id] is request
             assert request.num_computed_tokens == 0 and not request.block_table
             assert len(request.token_ids) < self._max_len
-            assert request._seq > last_seq, "running + waiting is out of arrival order"
+            assert self.policy == "priority" or request._seq > last_seq, "running + waiting is out of arrival order"
             last_seq = request._seq
