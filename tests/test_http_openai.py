@@ -195,7 +195,8 @@ async def test_cache_salt_isolates_tenants_in_the_prefix_cache(server):
 
     async def cached(salt):
         extra = {} if salt is None else {"cache_salt": salt}
-        out = await client.completions.create(model=server.model, prompt=LONG_PROMPT + " Salted.", max_tokens=1,
+        # A prompt no other test sends, so no one cached its blocks before.
+        out = await client.completions.create(model=server.model, prompt="Tenants apart. " + LONG_PROMPT, max_tokens=1,
                                               extra_body=extra)
         return out.usage.prompt_tokens_details.cached_tokens
 
