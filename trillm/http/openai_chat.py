@@ -3,6 +3,7 @@ finish_reason "abort", `stop_reason`, `reasoning_content`). Tool calls and reaso
 out of each choice's text by trillm.http.chat_output."""
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import replace
 
@@ -19,6 +20,7 @@ from trillm.http.sse import UsageChunks, stream_response
 from trillm.http.state import ServerState, current, parse_body, request_id
 from trillm.http.tools import forced_call_constraint, tool_choice
 
+log = logging.getLogger(__name__)
 blueprint = Blueprint("openai_chat", __name__)
 
 
@@ -33,8 +35,11 @@ async def chat_completions():
     forced = forced_call_constraint(req.tools or [], choice)
     if forced is not None:
         params = replace(params, structured_output=forced)
-    prompt = chat_prompt(state.tokenizer, req.messages, req.chat_template_kwargs, tools=tools)
+    template = getattr(state.tokenizer, "chat_template", None)
+    prompt = chat_prompt(state.tokenizer, req.messages, req.template_kwargs(template), tools=tools)
     generation = Generation(state, *request_id("chatcmpl"), [prompt], params, field_names=req.field_names)
+    if req.user is not None or req.metadata:
+        log.info("%s user=%r metadata=%s", generation.request_id, req.user, req.metadata or {})
     await generation.start()
     chunks = ChatChunks(generation, req, state, choice)
     if req.stream:

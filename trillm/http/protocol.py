@@ -135,6 +135,16 @@ class TextPart(Strict):
     text: str
 
 
+class MediaPart(Strict):
+    """An image, audio or file part: valid OpenAI, refused by a text-only model with a message
+    that says so (not a schema error listing the union's members)."""
+
+    type: Literal["image_url", "input_audio", "file"]
+    image_url: dict[str, Any] | None = None
+    input_audio: dict[str, Any] | None = None
+    file: dict[str, Any] | None = None
+
+
 class FunctionCall(Strict):
     name: str
     arguments: str
@@ -150,7 +160,7 @@ class ToolCallMessage(Strict):
 
 class ChatMessage(Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[Annotated[TextPart | MediaPart, Field(discriminator="type")]] | None = None
     name: str | None = None
     tool_calls: list[ToolCallMessage] | None = None
     tool_call_id: str | None = None
@@ -159,6 +169,12 @@ class ChatMessage(Strict):
     def for_template(self) -> dict:
         """A text-only model's template wants a string: text parts are joined. Tool calls go as
         the dicts templates that know tools expect (arguments decoded, as HF templates want)."""
+        if isinstance(self.content, list):
+            media = [p.type for p in self.content if isinstance(p, MediaPart)]
+            if media:
+                raise SamplingParamError(
+                    "messages", f"This model takes text only; a message holds a {media[0]} part. Send text parts."
+                )
         content = self.content if not isinstance(self.content, list) else "".join(p.text for p in self.content)
         message = {"role": self.role, "content": content or ""}
         if self.name is not None:
@@ -195,6 +211,10 @@ class NamedToolChoice(Strict):
     function: NamedFunction
 
 
+class LegacyFunctionChoice(Strict):
+    name: str
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage]
     logprobs: bool | None = False
@@ -205,8 +225,58 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: str | NamedToolChoice | None = None  # "none" | "auto" | "required"; checked in http.tools
     parallel_tool_calls: bool | None = None
+    # OpenAI's, honoured: metadata goes to the request's log line (as user does); reasoning_effort
+    # to the chat template; functions / function_call are the legacy spelling of tools / tool_choice;
+    # modalities must be text alone.
+    metadata: dict[str, str] | None = Field(None, max_length=16)
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    functions: list[FunctionDefinition] | None = None
+    function_call: Literal["none", "auto"] | LegacyFunctionChoice | None = None
+    modalities: list[Literal["text", "audio"]] | None = None
+    # OpenAI's, accepted without effect here (README: why each).
+    store: bool | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    safety_identifier: str | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+    prediction: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
+    audio: dict[str, Any] | None = None
+    moderation: dict[str, Any] | None = None
+
+    def model_post_init(self, context) -> None:
+        """The legacy functions become tools (and function_call the tool_choice), once, here; a
+        request with both forms keeps them, for to_sampling_params to refuse by name (an error
+        raised here would reach the client without its field)."""
+        if (self.functions is not None or self.function_call is not None) and self.tools is None \
+                and self.tool_choice is None:
+            self.tools = [Tool(type="function", function=f) for f in self.functions or []] or None
+            if isinstance(self.function_call, LegacyFunctionChoice):
+                self.tool_choice = NamedToolChoice(type="function",
+                                                   function=NamedFunction(name=self.function_call.name))
+            else:
+                self.tool_choice = self.function_call
+            self.functions = self.function_call = None
+
+    def template_kwargs(self, template: str | None) -> dict[str, Any] | None:
+        """chat_template_kwargs, with reasoning_effort passed on as `reasoning_effort`, and as
+        `enable_thinking` (off for "none" and "minimal") where the template reads that and the
+        client did not set it."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None:
+            kwargs.setdefault("reasoning_effort", self.reasoning_effort)
+            if "enable_thinking" in (template or ""):
+                kwargs.setdefault("enable_thinking", self.reasoning_effort not in ("none", "minimal"))
+        return kwargs or None
 
     def to_sampling_params(self, vocab_size: int) -> SamplingParams:
+        if self.functions is not None or self.function_call is not None:
+            raise SamplingParamError("functions", "Send tools and tool_choice, or the legacy functions and "
+                                                  "function_call, not both.")
+        if self.modalities is not None and "audio" in self.modalities:
+            raise SamplingParamError("modalities", "This model outputs text only: modalities must be [\"text\"].")
         if self.top_logprobs is not None and not self.logprobs:
             raise SamplingParamError("top_logprobs", "top_logprobs needs logprobs to be true.")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -238,12 +308,20 @@ class CompletionRequest(SamplingFields):
     echo: bool | None = False
     logprobs: int | None = None
     max_tokens: int | None = 16
-    suffix: None = None
+    max_completion_tokens: int | None = None  # chat's name, accepted here too (wins over max_tokens)
+    best_of: int | None = Field(None, ge=1, le=MAX_N)  # only = n: more samples than returned is not done here
+    suffix: None = None  # no fill-in-the-middle: a suffix is refused rather than ignored
+
+    def model_post_init(self, context) -> None:
+        if self.max_completion_tokens is not None:
+            self.max_tokens = self.max_completion_tokens
 
     def to_sampling_params(self, vocab_size: int) -> SamplingParams:
         """echo with logprobs k reports the prompt's tokens too, with k top logprobs each (the
         engine's prompt_logprobs, unless the request sets its own). max_tokens 0 is the prompt
         alone, which only echo or prompt_logprobs makes worth asking."""
+        if self.best_of is not None and self.best_of != self.n:
+            raise SamplingParamError("best_of", f"best_of must equal n ({self.n}) here: trillm returns every sample it draws.")
         if self.max_tokens == 0 and not self.echo and self.prompt_logprobs is None:
             raise SamplingParamError(
                 "max_tokens", "max_tokens 0 returns nothing without echo or prompt_logprobs; ask for at least 1."

@@ -95,7 +95,8 @@ def _prompt(state: ServerState, req: ResponsesRequest, chat: ChatCompletionReque
     messages = list(chat.messages)
     limit = state.core.config.max_model_len - (max_tokens or 1)
     while True:
-        ids = chat_prompt(state.tokenizer, messages, chat.chat_template_kwargs, tools=tools)
+        ids = chat_prompt(state.tokenizer, messages, chat.template_kwargs(getattr(state.tokenizer, "chat_template", None)),
+                          tools=tools)
         droppable = [i for i, m in enumerate(messages[:-1]) if m.role not in ("system", "developer")]
         if req.truncation != "auto" or len(ids) <= limit or not droppable:
             return ids

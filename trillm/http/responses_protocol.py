@@ -170,7 +170,6 @@ class ResponsesRequest(Strict):
         tool_choice = self.tool_choice
         if isinstance(tool_choice, FunctionToolChoice):
             tool_choice = NamedToolChoice(type="function", function=NamedFunction(name=tool_choice.name))
-        template_kwargs = {"reasoning_effort": self.reasoning.effort} if self.reasoning and self.reasoning.effort else None
         return ChatCompletionRequest(
             messages=messages,
             model=self.model,
@@ -183,7 +182,8 @@ class ResponsesRequest(Strict):
             tool_choice=tool_choice,
             parallel_tool_calls=self.parallel_tool_calls,
             response_format=self._response_format(),
-            chat_template_kwargs=template_kwargs,
+            reasoning_effort=self.reasoning.effort if self.reasoning else None,
+            metadata=self.metadata,
             user=self.user,
             stream=stream,
         )
