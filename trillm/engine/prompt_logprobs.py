@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from trillm.engine.sampler import TokenLogprobs
+from trillm.engine.sampler import TokenLogprobs, token_logprobs
 
 ROWS_PER_PROJECTION = 256  # [256, vocab] fp32 logits at a time: 50 MB for a 49k vocabulary
 
@@ -51,12 +51,6 @@ class PromptLogprobs:
         return range(lo - first, max(hi, lo) - first)
 
 
-@dataclass
-class _Wanted:
-    owner: PromptLogprobs
-    rows: torch.Tensor  # indices into the step's hidden states, in position order
-
-
 def fill_prompt_logprobs(
     hidden: torch.Tensor, wanted: list[tuple[PromptLogprobs, int, range]], logits_of: Callable
 ) -> None:
@@ -71,18 +65,10 @@ def fill_prompt_logprobs(
             targets.append(owner.prompt_token_ids[position])
             owners.append(owner)
             position += 1
-    max_top = max((o.num_top for o, _, _ in wanted), default=0)
     for lo in range(0, len(rows), ROWS_PER_PROJECTION):
-        index = torch.tensor(rows[lo:lo + ROWS_PER_PROJECTION], device=hidden.device)
-        logprobs = torch.log_softmax(logits_of(hidden[index]), dim=-1)
-        target = torch.tensor(targets[lo:lo + ROWS_PER_PROJECTION], device=hidden.device)
-        chosen = logprobs.gather(1, target.unsqueeze(1))
-        ranks = (logprobs > chosen).sum(dim=1).add_(1).tolist()
-        chosen = chosen.squeeze(1).tolist()
-        top_values, top_ids = logprobs.topk(max_top, dim=-1) if max_top else (None, None)
-        top_values = top_values.tolist() if max_top else None
-        top_ids = top_ids.tolist() if max_top else None
-        for i, owner in enumerate(owners[lo:lo + ROWS_PER_PROJECTION]):
-            k = owner.num_top
-            top = list(zip(top_ids[i][:k], top_values[i][:k])) if k else []
-            owner.entries.append(TokenLogprobs(chosen[i], top, ranks[i]))
+        hi = lo + ROWS_PER_PROJECTION
+        logprobs = torch.log_softmax(logits_of(hidden[torch.tensor(rows[lo:hi], device=hidden.device)]), dim=-1)
+        target = torch.tensor(targets[lo:hi], device=hidden.device)
+        entries = token_logprobs(logprobs, target, [o.num_top for o in owners[lo:hi]], ranks=True)
+        for owner, entry in zip(owners[lo:hi], entries):
+            owner.entries.append(entry)

@@ -74,7 +74,8 @@ class Sampler:
         logprobs: list[TokenLogprobs | None] = [None] * len(params)
         if logprob_rows:
             sampled = tokens[logprob_rows]
-            for i, row_logprobs in zip(logprob_rows, _token_logprobs(raw_logprobs, sampled, params, logprob_rows)):
+            num_top = [params[i].logprobs for i in logprob_rows]
+            for i, row_logprobs in zip(logprob_rows, token_logprobs(raw_logprobs, sampled, num_top)):
                 logprobs[i] = row_logprobs
         return SamplerOutput(tokens.tolist(), logprobs)
 
@@ -166,21 +167,22 @@ def _pick(logits: torch.Tensor, params: list[SamplingParams], generators: list[t
     return tokens
 
 
-def _token_logprobs(
-    raw_logprobs: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams], rows: list[int]
+def token_logprobs(
+    logprobs: torch.Tensor, tokens: torch.Tensor, num_top: list[int], ranks: bool = False
 ) -> list[TokenLogprobs]:
-    """raw_logprobs: [R, V] for `rows`; one top-k over the largest n asked, sliced per row."""
-    sampled = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
-    max_n = max(params[i].logprobs for i in rows)
+    """Per row of `logprobs` [R, V]: the logprob of `tokens[row]`, the row's top `num_top[row]`
+    (one topk over the largest n asked, sliced per row) and, with `ranks`, the token's rank."""
+    chosen = logprobs.gather(1, tokens.unsqueeze(1))
+    rank = (logprobs > chosen).sum(dim=1).add_(1).tolist() if ranks else [None] * len(num_top)
+    chosen = chosen.squeeze(1).tolist()
+    max_n = max(num_top, default=0)
     if max_n:
-        top_values, top_ids = raw_logprobs.topk(max_n, dim=-1)
+        top_values, top_ids = logprobs.topk(max_n, dim=-1)
         top_values, top_ids = top_values.tolist(), top_ids.tolist()
-    out = []
-    for row, i in enumerate(rows):
-        n = params[i].logprobs
-        top = list(zip(top_ids[row][:n], top_values[row][:n])) if n else []
-        out.append(TokenLogprobs(sampled[row], top))
-    return out
+    return [
+        TokenLogprobs(chosen[row], list(zip(top_ids[row][:n], top_values[row][:n])) if n else [], rank[row])
+        for row, n in enumerate(num_top)
+    ]
 
 
 def _counts(rows: list[list[int]], like: torch.Tensor) -> torch.Tensor:
