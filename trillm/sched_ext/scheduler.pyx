@@ -21,8 +21,8 @@ request is simply the last one.
 
 Under the "priority" policy (vLLM's: a lower `priority` runs first) each request's rank is
 (priority, arrival) instead of arrival alone ("fcfs" ranks every request at priority 0, which
-is the order above). `waiting` and `running` are each kept in rank order, by insertion from
-the end that is nearer, so the best waiting request is admitted first, running requests get
+is the order above). `waiting` and `running` are each kept in rank order, by insertion that
+scans from the back (one comparison for a new arrival), so the best waiting request is admitted first, running requests get
 the budget best first, and out of blocks the worst-ranked running request is the one
 preempted. A waiting request that outranks the worst running one and cannot be admitted (no
 blocks, or max_num_seqs running) preempts running requests, worst first, before the step is
@@ -346,10 +346,7 @@ class Scheduler:
             if head.rank >= self._running[len(self._running) - 1].rank:
                 return
             num_tokens: cython.int = len(head.token_ids)
-            max_hits: cython.int = (num_tokens - 1) // self.block_size if alloc.enable_prefix_caching else 0
-            if head.prefix_hit_limit >= 0:
-                max_hits = min(max_hits, head.prefix_hit_limit // self.block_size)
-            hits = alloc.match_prefix(head.token_ids, head._block_hashes, max_hits, head.cache_salt)
+            hits = alloc.match_prefix(head.token_ids, head._block_hashes, self._max_prefix_hits(head), head.cache_salt)
             first = len(hits) * self.block_size + min(num_tokens - len(hits) * self.block_size,
                                                         self.max_num_batched_tokens)
             need: cython.int = _cdiv(first, self.block_size) - len(hits)
@@ -357,6 +354,17 @@ class Scheduler:
                 return
             self._preempt_last(out)
             self._preempted_for_rank = True
+
+    @cython.cfunc
+    def _max_prefix_hits(self, request: Request) -> cython.int:
+        """Blocks a waiting request may take from the prefix cache: its full blocks but the one
+        holding its last token (whose logits give the next token), within its prefix_hit_limit."""
+        if not self.allocator.enable_prefix_caching:
+            return 0
+        max_hits: cython.int = (len(request.token_ids) - 1) // self.block_size
+        if request.prefix_hit_limit >= 0:
+            max_hits = min(max_hits, request.prefix_hit_limit // self.block_size)
+        return max_hits
 
     @cython.cfunc
     def _admit(self, budget: cython.int, out: SchedulerOutput, prefills: SchedulerOutput) -> cython.int:
@@ -376,10 +384,7 @@ class Scheduler:
             if request.request_id in out.preempted:
                 break  # preempted by this very schedule(): it waits for a later step
             num_tokens = len(request.token_ids)
-            # The last token is always computed: its logits give the next token.
-            max_hits = (num_tokens - 1) // block_size if alloc.enable_prefix_caching else 0
-            if request.prefix_hit_limit >= 0:
-                max_hits = min(max_hits, request.prefix_hit_limit // block_size)
+            max_hits = self._max_prefix_hits(request)
             hits = alloc.match_prefix(request.token_ids, request._block_hashes, max_hits, request.cache_salt)
             computed = len(hits) * block_size
             num_new = min(num_tokens - computed, budget)
