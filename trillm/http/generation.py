@@ -75,6 +75,10 @@ class Generation:
     def num_choices(self) -> int:
         return len(self.processors)
 
+    def prompt(self, index: int) -> list[int]:
+        """The prompt's token ids of choice `index`."""
+        return self.prompts[index // self.n]
+
     @property
     def finished(self) -> bool:
         return all(p.finished for p in self.processors)

@@ -75,11 +75,17 @@ def join_completion_logprobs(first: dict, second: dict) -> dict:
     return {key: first[key] + second[key] for key in first}
 
 
+def reported_prompt_tokens(prompt_token_ids: list[int], logprobs: list[TokenLogprobs | None]) -> list[int]:
+    """The prompt tokens that prompt logprobs cover: the last len(logprobs), from the request's
+    prompt_logprobs_start on."""
+    return prompt_token_ids[len(prompt_token_ids) - len(logprobs):]
+
+
 def vllm_prompt_logprobs(
     texts: TokenTexts, prompt_token_ids: list[int], logprobs: list[TokenLogprobs | None]
 ) -> list[dict | None]:
-    """The prompt's logprobs in vLLM's shape; `logprobs` cover the prompt's last len(logprobs) tokens."""
-    token_ids = prompt_token_ids[len(prompt_token_ids) - len(logprobs):]
+    """The prompt's logprobs in vLLM's shape."""
+    token_ids = reported_prompt_tokens(prompt_token_ids, logprobs)
 
     def entry(token_id: int, logprob: float, rank: int) -> dict:
         return {"logprob": _logprob(logprob), "rank": rank, "decoded_token": texts.text(token_id)}

@@ -15,6 +15,7 @@ from quart import Blueprint
 from trillm.engine.output import Delta
 from trillm.http.errors import APIError
 from trillm.http.generation import Generation
+from trillm.http.logprobs import reported_prompt_tokens
 from trillm.http.prompts import chat_prompt, completion_prompts, encode, require_tokenizer
 from trillm.http.protocol import AbortRequest, DetokenizeRequest, GenerateRequest, TokenizeRequest
 from trillm.http.sse import stream_response
@@ -53,7 +54,7 @@ class GenerateChunks:
         meta = {
             "id": self.generation.request_id,
             "finish_reason": _finish_reason(c.finish_reason, c.stop_reason, len(c.token_ids)),
-            "prompt_tokens": len(self.generation.prompts[index // self.generation.n]),
+            "prompt_tokens": len(self.generation.prompt(index)),
             "completion_tokens": len(c.token_ids),
             "cached_tokens": c.num_cached_tokens,
         }
@@ -61,8 +62,7 @@ class GenerateChunks:
             meta["output_token_logprobs"] = [[lp.logprob, t] for t, lp in zip(c.token_ids, c.logprobs)]
             meta["output_top_logprobs"] = [[[v, t] for t, v in lp.top] for lp in c.logprobs]
         if c.prompt_logprobs is not None:  # from logprob_start_len on; position 0's logprob is null
-            prompt = self.generation.prompts[index // self.generation.n]
-            ids = prompt[len(prompt) - len(c.prompt_logprobs):]
+            ids = reported_prompt_tokens(self.generation.prompt(index), c.prompt_logprobs)
             meta["input_token_logprobs"] = [[lp and lp.logprob, t] for t, lp in zip(ids, c.prompt_logprobs)]
             meta["input_top_logprobs"] = [lp and [[v, t] for t, v in lp.top] for lp in c.prompt_logprobs]
         return {"index": index, "text": c.text, "output_ids": c.token_ids, "meta_info": meta}

@@ -93,7 +93,7 @@ class ChatChunks(UsageChunks):
 
     def _prompt_logprobs(self, logprobs) -> list[dict | None]:
         """vLLM's top-level `prompt_logprobs` (one prompt, however many choices)."""
-        return vllm_prompt_logprobs(self.texts, self.generation.prompts[0], logprobs)
+        return vllm_prompt_logprobs(self.texts, self.generation.prompt(0), logprobs)
 
     def response(self) -> dict:
         choices = []

@@ -63,9 +63,6 @@ class CompletionChunks(UsageChunks):
         self.echo_logprobs = req.echo_logprobs
         self.vllm_prompt_logprobs = req.prompt_logprobs is not None
 
-    def _prompt(self, index: int) -> list[int]:
-        return self.generation.prompts[index // self.generation.n]
-
     def opening(self) -> list[dict]:
         if self.echo_logprobs:
             return []  # the echo goes with the prompt's logprobs, in the choice's first chunk
@@ -83,13 +80,13 @@ class CompletionChunks(UsageChunks):
         out = completion_logprobs(self.texts, token_ids, logprobs, self.text_offsets[index])
         self.text_offsets[index] += sum(map(len, out["tokens"]))
         if self.echo_logprobs and prompt_logprobs is not None:
-            out = join_completion_logprobs(completion_logprobs(self.texts, self._prompt(index), prompt_logprobs, 0), out)
+            out = join_completion_logprobs(completion_logprobs(self.texts, self.generation.prompt(index), prompt_logprobs, 0), out)
         return out
 
     def _choice(self, index: int, text: str, logprobs: dict | None, finish_reason, prompt_logprobs) -> dict:
         choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         if self.vllm_prompt_logprobs and prompt_logprobs is not None:
-            choice["prompt_logprobs"] = vllm_prompt_logprobs(self.texts, self._prompt(index), prompt_logprobs)
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(self.texts, self.generation.prompt(index), prompt_logprobs)
         return choice
 
     def chunk(self, index: int, delta: Delta) -> dict | None:

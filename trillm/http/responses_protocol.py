@@ -52,32 +52,34 @@ class OutputText(Strict):
     logprobs: list[Any] | None = None
 
 
-class MessageItem(Strict):
+class Item(Strict):
+    """What any input item may carry: the id and status it had as an output item, when a client
+    sends an earlier `response.output` back."""
+
+    id: str | None = None
+    status: str | None = None
+
+
+class MessageItem(Item):
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
     content: str | list[Annotated[InputText | OutputText, Field(discriminator="type")]]
-    id: str | None = None
-    status: str | None = None
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
-class FunctionCallItem(Strict):
+class FunctionCallItem(Item):
     type: Literal["function_call"]
     call_id: str
     name: str
     arguments: str
-    id: str | None = None
-    status: str | None = None
 
 
-class FunctionCallOutputItem(Strict):
+class FunctionCallOutputItem(Item):
     type: Literal["function_call_output"]
     call_id: str
     output: str
-    id: str | None = None
-    status: str | None = None
 
 
 class ReasoningText(Strict):
@@ -85,18 +87,19 @@ class ReasoningText(Strict):
     text: str
 
 
-class ReasoningItem(Strict):
+class ReasoningItem(Item):
     """An earlier answer's reasoning; chat templates drop it, as they drop reasoning_content."""
 
     type: Literal["reasoning"]
-    id: str | None = None
     summary: list[Any] = Field(default_factory=list)
     content: list[ReasoningText] | None = None
     encrypted_content: str | None = None
-    status: str | None = None
 
 
 class FunctionTool(Strict):
+    """A function tool in the Responses shape: chat's function definition, flat, its type first
+    (so a tool of another type is refused for its type)."""
+
     type: Literal["function"]
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     description: str | None = None
@@ -176,9 +179,8 @@ class ResponsesRequest(Strict):
             max_tokens=self.max_output_tokens,
             temperature=self.temperature,
             top_p=self.top_p,
-            tools=[Tool(type="function", function=FunctionDefinition(
-                name=t.name, description=t.description, parameters=t.parameters, strict=t.strict,
-            )) for t in self.tools] if self.tools else None,
+            tools=[Tool(type="function", function=FunctionDefinition(**t.model_dump(exclude={"type"})))
+                   for t in self.tools] if self.tools else None,
             tool_choice=tool_choice,
             parallel_tool_calls=self.parallel_tool_calls,
             response_format=self._response_format(),
