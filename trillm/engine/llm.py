@@ -43,8 +43,7 @@ class LLM:
         """Prompts are texts or token-id lists (only the latter for a model without a tokenizer,
         whose completions then carry token ids and no text); one SamplingParams for all or one
         per prompt."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        prompts = _prompt_list(prompts)
         params = params or SamplingParams()
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         assert len(params_list) == len(prompts), "one SamplingParams per prompt"
@@ -56,8 +55,7 @@ class LLM:
     ) -> list[torch.Tensor]:
         """One vector (fp32 [hidden]) per prompt: its final hidden states pooled (`pooling`, or the
         model's, `ModelConfig.pooling_type`), L2-normalised unless `normalize` is false."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        prompts = _prompt_list(prompts)
         pooling = pooling or self.engine.config.pooling_type
         outputs = self._run(prompts, [PoolingParams(pooling)] * len(prompts), use_tqdm)
         vectors = [out.outputs[0].pooled for out in outputs]
@@ -122,3 +120,10 @@ class LLM:
                         live.discard(out.request_id)
                         bar.update(1)
         return results
+
+
+def _prompt_list(prompts: str | list[str] | list[int] | list[list[int]]) -> list:
+    """One prompt (a text or a token-id list) as a list of one; a list of prompts as it is."""
+    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        return [prompts]
+    return prompts
