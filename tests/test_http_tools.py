@@ -11,6 +11,8 @@ import pytest
 from http_support import live_server
 from openai.types.chat import ChatCompletion, ChatCompletionMessageToolCall
 
+from trillm.http.tool_parsers import default_parser
+
 WEATHER = {
     "type": "object",
     "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["celsius", "fahrenheit"]}},
@@ -104,11 +106,38 @@ async def test_auto_tool_calls_are_parsed_from_the_text(core, parser, pattern, c
         assert "".join(c.choices[0].delta.content or "" for c in chunks) == (content or "")
 
 
-async def test_tool_choice_errors_are_400s(core):
+TWO_CALLS = (r'<tool_call>\n\{"name": "get_time", "arguments": \{"zone": "UTC"\}\}\n</tool_call>\n'
+             r'<tool_call>\n\{"name": "get_time", "arguments": \{"zone": "CET"\}\}\n</tool_call>')
+
+
+async def test_a_default_server_reads_auto_calls_and_parallel_false_keeps_one(core):
+    """No --tool-call-parser: SmolLM2's template knows no tools, so trillm shows them in the Hermes
+    format and reads the answer with the hermes parser. parallel_tool_calls false keeps the first
+    of two calls, streamed and whole; left out, both come back."""
     async with live_server(core) as server:
+        args = dict(model=server.model, messages=ASK, tools=TOOLS, temperature=0, max_tokens=128,
+                    response_format={"type": "regex", "regex": TWO_CALLS})
+        whole, chunks = await whole_and_streamed(server.openai(), **args)
+        assert [c["arguments"]["zone"] for c in check_calls(whole, chunks, {"get_time"})] == ["UTC", "CET"]
+        whole, chunks = await whole_and_streamed(server.openai(), **args, parallel_tool_calls=False)
+        assert [c["arguments"]["zone"] for c in check_calls(whole, chunks, {"get_time"})] == ["UTC"]
+
+
+@pytest.mark.parametrize("template, parser", [
+    ("{% for m in messages %}{{ m.content }}{% endfor %}", "hermes"),  # no tools: trillm shows them as Hermes
+    ("{% if tools %}<tools>{{ tools | tojson }}</tools>{% endif %}<tool_call>", "hermes"),  # Qwen, Hermes
+    ("{% if tools %}{{ tools | tojson }}{% endif %}<|start_header_id|>assistant<|end_header_id|>", "llama3_json"),
+    ("{% if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}", None),
+])
+def test_the_default_parser_follows_the_chat_template(template, parser):
+    assert default_parser(template) == parser
+
+
+async def test_tool_choice_errors_are_400s(core):
+    async with live_server(core, tool_call_parser="none") as server:
         client = server.openai()
         cases = [
-            (dict(tools=TOOLS, tool_choice="auto"), "tool_choice"),  # no parser on this server
+            (dict(tools=TOOLS, tool_choice="auto"), "tool_choice"),  # parsing turned off on this server
             (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice"),
             (dict(tool_choice="required"), "tool_choice"),
             (dict(tools=TOOLS, tool_choice="required", response_format={"type": "json_object"}), "response_format"),

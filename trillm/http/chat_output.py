@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass, field
 
 from trillm.http.protocol import NamedToolChoice
-from trillm.http.reasoning import ReasoningParser
+from trillm.http.reasoning import ReasoningParser, reasoning_parser
 from trillm.http.tool_parsers import TOOL_PARSERS, ToolCall, call_from_json
 from trillm.sched_ext import FinishReason
 
@@ -54,7 +54,15 @@ class ForcedCall:
         return ("", [call]) if call is not None else (self._text, [])
 
 
-def tool_reader(choice: str | NamedToolChoice, parser: str | None):
+def chat_output(reasoning: str | None, tools: str | None, choice: str | NamedToolChoice,
+                parallel_tool_calls: bool | None) -> ChatOutput:
+    """One choice's splitter: the server's reasoning and tool-call parsers (names, or None), the
+    request's effective tool_choice, and its parallel_tool_calls (false: at most one call)."""
+    return ChatOutput(reasoning_parser(reasoning) if reasoning else None, _tool_reader(choice, tools),
+                      max_calls=1 if parallel_tool_calls is False else None)
+
+
+def _tool_reader(choice: str | NamedToolChoice, parser: str | None):
     if isinstance(choice, NamedToolChoice):
         return ForcedCall(choice.function.name)
     if choice == "required":
@@ -79,9 +87,12 @@ class ChatDelta:
 
 
 class ChatOutput:
-    def __init__(self, reasoning: ReasoningParser | None, tools):
+    def __init__(self, reasoning: ReasoningParser | None, tools, max_calls: int | None = None):
+        """`max_calls`: calls past this many are dropped (parallel_tool_calls false), as a
+        client that asked for one call would not know what to do with a second."""
         self._reasoning_parser = reasoning
         self._tools = tools
+        self._max_calls = max_calls
         self.reasoning = ""
         self.content = ""
         self.tool_calls: list[ToolCall] = []
@@ -127,6 +138,8 @@ class ChatOutput:
                 index, sent = self._sent[call.id]
                 if len(call.arguments) > sent:
                     deltas.append({"index": index, "function": {"arguments": call.arguments[sent:]}})
+            elif self._max_calls is not None and len(self.tool_calls) >= self._max_calls:
+                continue
             else:
                 index = len(self.tool_calls)
                 self.tool_calls.append(call)

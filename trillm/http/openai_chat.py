@@ -5,20 +5,18 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import replace
 
 from quart import Blueprint
 
 from trillm.engine.output import Delta
-from trillm.http.chat_output import ChatOutput, tool_reader
+from trillm.http.chat_output import chat_output
 from trillm.http.generation import Generation
 from trillm.http.logprobs import TokenTexts, chat_logprobs, vllm_prompt_logprobs
 from trillm.http.prompts import chat_prompt
 from trillm.http.protocol import ChatCompletionRequest
-from trillm.http.reasoning import reasoning_parser
 from trillm.http.sse import UsageChunks, stream_response
 from trillm.http.state import ServerState, current, parse_body, request_id
-from trillm.http.tools import forced_call_constraint, tool_choice
+from trillm.http.tools import tool_choice
 
 log = logging.getLogger(__name__)
 blueprint = Blueprint("openai_chat", __name__)
@@ -30,11 +28,8 @@ async def chat_completions():
     req = await parse_body(ChatCompletionRequest)
     state.check_model(req.model)
     params = req.to_sampling_params(state.vocab_size)
-    choice = tool_choice(req, state.settings.tool_call_parser)
+    choice, params = tool_choice(req, state.tool_call_parser, params)
     tools = req.tools if choice != "none" else None
-    forced = forced_call_constraint(req.tools or [], choice)
-    if forced is not None:
-        params = replace(params, structured_output=forced)
     template = getattr(state.tokenizer, "chat_template", None)
     prompt = chat_prompt(state.tokenizer, req.messages, req.template_kwargs(template), tools=tools)
     generation = Generation(state, *request_id("chatcmpl"), [prompt], params, field_names=req.field_names)
@@ -53,9 +48,8 @@ class ChatChunks(UsageChunks):
         self.head = {"id": generation.request_id, "created": int(time.time()), "model": state.model_name}
         super().__init__(generation, req, {**self.head, "object": "chat.completion.chunk"})
         self.texts: TokenTexts = state.token_texts
-        parsers = state.settings.reasoning_parser, state.settings.tool_call_parser
         self.outputs = [
-            ChatOutput(reasoning_parser(parsers[0]) if parsers[0] else None, tool_reader(choice, parsers[1]))
+            chat_output(state.settings.reasoning_parser, state.tool_call_parser, choice, req.parallel_tool_calls)
             for _ in range(generation.num_choices)
         ]
 

@@ -15,21 +15,19 @@ import copy
 import json
 import time
 from contextlib import contextmanager
-from dataclasses import replace
 
 from quart import Blueprint, Response, current_app, request
 
 from trillm.engine.async_engine import EngineUnavailableError
-from trillm.http.chat_output import ChatDelta, ChatOutput, tool_reader
+from trillm.http.chat_output import ChatDelta, chat_output
 from trillm.http.errors import APIError
 from trillm.http.generation import Generation
 from trillm.http.prompts import chat_prompt
 from trillm.http.protocol import ChatCompletionRequest, ChatMessage, FunctionCall, ToolCallMessage
-from trillm.http.reasoning import reasoning_parser
 from trillm.http.responses_protocol import FIELD_NAMES, ResponsesRequest, item_id, items_to_messages, with_ids
 from trillm.http.responses_store import StoredResponse
 from trillm.http.state import ServerState, current, parse_body, request_id
-from trillm.http.tools import forced_call_constraint, tool_choice
+from trillm.http.tools import tool_choice
 from trillm.sampling_params import SamplingParamError
 from trillm.sched_ext import FinishReason
 
@@ -63,10 +61,7 @@ async def create_response():
     with _in_responses_terms():
         chat = req.to_chat(earlier, stream=req.stream)
         params = chat.to_sampling_params(state.vocab_size)
-        choice = tool_choice(chat, state.settings.tool_call_parser)
-        forced = forced_call_constraint(chat.tools or [], choice)
-        if forced is not None:
-            params = replace(params, structured_output=forced)
+        choice, params = tool_choice(chat, state.tool_call_parser, params)
         prompt = _prompt(state, req, chat, choice, params.max_tokens)
     response_id, client_id = request_id("resp", separator="_")
     generation = Generation(state, response_id, client_id, [prompt], params, field_names=FIELD_NAMES)
@@ -160,8 +155,8 @@ class ResponseBuilder:
         self.id = response_id
         self.params = params
         self.created_at = int(time.time())
-        parsers = state.settings.reasoning_parser, state.settings.tool_call_parser
-        self.chat_output = ChatOutput(reasoning_parser(parsers[0]) if parsers[0] else None, tool_reader(choice, parsers[1]))
+        self.chat_output = chat_output(state.settings.reasoning_parser, state.tool_call_parser, choice,
+                                       chat.parallel_tool_calls)
         self.output: list[dict] = []
         self.status = "in_progress"
         self.error: dict | None = None

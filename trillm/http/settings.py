@@ -31,7 +31,7 @@ class ServerSettings:
     served_model_name: str | None = None  # None: the model's name
     drain_timeout: float = 30.0  # on SIGTERM/SIGINT: seconds running requests may finish in
     log_level: str = "info"
-    tool_call_parser: str | None = None  # hermes | llama3_json: reads tool calls for tool_choice auto
+    tool_call_parser: str | None = None  # hermes | llama3_json | none (auto refused); unset: the template's
     reasoning_parser: str | None = None  # deepseek_r1 | qwen3: <think>...</think> -> reasoning_content
     normalize_embeddings: bool = True  # /v1/embeddings vectors L2-normalised (off: as pooled)
     responses_store_size: int = 1024  # /v1/responses kept for GET and previous_response_id (LRU)

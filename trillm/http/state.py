@@ -21,7 +21,7 @@ from trillm.http.metrics import Metrics
 from trillm.http.reasoning import REASONING_PARSERS
 from trillm.http.responses_store import ResponseStore
 from trillm.http.settings import ServerSettings
-from trillm.http.tool_parsers import TOOL_PARSERS
+from trillm.http.tool_parsers import TOOL_PARSERS, default_parser
 
 EXTENSION = "trillm"
 
@@ -29,7 +29,7 @@ EXTENSION = "trillm"
 class ServerState:
     def __init__(self, settings: ServerSettings, core: EngineCore):
         for name, value, known in (
-            ("tool_call_parser", settings.tool_call_parser, TOOL_PARSERS),
+            ("tool_call_parser", settings.tool_call_parser, [*TOOL_PARSERS, "none"]),
             ("reasoning_parser", settings.reasoning_parser, REASONING_PARSERS),
         ):
             if value is not None and value not in known:
@@ -38,6 +38,11 @@ class ServerState:
         self.core = core
         self.engine = AsyncEngine(core, settings.max_waiting)
         self.tokenizer = core.tokenizer
+        # The tool-call parser for tool_choice auto; None ("none", or no parser fits the template) refuses auto.
+        if settings.tool_call_parser is None:
+            self.tool_call_parser = default_parser(getattr(core.tokenizer, "chat_template", None))
+        else:
+            self.tool_call_parser = None if settings.tool_call_parser == "none" else settings.tool_call_parser
         self.token_texts = TokenTexts(core.tokenizer)
         self.vocab_size = core.config.hf_config.vocab_size
         self.model_name = settings.served_model_name or core.config.name

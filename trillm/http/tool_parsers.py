@@ -1,6 +1,6 @@
 """Tool-call parsers: a model's free-text tool calls picked out of its output (`tool_choice: auto`).
 
-Chosen by `--tool-call-parser`:
+Chosen by `--tool-call-parser`, or else by `default_parser` from the chat template:
 
   hermes       Hermes / Qwen: each call is `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
                anywhere in the text; the text around the calls is content.
@@ -123,3 +123,16 @@ def _parse_call(body: str, arguments_key: str) -> ToolCall | None:
 
 
 TOOL_PARSERS = {"hermes": HermesParser, "llama3_json": Llama3JsonParser}
+
+
+def default_parser(chat_template: str | None) -> str | None:
+    """The parser that reads the calls a model with this chat template writes: hermes where the
+    template writes `<tool_call>` blocks or knows no tools (trillm then shows the tools in the
+    Hermes format, trillm.http.tools), llama3_json for a Llama 3 template; None for a template
+    that renders tools in a format neither parser reads."""
+    template = chat_template or ""
+    if "<tool_call>" in template or "tools" not in template:
+        return "hermes"
+    if "<|start_header_id|>" in template:
+        return "llama3_json"
+    return None

@@ -1,8 +1,10 @@
 """Tools in a chat request: how they reach the prompt, and what `tool_choice` makes of the output.
 
   none          the tools are not shown to the model; the answer is text.
-  auto          the tools are shown; the server's `--tool-call-parser` picks calls out of the
-                text (without one, auto is refused: nothing could read the calls).
+  auto          the tools are shown; the server's tool-call parser picks calls out of the
+                text (`--tool-call-parser`, else the one the chat template implies, see
+                trillm.http.tool_parsers.default_parser; with `none`, auto is refused:
+                nothing would read the calls).
   required      the output is constrained (structured output) to exactly one call of one of
                 the tools: `{"name": <a tool's name>, "arguments": <its parameters>}`.
   a function    the output is constrained to that function's arguments object.
@@ -10,17 +12,18 @@
 A chat template that knows tools (it mentions `tools`) renders them itself; for one that
 does not (SmolLM2's), the tools go into the system message in the Hermes format below, and
 earlier calls into their assistant turns as `<tool_call>` blocks, so the conversation reads
-the same way the hermes parser reads the answer. `parallel_tool_calls` is accepted and not
-enforced: required and named choices make one call, and a parser returns the calls the
-model wrote.
+the same way the hermes parser reads the answer. Required and named choices make one call;
+under auto, `parallel_tool_calls: false` keeps the first call the model wrote and drops the
+rest (trillm.http.chat_output).
 """
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 from trillm.http.protocol import ChatCompletionRequest, NamedToolChoice, Tool
 from trillm.http.tool_parsers import HermesParser
-from trillm.sampling_params import SamplingParamError, StructuredOutput
+from trillm.sampling_params import SamplingParamError, SamplingParams, StructuredOutput
 
 TOOLS_PREAMBLE = (
     "You may call functions to help with the user's request. The functions, as JSON schemas, "
@@ -31,8 +34,16 @@ TOOLS_PREAMBLE = (
 )
 
 
-def tool_choice(req: ChatCompletionRequest, parser: str | None) -> str | NamedToolChoice:
-    """The request's effective choice ("none", "auto", "required" or a named function), checked."""
+def tool_choice(req: ChatCompletionRequest, parser: str | None,
+                params: SamplingParams) -> tuple[str | NamedToolChoice, SamplingParams]:
+    """The request's effective choice ("none", "auto", "required" or a named function), checked,
+    and its sampling params, constrained to a call for required and named choices."""
+    choice = _checked_choice(req, parser)
+    forced = _forced_call_constraint(req.tools or [], choice)
+    return choice, params if forced is None else replace(params, structured_output=forced)
+
+
+def _checked_choice(req: ChatCompletionRequest, parser: str | None) -> str | NamedToolChoice:
     tools = req.tools or []
     choice = req.tool_choice or ("auto" if tools else "none")
     if isinstance(choice, str) and choice not in ("none", "auto", "required"):
@@ -45,8 +56,8 @@ def tool_choice(req: ChatCompletionRequest, parser: str | None) -> str | NamedTo
         raise SamplingParamError("tool_choice", f"tool_choice {_label(choice)} needs tools.")
     if choice == "auto" and parser is None:
         raise SamplingParamError(
-            "tool_choice", "tool_choice auto needs a server started with --tool-call-parser; "
-            "use required, a named function, or none."
+            "tool_choice", "tool_choice auto needs a tool-call parser, and this server has none "
+            "(--tool-call-parser); use required, a named function, or none."
         )
     if isinstance(choice, NamedToolChoice) and choice.function.name not in {t.function.name for t in tools}:
         raise SamplingParamError("tool_choice", f"tool_choice names {choice.function.name!r}, which is not in tools.")
@@ -55,7 +66,7 @@ def tool_choice(req: ChatCompletionRequest, parser: str | None) -> str | NamedTo
     return choice
 
 
-def forced_call_constraint(tools: list[Tool], choice: str | NamedToolChoice) -> StructuredOutput | None:
+def _forced_call_constraint(tools: list[Tool], choice: str | NamedToolChoice) -> StructuredOutput | None:
     """The grammar that makes the output a call, for required and named choices; else None."""
     if isinstance(choice, NamedToolChoice):
         (tool,) = [t for t in tools if t.function.name == choice.function.name]
