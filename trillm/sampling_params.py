@@ -27,13 +27,15 @@ class SamplingParamError(ValueError):
         self.param = param
 
 
-Kind = Literal["json_schema", "json_object", "regex", "grammar"]
+Kind = Literal["json_schema", "json_object", "regex", "grammar", "structural_tag"]
 
 
 @dataclass(frozen=True)
 class StructuredOutput:
-    """What the output must match. `spec`: the schema as JSON text, the pattern, or the EBNF
-    grammar ("" for json_object). `strict`: a JSON schema allows no property it does not name."""
+    """What the output must match. `spec`: the schema as JSON text, the pattern, the EBNF
+    grammar, or the structural tag as JSON text (xgrammar's `{"type": "structural_tag", "format":
+    ...}`, or the older `{"structures": [...], "triggers": [...]}`); "" for json_object.
+    `strict`: a JSON schema allows no property it does not name."""
 
     kind: Kind
     spec: str = ""
@@ -43,7 +45,7 @@ class StructuredOutput:
     param: str = field(default="response_format", compare=False)
 
     def __post_init__(self) -> None:
-        assert self.kind in ("json_schema", "json_object", "regex", "grammar"), self.kind
+        assert self.kind in ("json_schema", "json_object", "regex", "grammar", "structural_tag"), self.kind
         assert (self.kind == "json_object") == (self.spec == ""), "every kind but json_object has a spec"
 
     @classmethod

@@ -1,7 +1,8 @@
 """Structured output: a grammar that a request's tokens must follow, enforced while sampling.
 
 A request names its grammar with a `StructuredOutput` spec on its SamplingParams (a JSON
-schema, any JSON object, a regular expression, or an EBNF grammar). `Grammars` compiles a
+schema, any JSON object, a regular expression, an EBNF grammar, or a structural tag: free
+text in which each trigger starts a tagged region whose content is constrained). `Grammars` compiles a
 spec against the engine's tokenizer with xgrammar and keeps one `GrammarMatcher` per
 constrained engine request (so each of n samples has its own state). In a step, the
 matchers of the constrained rows write their allowed tokens into a bitmask, the bitmask
@@ -22,6 +23,7 @@ constrain a request.
 """
 from __future__ import annotations
 
+import json
 import re
 import threading
 from collections import OrderedDict
@@ -110,7 +112,21 @@ def _compile(compiler, spec: StructuredOutput):
         return compiler.compile_json_schema(spec.spec, any_whitespace=False, strict_mode=spec.strict)
     if spec.kind == "regex":
         return compiler.compile_regex(spec.spec)
+    if spec.kind == "structural_tag":
+        return _compile_structural_tag(compiler, json.loads(spec.spec))
     return compiler.compile_grammar(spec.spec)
+
+
+def _compile_structural_tag(compiler, tag: dict):
+    """xgrammar's own format as it is; the older structures-and-triggers form (vLLM's and SGLang's
+    response_format) through xgrammar's call for it."""
+    if "format" in tag:
+        return compiler.compile_structural_tag(json.dumps(tag))
+    import xgrammar
+
+    items = [xgrammar.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"])
+             for s in tag["structures"]]
+    return compiler.compile_structural_tag(items, tag["triggers"])
 
 
 def _reason(exc: RuntimeError) -> str:

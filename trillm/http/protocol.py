@@ -9,8 +9,10 @@ SamplingParamError names the field.
 from __future__ import annotations
 
 import json
+import re
 from typing import Annotated, Any, Literal
 
+import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
 from trillm.sampling_params import SamplingParamError, SamplingParams, StructuredOutput
@@ -35,29 +37,99 @@ class JSONSchemaFormat(Strict):
     strict: bool | None = None
 
 
+class TagStructure(Strict):
+    """One tagged region of the older structural-tag form: `begin`, JSON after `schema`, `end`."""
+
+    begin: str
+    schema_: dict[str, Any] = Field(alias="schema")
+    end: str
+
+
 class ResponseFormat(Strict):
-    """OpenAI's text / json_object / json_schema, and the peers' `regex` and `ebnf` extensions."""
+    """OpenAI's text / json_object / json_schema, and the peers' extensions: `regex` and `ebnf`
+    (vLLM, SGLang), `json` with `schema` (TensorRT-LLM), `regex_schema` (LMDeploy), and
+    `structural_tag`, as xgrammar's `format` (TensorRT-LLM, vLLM) or the older `structures` with
+    `triggers` (vLLM, SGLang)."""
 
-    type: Literal["text", "json_object", "json_schema", "regex", "ebnf"]
+    type: Literal["text", "json_object", "json_schema", "json", "regex", "regex_schema", "ebnf", "structural_tag"]
     json_schema: JSONSchemaFormat | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
     regex: str | None = None
+    regex_schema: str | None = None
     ebnf: str | None = None
+    format: dict[str, Any] | None = None
+    structures: list[TagStructure] | None = None
+    triggers: list[str] | None = None
 
-    def to_structured_output(self) -> StructuredOutput | None:
+    def to_structured_output(self, param: str = "response_format") -> StructuredOutput | None:
         """None for plain text. A schema is strict (no property it does not name) unless
         `strict` is false: a small model left free to add properties tends to."""
         if self.type == "text":
             return None
         if self.type == "json_object":
-            return StructuredOutput("json_object")
-        value = {"json_schema": self.json_schema, "regex": self.regex, "ebnf": self.ebnf}[self.type]
+            return StructuredOutput("json_object", param=param)
+        if self.type == "structural_tag":
+            return self._structural_tag(param)
+        field_name = {"json": "schema", "json_schema": "json_schema"}.get(self.type, self.type)
+        value = {"json": self.schema_, "json_schema": self.json_schema, "regex": self.regex,
+                 "regex_schema": self.regex_schema, "ebnf": self.ebnf}[self.type]
         if not value:
             raise SamplingParamError(
-                f"response_format.{self.type}", f"A response_format of type {self.type} needs a non-empty {self.type}."
+                f"{param}.{field_name}", f"A response_format of type {self.type} needs a non-empty {field_name}."
             )
+        if self.type == "json":
+            return StructuredOutput.from_schema(value, param=param)
         if self.type == "json_schema":
-            return StructuredOutput.from_schema(value.schema_ or {}, strict=value.strict is not False)
-        return StructuredOutput("regex" if self.type == "regex" else "grammar", value)
+            return StructuredOutput.from_schema(value.schema_ or {}, strict=value.strict is not False, param=param)
+        return StructuredOutput("grammar" if self.type == "ebnf" else "regex", value, param=param)
+
+    def _structural_tag(self, param: str) -> StructuredOutput:
+        if self.format is not None:
+            tag = {"type": "structural_tag", "format": self.format}
+        elif self.structures and self.triggers:
+            tag = {"structures": [s.model_dump(by_alias=True) for s in self.structures], "triggers": self.triggers}
+        else:
+            raise SamplingParamError(param, "A structural_tag needs a format, or structures and triggers.")
+        return StructuredOutput("structural_tag", json.dumps(tag), param=param)
+
+
+class StructuredOutputs(Strict):
+    """vLLM's `structured_outputs`: exactly one of these. `structural_tag` is a response_format of
+    type structural_tag, as JSON text."""
+
+    json_: str | dict[str, Any] | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = Field(None, min_length=1)
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+
+
+def choice_spec(choices: list[str], param: str) -> StructuredOutput:
+    """The output is one of `choices`, exactly: a regex of their literal alternatives."""
+    return StructuredOutput("regex", "|".join(f"({re.escape(c)})" for c in choices), param=param)
+
+
+def _schema_spec(value: str | dict, param: str) -> StructuredOutput:
+    """A JSON schema sent as an object or as JSON text (vLLM takes both)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise SamplingParamError(param, f"{param} is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise SamplingParamError(param, f"{param} must be a JSON schema object.")
+    return StructuredOutput.from_schema(value, param=param)
+
+
+def _structural_tag_spec(text: str, param: str) -> StructuredOutput:
+    try:
+        tag = ResponseFormat.model_validate_json(text)
+    except pydantic.ValidationError as exc:
+        raise SamplingParamError(param, f"{param} is not a valid structural tag: {exc.errors()[0]['msg']}") from None
+    if tag.type != "structural_tag":
+        raise SamplingParamError(param, f"{param} must have type structural_tag.")
+    return tag.to_structured_output(param)
 
 
 class SamplingFields(Strict):
@@ -86,6 +158,11 @@ class SamplingFields(Strict):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None  # vLLM's; and its older guided_* fields:
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = Field(None, min_length=1)
+    guided_grammar: str | None = None
     prompt_logprobs: int | None = None  # vLLM's: the prompt tokens' logprobs, with this many top ones
     cache_salt: str | None = None  # vLLM's and TensorRT-LLM's: prefix-cache isolation between tenants
     priority: int = Field(0, ge=-(2**31), lt=2**31)  # vLLM's: lower runs first (--scheduling-policy priority)
@@ -118,8 +195,42 @@ class SamplingFields(Strict):
             prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
             cache_salt=self.cache_salt,
             priority=self.priority,
-            structured_output=self.response_format.to_structured_output() if self.response_format else None,
+            structured_output=self.structured_output(),
         )
+
+    def structured_output(self) -> StructuredOutput | None:
+        """The one grammar the request names, by whichever spelling: response_format, vLLM's
+        structured_outputs, or its guided_* fields. Two at once is a 400 naming the second."""
+        specs = []
+        if self.response_format is not None and self.response_format.type != "text":
+            specs.append(self.response_format.to_structured_output())
+        so = self.structured_outputs
+        if so is not None:
+            param = "structured_outputs"
+            if so.json_ is not None:
+                specs.append(_schema_spec(so.json_, f"{param}.json"))
+            if so.regex is not None:
+                specs.append(StructuredOutput("regex", so.regex, param=f"{param}.regex"))
+            if so.choice is not None:
+                specs.append(choice_spec(so.choice, f"{param}.choice"))
+            if so.grammar is not None:
+                specs.append(StructuredOutput("grammar", so.grammar, param=f"{param}.grammar"))
+            if so.json_object:
+                specs.append(StructuredOutput("json_object", param=f"{param}.json_object"))
+            if so.structural_tag is not None:
+                specs.append(_structural_tag_spec(so.structural_tag, f"{param}.structural_tag"))
+        if self.guided_json is not None:
+            specs.append(_schema_spec(self.guided_json, "guided_json"))
+        if self.guided_regex is not None:
+            specs.append(StructuredOutput("regex", self.guided_regex, param="guided_regex"))
+        if self.guided_choice is not None:
+            specs.append(choice_spec(self.guided_choice, "guided_choice"))
+        if self.guided_grammar is not None:
+            specs.append(StructuredOutput("grammar", self.guided_grammar, param="guided_grammar"))
+        if len(specs) > 1:
+            raise SamplingParamError(specs[1].param, f"{specs[1].param} cannot be combined with {specs[0].param}: "
+                                                     "send one structured-output spec.")
+        return specs[0] if specs else None
 
     @property
     def include_usage(self) -> bool:

@@ -38,12 +38,12 @@ def tool_choice(req: ChatCompletionRequest, parser: str | None,
                 params: SamplingParams) -> tuple[str | NamedToolChoice, SamplingParams]:
     """The request's effective choice ("none", "auto", "required" or a named function), checked,
     and its sampling params, constrained to a call for required and named choices."""
-    choice = _checked_choice(req, parser)
+    choice = _checked_choice(req, parser, params)
     forced = _forced_call_constraint(req.tools or [], choice)
     return choice, params if forced is None else replace(params, structured_output=forced)
 
 
-def _checked_choice(req: ChatCompletionRequest, parser: str | None) -> str | NamedToolChoice:
+def _checked_choice(req: ChatCompletionRequest, parser: str | None, params: SamplingParams) -> str | NamedToolChoice:
     tools = req.tools or []
     choice = req.tool_choice or ("auto" if tools else "none")
     if isinstance(choice, str) and choice not in ("none", "auto", "required"):
@@ -61,8 +61,9 @@ def _checked_choice(req: ChatCompletionRequest, parser: str | None) -> str | Nam
         )
     if isinstance(choice, NamedToolChoice) and choice.function.name not in {t.function.name for t in tools}:
         raise SamplingParamError("tool_choice", f"tool_choice names {choice.function.name!r}, which is not in tools.")
-    if choice != "auto" and req.response_format is not None and req.response_format.type != "text":
-        raise SamplingParamError("response_format", f"response_format cannot be combined with tool_choice {_label(choice)}.")
+    if choice != "auto" and params.structured_output is not None:
+        param = params.structured_output.param
+        raise SamplingParamError(param, f"{param} cannot be combined with tool_choice {_label(choice)}.")
     return choice
 
 
