@@ -102,13 +102,20 @@ def test_top_k_and_top_p_keep_the_right_tokens_in_proportion():
 
 
 def reference_process(logits, params, token_ids, num_prompt_tokens, eos):
-    """Per row, per token, in plain Python: bias, min_tokens, repetition, frequency, presence."""
+    """Per row, per token, in plain Python: bias, allowed tokens, bad words, min_tokens,
+    repetition, frequency, presence."""
     out = logits.clone()
     for i, p in enumerate(params):
         row = out[i].tolist()
         output = token_ids[i][num_prompt_tokens[i]:]
         for t, b in (p.logit_bias or {}).items():
             row[t] += b
+        if p.allowed_token_ids is not None:
+            row = [v if t in p.allowed_token_ids else -math.inf for t, v in enumerate(row)]
+        for word in p.bad_words_token_ids or []:
+            *head, last = word
+            if not head or (len(output) >= len(head) and output[len(output) - len(head):] == head):
+                row[last] = -math.inf
         if len(output) < p.min_tokens:
             for t in set(p.stop_token_ids) | (set() if p.ignore_eos else {eos}):
                 row[t] = -math.inf
@@ -140,6 +147,12 @@ def test_process_logits_matches_a_per_row_reference(data):
                 stop_token_ids=data.draw(st.lists(st.integers(0, VOCAB - 1), max_size=2)),
                 ignore_eos=data.draw(st.booleans()),
                 max_tokens=None,
+                allowed_token_ids=data.draw(st.none() | st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=4)),
+                # Words that end the output (drawn from it) as well as random ones.
+                bad_words_token_ids=data.draw(st.none() | st.lists(
+                    st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=3)
+                    | st.integers(0, 3).map(lambda k, o=output: o[len(o) - k:] + [0]),
+                    min_size=1, max_size=3)),
             )
         )
     logits = random_logits(n, seed=data.draw(st.integers(0, 1000)))

@@ -82,6 +82,10 @@ class SamplingParams:
     cache_salt: str | None = None  # requests share prefix-cached blocks only under the same salt
     priority: int = 0  # under the priority scheduling policy, lower runs first (vLLM's)
     structured_output: StructuredOutput | None = None  # a grammar the output must match
+    allowed_token_ids: list[int] | None = None  # only these may be sampled (vLLM's)
+    # Token sequences the output must not form (vLLM's bad_words, tokenized): the last token of
+    # each is forbidden wherever the output ends with the ones before it.
+    bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -130,6 +134,10 @@ class SamplingParams:
             bad("prompt_logprobs_start", f"prompt_logprobs_start must be non-negative, got {self.prompt_logprobs_start}.")
         if self.seed is not None and not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]:
             bad("seed", f"seed must be a 64-bit integer, got {self.seed}.")
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            bad("allowed_token_ids", "allowed_token_ids must hold at least one token id.")
+        if any(not word for word in self.bad_words_token_ids or []):
+            bad("bad_words", "bad_words must not hold an empty word.")
         for token_id, bias in (self.logit_bias or {}).items():
             if not -100 <= bias <= 100:
                 bad("logit_bias", f"logit_bias for token {token_id} must be in [-100, 100], got {bias}.")

@@ -9,8 +9,10 @@ Order of operations (vLLM's):
   1. logprobs, from the RAW logits (log-softmax before anything below): what the
      model believes, not what the sampling settings made of it; OpenAI and vLLM
      report these.
-  2. logit_bias, then the min_tokens mask (the request's stop set, its EOS ids and
-     stop_token_ids, gets -inf while it has fewer than min_tokens outputs), then the repetition penalty
+  2. logit_bias, then the masks: every token outside allowed_token_ids, the last token
+     of a bad word whose other tokens end the output, and the min_tokens mask (the
+     request's stop set, its EOS ids and stop_token_ids, gets -inf while it has fewer
+     than min_tokens outputs); then the repetition penalty
      (prompt + output tokens) and the frequency / presence penalties (output
      tokens only).
   3. greedy rows: argmax. Random rows: temperature, top-k, top-p, min-p (one
@@ -91,15 +93,23 @@ def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         if len(output_ids[i]) < p.min_tokens
         for t in batch.stop_ids[i]
     ]
+    masked += [(i, t) for i, p in enumerate(params) if p.bad_words_token_ids
+               for t in _bad_word_ends(p.bad_words_token_ids, output_ids[i])]
+    allowed_rows = [i for i, p in enumerate(params) if p.allowed_token_ids is not None]
     rep_rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
     count_rows = [i for i, p in enumerate(params) if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0]
-    if not (bias or masked or rep_rows or count_rows):
+    if not (bias or masked or allowed_rows or rep_rows or count_rows):
         return logits
     logits = logits.clone()
     if bias:
         rows, cols, values = zip(*bias)
         values = torch.tensor(values, dtype=logits.dtype, device=logits.device)
         logits.index_put_(_index(rows, cols, logits.device), values, accumulate=True)
+    if allowed_rows:
+        outside = torch.ones(len(allowed_rows), logits.shape[1], dtype=torch.bool, device=logits.device)
+        rows, cols = zip(*((r, t) for r, i in enumerate(allowed_rows) for t in params[i].allowed_token_ids))
+        outside[_index(rows, cols, logits.device)] = False
+        logits[allowed_rows] = logits[allowed_rows].masked_fill(outside, float("-inf"))
     if masked:
         rows, cols = zip(*masked)
         logits.index_put_(_index(rows, cols, logits.device), torch.tensor(float("-inf"), device=logits.device))
@@ -183,6 +193,12 @@ def token_logprobs(
         TokenLogprobs(chosen[row], list(zip(top_ids[row][:n], top_values[row][:n])) if n else [], rank[row])
         for row, n in enumerate(num_top)
     ]
+
+
+def _bad_word_ends(words: list[list[int]], output: list[int]) -> list[int]:
+    """The tokens that would complete a bad word now: each word's last, where the output ends
+    with the rest of it (a one-token word, always)."""
+    return [w[-1] for w in words if len(w) <= len(output) + 1 and output[len(output) - len(w) + 1:] == w[:-1]]
 
 
 def _counts(rows: list[list[int]], like: torch.Tensor) -> torch.Tensor:

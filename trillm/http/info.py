@@ -34,7 +34,7 @@ def _model_card(state) -> dict:
         "created": _STARTED,
         "owned_by": "trillm",
         "root": state.settings.engine.model or state.core.config.name,
-        "max_model_len": state.core.config.max_model_len,
+        "max_model_len": state.max_model_len,
     }
 
 
@@ -59,7 +59,7 @@ async def model_info():
         "model_path": state.settings.engine.model or state.core.config.name,
         "served_model_name": state.model_name,
         "architectures": getattr(config, "architectures", None),
-        "max_model_len": state.core.config.max_model_len,
+        "max_model_len": state.max_model_len,
         "vocab_size": state.vocab_size,
         "eos_token_id": state.core.config.eos_token_id,
         "is_generation": True,

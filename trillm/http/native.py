@@ -115,7 +115,7 @@ async def tokenize():
         tokens = chat_prompt(state.tokenizer, req.messages, req.chat_template_kwargs, req.add_generation_prompt)
     else:
         tokens = encode(state.tokenizer, req.prompt, "prompt", req.add_special_tokens)
-    body = {"count": len(tokens), "max_model_len": state.core.config.max_model_len, "tokens": tokens}
+    body = {"count": len(tokens), "max_model_len": state.max_model_len, "tokens": tokens}
     if req.return_token_strs:
         body["token_strs"] = state.tokenizer.convert_ids_to_tokens(tokens)
     return body
@@ -144,7 +144,7 @@ async def tokenizer_info():
         "pad_token": tokenizer.pad_token,
         "unk_token": tokenizer.unk_token,
         "chat_template": tokenizer.chat_template,
-        "model_max_length": state.core.config.max_model_len,
+        "model_max_length": state.max_model_len,
     }
 
 

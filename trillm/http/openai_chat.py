@@ -27,11 +27,12 @@ async def chat_completions():
     state = current()
     req = await parse_body(ChatCompletionRequest)
     state.check_model(req.model)
-    params = req.to_sampling_params(state.vocab_size)
+    params = req.to_sampling_params(state.vocab_size, state.tokenizer)
     choice, params = tool_choice(req, state.tool_call_parser, params)
     tools = req.tools if choice != "none" else None
     template = getattr(state.tokenizer, "chat_template", None)
     prompt = chat_prompt(state.tokenizer, req.messages, req.template_kwargs(template), tools=tools)
+    prompt = req.truncated(prompt, state.max_model_len)
     generation = Generation(state, *request_id("chatcmpl"), [prompt], params, field_names=req.field_names)
     if req.user is not None or req.metadata:
         log.info("%s user=%r metadata=%s", generation.request_id, req.user, req.metadata or {})
@@ -48,24 +49,29 @@ class ChatChunks(UsageChunks):
         self.head = {"id": generation.request_id, "created": int(time.time()), "model": state.model_name}
         super().__init__(generation, req, {**self.head, "object": "chat.completion.chunk"})
         self.texts: TokenTexts = state.token_texts
+        self.return_token_ids = req.return_token_ids  # vLLM's: prompt_token_ids, and each choice's token_ids
         self.outputs = [
             chat_output(state.settings.reasoning_parser, state.tool_call_parser, choice, req.parallel_tool_calls)
             for _ in range(generation.num_choices)
         ]
 
     def opening(self) -> list[dict]:
-        return [
+        chunks = [
             self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                           "finish_reason": None}])
             for i in range(self.generation.num_choices)
         ]
+        if self.return_token_ids:
+            chunks[0]["prompt_token_ids"] = self.generation.prompt(0)
+        return chunks
 
     def chunk(self, index: int, delta: Delta) -> dict | None:
         output = self.outputs[index]
         parts = output.feed(delta.text)
         if delta.finished:
             parts += output.finish()
-        if not (parts or delta.logprobs or delta.finished or delta.prompt_logprobs is not None):
+        ids = self.return_token_ids and delta.token_ids
+        if not (parts or delta.logprobs or delta.finished or delta.prompt_logprobs is not None or ids):
             return None  # text held back (half a character, a possible stop string, tag or call)
         message = {"content": parts.content}
         if output.has_reasoning and parts.reasoning:
@@ -80,6 +86,8 @@ class ChatChunks(UsageChunks):
         }
         if delta.finished:
             choice["stop_reason"] = delta.stop_reason
+        if self.return_token_ids:
+            choice["token_ids"] = delta.token_ids
         chunk = self._chunk([choice])
         if delta.prompt_logprobs is not None:
             chunk["prompt_logprobs"] = self._prompt_logprobs(delta.prompt_logprobs)
@@ -101,8 +109,11 @@ class ChatChunks(UsageChunks):
                 "logprobs": None if c.logprobs is None else chat_logprobs(self.texts, c.token_ids, c.logprobs),
                 "finish_reason": output.finish_reason(c.finish_reason),
                 "stop_reason": c.stop_reason,
+                **({"token_ids": c.token_ids} if self.return_token_ids else {}),
             })
         response = {**self.head, "object": "chat.completion", "choices": choices, "usage": self.generation.usage()}
+        if self.return_token_ids:
+            response["prompt_token_ids"] = self.generation.prompt(0)
         prompt_logprobs = self.generation.processors[0].completion.prompt_logprobs
         if prompt_logprobs is not None:
             response["prompt_logprobs"] = self._prompt_logprobs(prompt_logprobs)

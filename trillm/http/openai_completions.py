@@ -27,11 +27,13 @@ async def completions():
     state = current()
     req = await parse_body(CompletionRequest)
     state.check_model(req.model)
-    params = req.to_sampling_params(state.vocab_size)
-    prompts = completion_prompts(state.tokenizer, req.prompt)
+    params = req.to_sampling_params(state.vocab_size, state.tokenizer)
+    prompts = [req.truncated(p, state.max_model_len) for p in completion_prompts(state.tokenizer, req.prompt)]
     generation = Generation(state, *request_id("cmpl"), prompts, params)
     await generation.start()
-    echoes = [_prompt_text(state.tokenizer, req.prompt, k, ids) if req.echo else "" for k, ids in enumerate(prompts)]
+    # A truncated prompt is echoed as what the model saw: its remaining tokens.
+    sent = req.prompt if req.truncate_prompt_tokens is None else prompts
+    echoes = [_prompt_text(state.tokenizer, sent, k, ids) if req.echo else "" for k, ids in enumerate(prompts)]
     chunks = CompletionChunks(generation, req, state.model_name, state.token_texts, echoes)
     if req.stream:
         return stream_response(generation, chunks)
@@ -59,9 +61,11 @@ class CompletionChunks(UsageChunks):
         self.texts = texts
         self.echoes = [echoes[i // generation.n] for i in range(generation.num_choices)]  # per choice
         self.text_offsets = [len(e) for e in self.echoes]  # where each choice's next token starts
+        self._started: set[int] = set()  # choices whose first chunk has gone
         # Where the prompt's logprobs go: the echo's (OpenAI's), vLLM's prompt_logprobs, or both.
         self.echo_logprobs = req.echo_logprobs
         self.vllm_prompt_logprobs = req.prompt_logprobs is not None
+        self.return_token_ids = req.return_token_ids  # each choice's prompt_token_ids and token_ids (vLLM's)
 
     def opening(self) -> list[dict]:
         if self.echo_logprobs:
@@ -83,20 +87,28 @@ class CompletionChunks(UsageChunks):
             out = join_completion_logprobs(completion_logprobs(self.texts, self.generation.prompt(index), prompt_logprobs, 0), out)
         return out
 
-    def _choice(self, index: int, text: str, logprobs: dict | None, finish_reason, prompt_logprobs) -> dict:
+    def _choice(self, index: int, text: str, logprobs: dict | None, finish_reason, prompt_logprobs,
+                token_ids: list[int], first: bool) -> dict:
+        """`first`: the choice's first chunk (or its whole answer), which carries its prompt's ids."""
         choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         if self.vllm_prompt_logprobs and prompt_logprobs is not None:
             choice["prompt_logprobs"] = vllm_prompt_logprobs(self.texts, self.generation.prompt(index), prompt_logprobs)
+        if self.return_token_ids:
+            choice["prompt_token_ids"] = self.generation.prompt(index) if first else None
+            choice["token_ids"] = token_ids
         return choice
 
     def chunk(self, index: int, delta: Delta) -> dict | None:
-        if not (delta.text or delta.logprobs or delta.finished or delta.prompt_logprobs is not None):
+        ids = self.return_token_ids and delta.token_ids
+        if not (delta.text or delta.logprobs or delta.finished or delta.prompt_logprobs is not None or ids):
             return None
         text = delta.text
         if self.echo_logprobs and delta.prompt_logprobs is not None:
             text = self.echoes[index] + text
         logprobs = self._logprobs(index, delta.token_ids, delta.logprobs, delta.prompt_logprobs)
-        choice = self._choice(index, text, logprobs, delta.finish_reason, delta.prompt_logprobs)
+        first = index not in self._started
+        self._started.add(index)
+        choice = self._choice(index, text, logprobs, delta.finish_reason, delta.prompt_logprobs, delta.token_ids, first)
         if delta.finished:
             choice["stop_reason"] = delta.stop_reason
         return self._chunk([choice])
@@ -106,7 +118,12 @@ class CompletionChunks(UsageChunks):
         for i, processor in enumerate(self.generation.processors):
             c = processor.completion
             logprobs = self._logprobs(i, c.token_ids, c.logprobs, c.prompt_logprobs)
-            choice = self._choice(i, self.echoes[i] + c.text, logprobs, c.finish_reason, c.prompt_logprobs)
+            choice = self._choice(i, self.echoes[i] + c.text, logprobs, c.finish_reason, c.prompt_logprobs,
+                                  c.token_ids, True)
             choice["stop_reason"] = c.stop_reason
             choices.append(choice)
-        return {**self.head, "choices": choices, "usage": self.generation.usage()}
+        response = {**self.head, "choices": choices, "usage": self.generation.usage()}
+        if self.return_token_ids:  # TensorRT-LLM's place for them: one list per prompt, or the one list
+            prompts = self.generation.prompts
+            response["prompt_token_ids"] = prompts if len(prompts) > 1 else prompts[0]
+        return response

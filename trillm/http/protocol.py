@@ -166,16 +166,28 @@ class SamplingFields(Strict):
     prompt_logprobs: int | None = None  # vLLM's: the prompt tokens' logprobs, with this many top ones
     cache_salt: str | None = None  # vLLM's and TensorRT-LLM's: prefix-cache isolation between tenants
     priority: int = Field(0, ge=-(2**31), lt=2**31)  # vLLM's: lower runs first (--scheduling-policy priority)
+    allowed_token_ids: list[int] | None = None  # vLLM's: only these may be sampled
+    bad_words: list[str] | None = None  # vLLM's: words the output must not contain
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)  # vLLM's, TensorRT-LLM's: keep the last k (-1: the context)
+    return_token_ids: bool = False  # vLLM's, LMDeploy's: prompt and output token ids in the response
+    top_p_min: float = Field(0.0, ge=0, le=1)  # TensorRT-LLM's floor of top_p (it has no decay here)
+    min_new_tokens: int | None = None  # LMDeploy's name for min_tokens
 
     def _sampling_params(
-        self, vocab_size: int, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
+        self, vocab_size: int, tokenizer, max_tokens: int | None, logprobs: int | None,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         if self.stream_options is not None and not self.stream:
             raise SamplingParamError("stream_options", "stream_options is only allowed when stream is true.")
+        if self.truncate_prompt_tokens == 0:
+            raise SamplingParamError("truncate_prompt_tokens", "truncate_prompt_tokens must be -1 or at least 1.")
+        bad_ids = [t for t in self.allowed_token_ids or [] if not 0 <= t < vocab_size]
+        if bad_ids:
+            raise SamplingParamError("allowed_token_ids", f"Token ids must be in [0, {vocab_size}); got {bad_ids[0]}.")
         return SamplingParams(
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
+            top_p=max(1.0 if self.top_p is None else self.top_p, self.top_p_min),
             top_k=self.top_k or 0,
             min_p=self.min_p or 0.0,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
@@ -184,7 +196,7 @@ class SamplingFields(Strict):
             logit_bias=_token_biases(self.logit_bias, vocab_size),
             seed=self.seed,
             max_tokens=max_tokens,
-            min_tokens=self.min_tokens,
+            min_tokens=self.min_tokens if self.min_new_tokens is None else self.min_new_tokens,
             stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
@@ -196,7 +208,14 @@ class SamplingFields(Strict):
             cache_salt=self.cache_salt,
             priority=self.priority,
             structured_output=self.structured_output(),
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words_token_ids=_bad_words_token_ids(tokenizer, self.bad_words),
         )
+
+    def truncated(self, prompt: list[int], max_model_len: int) -> list[int]:
+        """The prompt's last truncate_prompt_tokens tokens (-1: the model's context length), or all of it."""
+        keep = max_model_len if self.truncate_prompt_tokens == -1 else self.truncate_prompt_tokens
+        return prompt if keep is None else prompt[-keep:]
 
     def structured_output(self) -> StructuredOutput | None:
         """The one grammar the request names, by whichever spelling: response_format, vLLM's
@@ -382,7 +401,7 @@ class ChatCompletionRequest(SamplingFields):
                 kwargs.setdefault("enable_thinking", self.reasoning_effort not in ("none", "minimal"))
         return kwargs or None
 
-    def to_sampling_params(self, vocab_size: int) -> SamplingParams:
+    def to_sampling_params(self, vocab_size: int, tokenizer) -> SamplingParams:
         if self.functions is not None or self.function_call is not None:
             raise SamplingParamError("functions", "Send tools and tool_choice, or the legacy functions and "
                                                   "function_call, not both.")
@@ -394,7 +413,8 @@ class ChatCompletionRequest(SamplingFields):
         if max_tokens == 0:
             raise SamplingParamError(self.field_names["max_tokens"], "max_tokens must be at least 1.")
         try:
-            return self._sampling_params(vocab_size, max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+            return self._sampling_params(vocab_size, tokenizer, max_tokens,
+                                         (self.top_logprobs or 0) if self.logprobs else None)
         except SamplingParamError as exc:
             raise SamplingParamError(self.field_names.get(exc.param, exc.param), str(exc)) from None
 
@@ -427,7 +447,7 @@ class CompletionRequest(SamplingFields):
         if self.max_completion_tokens is not None:
             self.max_tokens = self.max_completion_tokens
 
-    def to_sampling_params(self, vocab_size: int) -> SamplingParams:
+    def to_sampling_params(self, vocab_size: int, tokenizer) -> SamplingParams:
         """echo with logprobs k reports the prompt's tokens too, with k top logprobs each (the
         engine's prompt_logprobs, unless the request sets its own). max_tokens 0 is the prompt
         alone, which only echo or prompt_logprobs makes worth asking."""
@@ -438,7 +458,7 @@ class CompletionRequest(SamplingFields):
                 "max_tokens", "max_tokens 0 returns nothing without echo or prompt_logprobs; ask for at least 1."
             )
         prompt_logprobs = self.logprobs if self.echo and self.prompt_logprobs is None else None
-        return self._sampling_params(vocab_size, self.max_tokens, self.logprobs, prompt_logprobs)
+        return self._sampling_params(vocab_size, tokenizer, self.max_tokens, self.logprobs, prompt_logprobs)
 
     @property
     def echo_logprobs(self) -> bool:
@@ -555,6 +575,24 @@ def _json_or_text(text: str):
         return json.loads(text)
     except json.JSONDecodeError:
         return text
+
+
+def _bad_words_token_ids(tokenizer, words: list[str] | None) -> list[list[int]] | None:
+    """Each bad word's tokens as it would start the output and as it would follow a space (a
+    BPE vocabulary spells the two differently), as vLLM reads bad_words."""
+    if not words:
+        return None
+    if tokenizer is None:
+        raise SamplingParamError("bad_words", "bad_words needs text, and this model has no tokenizer.")
+    sequences = []
+    for word in words:
+        if not word.strip():
+            raise SamplingParamError("bad_words", "bad_words must not hold an empty word.")
+        for text in (word.lstrip(), " " + word.lstrip()):
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            if ids and ids not in sequences:
+                sequences.append(ids)
+    return sequences or None
 
 
 def _token_biases(logit_bias: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:

@@ -60,7 +60,7 @@ async def create_response():
         earlier = previous.conversation
     with _in_responses_terms():
         chat = req.to_chat(earlier, stream=req.stream)
-        params = chat.to_sampling_params(state.vocab_size)
+        params = chat.to_sampling_params(state.vocab_size, state.tokenizer)
         choice, params = tool_choice(chat, state.tool_call_parser, params)
         prompt = _prompt(state, req, chat, choice, params.max_tokens)
     response_id, client_id = request_id("resp", separator="_")
@@ -88,7 +88,7 @@ def _prompt(state: ServerState, req: ResponsesRequest, chat: ChatCompletionReque
     message, never the last turn) are dropped until the prompt and max_output_tokens fit."""
     tools = chat.tools if choice != "none" else None
     messages = list(chat.messages)
-    limit = state.core.config.max_model_len - (max_tokens or 1)
+    limit = state.max_model_len - (max_tokens or 1)
     while True:
         ids = chat_prompt(state.tokenizer, messages, chat.template_kwargs(getattr(state.tokenizer, "chat_template", None)),
                           tools=tools)

@@ -45,6 +45,7 @@ class ServerState:
             self.tool_call_parser = None if settings.tool_call_parser == "none" else settings.tool_call_parser
         self.token_texts = TokenTexts(core.tokenizer)
         self.vocab_size = core.config.hf_config.vocab_size
+        self.max_model_len = core.config.max_model_len
         self.model_name = settings.served_model_name or core.config.name
         self.metrics = Metrics(self.model_name, self.engine.stats)
         self.responses = ResponseStore(settings.responses_store_size)
