@@ -7,6 +7,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from trillm.http.prompts import chat_prompt
+from trillm.http.protocol import TemplateOptions
 from trillm.http.protocol import ChatMessage, Tool
 from trillm.http.tools import TOOLS_PREAMBLE
 
@@ -37,13 +38,13 @@ def text(tokenizer, ids: list[int]) -> str:
 
 
 def test_enable_thinking_reaches_the_template(thinking_tokenizer):
-    off = text(thinking_tokenizer, chat_prompt(thinking_tokenizer, ASK, {"enable_thinking": False}))
-    on = text(thinking_tokenizer, chat_prompt(thinking_tokenizer, ASK, {"enable_thinking": True}))
+    off = text(thinking_tokenizer, chat_prompt(thinking_tokenizer, ASK, TemplateOptions({"enable_thinking": False})))
+    on = text(thinking_tokenizer, chat_prompt(thinking_tokenizer, ASK, TemplateOptions({"enable_thinking": True})))
     assert off.endswith("<think>\n\n</think>\n\n") and not on.endswith("</think>\n\n")
 
 
 def test_a_template_that_knows_tools_renders_them(thinking_tokenizer):
-    prompt = text(thinking_tokenizer, chat_prompt(thinking_tokenizer, ASK, None, tools=[TOOL]))
+    prompt = text(thinking_tokenizer, chat_prompt(thinking_tokenizer, ASK, tools=[TOOL]))
     assert '<tools>[{"type": "function", "function": {"name": "get_time"' in prompt
     assert "<tool_call>" not in prompt  # our own preamble is only for templates without tools
 
@@ -57,7 +58,7 @@ def test_a_template_without_tools_gets_them_in_the_system_message(tokenizer):
             {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "UTC"}'}}]}),
         ChatMessage(role="tool", content="12:00", tool_call_id="call_1"),
     ]
-    prompt = text(tokenizer, chat_prompt(tokenizer, history, None, tools=[TOOL]))
+    prompt = text(tokenizer, chat_prompt(tokenizer, history, tools=[TOOL]))
     system = prompt.split("<|im_end|>")[0]
     assert system.startswith("<|im_start|>system\nBe brief.\n\n" + TOOLS_PREAMBLE.split("{tools}")[0])
     assert '"name": "get_time"' in system

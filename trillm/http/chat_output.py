@@ -55,11 +55,12 @@ class ForcedCall:
 
 
 def chat_output(reasoning: str | None, tools: str | None, choice: str | NamedToolChoice,
-                parallel_tool_calls: bool | None) -> ChatOutput:
-    """One choice's splitter: the server's reasoning and tool-call parsers (names, or None), the
-    request's effective tool_choice, and its parallel_tool_calls (false: at most one call)."""
+                parallel_tool_calls: bool | None, stream_reasoning: bool = True) -> ChatOutput:
+    """One choice's splitter: the reasoning and tool-call parsers (names, or None), the
+    request's effective tool_choice, its parallel_tool_calls (false: at most one call) and
+    SGLang's stream_reasoning (false: the reasoning is held back until it ends, then sent whole)."""
     return ChatOutput(reasoning_parser(reasoning) if reasoning else None, _tool_reader(choice, tools),
-                      max_calls=1 if parallel_tool_calls is False else None)
+                      max_calls=1 if parallel_tool_calls is False else None, hold_reasoning=not stream_reasoning)
 
 
 def _tool_reader(choice: str | NamedToolChoice, parser: str | None):
@@ -87,12 +88,16 @@ class ChatDelta:
 
 
 class ChatOutput:
-    def __init__(self, reasoning: ReasoningParser | None, tools, max_calls: int | None = None):
+    def __init__(self, reasoning: ReasoningParser | None, tools, max_calls: int | None = None,
+                 hold_reasoning: bool = False):
         """`max_calls`: calls past this many are dropped (parallel_tool_calls false), as a
-        client that asked for one call would not know what to do with a second."""
+        client that asked for one call would not know what to do with a second.
+        `hold_reasoning`: the reasoning comes out in one piece, with the first content or at the end."""
         self._reasoning_parser = reasoning
         self._tools = tools
         self._max_calls = max_calls
+        self._hold_reasoning = hold_reasoning
+        self._held_reasoning = ""
         self.reasoning = ""
         self.content = ""
         self.tool_calls: list[ToolCall] = []
@@ -104,14 +109,24 @@ class ChatOutput:
 
     def feed(self, text: str) -> ChatDelta:
         reasoning, content = self._reasoning_parser.feed(text) if self._reasoning_parser else ("", text)
-        return self._record(reasoning, *self._tools.feed(content))
+        return self._record(self._release(reasoning, ended=bool(content)), *self._tools.feed(content))
 
     def finish(self) -> ChatDelta:
         """Everything still held back; call once, after the last feed."""
         reasoning, content = self._reasoning_parser.finish() if self._reasoning_parser else ("", "")
         content, calls = self._tools.feed(content)
         rest, more = self._tools.finish()
-        return self._record(reasoning, content + rest, calls + more)
+        return self._record(self._release(reasoning, ended=True), content + rest, calls + more)
+
+    def _release(self, reasoning: str, ended: bool) -> str:
+        """The reasoning to send now: all of it, unless held until it `ended` (content began)."""
+        if not self._hold_reasoning:
+            return reasoning
+        self._held_reasoning += reasoning
+        if not ended:
+            return ""
+        reasoning, self._held_reasoning = self._held_reasoning, ""
+        return reasoning
 
     def finish_reason(self, reason: FinishReason | None) -> FinishReason | None:
         """A choice that ended naturally with calls ends for them."""

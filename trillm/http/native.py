@@ -112,9 +112,9 @@ async def tokenize():
     if (req.prompt is None) == (req.messages is None):
         raise APIError(400, "Send exactly one of prompt and messages.", "prompt")
     if req.messages is not None:
-        tokens = chat_prompt(state.tokenizer, req.messages, req.chat_template_kwargs, req.add_generation_prompt)
+        tokens = chat_prompt(state.tokenizer, req.messages, req.template_options())
     else:
-        tokens = encode(state.tokenizer, req.prompt, "prompt", req.add_special_tokens)
+        tokens = encode(state.tokenizer, req.prompt, "prompt", req.add_special_tokens is not False)
     body = {"count": len(tokens), "max_model_len": state.max_model_len, "tokens": tokens}
     if req.return_token_strs:
         body["token_strs"] = state.tokenizer.convert_ids_to_tokens(tokens)

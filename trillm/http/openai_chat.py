@@ -12,7 +12,7 @@ from trillm.engine.output import Delta
 from trillm.http.chat_output import chat_output
 from trillm.http.generation import Generation
 from trillm.http.logprobs import TokenTexts, chat_logprobs, vllm_prompt_logprobs
-from trillm.http.prompts import chat_prompt
+from trillm.http.prompts import chat_prompt, encode
 from trillm.http.protocol import ChatCompletionRequest
 from trillm.http.sse import UsageChunks, stream_response
 from trillm.http.state import ServerState, current, parse_body, request_id
@@ -30,8 +30,12 @@ async def chat_completions():
     params = req.to_sampling_params(state.vocab_size, state.tokenizer)
     choice, params = tool_choice(req, state.tool_call_parser, params)
     tools = req.tools if choice != "none" else None
-    template = getattr(state.tokenizer, "chat_template", None)
-    prompt = chat_prompt(state.tokenizer, req.messages, req.template_kwargs(template), tools=tools)
+    raw = req.raw_prompt()
+    if raw is not None:
+        prompt = encode(state.tokenizer, raw, "messages")
+    else:
+        options = req.template_options(state.chat_template, state.settings.trust_request_chat_template)
+        prompt = chat_prompt(state.tokenizer, req.chat_messages(), options, tools=tools)
     prompt = req.truncated(prompt, state.max_model_len)
     generation = Generation(state, *request_id("chatcmpl"), [prompt], params, field_names=req.field_names)
     if req.user is not None or req.metadata:
@@ -50,8 +54,9 @@ class ChatChunks(UsageChunks):
         super().__init__(generation, req, {**self.head, "object": "chat.completion.chunk"})
         self.texts: TokenTexts = state.token_texts
         self.return_token_ids = req.return_token_ids  # vLLM's: prompt_token_ids, and each choice's token_ids
+        reasoning = state.settings.reasoning_parser if req.separate_reasoning else None
         self.outputs = [
-            chat_output(state.settings.reasoning_parser, state.tool_call_parser, choice, req.parallel_tool_calls)
+            chat_output(reasoning, state.tool_call_parser, choice, req.parallel_tool_calls, req.stream_reasoning)
             for _ in range(generation.num_choices)
         ]
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import jinja2
 
-from trillm.http.protocol import ChatMessage, Tool
+from trillm.http.protocol import ChatMessage, TemplateOptions, Tool
 from trillm.http.tools import template_inputs
 from trillm.sampling_params import SamplingParamError
 
@@ -19,28 +19,32 @@ from trillm.sampling_params import SamplingParamError
 def chat_prompt(
     tokenizer,
     messages: list[ChatMessage],
-    template_kwargs: dict | None,
-    add_generation_prompt: bool = True,
+    options: TemplateOptions = TemplateOptions(),
     tools: list[Tool] | None = None,
 ) -> list[int]:
-    """`template_kwargs` (e.g. `enable_thinking`) go to the template as they are; `tools` are shown
-    to the model as trillm.http.tools describes."""
+    """`options` say which template renders the messages and how (see TemplateOptions); `tools`
+    are shown to the model as trillm.http.tools describes."""
     if not messages:
         raise SamplingParamError("messages", "messages must hold at least one message.")
     require_tokenizer(tokenizer, "messages")
-    rendered, tool_kwargs = template_inputs(tokenizer, [m.for_template() for m in messages], tools)
+    template = options.chat_template or tokenizer.chat_template
+    rendered, tool_kwargs = template_inputs(template, [m.for_template() for m in messages], tools)
     try:
         text = tokenizer.apply_chat_template(
             rendered,
-            add_generation_prompt=add_generation_prompt,
+            chat_template=options.chat_template,
+            add_generation_prompt=options.add_generation_prompt,
+            continue_final_message=options.continue_final_message,
+            documents=options.documents,
             tokenize=False,
             **tool_kwargs,
-            **(template_kwargs or {}),
+            **(options.kwargs or {}),
         )
     except (jinja2.TemplateError, TypeError, ValueError) as exc:
-        # The template refused these messages (e.g. roles that do not alternate).
-        raise SamplingParamError("messages", f"The chat template cannot render these messages: {exc}") from None
-    return tokenizer.encode(text, add_special_tokens=False)
+        # The template refused these messages (e.g. roles that do not alternate), or did not parse.
+        param = "chat_template" if options.chat_template is not None else "messages"
+        raise SamplingParamError(param, f"The chat template cannot render these messages: {exc}") from None
+    return tokenizer.encode(text, add_special_tokens=options.add_special_tokens)
 
 
 def completion_prompts(tokenizer, prompt: str | list[str] | list[int] | list[list[int]]) -> list[list[int]]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 import pydantic
@@ -19,6 +20,19 @@ from trillm.sampling_params import SamplingParamError, SamplingParams, Structure
 
 MAX_N = 128  # samples per request: more would let one request fill the whole batch
 MAX_PROMPTS = 2048  # prompts in one request's list (OpenAI's bound for a batch of inputs)
+
+
+@dataclass(frozen=True)
+class TemplateOptions:
+    """How chat messages become a prompt (trillm.http.prompts.chat_prompt): the chat template's
+    extra variables, the template itself (None: the model's), and the peers' switches."""
+
+    kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the last (assistant) message is left open, to be continued
+    add_special_tokens: bool = False  # the template already holds any BOS
+    documents: list[dict[str, Any]] | None = None
 
 
 class Strict(BaseModel):
@@ -346,7 +360,7 @@ class LegacyFunctionChoice(Strict):
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage]
+    messages: str | list[ChatMessage]  # a string: one user message (LMDeploy's), or with do_preprocess false the prompt
     logprobs: bool | None = False
     top_logprobs: int | None = None
     max_tokens: int | None = None
@@ -375,6 +389,16 @@ class ChatCompletionRequest(SamplingFields):
     web_search_options: dict[str, Any] | None = None
     audio: dict[str, Any] | None = None
     moderation: dict[str, Any] | None = None
+    # The peers' template extras: vLLM's, then LMDeploy's, then SGLang's reasoning switches.
+    chat_template: str | None = None  # only with --trust-request-chat-template
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    documents: list[dict[str, Any]] | None = None
+    do_preprocess: bool = True  # false: messages is the prompt, as it is (no template)
+    enable_thinking: bool | None = None
+    separate_reasoning: bool = True  # false: reasoning stays in content
+    stream_reasoning: bool = True  # false: a stream sends the reasoning in one piece, once it ends
 
     def model_post_init(self, context) -> None:
         """The legacy functions become tools (and function_call the tool_choice), once, here; a
@@ -390,11 +414,44 @@ class ChatCompletionRequest(SamplingFields):
                 self.tool_choice = self.function_call
             self.functions = self.function_call = None
 
-    def template_kwargs(self, template: str | None) -> dict[str, Any] | None:
+    def chat_messages(self) -> list[ChatMessage]:
+        """The conversation; a string is one user message."""
+        if isinstance(self.messages, str):
+            return [ChatMessage(role="user", content=self.messages)]
+        return self.messages
+
+    def raw_prompt(self) -> str | None:
+        """With do_preprocess false (LMDeploy's), the prompt text to use as it is; else None."""
+        if self.do_preprocess:
+            return None
+        if not isinstance(self.messages, str):
+            raise SamplingParamError("do_preprocess", "do_preprocess false takes messages as one prompt string.")
+        return self.messages
+
+    def template_options(self, model_template: str | None, trust_request_template: bool) -> TemplateOptions:
+        """How to render this request's messages. A template of the request's own is refused
+        unless the server trusts them (--trust-request-chat-template, as vLLM's): a template is
+        code the server runs."""
+        if self.chat_template is not None and not trust_request_template:
+            raise SamplingParamError("chat_template", "This server does not take chat templates in requests "
+                                                      "(start it with --trust-request-chat-template).")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise SamplingParamError("continue_final_message", "continue_final_message needs add_generation_prompt "
+                                                               "false: the answer continues the last message.")
+        if self.continue_final_message and self.chat_messages()[-1:] and self.chat_messages()[-1].role != "assistant":
+            raise SamplingParamError("continue_final_message", "continue_final_message needs the last message to "
+                                                               "be the assistant's.")
+        template = self.chat_template or model_template
+        return TemplateOptions(self._template_kwargs(template), self.chat_template, self.add_generation_prompt,
+                               self.continue_final_message, self.add_special_tokens, self.documents)
+
+    def _template_kwargs(self, template: str | None) -> dict[str, Any] | None:
         """chat_template_kwargs, with reasoning_effort passed on as `reasoning_effort`, and as
         `enable_thinking` (off for "none" and "minimal") where the template reads that and the
-        client did not set it."""
+        client did not set it; LMDeploy's top-level enable_thinking likewise."""
         kwargs = dict(self.chat_template_kwargs or {})
+        if self.enable_thinking is not None:
+            kwargs.setdefault("enable_thinking", self.enable_thinking)
         if self.reasoning_effort is not None:
             kwargs.setdefault("reasoning_effort", self.reasoning_effort)
             if "enable_thinking" in (template or ""):
@@ -559,10 +616,15 @@ class TokenizeRequest(Strict):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: bool | None = None  # default: true for a prompt, false for messages (as vLLM's)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
+
+    def template_options(self) -> TemplateOptions:
+        return TemplateOptions(self.chat_template_kwargs, None, self.add_generation_prompt,
+                               self.continue_final_message, bool(self.add_special_tokens))
 
 
 class DetokenizeRequest(Strict):

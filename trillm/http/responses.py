@@ -87,11 +87,11 @@ def _prompt(state: ServerState, req: ResponsesRequest, chat: ChatCompletionReque
     """The prompt's token ids. With truncation "auto", the oldest turns (never the system
     message, never the last turn) are dropped until the prompt and max_output_tokens fit."""
     tools = chat.tools if choice != "none" else None
-    messages = list(chat.messages)
+    messages = list(chat.chat_messages())
+    options = chat.template_options(state.chat_template, trust_request_template=False)
     limit = state.max_model_len - (max_tokens or 1)
     while True:
-        ids = chat_prompt(state.tokenizer, messages, chat.template_kwargs(getattr(state.tokenizer, "chat_template", None)),
-                          tools=tools)
+        ids = chat_prompt(state.tokenizer, messages, options, tools=tools)
         droppable = [i for i, m in enumerate(messages[:-1]) if m.role not in ("system", "developer")]
         if req.truncation != "auto" or len(ids) <= limit or not droppable:
             return ids

@@ -33,6 +33,7 @@ class ServerSettings:
     log_level: str = "info"
     tool_call_parser: str | None = None  # hermes | llama3_json | none (auto refused); unset: the template's
     reasoning_parser: str | None = None  # deepseek_r1 | qwen3: <think>...</think> -> reasoning_content
+    trust_request_chat_template: bool = False  # let requests bring their own chat_template (code we run)
     normalize_embeddings: bool = True  # /v1/embeddings vectors L2-normalised (off: as pooled)
     responses_store_size: int = 1024  # /v1/responses kept for GET and previous_response_id (LRU)
     # CORS, with vLLM's flags and defaults: lists as JSON ('["https://a.example"]') or comma-separated

@@ -40,7 +40,7 @@ class ServerState:
         self.tokenizer = core.tokenizer
         # The tool-call parser for tool_choice auto; None ("none", or no parser fits the template) refuses auto.
         if settings.tool_call_parser is None:
-            self.tool_call_parser = default_parser(getattr(core.tokenizer, "chat_template", None))
+            self.tool_call_parser = default_parser(self.chat_template)
         else:
             self.tool_call_parser = None if settings.tool_call_parser == "none" else settings.tool_call_parser
         self.token_texts = TokenTexts(core.tokenizer)
@@ -49,6 +49,11 @@ class ServerState:
         self.model_name = settings.served_model_name or core.config.name
         self.metrics = Metrics(self.model_name, self.engine.stats)
         self.responses = ResponseStore(settings.responses_store_size)
+
+    @property
+    def chat_template(self) -> str | None:
+        """The model's chat template (None without a tokenizer)."""
+        return getattr(self.tokenizer, "chat_template", None)
 
     def check_model(self, model: str | None) -> None:
         """OpenAI clients must name a model; any name but ours is a 404, as with vLLM."""

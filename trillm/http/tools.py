@@ -82,12 +82,12 @@ def _forced_call_constraint(tools: list[Tool], choice: str | NamedToolChoice) ->
     return None
 
 
-def template_inputs(tokenizer, messages: list[dict], tools: list[Tool] | None) -> tuple[list[dict], dict]:
-    """(messages, extra template kwargs) that show the tools to the model."""
+def template_inputs(template: str | None, messages: list[dict], tools: list[Tool] | None) -> tuple[list[dict], dict]:
+    """(messages, extra template kwargs) that show the tools to the model, for this chat template."""
     if not tools:
         return messages, {}
     tool_dicts = [t.model_dump(exclude_none=True) for t in tools]
-    if "tools" in (tokenizer.chat_template or ""):
+    if "tools" in (template or ""):
         return messages, {"tools": tool_dicts}
     preamble = TOOLS_PREAMBLE.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tool_dicts))
     messages = [_calls_as_text(m) for m in messages]
