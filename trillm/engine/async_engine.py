@@ -46,11 +46,17 @@ class EngineUnavailableError(RuntimeError):
 @dataclass(eq=False)
 class _Group:
     requests: RequestGroup
-    client_id: str | None
     send: trio.MemorySendChannel
     admitted: trio.Event = field(default_factory=trio.Event)
     error: Exception | None = None
     unfinished: int = 0  # members whose final output has not been sent yet
+    # What an abort said about itself (LMDeploy's and SGLang's finished_reason / abort_message),
+    # for the routes that report it; set when the abort is asked for, before it is applied.
+    abort_note: dict | None = None
+
+    @property
+    def client_ids(self) -> set[str]:
+        return {m.client_id for m in self.requests.members if m.client_id is not None}
 
     @property
     def request_id(self) -> str:
@@ -85,6 +91,11 @@ class RequestStream:
         if out.finished:
             self._unfinished -= 1
         return self._index[out.request_id], out
+
+    @property
+    def abort_note(self) -> dict | None:
+        """What the abort that ended this group said about itself, if it said anything."""
+        return self._group.abort_note
 
     def stop(self, index: int, reason: FinishReason = FinishReason.STOP) -> None:
         """End one member early (a stop string matched); its final output still arrives."""
@@ -144,9 +155,9 @@ class AsyncEngine:
                 f"The server has {waiting} requests waiting and a limit of {self.max_waiting}; retry later."
             )
 
-    async def add(self, requests: RequestGroup, param: str = "prompt", client_id: str | None = None) -> RequestStream:
+    async def add(self, requests: RequestGroup, param: str = "prompt") -> RequestStream:
         """Queue a group and wait until the engine admits it. Its id is the server's own
-        (unique among live groups); `client_id`, the client's name for it, if any.
+        (unique among live groups); its members' client ids, the client's names for them.
 
         Raises SamplingParamError (a ValueError with .param) if the engine refuses it (`param`
         names the field that made the group too large), QueueFullError when the waiting limit
@@ -163,11 +174,11 @@ class AsyncEngine:
         self._check_open(requests.request_id)  # the world may have changed during the compiles
         self.check_room(size, param)
         send, receive = trio.open_memory_channel[StepOutput](math.inf)
-        group = _Group(requests, client_id, send, unfinished=size)
+        group = _Group(requests, send, unfinished=size)
         self._groups[requests.request_id] = group
         for member in requests.members:
             self._owner[member.request_id] = group
-        if client_id is not None:
+        for client_id in group.client_ids:
             self._by_client_id.setdefault(client_id, []).append(group)
         self._idle = trio.Event() if self._idle.is_set() else self._idle
         self._unfinished_members += size
@@ -183,18 +194,25 @@ class AsyncEngine:
             raise group.error
         return stream
 
-    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> int:
-        """Abort the live group with this server id, or else every live group a client named so;
-        returns how many (0: none). Returns at once: the abort is applied before the next step,
-        and each member's stream ends with finish_reason `reason`."""
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT, note: dict | None = None) -> int:
+        """Abort the live group with this server id, or else every live member a client named
+        so (of a batch whose prompts have their own names, only that prompt's); returns how many
+        groups it touched (0: none). Returns at once: the abort is applied before the next step,
+        and each aborted member's stream ends with finish_reason `reason`. `note`: what the abort
+        says about itself (RequestStream.abort_note)."""
         group = self._groups.get(request_id)
-        groups = [group] if group is not None else list(self._by_client_id.get(request_id, ()))
-        for group in groups:
-            self._enqueue(self._abort_group, group, reason)
-        return len(groups)
+        if group is not None:
+            targets = [(group, None)]
+        else:
+            targets = [(g, g.requests.named(request_id)) for g in self._by_client_id.get(request_id, ())]
+        for group, indices in targets:
+            group.abort_note = note or group.abort_note
+            self._enqueue(self._abort_group, group, reason, indices)
+        return len(targets)
 
-    def abort_all(self, reason: FinishReason = FinishReason.ABORT) -> int:
+    def abort_all(self, reason: FinishReason = FinishReason.ABORT, note: dict | None = None) -> int:
         for group in self._groups.values():
+            group.abort_note = note or group.abort_note
             self._enqueue(self._abort_group, group, reason)
         return len(self._groups)
 
@@ -316,10 +334,10 @@ class AsyncEngine:
             if out is not None:
                 self._send(group, out)
 
-    def _abort_group(self, group: _Group, reason: FinishReason) -> None:
+    def _abort_group(self, group: _Group, reason: FinishReason, indices: list[int] | None = None) -> None:
         if self._groups.get(group.request_id) is not group:
             return  # already ended
-        for out in group.requests.abort(self.core, reason):
+        for out in group.requests.abort(self.core, reason, indices):
             self._send(group, out)
 
     def _unregister(self, group: _Group) -> None:
@@ -327,11 +345,11 @@ class AsyncEngine:
         del self._groups[group.request_id]
         for member in group.requests.members:
             del self._owner[member.request_id]
-        if group.client_id is not None:
-            named = self._by_client_id[group.client_id]
+        for client_id in group.client_ids:
+            named = self._by_client_id[client_id]
             named.remove(group)
             if not named:
-                del self._by_client_id[group.client_id]
+                del self._by_client_id[client_id]
         self._unfinished_members -= group.unfinished  # a refused group's members, never finished
         if not self._groups:
             self._idle.set()

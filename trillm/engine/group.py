@@ -22,6 +22,8 @@ from trillm.pooling_params import PoolingParams
 from trillm.sampling_params import SamplingParams
 from trillm.sched_ext import FinishReason
 
+Params = SamplingParams | PoolingParams
+
 
 @dataclass(frozen=True)
 class Member:
@@ -30,29 +32,45 @@ class Member:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams | PoolingParams
+    client_id: str | None = None  # the client's name for the prompt this member samples, if any
 
 
 class RequestGroup:
     """A group's members and their admission; `fan_out` makes the members of a client request."""
 
-    def __init__(self, request_id: str, members: list[tuple[list[int], SamplingParams]]):
+    def __init__(self, request_id: str, members: list[tuple[list[int], SamplingParams | PoolingParams]],
+                 client_ids: list[str | None] | None = None):
+        """`client_ids`: each member's client name (None: none), as Member.client_id."""
         assert members, "a group has at least one member"
+        assert client_ids is None or len(client_ids) == len(members)
         self.request_id = request_id
-        self.members = [Member(f"{request_id}-{k}", list(ids), params) for k, (ids, params) in enumerate(members)]
+        self.members = [Member(f"{request_id}-{k}", list(ids), params, client_ids[k] if client_ids else None)
+                        for k, (ids, params) in enumerate(members)]
         self.index = {m.request_id: k for k, m in enumerate(self.members)}
         self._in_core: set[str] = set()  # members the core holds now
         self._deferred: dict[str, list[int]] = {}  # member id -> members waiting on its first token
 
     @classmethod
-    def fan_out(cls, request_id: str, prompts: list[list[int]], params: SamplingParams | PoolingParams) -> RequestGroup:
-        """`params.n` samples of each prompt, in OpenAI's order, a seeded sample i with seed + i
-        (a pooling request: one member per prompt)."""
-        return cls(request_id, [
-            (ids, params if isinstance(params, PoolingParams) or params.seed is None
-             else replace(params, seed=params.seed + i))
-            for ids in prompts
-            for i in range(params.n)
-        ])
+    def fan_out(cls, request_id: str, prompts: list[list[int]], params: Params | list[Params],
+                client_ids: str | None | list[str | None] = None) -> RequestGroup:
+        """`n` samples of each prompt, in OpenAI's order, a seeded sample i with seed + i (a
+        pooling request: one member per prompt). `params` and `client_ids` are the group's, or
+        one per prompt (a batch whose prompts each have their own; every prompt's n the same)."""
+        per_prompt = params if isinstance(params, list) else [params] * len(prompts)
+        names = client_ids if isinstance(client_ids, list) else [client_ids] * len(prompts)
+        assert len(per_prompt) == len(names) == len(prompts)
+        n = _samples(per_prompt[0])
+        assert all(_samples(p) == n for p in per_prompt), "every prompt of a group has the same n"
+        members = [
+            (ids, p if isinstance(p, PoolingParams) or p.seed is None else replace(p, seed=p.seed + i))
+            for ids, p in zip(prompts, per_prompt)
+            for i in range(n)
+        ]
+        return cls(request_id, members, [name for name in names for _ in range(n)])
+
+    def named(self, client_id: str) -> list[int]:
+        """The members the client named so."""
+        return [k for k, m in enumerate(self.members) if m.client_id == client_id]
 
     def admit(self, core: EngineCore) -> None:
         """Add the members to the core, each repeated prompt's samples deferred (module docstring).
@@ -93,15 +111,22 @@ class RequestGroup:
         self.on_output(core, out)
         return out
 
-    def abort(self, core: EngineCore, reason: FinishReason) -> list[StepOutput]:
-        """End every unfinished member now; their final outputs. Members the core holds are
-        aborted there (their blocks are free at once); deferred ones never reached it and end
-        with no tokens."""
-        deferred = [k for waiting in self._deferred.values() for k in waiting]
-        self._deferred.clear()
-        finals = [core.abort_request(request_id, reason) for request_id in sorted(self._in_core, key=self.index.get)]
-        assert None not in finals, "the core holds every member in _in_core"
-        self._in_core.clear()
+    def abort(self, core: EngineCore, reason: FinishReason, indices: list[int] | None = None) -> list[StepOutput]:
+        """End every unfinished member now (or those of `indices`); their final outputs. Members
+        the core holds are aborted there (their blocks are free at once); deferred ones never
+        reached it and end with no tokens; members deferred behind an aborted one that are not
+        aborted themselves are admitted, as after its first token."""
+        chosen = set(range(len(self.members)) if indices is None else indices)
+        deferred = [k for waiting in self._deferred.values() for k in waiting if k in chosen]
+        for waiting in self._deferred.values():
+            waiting[:] = [k for k in waiting if k not in chosen]
+        finals = []
+        for request_id in sorted(self._in_core, key=self.index.get):
+            if self.index[request_id] in chosen:
+                out = core.abort_request(request_id, reason)
+                assert out is not None, "the core holds every member in _in_core"
+                finals.append(out)
+                self.on_output(core, out)
         for k in deferred:
             member = self.members[k]
             finals.append(StepOutput(
@@ -114,3 +139,7 @@ class RequestGroup:
     def _add(self, core: EngineCore, member: Member) -> None:
         core.add_request(member.request_id, member.prompt_token_ids, member.params)
         self._in_core.add(member.request_id)
+
+
+def _samples(params: Params) -> int:
+    return 1 if isinstance(params, PoolingParams) else params.n

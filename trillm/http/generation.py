@@ -18,8 +18,7 @@ import trio
 
 from trillm.engine.async_engine import RequestStream
 from trillm.engine.output import Delta, output_processor
-from trillm.engine.group import RequestGroup
-from trillm.pooling_params import PoolingParams
+from trillm.engine.group import Params, RequestGroup
 from trillm.sampling_params import SamplingParamError, SamplingParams
 from trillm.sched_ext import FinishReason
 
@@ -27,27 +26,28 @@ log = logging.getLogger(__name__)
 
 
 class Generation:
-    def __init__(self, state, request_id: str, client_id: str | None, prompts: list[list[int]],
-                 params: SamplingParams | PoolingParams, field_names: dict[str, str] | None = None):
+    def __init__(self, state, request_id: str, client_id: str | None | list[str | None], prompts: list[list[int]],
+                 params: Params | list[Params], field_names: dict[str, str] | None = None):
         """`request_id`: the server's id (the engine's key); `client_id`: the client's own name
         for the request, if it gave one (see trillm.http.state.request_id); `field_names`: the
         client's names for the engine's fields where they differ (chat's `messages` for
-        `prompt`), so a refusal names the field the client sent."""
-        if isinstance(params, SamplingParams) and params.stop and state.tokenizer is None:
+        `prompt`), so a refusal names the field the client sent. `client_id` and `params` may
+        also be one per prompt (SGLang's batch, whose prompts have their own rid and settings)."""
+        every = params if isinstance(params, list) else [params]
+        if any(isinstance(p, SamplingParams) and p.stop for p in every) and state.tokenizer is None:
             raise SamplingParamError("stop", "Stop strings need text, and this model has no tokenizer.")
         self.request_id = request_id
-        self.client_id = client_id
         self.prompts = prompts
-        self.n = params.n
+        self.n = every[0].n if isinstance(every[0], SamplingParams) else 1
         self._engine = state.engine
         self._field_names = field_names or {}
         # Refused before a detokenizer is built for each member: a group too large for the
         # waiting limit costs nothing.
-        self._param = "n" if params.n > 1 else "prompt"
+        self._param = "n" if self.n > 1 else "prompt"
         with self._in_client_terms():
-            self._engine.check_room(len(prompts) * params.n, self._param)
+            self._engine.check_room(len(prompts) * self.n, self._param)
         self._metrics = state.metrics
-        self._requests = RequestGroup.fan_out(request_id, prompts, params)
+        self._requests = RequestGroup.fan_out(request_id, prompts, params, client_id)
         self.processors = [
             output_processor(state.tokenizer, m.prompt_token_ids, m.params, index=k)
             for k, m in enumerate(self._requests.members)
@@ -60,7 +60,7 @@ class Generation:
     async def start(self) -> None:
         """Wait for the engine to admit every choice; raises what AsyncEngine.add raises."""
         with self._in_client_terms():
-            self._stream = await self._engine.add(self._requests, self._param, self.client_id)
+            self._stream = await self._engine.add(self._requests, self._param)
         self._metrics.prompt_tokens.inc(sum(map(len, self.prompts)))
 
     async def run(self) -> None:
@@ -78,6 +78,11 @@ class Generation:
     def prompt(self, index: int) -> list[int]:
         """The prompt's token ids of choice `index`."""
         return self.prompts[index // self.n]
+
+    @property
+    def abort_note(self) -> dict | None:
+        """What an abort that ended this generation said about itself (AsyncEngine.abort's note)."""
+        return None if self._stream is None else self._stream.abort_note
 
     @property
     def finished(self) -> bool:

@@ -17,24 +17,45 @@ from trillm.http.errors import APIError
 from trillm.http.generation import Generation
 from trillm.http.logprobs import reported_prompt_tokens
 from trillm.http.prompts import chat_prompt, completion_prompts, encode, require_tokenizer
-from trillm.http.protocol import AbortRequest, DetokenizeRequest, GenerateRequest, TokenizeRequest
+from trillm.http.protocol import (
+    AbortRequest,
+    DetokenizeRequest,
+    GenerateRequest,
+    LMDeployGenerateRequest,
+    TokenizeRequest,
+)
 from trillm.http.sse import stream_response
-from trillm.http.state import current, parse_body, request_id
+from trillm.http.state import current, parse_body, read_json, request_id, validate
 from trillm.sched_ext import FinishReason
 
 blueprint = Blueprint("native", __name__)
 
 
+# What only LMDeploy's flat body has: a body with any of these is read as LMDeploy's.
+LMDEPLOY_ONLY = frozenset(LMDeployGenerateRequest.model_fields) - frozenset(GenerateRequest.model_fields)
+
+
 @blueprint.post("/generate")
 async def generate():
+    """SGLang's body, or LMDeploy's flat one (told apart by LMDeploy's own fields)."""
     state = current()
-    req = await parse_body(GenerateRequest, status=422)
+    body = await read_json()
+    if isinstance(body, dict) and LMDEPLOY_ONLY & body.keys():
+        req = validate(LMDeployGenerateRequest, body, status=422).to_native()
+        text_field, field_names = "prompt", None
+    else:
+        req = validate(GenerateRequest, body, status=422)
+        text_field, field_names = "text", {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens"}
     if (req.text is None) == (req.input_ids is None):
-        raise APIError(400, "Send exactly one of text and input_ids.", "text")
+        raise APIError(400, f"Send exactly one of {text_field} and input_ids.", text_field)
     prompt = req.text if req.text is not None else req.input_ids
     prompts = completion_prompts(state.tokenizer, prompt)
-    generation = Generation(state, *request_id("gen", req.rid), prompts, req.to_sampling_params(),
-                            field_names={"max_tokens": "max_new_tokens"})
+    params = req.to_sampling_params(len(prompts))
+    if isinstance(req.rid, list):  # each prompt named by the client: the server's id names the batch
+        server_id, _ = request_id("gen")
+        generation = Generation(state, server_id, req.rid, prompts, params, field_names=field_names)
+    else:
+        generation = Generation(state, *request_id("gen", req.rid), prompts, params, field_names=field_names)
     await generation.start()
     batched = isinstance(req.text, list) or (req.input_ids is not None and isinstance(req.input_ids[0], list))
     chunks = GenerateChunks(generation)
@@ -53,7 +74,8 @@ class GenerateChunks:
         c = self.generation.processors[index].completion
         meta = {
             "id": self.generation.request_id,
-            "finish_reason": _finish_reason(c.finish_reason, c.stop_reason, len(c.token_ids)),
+            "finish_reason": _finish_reason(c.finish_reason, c.stop_reason, len(c.token_ids),
+                                            self.generation.abort_note),
             "prompt_tokens": len(self.generation.prompt(index)),
             "completion_tokens": len(c.token_ids),
             "cached_tokens": c.num_cached_tokens,
@@ -77,9 +99,13 @@ class GenerateChunks:
         return []
 
 
-def _finish_reason(reason: FinishReason | None, stop_reason: str | int | None, num_tokens: int) -> dict | None:
+def _finish_reason(reason: FinishReason | None, stop_reason: str | int | None, num_tokens: int,
+                   abort_note: dict | None) -> dict | None:
+    """SGLang's finish_reason object; an aborted request's is what its abort said, if anything."""
     if reason is None:
         return None
+    if reason == FinishReason.ABORT and abort_note is not None:
+        return abort_note
     if reason == FinishReason.STOP:
         return {"type": reason, "matched": stop_reason}
     if reason == FinishReason.LENGTH:
@@ -90,18 +116,21 @@ def _finish_reason(reason: FinishReason | None, stop_reason: str | int | None, n
 @blueprint.post("/abort_request")
 async def abort_request():
     """`{"rid": id}` aborts the request whose response `id` that is, or else every live request
-    whose client named it so (the native `rid`, or an X-Request-Id header), all their samples;
-    `{"abort_all": true}` aborts every one. Their streams end with finish_reason "abort"; their
-    blocks are free before the next step."""
+    whose client named it so (the native `rid`, LMDeploy's `session_id`, or an X-Request-Id
+    header), all their samples (of a batch whose prompts have their own rids, that prompt's);
+    `{"abort_all": true}` aborts every one. Their streams end with finish_reason "abort" (on
+    /generate, `finished_reason` or `abort_message` when the abort gave one); their blocks are
+    free before the next step."""
     engine = current().engine
     req = await parse_body(AbortRequest, status=422)
     if req.abort_all:
-        return {"num_aborted": engine.abort_all()}
-    if req.rid is None:
-        raise APIError(400, "Send a rid, or abort_all: true.", "rid")
-    num_aborted = engine.abort(req.rid)
+        return {"num_aborted": engine.abort_all(note=req.note)}
+    if req.name is None:
+        raise APIError(400, "Send a rid or session_id, or abort_all: true.", "rid")
+    param = "rid" if req.rid is not None else "session_id"
+    num_aborted = engine.abort(req.name, note=req.note)
     if not num_aborted:
-        raise APIError(404, f"No running request has id {req.rid!r}.", "rid")
+        raise APIError(404, f"No running request has {param} {req.name!r}.", param)
     return {"num_aborted": num_aborted}
 
 

@@ -37,7 +37,7 @@ async def chat_completions():
         options = req.template_options(state.chat_template, state.settings.trust_request_chat_template)
         prompt = chat_prompt(state.tokenizer, req.chat_messages(), options, tools=tools)
     prompt = req.truncated(prompt, state.max_model_len)
-    generation = Generation(state, *request_id("chatcmpl"), [prompt], params, field_names=req.field_names)
+    generation = Generation(state, *request_id("chatcmpl", req.session_name), [prompt], params, field_names=req.field_names)
     if req.user is not None or req.metadata:
         log.info("%s user=%r metadata=%s", generation.request_id, req.user, req.metadata or {})
     await generation.start()

@@ -29,7 +29,7 @@ async def completions():
     state.check_model(req.model)
     params = req.to_sampling_params(state.vocab_size, state.tokenizer)
     prompts = [req.truncated(p, state.max_model_len) for p in completion_prompts(state.tokenizer, req.prompt)]
-    generation = Generation(state, *request_id("cmpl"), prompts, params)
+    generation = Generation(state, *request_id("cmpl", req.session_name), prompts, params)
     await generation.start()
     # A truncated prompt is echoed as what the model saw: its remaining tokens.
     sent = req.prompt if req.truncate_prompt_tokens is None else prompts

@@ -186,6 +186,12 @@ class SamplingFields(Strict):
     return_token_ids: bool = False  # vLLM's, LMDeploy's: prompt and output token ids in the response
     top_p_min: float = Field(0.0, ge=0, le=1)  # TensorRT-LLM's floor of top_p (it has no decay here)
     min_new_tokens: int | None = None  # LMDeploy's name for min_tokens
+    session_id: int | None = None  # LMDeploy's: the client's name for the request (/abort_request takes it)
+
+    @property
+    def session_name(self) -> str | None:
+        """The session id as a client id (LMDeploy's -1: none)."""
+        return session_name(self.session_id)
 
     def _sampling_params(
         self, vocab_size: int, tokenizer, max_tokens: int | None, logprobs: int | None,
@@ -579,17 +585,33 @@ class NativeSamplingParams(Strict):
 
 
 class GenerateRequest(Strict):
+    """SGLang's /generate body: one prompt or a batch; a batch may name each prompt (`rid`) and
+    give each its own `sampling_params` (lists as long as the batch)."""
+
     text: str | PromptList | None = None
     input_ids: list[int] | TokenPromptList | None = None
-    sampling_params: NativeSamplingParams = Field(default_factory=NativeSamplingParams)
+    sampling_params: NativeSamplingParams | Annotated[list[NativeSamplingParams], Field(min_length=1)] = Field(
+        default_factory=NativeSamplingParams)
     stream: bool = False
-    rid: str | None = None
+    rid: str | Annotated[list[str], Field(min_length=1)] | None = None
     return_logprob: bool = False
     top_logprobs_num: int = 0
     logprob_start_len: int = Field(-1, ge=-1)  # SGLang's: -1, the output's logprobs only
 
-    def to_sampling_params(self) -> SamplingParams:
-        p = self.sampling_params
+    def to_sampling_params(self, num_prompts: int) -> SamplingParams | list[SamplingParams]:
+        """The batch's settings, or one per prompt; the rid and sampling_params lists checked
+        against the batch's size."""
+        for name, value in (("rid", self.rid), ("sampling_params", self.sampling_params)):
+            if isinstance(value, list) and len(value) != num_prompts:
+                raise SamplingParamError(name, f"{name} lists {len(value)} entries for {num_prompts} prompts.")
+        if not isinstance(self.sampling_params, list):
+            return self._params(self.sampling_params)
+        params = [self._params(p) for p in self.sampling_params]
+        if len({p.n for p in params}) > 1:
+            raise SamplingParamError("sampling_params", "Every prompt's sampling_params must have the same n.")
+        return params
+
+    def _params(self, p: NativeSamplingParams) -> SamplingParams:
         fields = p.model_dump(exclude={"max_new_tokens", "min_new_tokens", "stop", "stop_token_ids"})
         return SamplingParams(
             **fields,
@@ -607,9 +629,70 @@ class GenerateRequest(Strict):
         return self.return_logprob and self.logprob_start_len >= 0
 
 
+class LMDeployGenerateRequest(Strict):
+    """LMDeploy's /generate body: flat, its sampling fields at the top level, named by
+    `session_id`. It becomes SGLang's form (`to_native`), so both run the same way."""
+
+    prompt: str | None = None
+    input_ids: list[int] | None = None
+    session_id: int | None = -1
+    max_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float | None = 1.0
+    ignore_eos: bool | None = False
+    skip_special_tokens: bool | None = True
+    spaces_between_special_tokens: bool | None = True
+    include_stop_str_in_output: bool | None = False
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    stream: bool | None = False
+    return_logprob: bool | None = None
+    image_data: None = None  # a text-only model: images are refused, not ignored
+    mm_processor_kwargs: dict[str, Any] | None = None  # no multimodal processor here: nothing to pass them to
+    return_routed_experts: Literal[False] = False  # a dense model routes no experts
+
+    def to_native(self) -> GenerateRequest:
+        sampling = NativeSamplingParams(
+            max_new_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+            min_p=self.min_p, repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            ignore_eos=bool(self.ignore_eos), skip_special_tokens=self.skip_special_tokens is not False,
+            spaces_between_special_tokens=self.spaces_between_special_tokens is not False,
+            include_stop_str_in_output=bool(self.include_stop_str_in_output), stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+        )
+        return GenerateRequest(text=self.prompt, input_ids=self.input_ids, sampling_params=sampling,
+                               stream=bool(self.stream), rid=session_name(self.session_id),
+                               return_logprob=bool(self.return_logprob))
+
+
+def session_name(session_id: int | None) -> str | None:
+    """LMDeploy's session id as a client id (-1: none)."""
+    return None if session_id is None or session_id == -1 else str(session_id)
+
+
 class AbortRequest(Strict):
+    """SGLang's and LMDeploy's: `rid` or `session_id` names what to abort, or `abort_all`;
+    `finished_reason` (an object) or `abort_message` becomes the aborted requests' /generate
+    finish_reason."""
+
     rid: str | None = None
+    session_id: int | None = -1
     abort_all: bool = False
+    abort_message: str | None = None
+    finished_reason: dict[str, Any] | None = None
+
+    @property
+    def name(self) -> str | None:
+        return self.rid if self.rid is not None else session_name(self.session_id)
+
+    @property
+    def note(self) -> dict | None:
+        if self.finished_reason is not None:
+            return self.finished_reason
+        return None if self.abort_message is None else {"type": "abort", "message": self.abort_message}
 
 
 class TokenizeRequest(Strict):

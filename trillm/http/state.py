@@ -67,19 +67,28 @@ def current() -> ServerState:
 
 async def parse_body(model: type[pydantic.BaseModel], status: int = 400):
     """The JSON body as `model`; 400 (or `status`, for schema errors) naming the bad field."""
+    return validate(model, await read_json(), status)
+
+
+def validate(model: type[pydantic.BaseModel], body, status: int = 400):
+    """`body` (decoded JSON) as `model`; `status` naming the bad field if it does not fit."""
+    try:
+        return model.model_validate(body)
+    except pydantic.ValidationError as exc:
+        raise from_validation_error(exc, status) from None
+
+
+async def read_json():
+    """The request's body, decoded; 400 if it is not UTF-8 JSON. An empty body is `{}`."""
     data = await request.get_data()
     try:
         text = data.decode("utf-8")  # JSON on the wire is UTF-8 (RFC 8259); json.loads would guess
     except UnicodeDecodeError as exc:
         raise APIError(400, f"The body is not valid UTF-8: {exc}") from None
     try:
-        body = json.loads(text or "{}")
+        return json.loads(text or "{}")
     except json.JSONDecodeError as exc:
         raise APIError(400, f"The body is not valid JSON: {exc}") from None
-    try:
-        return model.model_validate(body)
-    except pydantic.ValidationError as exc:
-        raise from_validation_error(exc, status) from None
 
 
 def request_id(prefix: str, rid: str | None = None, separator: str = "-") -> tuple[str, str | None]:
