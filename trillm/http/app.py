@@ -24,7 +24,7 @@ from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
 from trillm.engine.async_engine import EngineUnavailableError, QueueFullError
 from trillm.engine.core import EngineCore
-from trillm.http import embeddings, info, native, openai_chat, openai_completions, openapi, responses
+from trillm.http import embeddings, info, invocations, native, openai_chat, openai_completions, openapi, responses
 from trillm.http.auth import check_api_key
 from trillm.http.connection import Connection
 from trillm.http.errors import APIError, error_response
@@ -47,7 +47,7 @@ def create_app(settings: ServerSettings | None = None, core: EngineCore | None =
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes  # bounds what one request can make us buffer
     state = ServerState(settings, core)
     app.extensions[EXTENSION] = state
-    for module in (openai_chat, openai_completions, responses, embeddings, native, info, openapi):
+    for module in (openai_chat, openai_completions, responses, embeddings, native, info, invocations, openapi):
         app.register_blueprint(module.blueprint)
 
     @app.before_request

@@ -28,13 +28,22 @@ async def health():
 
 
 def _model_card(state) -> dict:
+    """OpenAI's model object with vLLM's fields (`root`, `parent`, `max_model_len`, `permission`),
+    which vLLM's clients and UIs read."""
     return {
         "id": state.model_name,
         "object": "model",
         "created": _STARTED,
         "owned_by": "trillm",
         "root": state.settings.engine.model or state.core.config.name,
+        "parent": None,  # no adapter: the base model itself
         "max_model_len": state.max_model_len,
+        "permission": [{
+            "id": f"modelperm-{state.model_name}", "object": "model_permission", "created": _STARTED,
+            "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+            "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
+            "organization": "*", "group": None, "is_blocking": False,
+        }],
     }
 
 

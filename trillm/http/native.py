@@ -1,6 +1,7 @@
-"""The native endpoints, in the shapes SGLang-style servers use: /generate, /abort_request,
-/tokenize, /detokenize, /flush_cache; and vLLM's /tokenizer_info, which lets clients such as
-lm-evaluation-harness tokenize through the server instead of loading the tokenizer themselves.
+"""The native endpoints, in the shapes SGLang-style servers use: /generate (LMDeploy's flat
+body too), /abort_request, /tokenize, /detokenize, /flush_cache (vLLM's /reset_prefix_cache);
+and vLLM's /tokenizer_info, which lets clients such as lm-evaluation-harness tokenize through
+the server instead of loading the tokenizer themselves.
 
 Schema errors here are 422, as the FastAPI servers these endpoints come from answer;
 a value out of range is still 400. Both use the OpenAI error body.
@@ -178,6 +179,7 @@ async def tokenizer_info():
 
 
 @blueprint.post("/flush_cache")
+@blueprint.post("/reset_prefix_cache")  # vLLM's name
 async def flush_cache():
     """Empty the prefix cache. Refused while requests run: their blocks are in use."""
     if not current().engine.reset_prefix_cache():

@@ -25,6 +25,7 @@ from trillm.http.protocol import (
     DetokenizeRequest,
     EmbeddingRequest,
     GenerateRequest,
+    LMDeployGenerateRequest,
     RerankRequest,
     ScoreRequest,
     TokenizeRequest,
@@ -32,10 +33,12 @@ from trillm.http.protocol import (
 
 blueprint = Blueprint("openapi", __name__)
 
-BODIES: dict[str, type[BaseModel]] = {
+# A route's body model, or the models it tells apart by the body's shape.
+BODIES: dict[str, type[BaseModel] | tuple[type[BaseModel], ...]] = {
     "/v1/chat/completions": ChatCompletionRequest,
     "/v1/completions": CompletionRequest,
-    "/generate": GenerateRequest,
+    "/generate": (GenerateRequest, LMDeployGenerateRequest),
+    "/invocations": (ChatCompletionRequest, CompletionRequest, EmbeddingRequest, ScoreRequest, RerankRequest),
     "/abort_request": AbortRequest,
     "/tokenize": TokenizeRequest,
     "/detokenize": DetokenizeRequest,
@@ -48,7 +51,7 @@ BODIES: dict[str, type[BaseModel]] = {
     "/v1/rerank": RerankRequest,
     "/v2/rerank": RerankRequest,
 }
-BODILESS_POSTS = {"/flush_cache", "/ping", "/v1/responses/<response_id>/cancel"}
+BODILESS_POSTS = {"/flush_cache", "/reset_prefix_cache", "/ping", "/v1/responses/<response_id>/cancel"}
 REF_TEMPLATE = "#/components/schemas/{model}"
 
 ERROR_SCHEMA = {
@@ -71,7 +74,8 @@ ERROR_SCHEMA = {
 
 def openapi_document(url_map) -> dict:
     """The document for the routes in `url_map` (a Quart app's)."""
-    refs, defs = models_json_schema([(m, "validation") for m in BODIES.values()], ref_template=REF_TEMPLATE)
+    models = dict.fromkeys(m for body in BODIES.values() for m in (body if isinstance(body, tuple) else (body,)))
+    refs, defs = models_json_schema([(m, "validation") for m in models], ref_template=REF_TEMPLATE)
     schemas = {**defs.get("$defs", {}), "ErrorResponse": ERROR_SCHEMA}
     paths: dict[str, dict] = {}
     for rule in url_map.iter_rules():
@@ -110,12 +114,13 @@ def _operation(rule, path: str, method: str, refs: dict) -> dict:
     if rule.rule.startswith("/v1/"):
         operation["security"] = [{"bearerAuth": []}, {}]  # needed only when the server has an API key
     if method == "POST":
-        model = BODIES.get(rule.rule)
-        assert model is not None or rule.rule in BODILESS_POSTS, f"POST {rule.rule} must name its body model"
-        if model is not None:
+        body = BODIES.get(rule.rule)
+        assert body is not None or rule.rule in BODILESS_POSTS, f"POST {rule.rule} must name its body model"
+        if body is not None:
+            schemas = [refs[(m, "validation")] for m in (body if isinstance(body, tuple) else (body,))]
             operation["requestBody"] = {
                 "required": True,
-                "content": {"application/json": {"schema": refs[(model, "validation")]}},
+                "content": {"application/json": {"schema": schemas[0] if len(schemas) == 1 else {"anyOf": schemas}}},
             }
     return operation
 
