@@ -95,7 +95,7 @@ async def test_string_messages_and_do_preprocess(server):
     assert await prompt_ids(server, messages=text) == await prompt_ids(server, messages=ASK)
     assert await prompt_ids(server, messages=text, do_preprocess=False) == tokenizer.encode(text)
     response = await server.http().post("/v1/chat/completions", json={
-        "model": server.model, "messages": ASK, "do_preprocess": False})
+        "model": server.model, "messages": [{"role": "system", "content": "Be brief."}, *ASK], "do_preprocess": False})
     assert response.status_code == 400 and response.json()["error"]["param"] == "do_preprocess"
 
 

@@ -36,6 +36,8 @@ BAD_REQUESTS = [
     (CHAT, {"messages": []}, 400, "messages"),
     (CHAT, {}, 400, "messages"),
     (CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages.0.role"),
+    (CHAT, {"messages": HELLO, "stop": 5}, 400, "stop"),  # a union's member names stay out of param
+    (CHAT, {"messages": 5}, 400, "messages"),
     (CHAT, {"messages": HELLO, "max_tokenz": 5}, 400, "max_tokenz"),
     (CHAT, {"messages": HELLO, "top_logprobs": 2}, 400, "top_logprobs"),
     (CHAT, {"messages": HELLO, "stream_options": {"include_usage": True}}, 400, "stream_options"),

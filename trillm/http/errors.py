@@ -13,6 +13,7 @@ so a load balancer can tell overload from failure.
 from __future__ import annotations
 
 import json
+import re
 
 import pydantic
 from quart import Response
@@ -49,10 +50,15 @@ def error_response(status: int, message: str, param: str | None = None) -> Respo
     return Response(json.dumps(error_body(status, message, param)), status=status, content_type="application/json")
 
 
+# pydantic names the member of a union it tried in the error's location (`stop.list[str]`,
+# `sampling_params.NativeSamplingParams.temperature`); the client named only the fields.
+_UNION_MEMBER = re.compile(r"^([A-Z]\w*|str|int|float|bool|none|(list|dict|tuple|set)\[.*\]|function-\w+\[.*\])$")
+
+
 def from_validation_error(exc: pydantic.ValidationError, status: int) -> APIError:
     """The first problem, named by its field path (`messages.0.role`) in `param`."""
     first = exc.errors(include_url=False)[0]
-    param = ".".join(str(part) for part in first["loc"]) or None
+    param = ".".join(str(part) for part in first["loc"] if not _UNION_MEMBER.match(str(part))) or None
     message = first["msg"] if param is None else f"{param}: {first['msg']}"
     more = len(exc.errors()) - 1
     if more:

@@ -35,7 +35,7 @@ async def chat_completions():
         prompt = encode(state.tokenizer, raw, "messages")
     else:
         options = req.template_options(state.chat_template, state.settings.trust_request_chat_template)
-        prompt = chat_prompt(state.tokenizer, req.chat_messages(), options, tools=tools)
+        prompt = chat_prompt(state.tokenizer, req.messages, options, tools=tools)
     prompt = req.truncated(prompt, state.max_model_len)
     generation = Generation(state, *request_id("chatcmpl", req.session_name), [prompt], params, field_names=req.field_names)
     if req.user is not None or req.metadata:

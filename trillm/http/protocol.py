@@ -366,7 +366,7 @@ class LegacyFunctionChoice(Strict):
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: str | list[ChatMessage]  # a string: one user message (LMDeploy's), or with do_preprocess false the prompt
+    messages: list[ChatMessage]  # LMDeploy's string is one user message (_one_string)
     logprobs: bool | None = False
     top_logprobs: int | None = None
     max_tokens: int | None = None
@@ -420,19 +420,20 @@ class ChatCompletionRequest(SamplingFields):
                 self.tool_choice = self.function_call
             self.functions = self.function_call = None
 
-    def chat_messages(self) -> list[ChatMessage]:
-        """The conversation; a string is one user message."""
-        if isinstance(self.messages, str):
-            return [ChatMessage(role="user", content=self.messages)]
-        return self.messages
+    @pydantic.field_validator("messages", mode="before")
+    @classmethod
+    def _one_string(cls, value):
+        """LMDeploy takes `messages` as a string: one user message (with do_preprocess false, the prompt)."""
+        return [{"role": "user", "content": value}] if isinstance(value, str) else value
 
     def raw_prompt(self) -> str | None:
-        """With do_preprocess false (LMDeploy's), the prompt text to use as it is; else None."""
+        """With do_preprocess false (LMDeploy's), the prompt text to use as it is: the one user
+        message's (sent as a string); else None."""
         if self.do_preprocess:
             return None
-        if not isinstance(self.messages, str):
+        if len(self.messages) != 1 or self.messages[0].role != "user" or not isinstance(self.messages[0].content, str):
             raise SamplingParamError("do_preprocess", "do_preprocess false takes messages as one prompt string.")
-        return self.messages
+        return self.messages[0].content
 
     def template_options(self, model_template: str | None, trust_request_template: bool) -> TemplateOptions:
         """How to render this request's messages. A template of the request's own is refused
@@ -444,7 +445,7 @@ class ChatCompletionRequest(SamplingFields):
         if self.continue_final_message and self.add_generation_prompt:
             raise SamplingParamError("continue_final_message", "continue_final_message needs add_generation_prompt "
                                                                "false: the answer continues the last message.")
-        if self.continue_final_message and self.chat_messages()[-1:] and self.chat_messages()[-1].role != "assistant":
+        if self.continue_final_message and self.messages and self.messages[-1].role != "assistant":
             raise SamplingParamError("continue_final_message", "continue_final_message needs the last message to "
                                                                "be the assistant's.")
         template = self.chat_template or model_template

@@ -87,7 +87,7 @@ def _prompt(state: ServerState, req: ResponsesRequest, chat: ChatCompletionReque
     """The prompt's token ids. With truncation "auto", the oldest turns (never the system
     message, never the last turn) are dropped until the prompt and max_output_tokens fit."""
     tools = chat.tools if choice != "none" else None
-    messages = list(chat.chat_messages())
+    messages = list(chat.messages)
     options = chat.template_options(state.chat_template, trust_request_template=False)
     limit = state.max_model_len - (max_tokens or 1)
     while True:
