@@ -16,7 +16,7 @@ import trillm
 from trillm import SamplingParams
 from trillm.config import EngineArgs
 from trillm.engine.cuda_graphs import DecodeInputs, capture_sizes, padded_size, use_cuda_graphs
-from trillm.engine.runner import ModelRunner
+from trillm.engine.runner import ModelRunner, StepInputs
 
 BLOCK_SIZE = 4
 MAX_TOKENS = 16
@@ -99,7 +99,7 @@ def run_model(runner: ModelRunner, batch) -> torch.Tensor:
 
 def decode_step(runner: ModelRunner, token_ids: list[list[int]], tables: list[list[int]]):
     n = len(token_ids)
-    return runner.prepare(token_ids, tables, [1] * n, [len(t) - 1 for t in token_ids], [True] * n)
+    return runner.prepare(StepInputs([t[-1:] for t in token_ids], tables, [len(t) - 1 for t in token_ids], [True] * n))
 
 
 def assert_only_slots_changed(runner: ModelRunner, before: list[torch.Tensor], slots: torch.Tensor):
@@ -134,7 +134,7 @@ def test_padded_decode_batch_gives_the_unpadded_logits(tiny_model_dir, backend):
         tables.append(blocks[:num_blocks])
         blocks = blocks[num_blocks:]
     token_ids = [[rng.randrange(3, 256) for _ in range(n)] for n in lengths]
-    prefill = run_model(runner, runner.prepare(token_ids, tables, lengths, [0, 0, 0], [True] * 3))
+    prefill = run_model(runner, runner.prepare(StepInputs([list(t) for t in token_ids], tables, [0, 0, 0], [True] * 3)))
     for ids, token in zip(token_ids, prefill.argmax(-1).tolist()):
         ids.append(token)
 

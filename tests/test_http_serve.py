@@ -177,3 +177,33 @@ async def test_sigterm_under_load_ends_every_stream_with_a_final_chunk_and_exits
     ended = [line for line in log if "ended after" in line]
     assert len(ended) == 48, ended
     assert all(re.search(r"\[term-\d+\] (cmpl-|resp_)[0-9a-f]{32} ended after", line) for line in ended), ended
+
+
+def _live(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+async def test_a_tensor_parallel_server_stops_every_rank_on_sigterm(tiny_text_model_dir):
+    command = [sys.executable, "-m", "trillm", "serve", "--model", tiny_text_model_dir, "--port", "0",
+               "--num-kv-blocks", "64", "--tensor-parallel-size", "2"]
+    async with trio.open_nursery() as nursery:
+        process, url, log = await start_server(nursery, command)
+        workers = []
+        for task in Path(f"/proc/{process.pid}/task").iterdir():  # children of every thread (the loader's too)
+            workers += [int(p) for p in (task / "children").read_text().split()]
+        assert len(workers) == 1 and all(map(_live, workers)), "rank 0 starts the one other rank"
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        out = await client.completions.create(model=os.path.basename(tiny_text_model_dir), prompt="Hello",
+                                              max_tokens=4, extra_body={"ignore_eos": True})
+        assert out.usage.completion_tokens == 4
+        await client.close()
+        process.send_signal(signal.SIGTERM)
+        with trio.fail_after(60):
+            assert await process.wait() == 0, "\n".join(log)
+        with trio.fail_after(10):
+            while any(map(_live, workers)):
+                await trio.sleep(0.05)

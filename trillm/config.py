@@ -40,6 +40,13 @@ class EngineArgs:
     # How embedding requests pool the prompt's final hidden states: last | mean | cls. None: the
     # model's sentence-transformers config (modules.json's Pooling module), else last
     pooling_type: str | None = None
+    # Tensor parallelism (trillm/engine/parallel.py): ranks that shard the model. With more than
+    # one, the engine starts the other ranks itself unless a launcher (torchrun) started them.
+    tensor_parallel_size: int = 1
+    tp_cpu_binding: bool = True  # on CPU, each rank's threads on its own cores (its NUMA node's)
+    tp_timeout: float = 60.0  # seconds a step's collectives wait for a late rank before failing
+    # where the ranks meet (tcp://host:port); None: a free loopback port (ranks on one machine)
+    tp_init_method: str | None = None
 
     @classmethod
     def field_names(cls) -> list[str]:

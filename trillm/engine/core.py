@@ -6,7 +6,7 @@ holds no locks: adds and aborts are applied between steps, never during one.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -14,7 +14,10 @@ from trillm.config import EngineArgs
 from trillm.engine.pooler import Pooler
 from trillm.engine.prompt_logprobs import PromptLogprobs, fill_prompt_logprobs
 from trillm.engine.request import EngineRequest
+from trillm.engine import parallel
+from trillm.engine.loader import resolve_device
 from trillm.engine.runner import ModelRunner
+from trillm.engine.tp_worker import Workers, launcher_init_method, launcher_rank
 from trillm.engine.sampler import Sampler, SamplingBatch, TokenLogprobs
 from trillm.engine.stats import EngineStats
 from trillm.engine.structured_output import Grammars, accept
@@ -42,8 +45,24 @@ class StepOutput:
 
 class EngineCore:
     def __init__(self, args: EngineArgs):
+        """With tensor_parallel_size > 1 this is rank 0: it starts the other ranks (unless a
+        launcher did, trillm.engine.tp_worker) and joins their group before loading its shard.
+        `close()` stops them."""
+        self.workers: Workers | None = None
+        self.tp = parallel.SINGLE
+        if args.tensor_parallel_size > 1:
+            if launcher_rank() is None:
+                self.workers, args = Workers.start(args)
+            elif args.tp_init_method is None:
+                args = replace(args, tp_init_method=launcher_init_method())
+            try:
+                self.tp = parallel.join(0, args.tensor_parallel_size, args.tp_init_method,
+                                        resolve_device(args.device), args.tp_timeout)
+            except BaseException:
+                self._stop_workers()
+                raise
         self.args = args
-        self.runner = ModelRunner(args)
+        self.runner = ModelRunner(args, self.tp)
         self.config = self.runner.config  # resolved once, by the loader
         self.tokenizer = self.runner.tokenizer
         self.scheduler = Scheduler(
@@ -59,6 +78,27 @@ class EngineCore:
         self.grammars = Grammars(self.tokenizer, self.config.hf_config.vocab_size, list(self.config.eos_token_ids))
         self.requests: dict[str, EngineRequest] = {}  # live requests, from add_request to their end
         self.num_preemptions = 0
+
+    def close(self) -> None:
+        """Stops the other tensor-parallel ranks (a no-op on one rank). Idempotent; the core
+        steps no more after it."""
+        try:
+            if self.tp.size > 1 and not self.runner.closed:
+                self.runner.close()
+        finally:
+            self._stop_workers()
+            parallel.leave()
+
+    def __enter__(self) -> EngineCore:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def _stop_workers(self) -> None:
+        if self.workers is not None:
+            self.workers.stop()
+            self.workers = None
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | PoolingParams) -> None:
         """Queue a request; raises ValueError (SamplingParamError with .param) if it can never run.

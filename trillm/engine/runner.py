@@ -20,12 +20,27 @@ from trillm.config import EngineArgs
 from trillm.engine.attention import AttentionMetadata
 from trillm.engine.cuda_graphs import DecodeGraphs, use_cuda_graphs
 from trillm.engine.llama import head_dim_of
-from trillm.engine.loader import load_model, pack_linear_weights
+from trillm.engine.loader import load_model, pack_linear_weights, resolve_device
+from trillm.engine.parallel import SINGLE, TensorParallel, rank_cpus
 from trillm.sched_ext import SchedulerOutput
 
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """One forward's inputs as plain lists, one entry per scheduled request: what rank 0 sends
+    the tensor-parallel workers each step (each rank lays them out as tensors itself).
+
+    Request b computes `chunks[b]` at positions num_computed_tokens[b] onwards; its block table
+    covers them; needs_sample[b]: its last row gets logits."""
+
+    chunks: list[list[int]]
+    block_tables: list[list[int]]
+    num_computed_tokens: list[int]
+    needs_sample: list[bool]
 
 
 @dataclass
@@ -48,9 +63,14 @@ class ModelOutput:
 
 
 class ModelRunner:
-    def __init__(self, args: EngineArgs):
+    def __init__(self, args: EngineArgs, tp: TensorParallel = SINGLE):
+        """`tp`: this rank's place in a tensor-parallel group (rank 0 drives the steps; the
+        others run `serve_steps`). Every rank builds its shard and its share of the KV cache."""
         self.args = args
-        loaded = load_model(args)
+        self.tp = tp
+        if tp.size > 1 and args.tp_cpu_binding and resolve_device(args.device).type == "cpu":
+            os.sched_setaffinity(0, rank_cpus(tp))  # before any thread pool starts
+        loaded = load_model(args, tp)
         self.model, self.config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
         if self.model.kernels.packs_linear_weights:
             pack_linear_weights(self.model)
@@ -59,14 +79,17 @@ class ModelRunner:
             self.model.kernels.set_threads(args.kernel_threads or len(os.sched_getaffinity(0)))
         self.block_size = args.block_size
         self.decode_graphs: DecodeGraphs | None = None  # captured once the KV cache exists
+        self.closed = False
         # Tests set this to fail a step from inside the model's turn (a device error, say):
         # called with the SchedulerOutput at the start of every execute. None in production.
         self.fault_hook: Callable[[SchedulerOutput], None] | None = None
-        self.num_kv_blocks = args.num_kv_blocks or self._num_blocks_in_budget()
+        # Every rank must hold the same blocks: the fewest any rank's budget holds.
+        self.num_kv_blocks = args.num_kv_blocks or tp.minimum(self._num_blocks_in_budget())
         if self.num_kv_blocks < 1:
             raise ValueError("The KV cache budget holds no block: raise the memory budget or lower block_size.")
         self.kv_caches = self._allocate_kv_cache(self.num_kv_blocks)
-        if use_cuda_graphs(self.config.device, args.enforce_eager, args.attention_backend):
+        # A graph would capture the collectives of one process group's state: eager under TP.
+        if tp.size == 1 and use_cuda_graphs(self.config.device, args.enforce_eager, args.attention_backend):
             self.decode_graphs = DecodeGraphs(
                 self.model,
                 self.kv_caches,
@@ -77,9 +100,9 @@ class ModelRunner:
 
     @property
     def block_bytes(self) -> int:
-        """Bytes of one block of K and V over all layers."""
+        """Bytes of one block of K and V over all layers (this rank's heads)."""
         cfg = self.config.hf_config
-        elements = 2 * cfg.num_hidden_layers * self.block_size * cfg.num_key_value_heads * head_dim_of(cfg)
+        elements = 2 * cfg.num_hidden_layers * self.block_size * self.model.num_kv_heads * head_dim_of(cfg)
         return elements * self.model.kernels.kv_cache_dtype.itemsize
 
     def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -89,7 +112,7 @@ class ModelRunner:
         become resident only once a block is written: a server holds the memory its requests
         use, not its whole budget (torch.zeros would write, and so keep, every page)."""
         cfg = self.config.hf_config
-        shape = (cfg.num_hidden_layers, 2, num_blocks, self.block_size, cfg.num_key_value_heads, head_dim_of(cfg))
+        shape = (cfg.num_hidden_layers, 2, num_blocks, self.block_size, self.model.num_kv_heads, head_dim_of(cfg))
         dtype = self.model.kernels.kv_cache_dtype
         if self.config.device.type == "cpu":
             pages = mmap.mmap(-1, math.prod(shape) * dtype.itemsize)
@@ -116,7 +139,7 @@ class ModelRunner:
         starts = [sum(num_blocks[:i]) for i in range(num_seqs)]
         tables = [list(range(start, start + n)) for start, n in zip(starts, num_blocks)]
         kv_caches = self._allocate_kv_cache(sum(num_blocks))
-        batch = self.prepare([[0] * n for n in lengths], tables, lengths, [0] * num_seqs, [True] * num_seqs)
+        batch = self.prepare(StepInputs([[0] * n for n in lengths], tables, [0] * num_seqs, [True] * num_seqs))
         torch.cuda.reset_peak_memory_stats(self.config.device)
         self.compute_logits(self._forward(batch, kv_caches)[batch.sample_rows])
         torch.cuda.synchronize(self.config.device)
@@ -132,16 +155,41 @@ class ModelRunner:
         (for prompt logprobs and pooling)."""
         if self.fault_hook is not None:
             self.fault_hook(sched)
-        requests = sched.requests
-        batch = self.prepare(
-            [r.token_ids for r in requests],
-            [r.block_table for r in requests],
-            sched.num_scheduled_tokens,
-            sched.num_computed_tokens,
-            sched.needs_sample,
-        )
-        hidden = self._forward(batch, self.kv_caches)[: sched.total_num_tokens]
+        chunks = []
+        for r, start, n, sample in zip(sched.requests, sched.num_computed_tokens, sched.num_scheduled_tokens,
+                                       sched.needs_sample):
+            assert not sample or start + n == len(r.token_ids), "a request samples only when its chunk reaches its last token"
+            chunks.append(r.token_ids[start:start + n])
+        inputs = StepInputs(chunks, [r.block_table for r in sched.requests], list(sched.num_computed_tokens),
+                            list(sched.needs_sample))
+        batch, hidden = self._run(inputs)
+        hidden = hidden[: sched.total_num_tokens]
         return ModelOutput(self.compute_logits(hidden[batch.sample_rows]), hidden if keep_hidden else None)
+
+    def _run(self, inputs: StepInputs) -> tuple[ModelInput, torch.Tensor]:
+        """One forward on every rank: rank 0 sends the inputs to the workers first."""
+        if self.tp.size > 1:
+            self.tp.broadcast(inputs)
+        batch = self.prepare(inputs)
+        return batch, self._forward(batch, self.kv_caches)
+
+    def serve_steps(self) -> None:
+        """A tensor-parallel worker's whole life: run every step rank 0 sends, its logits'
+        gather included, until rank 0 sends None (close) or a collective fails (rank 0 died)."""
+        assert self.tp.rank > 0
+        while (inputs := self.tp.broadcast()) is not None:
+            batch = self.prepare(inputs)
+            hidden = self._forward(batch, self.kv_caches)
+            self.compute_logits(hidden[batch.sample_rows])
+
+    def close(self) -> None:
+        """On rank 0 of a tensor-parallel group: tells the workers to stop. Idempotent."""
+        if self.tp.rank == 0 and self.tp.size > 1 and not self.closed:
+            self.closed = True
+            try:
+                self.tp.broadcast(None)
+            except RuntimeError:
+                pass  # a worker is gone already: the broadcast cannot reach it, and need not
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -160,30 +208,24 @@ class ModelRunner:
         logits = []
         for start in range(0, len(token_ids), chunk):
             end = min(start + chunk, len(token_ids))
-            batch = self.prepare([token_ids[:end]], [table], [end - start], [start], [True])
-            logits.append(self.compute_logits(self._forward(batch, self.kv_caches)))
+            _, hidden = self._run(StepInputs([token_ids[start:end]], [table], [start], [True]))
+            logits.append(self.compute_logits(hidden))
         return torch.cat(logits)
 
-    def prepare(
-        self,
-        token_ids: list[list[int]],
-        block_tables: list[list[int]],
-        num_scheduled_tokens: list[int],
-        num_computed_tokens: list[int],
-        needs_sample: list[bool],
-    ) -> ModelInput:
-        """Request b computes tokens token_ids[b][start:start + n], start = num_computed_tokens[b],
-        n = num_scheduled_tokens[b]; block_tables[b] must cover its first start + n positions."""
+    def prepare(self, inputs: StepInputs) -> ModelInput:
+        """The step's tensors, on the model's device; block_tables[b] must cover request b's
+        positions up to the end of its chunk."""
         bs = self.block_size
         input_ids, positions, tables, seq_lens, query_start_loc, sample_rows = [], [], [], [], [0], []
-        for ids, table, num_new, start, sample in zip(
-            token_ids, block_tables, num_scheduled_tokens, num_computed_tokens, needs_sample, strict=True
+        num_scheduled_tokens = [len(c) for c in inputs.chunks]
+        for chunk, table, start, sample in zip(
+            inputs.chunks, inputs.block_tables, inputs.num_computed_tokens, inputs.needs_sample, strict=True
         ):
+            num_new = len(chunk)
             end = start + num_new
-            assert num_new > 0 and end <= len(ids), (start, num_new, len(ids))
-            assert not sample or end == len(ids), "a request samples only when its chunk reaches its last token"
+            assert num_new > 0, (start, num_new)
             assert end <= len(table) * bs, "the block table must cover the context"
-            input_ids += ids[start:end]
+            input_ids += chunk
             positions += range(start, end)
             tables.append(list(table[: _cdiv(end, bs)]))
             seq_lens.append(end)

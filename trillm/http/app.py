@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 
+import trio
 from quart import g, request
 from quart_cors import cors
 from quart_trio import QuartTrio
@@ -39,6 +40,7 @@ log = logging.getLogger(__name__)
 def create_app(settings: ServerSettings | None = None, core: EngineCore | None = None) -> QuartTrio:
     """`core`: an already loaded engine to serve (tests share one between apps, one app at a time)."""
     settings = settings or from_env()
+    owns_core = core is None  # a core the app made, it closes (its tensor-parallel ranks stop)
     core = core or EngineCore(settings.engine)
     settings = replace(settings, engine=core.args)  # what runs, for /server_info
     app = QuartTrio("trillm")
@@ -76,6 +78,8 @@ def create_app(settings: ServerSettings | None = None, core: EngineCore | None =
     @app.after_serving
     async def stop_engine():
         await state.engine.aclose()
+        if owns_core:
+            await trio.to_thread.run_sync(core.close)
 
     return app
 

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import logging
 import signal
+from dataclasses import replace
 
 import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve as hypercorn_serve
 
 from trillm.engine.core import EngineCore
+from trillm.engine.tp_worker import launcher_init_method, launcher_rank, run_worker
 from trillm.http import logs
 from trillm.http.app import create_app
 from trillm.http.settings import ServerSettings
@@ -62,9 +64,20 @@ async def serve(settings: ServerSettings, *, task_status=trio.TASK_STATUS_IGNORE
                 nursery.cancel_scope.cancel()
         engine.abort_all()  # a no-op after a full drain
 
-    await hypercorn_serve(app, hypercorn_config(settings), shutdown_trigger=shutdown_trigger, task_status=task_status)
+    try:
+        await hypercorn_serve(app, hypercorn_config(settings), shutdown_trigger=shutdown_trigger,
+                              task_status=task_status)
+    finally:
+        await trio.to_thread.run_sync(core.close)  # the other tensor-parallel ranks stop with the server
 
 
 def run(settings: ServerSettings) -> None:
+    """Serve; or, on a rank other than 0 that a launcher (torchrun) started, be that rank's
+    tensor-parallel worker (rank 0 serves HTTP for all of them)."""
     logs.configure(settings.log_level)
+    rank = launcher_rank()
+    if rank:
+        engine = settings.engine
+        run_worker(replace(engine, tp_init_method=engine.tp_init_method or launcher_init_method()), rank)
+        return
     trio.run(serve, settings)

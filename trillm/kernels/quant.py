@@ -36,6 +36,16 @@ class QuantizedWeight(NamedTuple):
     def in_features(self) -> int:
         return self.scales.shape[1] * BLOCK
 
+    def columns(self, start: int, end: int) -> QuantizedWeight:
+        """Input columns [start, end), which must fall on block boundaries (a row-parallel shard)."""
+        assert start % BLOCK == 0 and end % BLOCK == 0, f"columns {start}:{end} split a {BLOCK}-wide block"
+        per_block = self.quants.shape[1] // self.scales.shape[1]  # bytes (q4_1) or values (q8_0) per block
+        blocks = slice(start // BLOCK, end // BLOCK)
+        return QuantizedWeight(
+            self.format, self.quants[:, blocks.start * per_block : blocks.stop * per_block].contiguous(),
+            self.scales[:, blocks].contiguous(), None if self.mins is None else self.mins[:, blocks].contiguous(),
+        )
+
     def rows(self, index: torch.Tensor | slice) -> QuantizedWeight:
         """The weight of some output rows (a reordering, a shard): blocks never span two rows."""
         return QuantizedWeight(

@@ -1,0 +1,109 @@
+"""Tensor parallelism over gloo on loopback: the ranks are real processes the engine starts.
+Greedy tokens and logprobs at TP > 1 equal TP = 1 (fp32, the exact path), with KV heads split
+and replicated, on tiny random models and on the default model through a live server; a worker
+killed mid-stream fails the engine like any failed step, and no rank outlives its engine."""
+import os
+import signal
+
+import pytest
+import torch
+import trio
+from http_support import EXACT, exact_core, live_server
+
+from trillm.config import EngineArgs
+from trillm.engine.core import EngineCore
+from trillm.engine.llm import LLM
+from trillm.sampling_params import SamplingParams
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [40, 41, 42], list(range(50, 90))]
+GREEDY = SamplingParams(temperature=0, max_tokens=8, logprobs=3, ignore_eos=True)
+
+
+def children() -> set[int]:
+    """This process's live child processes, whichever thread started them (zombies do not count)."""
+    pids = set()
+    for task in os.listdir(f"/proc/{os.getpid()}/task"):
+        with open(f"/proc/{os.getpid()}/task/{task}/children") as f:
+            pids |= {int(p) for p in f.read().split()}
+    return {p for p in pids if _state(p) not in ("Z", None)}
+
+
+def _state(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0]
+    except FileNotFoundError:
+        return None
+
+
+def greedy(model: str, tp: int) -> list[tuple[list[int], list[float]]]:
+    before = children()
+    llm = LLM(model, tensor_parallel_size=tp, num_kv_blocks=32, **EXACT)
+    try:
+        if tp > 1:
+            assert len(children() - before) == tp - 1, "the engine starts one process per other rank"
+        outputs = llm.generate(PROMPTS, GREEDY)
+    finally:
+        llm.engine.close()
+        llm.engine.close()  # idempotent
+    assert children() == before, "no rank outlives its engine"
+    return [(o.outputs[0].token_ids, [lp.logprob for lp in o.outputs[0].logprobs]) for o in outputs]
+
+
+def assert_same(sharded, whole):
+    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(sharded, whole):
+        assert tokens == want_tokens
+        torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(want_logprobs), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("kind, overrides, tp", [
+    ("llama", dict(num_attention_heads=4, num_key_value_heads=2), 2),  # KV heads split
+    ("llama", dict(num_attention_heads=4, num_key_value_heads=1), 2),  # KV heads replicated (GQA)
+    ("qwen2", dict(num_attention_heads=6, num_key_value_heads=2, hidden_size=96, vocab_size=250), 2),  # biases, uneven vocab
+    ("llama", dict(num_attention_heads=6, num_key_value_heads=3, hidden_size=96, intermediate_size=96), 3),
+])
+def test_sharded_greedy_equals_whole(tiny_model_dir, kind, overrides, tp):
+    model = tiny_model_dir(kind, **overrides)
+    assert_same(greedy(model, tp), greedy(model, 1))
+
+
+async def test_default_model_at_tp3_through_a_live_server(default_model_dir):
+    """SmolLM2's 9 heads and 3 KV heads over 3 ranks, its GGUF blocks cut on block boundaries."""
+    args = dict(model=default_model_dir, max_tokens=6, temperature=0, logprobs=2)
+    whole = exact_core(default_model_dir)
+    sharded = await trio.to_thread.run_sync(
+        lambda: EngineCore(EngineArgs(model=default_model_dir, tensor_parallel_size=3, num_kv_blocks=64, **EXACT)))
+    try:
+        answers = []
+        for core in (whole, sharded):
+            async with live_server(core) as server:
+                out = await server.openai().completions.create(prompt=["The capital of France is", "1, 2, 3,"],
+                                                               **{**args, "model": server.model})
+                answers.append([(c.logprobs.tokens, c.logprobs.token_logprobs) for c in out.choices])
+        for (tokens, logprobs), (want_tokens, want_logprobs) in zip(answers[1], answers[0]):
+            assert tokens == want_tokens
+            torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(want_logprobs), atol=1e-4, rtol=0)
+    finally:
+        await trio.to_thread.run_sync(sharded.close)
+
+
+async def test_a_killed_worker_fails_the_engine_and_leaves_no_process(tiny_text_model_dir):
+    before = children()
+    core = await trio.to_thread.run_sync(
+        lambda: EngineCore(EngineArgs(model=tiny_text_model_dir, tensor_parallel_size=2, num_kv_blocks=64,
+                                      tp_timeout=20, **EXACT)))
+    try:
+        async with live_server(core) as server:
+            client = server.openai()
+            stream = await client.completions.create(model=server.model, prompt="Once upon a time", max_tokens=240,
+                                                     stream=True, extra_body={"ignore_eos": True})
+            with pytest.raises(Exception) as failed:
+                async for chunk in stream:
+                    if chunk.choices and chunk.choices[0].text and core.workers.processes[0].poll() is None:
+                        os.kill(core.workers.processes[0].pid, signal.SIGKILL)
+            assert "engine" in str(failed.value).lower()
+            health = await server.http().get("/health")
+            assert health.status_code == 503
+    finally:
+        await trio.to_thread.run_sync(core.close)
+    assert children() == before

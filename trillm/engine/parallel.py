@@ -1,0 +1,117 @@
+"""Tensor parallelism: this process's place in the group of ranks that shard one model, and the
+collectives the sharded model and the step loop run, all over torch.distributed (gloo on CPU,
+NCCL on CUDA).
+
+Rank 0 owns the scheduler, the sampler and the HTTP side; every rank holds a shard of every
+projection (trillm/engine/llama.py says which) and its heads' share of the KV cache, so every
+rank allocates the same blocks and the scheduler does not know the model is sharded.
+
+Two process groups, for two kinds of waiting:
+  control   rank 0 broadcasts each step's inputs; a worker waits here between steps, for as
+            long as the server is idle, so its timeout is effectively unbounded.
+  compute   the forward's all-reduces and the logits' gather. Every rank is inside the same
+            step, so a rank that does not arrive within `timeout` is hung: the collective
+            raises, the step fails, and the engine fails as on any failed step.
+A rank that dies closes its connections, and the others' next collective raises at once.
+"""
+from __future__ import annotations
+
+import datetime
+import glob
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+CONTROL_TIMEOUT = datetime.timedelta(days=365)  # an idle server's workers wait this long for a step
+RENDEZVOUS_TIMEOUT = datetime.timedelta(minutes=5)  # for every rank to start and meet
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    rank: int = 0
+    size: int = 1
+    control: object | None = None  # process groups; None for a single rank
+    compute: object | None = None
+
+    def split(self, n: int) -> tuple[int, int]:
+        """This rank's [start, end) of n things split as evenly as can be (the first n % size
+        ranks take one more)."""
+        base, extra = divmod(n, self.size)
+        start = self.rank * base + min(self.rank, extra)
+        return start, start + base + (self.rank < extra)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sums `x` over the ranks, in place."""
+        if self.size > 1:
+            dist.all_reduce(x, group=self.compute)
+        return x
+
+    def gather_columns(self, x: torch.Tensor, full: int) -> torch.Tensor:
+        """[rows, full]: every rank's columns [rows, its split of full], side by side, on every rank."""
+        if self.size == 1:
+            return x
+        width = -(-full // self.size)
+        padded = torch.nn.functional.pad(x, (0, width - x.shape[1]))
+        parts = [torch.empty_like(padded) for _ in range(self.size)]
+        dist.all_gather(parts, padded.contiguous(), group=self.compute)
+        widths = [end - start for start, end in (TensorParallel(r, self.size).split(full) for r in range(self.size))]
+        return torch.cat([p[:, :w] for p, w in zip(parts, widths)], dim=1)
+
+    def minimum(self, n: int) -> int:
+        """The smallest n of all ranks, on every rank."""
+        if self.size == 1:
+            return n
+        value = torch.tensor([n], dtype=torch.int64)
+        dist.all_reduce(value, op=dist.ReduceOp.MIN, group=self.control)
+        return int(value.item())
+
+    def broadcast(self, message=None):
+        """Rank 0's `message` on every rank (the workers pass none). Workers wait here between steps."""
+        box = [message]
+        dist.broadcast_object_list(box, src=0, group=self.control)
+        return box[0]
+
+
+SINGLE = TensorParallel()
+
+
+def rank_cpus(tp: TensorParallel) -> set[int]:
+    """The cores this rank's threads run on: its NUMA node's, where the machine has a node per
+    rank, else its even share of the cores this process may use (ranks sharing cores would
+    fight over them at every collective)."""
+    allowed = sorted(os.sched_getaffinity(0))
+    nodes = sorted(glob.glob("/sys/devices/system/node/node[0-9]*/cpulist"))
+    if len(nodes) >= tp.size:
+        with open(nodes[tp.rank]) as f:
+            mine = _cpu_list(f.read()) & set(allowed)
+        if mine:
+            return mine
+    start, end = tp.split(len(allowed))
+    return set(allowed[start:end]) or set(allowed)
+
+
+def _cpu_list(text: str) -> set[int]:
+    """Linux's cpulist format: "0-3,8,10-11"."""
+    cpus = set()
+    for part in filter(None, text.strip().split(",")):
+        low, _, high = part.partition("-")
+        cpus.update(range(int(low), int(high or low) + 1))
+    return cpus
+
+
+def join(rank: int, size: int, init_method: str, device: torch.device, timeout: float) -> TensorParallel:
+    """Joins the group of `size` ranks that meet at `init_method` (tcp://host:port; rank 0 runs
+    the store there). `timeout`: seconds a step's collectives wait for a late rank."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size, timeout=RENDEZVOUS_TIMEOUT)
+    control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    compute = dist.new_group(backend=backend, timeout=datetime.timedelta(seconds=timeout))
+    return TensorParallel(rank, size, control, compute)
+
+
+def leave() -> None:
+    """Idempotent."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
