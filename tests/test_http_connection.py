@@ -163,3 +163,36 @@ async def test_openai_sdk_warm_connection_404_then_chat(core):
                     model=server.model, messages=[{"role": "user", "content": "hi"}], max_tokens=2
                 )
                 assert chat.usage.completion_tokens == 2
+
+
+async def raw_exchange(url: str, data: bytes) -> bytes:
+    """What the server sends back on a fresh connection that opens with `data`, until it closes
+    the connection or a second passes."""
+    host, port = url.removeprefix("http://").split(":")
+    stream = await trio.open_tcp_stream(host, int(port))
+    async with stream:
+        await stream.send_all(data)
+        received = b""
+        with trio.move_on_after(1):
+            while chunk := await stream.receive_some():
+                received += chunk
+        return received
+
+
+async def test_http2_is_refused_and_the_server_lives(server):
+    """An HTTP/2 client with prior knowledge (as a gRPC health probe is) gets an HTTP/1.1 error,
+    not an HTTP/2 session: Hypercorn's HTTP/2 path under trio could end the whole server from
+    one connection (trillm/http/http1_only.py). An h2c upgrade is answered in HTTP/1.1."""
+    import h2.config
+    import h2.connection
+
+    client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    client.initiate_connection()
+    client.send_headers(1, [(":method", "POST"), (":path", "/grpc.health.v1.Health/Check"), (":scheme", "http"),
+                            (":authority", "localhost"), ("content-type", "application/grpc")], end_stream=True)
+    answer = await raw_exchange(server.url, client.data_to_send())
+    assert answer.startswith(b"HTTP/1.1 4"), answer[:60]
+    upgrade = await raw_exchange(server.url, b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: Upgrade, HTTP2-Settings\r\n"
+                                             b"Upgrade: h2c\r\nHTTP2-Settings: AAMAAABkAAQAAP__\r\n\r\n")
+    assert upgrade.startswith(b"HTTP/1.1 200"), upgrade[:60]
+    assert (await server.http().get("/health")).status_code == 200

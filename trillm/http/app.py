@@ -25,7 +25,17 @@ from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
 from trillm.engine.async_engine import EngineUnavailableError, QueueFullError
 from trillm.engine.core import EngineCore
-from trillm.http import embeddings, info, invocations, native, openai_chat, openai_completions, openapi, responses
+from trillm.http import (
+    embeddings,
+    http1_only,
+    info,
+    invocations,
+    native,
+    openai_chat,
+    openai_completions,
+    openapi,
+    responses,
+)
 from trillm.http.auth import check_api_key
 from trillm.http.connection import Connection
 from trillm.http.errors import APIError, error_response
@@ -39,6 +49,7 @@ log = logging.getLogger(__name__)
 
 def create_app(settings: ServerSettings | None = None, core: EngineCore | None = None) -> QuartTrio:
     """`core`: an already loaded engine to serve (tests share one between apps, one app at a time)."""
+    http1_only.install()  # before any connection: see trillm.http.http1_only
     settings = settings or from_env()
     owns_core = core is None  # a core the app made, it closes (its tensor-parallel ranks stop)
     core = core or EngineCore(settings.engine)
