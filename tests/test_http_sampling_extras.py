@@ -118,3 +118,18 @@ async def test_min_new_tokens_holds_off_the_end(server):
     longer = await chat(server, max_tokens=64, messages=[{"role": "user", "content": "What is 2+2?"}],
                         extra_body={"min_new_tokens": at_least})
     assert longer.usage.completion_tokens >= at_least
+
+
+async def test_sglangs_no_stop_trim_keeps_the_stop_string(server):
+    """sglang-router writes no_stop_trim and return_hidden_states into every request it forwards."""
+    args = dict(model=server.model, prompt="The capital of France is", **GREEDY)
+    free = (await server.openai().completions.create(**args)).choices[0].text
+    stop = free.split()[1]
+    trimmed = await server.openai().completions.create(**args, stop=[stop], extra_body={"no_stop_trim": False,
+                                                                                        "return_hidden_states": False})
+    kept = await server.openai().completions.create(**args, stop=[stop], extra_body={"no_stop_trim": True})
+    assert trimmed.choices[0].text == free[: free.index(stop)]
+    assert kept.choices[0].text == free[: free.index(stop) + len(stop)]
+    with pytest.raises(openai.BadRequestError) as info:
+        await server.openai().completions.create(**args, extra_body={"return_hidden_states": True})
+    assert info.value.body["param"] == "return_hidden_states"

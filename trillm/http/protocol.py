@@ -187,6 +187,10 @@ class SamplingFields(Strict):
     top_p_min: float = Field(0.0, ge=0, le=1)  # TensorRT-LLM's floor of top_p (it has no decay here)
     min_new_tokens: int | None = None  # LMDeploy's name for min_tokens
     session_id: int | None = None  # LMDeploy's: the client's name for the request (/abort_request takes it)
+    # SGLang's, which sglang-router writes into every request it forwards: no_stop_trim keeps a
+    # matched stop string in the output; hidden states are not offered (true is refused).
+    no_stop_trim: bool = False
+    return_hidden_states: bool = False
 
     @property
     def session_name(self) -> str | None:
@@ -199,6 +203,8 @@ class SamplingFields(Strict):
     ) -> SamplingParams:
         if self.stream_options is not None and not self.stream:
             raise SamplingParamError("stream_options", "stream_options is only allowed when stream is true.")
+        if self.return_hidden_states:
+            raise SamplingParamError("return_hidden_states", "This server does not return hidden states.")
         if self.truncate_prompt_tokens == 0:
             raise SamplingParamError("truncate_prompt_tokens", "truncate_prompt_tokens must be -1 or at least 1.")
         bad_ids = [t for t in self.allowed_token_ids or [] if not 0 <= t < vocab_size]
@@ -220,7 +226,7 @@ class SamplingFields(Strict):
             stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
-            include_stop_str_in_output=self.include_stop_str_in_output,
+            include_stop_str_in_output=self.include_stop_str_in_output or self.no_stop_trim,
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             logprobs=logprobs,
