@@ -106,6 +106,16 @@ async def test_metrics_use_vllm_names_with_our_prefix(server):
         assert name in text, name
 
 
+async def test_metrics_can_carry_vllms_own_names(core):
+    """What the Gateway API Inference Extension's endpoint picker reads, by vLLM's names."""
+    async with live_server(core, metrics_prefix="vllm") as server:
+        text = (await server.http().get("/metrics")).text
+    for name in ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc",
+                 "vllm:prefix_cache_hits_total"):
+        assert name in text, name
+    assert "trillm:" not in text
+
+
 async def test_request_id_is_echoed_but_the_response_id_is_the_servers(server):
     raw = await server.openai().completions.with_raw_response.create(
         model=server.model, prompt=PROMPT, max_tokens=2, extra_headers={"X-Request-Id": "my-id-1"}

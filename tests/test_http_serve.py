@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 import openai
 import trio
+from process_support import children, live
 
 REPO = Path(__file__).resolve().parents[1]
 STARTUP_TIMEOUT = 300  # seconds: the model loads first (not a speed check)
@@ -179,23 +180,13 @@ async def test_sigterm_under_load_ends_every_stream_with_a_final_chunk_and_exits
     assert all(re.search(r"\[term-\d+\] (cmpl-|resp_)[0-9a-f]{32} ended after", line) for line in ended), ended
 
 
-def _live(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 async def test_a_tensor_parallel_server_stops_every_rank_on_sigterm(tiny_text_model_dir):
     command = [sys.executable, "-m", "trillm", "serve", "--model", tiny_text_model_dir, "--port", "0",
                "--num-kv-blocks", "64", "--tensor-parallel-size", "2"]
     async with trio.open_nursery() as nursery:
         process, url, log = await start_server(nursery, command)
-        workers = []
-        for task in Path(f"/proc/{process.pid}/task").iterdir():  # children of every thread (the loader's too)
-            workers += [int(p) for p in (task / "children").read_text().split()]
-        assert len(workers) == 1 and all(map(_live, workers)), "rank 0 starts the one other rank"
+        workers = children(process.pid)
+        assert len(workers) == 1, "rank 0 starts the one other rank"
         client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
         out = await client.completions.create(model=os.path.basename(tiny_text_model_dir), prompt="Hello",
                                               max_tokens=4, extra_body={"ignore_eos": True})
@@ -205,5 +196,5 @@ async def test_a_tensor_parallel_server_stops_every_rank_on_sigterm(tiny_text_mo
         with trio.fail_after(60):
             assert await process.wait() == 0, "\n".join(log)
         with trio.fail_after(10):
-            while any(map(_live, workers)):
+            while any(map(live, workers)):
                 await trio.sleep(0.05)

@@ -5,6 +5,7 @@ killed mid-stream fails the engine like any failed step, and no rank outlives it
 import os
 import signal
 
+import process_support
 import pytest
 import torch
 import trio
@@ -20,20 +21,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=8, logprobs=3, ignore_eos=True
 
 
 def children() -> set[int]:
-    """This process's live child processes, whichever thread started them (zombies do not count)."""
-    pids = set()
-    for task in os.listdir(f"/proc/{os.getpid()}/task"):
-        with open(f"/proc/{os.getpid()}/task/{task}/children") as f:
-            pids |= {int(p) for p in f.read().split()}
-    return {p for p in pids if _state(p) not in ("Z", None)}
-
-
-def _state(pid: int) -> str | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0]
-    except FileNotFoundError:
-        return None
+    return process_support.children(os.getpid())
 
 
 def greedy(model: str, tp: int) -> list[tuple[list[int], list[float]]]:

@@ -1,4 +1,6 @@
-"""Prometheus metrics, named as vLLM's with the `trillm:` prefix, so dashboards carry over.
+"""Prometheus metrics, named as vLLM's with the `trillm:` prefix (or, with `--metrics-prefix
+vllm`, vLLM's own names, which the Gateway API Inference Extension's endpoint picker reads:
+num_requests_waiting, num_requests_running, kv_cache_usage_perc), so dashboards carry over.
 
 Each app has its own registry (not prometheus_client's global one): tests and
 embedders may build several apps in one process. Per-request counters and
@@ -27,40 +29,44 @@ E2E_BUCKETS = (
     0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0,
     1920.0, 7680.0,
 )
-# Read from the engine's stats at scrape time: (name, help, ServingStats field, kind).
+# Read from the engine's stats at scrape time: (name after the prefix, help, ServingStats field, kind).
 ENGINE_METRICS = (
-    ("trillm:num_requests_running", "Requests in the running batch.", "num_running", GaugeMetricFamily),
-    ("trillm:num_requests_waiting", "Requests waiting to be scheduled.", "num_waiting", GaugeMetricFamily),
+    ("num_requests_running", "Requests in the running batch.", "num_running", GaugeMetricFamily),
+    ("num_requests_waiting", "Requests waiting to be scheduled.", "num_waiting", GaugeMetricFamily),
     (
-        "trillm:kv_cache_usage_perc",
+        "kv_cache_usage_perc",
         "KV-cache blocks held by live requests (0 to 1); prefix-cached blocks nobody holds do not count.",
         "kv_cache_usage",
         GaugeMetricFamily,
     ),
-    ("trillm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "prefix_cache_queries",
+    ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "prefix_cache_queries",
      CounterMetricFamily),
-    ("trillm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", "prefix_cache_hits", CounterMetricFamily),
-    ("trillm:num_preemptions", "Requests preempted (their KV cache recomputed later).", "num_preemptions",
+    ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", "prefix_cache_hits", CounterMetricFamily),
+    ("num_preemptions", "Requests preempted (their KV cache recomputed later).", "num_preemptions",
      CounterMetricFamily),
 )
 
 
 class Metrics:
-    def __init__(self, model_name: str, engine_stats: Callable[[], ServingStats]):
+    def __init__(self, model_name: str, engine_stats: Callable[[], ServingStats], prefix: str = "trillm"):
+        """`prefix`: every name's, before its colon (trillm, or vllm)."""
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(model_name, engine_stats))
+        self.registry.register(_EngineCollector(model_name, engine_stats, prefix))
         by_model = dict(labelnames=["model_name"], registry=self.registry)
 
-        def histogram(name: str, doc: str, buckets: tuple):
-            return Histogram(name, doc, buckets=buckets, **by_model).labels(model_name)
+        def counter(name: str, doc: str):
+            return Counter(f"{prefix}:{name}", doc, **by_model).labels(model_name)
 
-        self.prompt_tokens = Counter("trillm:prompt_tokens", "Prompt tokens processed.", **by_model).labels(model_name)
-        self.generation_tokens = Counter("trillm:generation_tokens", "Tokens generated.", **by_model).labels(model_name)
-        self.time_to_first_token = histogram("trillm:time_to_first_token_seconds", "To first token.", TTFT_BUCKETS)
-        self.inter_token_latency = histogram("trillm:inter_token_latency_seconds", "Between two outputs.", ITL_BUCKETS)
-        self.e2e_latency = histogram("trillm:e2e_request_latency_seconds", "Arrival to finish.", E2E_BUCKETS)
+        def histogram(name: str, doc: str, buckets: tuple):
+            return Histogram(f"{prefix}:{name}", doc, buckets=buckets, **by_model).labels(model_name)
+
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.time_to_first_token = histogram("time_to_first_token_seconds", "To first token.", TTFT_BUCKETS)
+        self.inter_token_latency = histogram("inter_token_latency_seconds", "Between two outputs.", ITL_BUCKETS)
+        self.e2e_latency = histogram("e2e_request_latency_seconds", "Arrival to finish.", E2E_BUCKETS)
         self._success = Counter(
-            "trillm:request_success", "Finished requests, by finish reason.",
+            f"{prefix}:request_success", "Finished requests, by finish reason.",
             labelnames=["model_name", "finished_reason"], registry=self.registry,
         )
         self._model_name = model_name
@@ -73,13 +79,14 @@ class Metrics:
 
 
 class _EngineCollector:
-    def __init__(self, model_name: str, engine_stats: Callable[[], ServingStats]):
+    def __init__(self, model_name: str, engine_stats: Callable[[], ServingStats], prefix: str):
         self._model_name = model_name
         self._stats = engine_stats
+        self._prefix = prefix
 
     def collect(self):
         stats = self._stats()
         for name, doc, key, family in ENGINE_METRICS:
-            metric = family(name, doc, labels=["model_name"])
+            metric = family(f"{self._prefix}:{name}", doc, labels=["model_name"])
             metric.add_metric([self._model_name], getattr(stats, key))
             yield metric

@@ -72,9 +72,14 @@ async def serve(settings: ServerSettings, *, task_status=trio.TASK_STATUS_IGNORE
 
 
 def run(settings: ServerSettings) -> None:
-    """Serve; or, on a rank other than 0 that a launcher (torchrun) started, be that rank's
-    tensor-parallel worker (rank 0 serves HTTP for all of them)."""
+    """Serve; or supervise data-parallel replicas behind a router (trillm.http.data_parallel); or,
+    on a rank other than 0 that a launcher (torchrun) started, be that rank's tensor-parallel
+    worker (rank 0 serves HTTP for all of them)."""
     logs.configure(settings.log_level)
+    if settings.data_parallel_size > 1:  # a supervisor of replicas behind a router
+        from trillm.http import data_parallel
+
+        raise SystemExit(data_parallel.run(settings))
     rank = launcher_rank()
     if rank:
         engine = settings.engine

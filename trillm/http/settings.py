@@ -41,6 +41,13 @@ class ServerSettings:
     allowed_methods: str = "*"
     allowed_headers: str = "*"
     allow_credentials: bool = False
+    # Data parallelism (trillm/http/data_parallel.py): this many engine replicas, each its own
+    # process with its own cores and KV cache, behind sglang-router on --host / --port
+    data_parallel_size: int = 1
+    router_policy: str = "cache_aware"  # the router's: cache_aware | round_robin | power_of_two | random
+    # replicas on other machines (`trillm serve` there), as URLs, that the router also routes to
+    data_parallel_address: str | None = None
+    metrics_prefix: str = "trillm"  # trillm | vllm: the name prefix of /metrics (vllm: what gateways read)
     engine: EngineArgs = field(default_factory=EngineArgs)
 
     @staticmethod
@@ -101,6 +108,19 @@ def from_args(namespace: argparse.Namespace) -> ServerSettings:
     values = vars(namespace)
     engine = EngineArgs(**{name: values[name] for name in EngineArgs.field_names()})
     return ServerSettings(**{name: values[name] for name, _, _ in _settable(ServerSettings)}, engine=engine)
+
+
+def to_argv(settings: ServerSettings) -> list[str]:
+    """The `trillm serve` flags that make `settings` again (from_args's inverse)."""
+    argv = []
+    for obj, cls in ((settings, ServerSettings), (settings.engine, EngineArgs)):
+        for name, kind, _ in _settable(cls):
+            value, flag = getattr(obj, name), "--" + name.replace("_", "-")
+            if kind is bool:
+                argv.append(flag if value else "--no-" + flag[2:])
+            elif value is not None:
+                argv += [flag, str(value)]
+    return argv
 
 
 def from_env(environ=os.environ) -> ServerSettings:

@@ -31,6 +31,7 @@ class ServerState:
         for name, value, known in (
             ("tool_call_parser", settings.tool_call_parser, [*TOOL_PARSERS, "none"]),
             ("reasoning_parser", settings.reasoning_parser, REASONING_PARSERS),
+            ("metrics_prefix", settings.metrics_prefix, ("trillm", "vllm")),
         ):
             if value is not None and value not in known:
                 raise ValueError(f"Unknown {name} {value!r}; known: {', '.join(known)}.")
@@ -47,7 +48,7 @@ class ServerState:
         self.vocab_size = core.config.hf_config.vocab_size
         self.max_model_len = core.config.max_model_len
         self.model_name = settings.served_model_name or core.config.name
-        self.metrics = Metrics(self.model_name, self.engine.stats)
+        self.metrics = Metrics(self.model_name, self.engine.stats, settings.metrics_prefix)
         self.responses = ResponseStore(settings.responses_store_size)
 
     @property

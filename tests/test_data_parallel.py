@@ -1,0 +1,132 @@
+"""`trillm serve --data-parallel-size 2` as a user runs it: two replicas behind sglang-router on
+loopback, driven by the real `openai` client through the router, each replica's own /metrics
+read to see where requests went. Cache-aware routing keeps requests that share a long prefix on
+one replica, whose prefix cache then serves them, where round-robin splits them; a client that
+leaves through the router frees the replica's blocks; a killed replica leaves the other serving;
+SIGTERM stops the router and every replica."""
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import httpx
+import openai
+import pytest
+import trio
+from process_support import descendants, live
+
+pytest.importorskip("sglang_router")
+
+SHARED = "You are a careful assistant. " * 30  # a prefix of many blocks, sent before each question
+
+
+async def prefix_hits(url: str) -> float:
+    async with httpx.AsyncClient(base_url=url) as http:
+        text = (await http.get("/metrics")).text
+    return float(re.search(r"^trillm:prefix_cache_hits_total\{[^}]*\} (\S+)$", text, re.M).group(1))
+
+
+async def start_replicated(nursery, model: str, policy: str):
+    command = [sys.executable, "-m", "trillm", "serve", "--model", model, "--port", "0", "--num-kv-blocks", "64",
+               "--data-parallel-size", "2", "--router-policy", policy]
+    # The supervisor logs each replica's URL, then the router's address once it is up.
+    process = await nursery.start(lambda task_status: trio.run_process(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, check=False, task_status=task_status))
+    log: list[str] = []
+    ready = trio.Event()
+
+    async def read_log():
+        buffer = b""
+        async for data in process.stdout:
+            buffer += data
+            *lines, buffer = buffer.split(b"\n")
+            log.extend(line.decode(errors="replace") for line in lines)
+            if any("behind sglang-router" in line for line in log):
+                ready.set()
+
+    nursery.start_soon(read_log)
+    with trio.fail_after(300):
+        await ready.wait()
+    replicas = [m.group(1) for line in log if (m := re.search(r"replica \d: (http://\S+)", line))]
+    (router,) = [m.group(1) for line in log if (m := re.search(r"on (http://\S+)$", line))]
+    return process, router, replicas, log
+
+
+async def ask_with_shared_prefix(router: str, model: str, count: int) -> None:
+    client = openai.AsyncOpenAI(base_url=router + "/v1", api_key="none", max_retries=0)
+    try:
+        for i in range(count):  # one after another: each finds the prefix cached where it went
+            await client.completions.create(model=model, prompt=f"{SHARED}Question {i}: what is {i} + {i}?",
+                                            max_tokens=2, extra_body={"ignore_eos": True})
+    finally:
+        await client.close()
+
+
+@pytest.mark.parametrize("policy", ["cache_aware", "round_robin"])
+async def test_the_router_spreads_or_keeps_a_shared_prefix(tiny_text_model_dir, policy):
+    model = os.path.basename(tiny_text_model_dir)
+    async with trio.open_nursery() as nursery:
+        process, router, replicas, log = await start_replicated(nursery, tiny_text_model_dir, policy)
+        try:
+            assert len(replicas) == 2
+            await ask_with_shared_prefix(router, model, 8)
+            hits = [await prefix_hits(url) for url in replicas]
+            if policy == "cache_aware":
+                # All on one replica: it caches the prefix once, then hits it seven times.
+                assert sorted(hits)[0] == 0 and sorted(hits)[1] > 0, hits
+            else:
+                assert all(h > 0 for h in hits), hits  # split: each replica computed the prefix once
+        finally:
+            process.send_signal(signal.SIGTERM)
+            with trio.fail_after(60):
+                await process.wait()
+
+
+async def test_replicas_serve_survive_a_death_free_blocks_and_stop_with_the_server(tiny_text_model_dir):
+    model = os.path.basename(tiny_text_model_dir)
+    async with trio.open_nursery() as nursery:
+        process, router, replicas, log = await start_replicated(nursery, tiny_text_model_dir, "round_robin")
+        children = descendants(process.pid)
+        assert len(children) == 3, "two replicas and the router"
+        client = openai.AsyncOpenAI(base_url=router + "/v1", api_key="none", max_retries=0)
+        chat = await client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}],
+                                                    max_tokens=3)
+        assert chat.choices[0].message.content is not None
+
+        # A client that leaves mid-stream: the replica serving it frees its blocks.
+        stream = await client.completions.create(model=model, prompt="Once upon a time", max_tokens=200,
+                                                 stream=True, extra_body={"ignore_eos": True})
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].text:
+                break
+        await stream.close()
+        with trio.fail_after(30):  # the router closed its upstream request: the replica aborted it
+            while not any("abort (client gone)" in line for line in log):
+                await trio.sleep(0.05)
+        for url in replicas:
+            async with httpx.AsyncClient(base_url=url) as http:
+                with trio.fail_after(30):
+                    while (await http.get("/load")).json()["server_load"]:
+                        await trio.sleep(0.05)
+
+        # One replica killed: the other serves every request that follows.
+        (first_pid,) = [p for p in children if _serves(p, replicas[0])]
+        os.kill(first_pid, signal.SIGKILL)
+        for _ in range(4):
+            out = await client.completions.create(model=model, prompt="Hello", max_tokens=2)
+            assert out.usage.completion_tokens == 2
+        await client.close()
+
+        process.send_signal(signal.SIGTERM)
+        with trio.fail_after(60):
+            await process.wait()
+        with trio.fail_after(10):
+            while any(map(live, children)):
+                await trio.sleep(0.05)
+
+
+def _serves(pid: int, url: str) -> bool:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        args = f.read().split(b"\0")
+    return b"--port" in args and args[args.index(b"--port") + 1].decode() == url.rsplit(":", 1)[1]

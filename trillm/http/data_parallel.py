@@ -1,0 +1,157 @@
+"""`trillm serve --data-parallel-size N`: N engine replicas behind sglang-router.
+
+This process is a supervisor, not a server. It starts N replicas, each a plain `trillm serve`
+on a loopback port, with its own KV cache and its own even share of the cores. Then it starts
+sglang-router (the Rust load balancer from PyPI, version pinned in pyproject.toml) on the
+public --host / --port. The router routes each request to a replica by --router-policy:
+cache_aware (by the longest prefix it sent there before, unless the load is uneven),
+round_robin, power_of_two or random. URLs in --data-parallel-address, which are `trillm serve`
+processes on other machines, join the router's worker list beside the local ones.
+
+Why sglang-router (over vllm-router): its cache-aware policy keeps a prefix tree per worker,
+so requests that share a prefix go to the replica that caches it, which is where trillm's
+prefix cache pays off. It speaks plain OpenAI HTTP to any backend and reads from a worker only
+what trillm serves: /health, /server_info, /model_info. Its gRPC probe speaks HTTP/2, which
+trillm refuses (trillm/http/http1_only.py), so the router falls back to HTTP.
+
+Lifetime: the replicas and the router die with the supervisor (PR_SET_PDEATHSIG), however it
+ends. On SIGTERM or SIGINT the supervisor stops the router first (no new requests), then sends
+SIGTERM to the replicas, which drain as any `trillm serve` does. A replica that dies is logged
+and left out: the router's health checks take it out of rotation and the others serve on. If
+the router dies, or the last replica, the supervisor stops the rest and exits with an error.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import replace
+
+from trillm.http.settings import ServerSettings, to_argv
+
+log = logging.getLogger(__name__)
+READY_TIMEOUT = 600.0  # seconds for a replica to load its model and answer /health
+STOP_TIMEOUT = 60.0  # seconds the router and the replicas get to exit on a signal, before SIGKILL
+_PR_SET_PDEATHSIG = 1
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def replica_cpus(index: int, count: int) -> set[int]:
+    """Replica `index`'s even share of the cores this process may use."""
+    cores = sorted(os.sched_getaffinity(0))
+    base, extra = divmod(len(cores), count)
+    start = index * base + min(index, extra)
+    return set(cores[start:start + base + (index < extra)]) or set(cores)
+
+
+def router_command(settings: ServerSettings, port: int, worker_urls: list[str]) -> list[str]:
+    return [
+        sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *worker_urls,
+        "--policy", settings.router_policy, "--host", settings.host, "--port", str(port),
+        "--prometheus-port", str(free_port()), "--log-level", "warn",
+    ]
+
+
+def run(settings: ServerSettings) -> int:
+    """Supervise the replicas and the router until a signal, or until one of them exits; the
+    exit status for the command (0 after a signal)."""
+    count = settings.data_parallel_size
+    ports = [free_port() for _ in range(count)]
+    replicas = []
+    for index, port in enumerate(ports):
+        replica = replace(settings, host="127.0.0.1", port=port, data_parallel_size=1, data_parallel_address=None)
+        cpus = replica_cpus(index, count)
+        replicas.append(subprocess.Popen(
+            [sys.executable, "-m", "trillm", "serve", *to_argv(replica)],
+            preexec_fn=lambda cpus=cpus: _in_child(cpus),
+        ))
+    children = list(replicas)
+    stopping = []
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+    signal.signal(signal.SIGINT, lambda *_: stopping.append(True))
+    try:
+        urls = [f"http://127.0.0.1:{port}" for port in ports]
+        for index, url in enumerate(urls):
+            log.info("replica %d: %s", index, url)
+        if not _wait_ready(urls, replicas, stopping):
+            return 0 if stopping else 1
+        workers = urls + ServerSettings.as_list(settings.data_parallel_address or "")
+        port = settings.port or free_port()  # port 0: any free one, logged below
+        router = subprocess.Popen(router_command(settings, port, workers), preexec_fn=lambda: _in_child(None))
+        children.insert(0, router)
+        if not _wait_ready([f"http://{_loopback(settings.host)}:{port}"], [router], stopping):
+            return 0 if stopping else 1
+        log.info("%d replicas behind sglang-router (%s) on http://%s:%d",
+                 len(workers), settings.router_policy, settings.host, port)
+        alive = dict(zip(replicas, urls))
+        while not stopping:
+            if router.poll() is not None:
+                log.error("the router exited (status %s): stopping the replicas", router.returncode)
+                return 1
+            for replica in [r for r in alive if r.poll() is not None]:
+                log.error("replica %s exited (status %s); the others serve on", alive.pop(replica), replica.returncode)
+            if not alive:
+                log.error("every replica exited: stopping the router")
+                return 1
+            time.sleep(0.2)
+        return 0
+    finally:
+        _stop(children)
+
+
+def _loopback(host: str) -> str:
+    """Where this machine reaches a server bound to `host`."""
+    return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+
+
+def _wait_ready(urls: list[str], processes: list[subprocess.Popen], stopping: list) -> bool:
+    """Until every URL's /health answers 200: False if one of `processes` exits first, a signal
+    comes, or READY_TIMEOUT passes."""
+    deadline = time.monotonic() + READY_TIMEOUT
+    waiting = list(urls)
+    while waiting and not stopping and time.monotonic() < deadline:
+        if any(p.poll() is not None for p in processes):
+            log.error("%s exited while starting", " ".join(processes[0].args[:4]))
+            return False
+        for url in list(waiting):
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2) as response:
+                    if response.status == 200:
+                        waiting.remove(url)
+            except (urllib.error.URLError, OSError):
+                pass
+        time.sleep(0.2)
+    return not waiting and not stopping
+
+
+def _stop(children: list[subprocess.Popen]) -> None:
+    """SIGTERM to each in order (the router first), then wait for all; SIGKILL the late."""
+    for child in children:
+        if child.poll() is None:
+            child.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + STOP_TIMEOUT
+    for child in children:
+        try:
+            child.wait(max(deadline - time.monotonic(), 0))
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+
+
+def _in_child(cpus: set[int] | None) -> None:
+    """In a child, before exec: die with the supervisor, on its own cores if given."""
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if cpus:
+        os.sched_setaffinity(0, cpus)
