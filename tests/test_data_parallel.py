@@ -89,6 +89,9 @@ async def test_replicas_serve_survive_a_death_free_blocks_and_stop_with_the_serv
         process, router, replicas, log = await start_replicated(nursery, tiny_text_model_dir, "round_robin")
         children = descendants(process.pid)
         assert len(children) == 3, "two replicas and the router"
+        async with httpx.AsyncClient(base_url=router) as http:  # what power_of_two reads: -1 when unreadable
+            loads = (await http.get("/get_loads")).json()["workers"]
+        assert len(loads) == 2 and all(w["load"] >= 0 for w in loads), loads
         client = openai.AsyncOpenAI(base_url=router + "/v1", api_key="none", max_retries=0)
         chat = await client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}],
                                                     max_tokens=3)

@@ -37,6 +37,7 @@ from dataclasses import replace
 from trillm.http.settings import ServerSettings, to_argv
 
 log = logging.getLogger(__name__)
+ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
 READY_TIMEOUT = 600.0  # seconds for a replica to load its model and answer /health
 STOP_TIMEOUT = 60.0  # seconds the router and the replicas get to exit on a signal, before SIGKILL
 _PR_SET_PDEATHSIG = 1
@@ -67,6 +68,8 @@ def router_command(settings: ServerSettings, port: int, worker_urls: list[str]) 
 def run(settings: ServerSettings) -> int:
     """Supervise the replicas and the router until a signal, or until one of them exits; the
     exit status for the command (0 after a signal)."""
+    if settings.router_policy not in ROUTER_POLICIES:
+        raise ValueError(f"Unknown router policy {settings.router_policy!r}; known: {', '.join(ROUTER_POLICIES)}.")
     count = settings.data_parallel_size
     ports = [free_port() for _ in range(count)]
     replicas = []

@@ -97,6 +97,17 @@ async def load():
     }
 
 
+@blueprint.get("/get_load")
+async def get_load():
+    """SGLang's shape (one entry per data-parallel rank; trillm has one), which sglang-router
+    polls for its power_of_two policy and sums by `num_tokens`: the tokens live requests hold
+    in the KV cache."""
+    state = current()
+    stats = state.engine.stats()
+    return [{"dp_rank": 0, "num_reqs": stats.num_running, "num_waiting_reqs": stats.num_waiting,
+             "num_tokens": stats.num_used_blocks * state.settings.engine.block_size}]
+
+
 @blueprint.get("/metrics")
 async def metrics():
     return Response(current().metrics.render(), content_type=CONTENT_TYPE)
