@@ -24,9 +24,9 @@ def children() -> set[int]:
     return process_support.children(os.getpid())
 
 
-def greedy(model: str, tp: int) -> list[tuple[list[int], list[float]]]:
+def greedy(model: str, tp: int, **engine_args) -> list[tuple[list[int], list[float]]]:
     before = children()
-    llm = LLM(model, tensor_parallel_size=tp, num_kv_blocks=32, **EXACT)
+    llm = LLM(model, tensor_parallel_size=tp, num_kv_blocks=32, **EXACT, **engine_args)
     try:
         if tp > 1:
             assert len(children() - before) == tp - 1, "the engine starts one process per other rank"
@@ -53,6 +53,15 @@ def assert_same(sharded, whole):
 def test_sharded_greedy_equals_whole(tiny_model_dir, kind, overrides, tp):
     model = tiny_model_dir(kind, **overrides)
     assert_same(greedy(model, tp), greedy(model, 1))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_every_kernel_family_runs_sharded(tiny_model_dir, backend):
+    """The torch twins and the Triton kernels (in the interpreter here) on their shards."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    model = tiny_model_dir("llama", num_attention_heads=4, num_key_value_heads=2)
+    assert_same(greedy(model, 2, attention_backend=backend), greedy(model, 1, attention_backend=backend))
 
 
 async def test_default_model_at_tp3_through_a_live_server(default_model_dir):
