@@ -84,20 +84,25 @@ async def test_default_model_at_tp3_through_a_live_server(default_model_dir):
         await trio.to_thread.run_sync(sharded.close)
 
 
-async def test_a_killed_worker_fails_the_engine_and_leaves_no_process(tiny_text_model_dir):
+@pytest.mark.parametrize("fault", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "hung"])
+async def test_a_dead_or_hung_worker_fails_the_engine_and_leaves_no_process(tiny_text_model_dir, fault):
+    """A killed worker's closed connections fail the next step at once; a stopped one (hung)
+    fails it after --tp-timeout."""
     before = children()
     core = await trio.to_thread.run_sync(
         lambda: EngineCore(EngineArgs(model=tiny_text_model_dir, tensor_parallel_size=2, num_kv_blocks=64,
-                                      tp_timeout=20, **EXACT)))
+                                      tp_timeout=3, **EXACT)))
     try:
         async with live_server(core) as server:
             client = server.openai()
             stream = await client.completions.create(model=server.model, prompt="Once upon a time", max_tokens=240,
                                                      stream=True, extra_body={"ignore_eos": True})
+            faulted = []
             with pytest.raises(Exception) as failed:
                 async for chunk in stream:
-                    if chunk.choices and chunk.choices[0].text and core.workers.processes[0].poll() is None:
-                        os.kill(core.workers.processes[0].pid, signal.SIGKILL)
+                    if chunk.choices and chunk.choices[0].text and not faulted:
+                        os.kill(core.workers.processes[0].pid, fault)
+                        faulted.append(fault)
             assert "engine" in str(failed.value).lower()
             health = await server.http().get("/health")
             assert health.status_code == 503

@@ -82,11 +82,12 @@ class EngineCore:
     def close(self) -> None:
         """Stops the other tensor-parallel ranks (a no-op on one rank). Idempotent; the core
         steps no more after it."""
+        told = True
         try:
             if self.tp.size > 1 and not self.runner.closed:
-                self.runner.close()
+                told = self.runner.close()
         finally:
-            self._stop_workers()
+            self._stop_workers(wait=told)
             parallel.leave()
 
     def __enter__(self) -> EngineCore:
@@ -95,9 +96,10 @@ class EngineCore:
     def __exit__(self, *exc_info) -> None:
         self.close()
 
-    def _stop_workers(self) -> None:
+    def _stop_workers(self, wait: bool = True) -> None:
+        """`wait`: give them time to exit on their own (they were told to); else kill them now."""
         if self.workers is not None:
-            self.workers.stop()
+            self.workers.stop(wait)
             self.workers = None
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | PoolingParams) -> None:

@@ -6,9 +6,10 @@ Rank 0 owns the scheduler, the sampler and the HTTP side; every rank holds a sha
 projection (trillm/engine/llama.py says which) and its heads' share of the KV cache, so every
 rank allocates the same blocks and the scheduler does not know the model is sharded.
 
-Two process groups, for two kinds of waiting:
+Two process groups, for two kinds of waiting (a gloo timeout is each process's own):
   control   rank 0 broadcasts each step's inputs; a worker waits here between steps, for as
-            long as the server is idle, so its timeout is effectively unbounded.
+            long as the server is idle, so its timeout is effectively unbounded, while rank
+            0's send, which completes only when the worker takes it, is bounded by `timeout`.
   compute   the forward's all-reduces and the logits' gather. Every rank is inside the same
             step, so a rank that does not arrive within `timeout` is hung: the collective
             raises, the step fails, and the engine fails as on any failed step.
@@ -25,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 CONTROL_TIMEOUT = datetime.timedelta(days=365)  # an idle server's workers wait this long for a step
-RENDEZVOUS_TIMEOUT = datetime.timedelta(minutes=5)  # for every rank to start and meet
+STARTUP_TIMEOUT = datetime.timedelta(minutes=30)  # for every rank to start, meet and load its shard
 
 
 @dataclass(frozen=True)
@@ -60,11 +61,12 @@ class TensorParallel:
         return torch.cat([p[:, :w] for p, w in zip(parts, widths)], dim=1)
 
     def minimum(self, n: int) -> int:
-        """The smallest n of all ranks, on every rank."""
+        """The smallest n of all ranks, on every rank; at start-up, so it waits as long as the
+        slowest rank takes to load its shard (STARTUP_TIMEOUT)."""
         if self.size == 1:
             return n
         value = torch.tensor([n], dtype=torch.int64)
-        dist.all_reduce(value, op=dist.ReduceOp.MIN, group=self.control)
+        dist.all_reduce(value, op=dist.ReduceOp.MIN)
         return int(value.item())
 
     def broadcast(self, message=None):
@@ -105,9 +107,12 @@ def join(rank: int, size: int, init_method: str, device: torch.device, timeout: 
     """Joins the group of `size` ranks that meet at `init_method` (tcp://host:port; rank 0 runs
     the store there). `timeout`: seconds a step's collectives wait for a late rank."""
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size, timeout=RENDEZVOUS_TIMEOUT)
-    control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
-    compute = dist.new_group(backend=backend, timeout=datetime.timedelta(seconds=timeout))
+    step_timeout = datetime.timedelta(seconds=timeout)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size, timeout=STARTUP_TIMEOUT)
+    # A timeout is each process's own: the workers wait for steps unboundedly, while rank 0's
+    # sends of a step (which gloo completes only when the worker receives) are bounded.
+    control = dist.new_group(backend="gloo", timeout=step_timeout if rank == 0 else CONTROL_TIMEOUT)
+    compute = dist.new_group(backend=backend, timeout=step_timeout)
     return TensorParallel(rank, size, control, compute)
 
 

@@ -182,14 +182,16 @@ class ModelRunner:
             hidden = self._forward(batch, self.kv_caches)
             self.compute_logits(hidden[batch.sample_rows])
 
-    def close(self) -> None:
-        """On rank 0 of a tensor-parallel group: tells the workers to stop. Idempotent."""
+    def close(self) -> bool:
+        """On rank 0 of a tensor-parallel group: tells the workers to stop. Idempotent. False
+        when they could not be told (one is gone or hung: the broadcast failed)."""
         if self.tp.rank == 0 and self.tp.size > 1 and not self.closed:
             self.closed = True
             try:
                 self.tp.broadcast(None)
             except RuntimeError:
-                pass  # a worker is gone already: the broadcast cannot reach it, and need not
+                return False
+        return True
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -77,10 +77,12 @@ class Workers:
         ]
         return cls(processes), args
 
-    def stop(self) -> None:
+    def stop(self, wait: bool = True) -> None:
+        """Reap the workers: after up to STOP_TIMEOUT each when `wait` (they were told to stop),
+        at once otherwise; a worker still there then is killed."""
         for process in self.processes:
             try:
-                process.wait(STOP_TIMEOUT)
+                process.wait(STOP_TIMEOUT if wait else 0)
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
