@@ -14,6 +14,7 @@ import httpx
 import openai
 import pytest
 import trio
+from http_support import live_server, tiny_core
 from process_support import descendants, live
 
 pytest.importorskip("sglang_router")
@@ -27,9 +28,9 @@ async def prefix_hits(url: str) -> float:
     return float(re.search(r"^trillm:prefix_cache_hits_total\{[^}]*\} (\S+)$", text, re.M).group(1))
 
 
-async def start_replicated(nursery, model: str, policy: str):
+async def start_replicated(nursery, model: str, policy: str, *flags: str):
     command = [sys.executable, "-m", "trillm", "serve", "--model", model, "--port", "0", "--num-kv-blocks", "64",
-               "--data-parallel-size", "2", "--router-policy", policy]
+               "--data-parallel-size", "2", "--router-policy", policy, *flags]
     # The supervisor logs each replica's URL, then the router's address once it is up.
     process = await nursery.start(lambda task_status: trio.run_process(
         command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, check=False, task_status=task_status))
@@ -133,3 +134,27 @@ def _serves(pid: int, url: str) -> bool:
     with open(f"/proc/{pid}/cmdline", "rb") as f:
         args = f.read().split(b"\0")
     return b"--port" in args and args[args.index(b"--port") + 1].decode() == url.rsplit(":", 1)[1]
+
+
+async def test_a_replica_elsewhere_joins_the_router(tiny_text_model_dir):
+    """--data-parallel-address: a `trillm serve` the supervisor did not start (here an
+    in-process server, as one on another machine would be) is routed to beside the local two."""
+    model = os.path.basename(tiny_text_model_dir)
+    async with live_server(tiny_core(tiny_text_model_dir)) as remote, trio.open_nursery() as nursery:
+        process, router, replicas, log = await start_replicated(
+            nursery, tiny_text_model_dir, "round_robin", "--data-parallel-address", remote.url)
+        try:
+            async with httpx.AsyncClient(base_url=router) as http:
+                workers = {w["worker"] for w in (await http.get("/get_loads")).json()["workers"]}
+            assert workers == {*replicas, remote.url}
+            client = openai.AsyncOpenAI(base_url=router + "/v1", api_key="none", max_retries=0)
+            for _ in range(6):
+                await client.completions.create(model=model, prompt="Hello", max_tokens=2)
+            await client.close()
+            text = (await remote.http().get("/metrics")).text
+            served = sum(float(v) for v in re.findall(r"^trillm:request_success_total\{[^}]*\} (\S+)$", text, re.M))
+            assert served >= 1, "round-robin gives the remote replica its turns"
+        finally:
+            process.send_signal(signal.SIGTERM)
+            with trio.fail_after(60):
+                await process.wait()
