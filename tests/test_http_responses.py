@@ -130,6 +130,7 @@ async def test_stream_raw_lines_carry_event_names(server):
     lines = []
     async with server.http().stream("POST", "/v1/responses", json={
         "model": server.model, "input": "Weather in Rome?", "max_output_tokens": 40, "stream": True,
+        "temperature": 0,  # sampled, the unbounded city string could outrun max_output_tokens
         "tools": [WEATHER], "tool_choice": {"type": "function", "name": "get_weather"}}) as response:
         async for line in response.aiter_lines():
             lines.append(line)
