@@ -55,6 +55,27 @@ def test_sharded_greedy_equals_whole(tiny_model_dir, kind, overrides, tp):
     assert_same(greedy(model, tp), greedy(model, 1))
 
 
+def test_prompt_logprobs_and_teacher_forcing_are_sharded_too(tiny_model_dir):
+    """Logits beyond the sampled rows (prompt logprobs, teacher forcing) are projected on every
+    rank too, as the vocabulary's shards must be: equal to TP = 1's."""
+    model = tiny_model_dir("llama", num_attention_heads=4, num_key_value_heads=2)
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3)
+    results = []
+    for tp in (1, 2):
+        llm = LLM(model, tensor_parallel_size=tp, num_kv_blocks=32, tp_timeout=10, **EXACT)
+        try:
+            (out,) = llm.generate([PROMPTS[2]], params)
+            entries = out.outputs[0].prompt_logprobs
+            forced = llm.engine.runner.teacher_forced_logits(PROMPTS[2], chunk=16)
+        finally:
+            llm.engine.close()
+        results.append(([e.logprob for e in entries[1:]], [e.top for e in entries[1:]], forced))
+    (logprobs, tops, forced), (want_logprobs, want_tops, want_forced) = results[1], results[0]
+    torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(want_logprobs), atol=1e-4, rtol=0)
+    assert [[t for t, _ in top] for top in tops] == [[t for t, _ in top] for top in want_tops]
+    torch.testing.assert_close(forced, want_forced, atol=1e-4, rtol=0)
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_every_kernel_family_runs_sharded(tiny_model_dir, backend):
     """The torch twins and the Triton kernels (in the interpreter here) on their shards."""

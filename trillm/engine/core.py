@@ -6,6 +6,7 @@ holds no locks: adds and aborts are applied between steps, never during one.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -237,7 +238,7 @@ class EngineCore:
                 row.pooler.take(first, hidden[offset:offset + count])
             offset += count
         if any(rows for _, _, rows in wanted):
-            fill_prompt_logprobs(hidden, wanted, self.runner.compute_logits)
+            fill_prompt_logprobs(wanted, functools.partial(self.runner.logits_of_rows, hidden))
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -51,12 +51,10 @@ class PromptLogprobs:
         return range(lo - first, max(hi, lo) - first)
 
 
-def fill_prompt_logprobs(
-    hidden: torch.Tensor, wanted: list[tuple[PromptLogprobs, int, range]], logits_of: Callable
-) -> None:
-    """hidden: the step's hidden states [T, hidden]; `wanted`: per request, its record, the
-    offset of its chunk's first row in `hidden`, and the chunk rows it wants (`rows_wanted`);
-    `logits_of(hidden rows) -> fp32 logits`. Appends the entries, in position order."""
+def fill_prompt_logprobs(wanted: list[tuple[PromptLogprobs, int, range]], logits_of: Callable) -> None:
+    """`wanted`: per request, its record, the offset of its chunk's first row in the step's
+    hidden states, and the chunk rows it wants (`rows_wanted`); `logits_of(row indices) -> fp32
+    logits` of those rows of the step's hidden states. Appends the entries, in position order."""
     rows, targets, owners = [], [], []
     for owner, offset, chunk_rows in wanted:
         position = owner.next_position
@@ -67,8 +65,8 @@ def fill_prompt_logprobs(
             position += 1
     for lo in range(0, len(rows), ROWS_PER_PROJECTION):
         hi = lo + ROWS_PER_PROJECTION
-        logprobs = torch.log_softmax(logits_of(hidden[torch.tensor(rows[lo:hi], device=hidden.device)]), dim=-1)
-        target = torch.tensor(targets[lo:hi], device=hidden.device)
+        logprobs = torch.log_softmax(logits_of(rows[lo:hi]), dim=-1)
+        target = torch.tensor(targets[lo:hi], device=logprobs.device)
         entries = token_logprobs(logprobs, target, [o.num_top for o in owners[lo:hi]], ranks=True)
         for owner, entry in zip(owners[lo:hi], entries):
             owner.entries.append(entry)

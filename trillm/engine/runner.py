@@ -43,6 +43,16 @@ class StepInputs:
     needs_sample: list[bool]
 
 
+@dataclass(frozen=True)
+class LogitRows:
+    """Rank 0's word to the tensor-parallel workers that it projects these rows of the step's
+    hidden states, beyond the sampled rows every rank projects on its own (prompt logprobs,
+    teacher forcing): each rank holds a share of the vocabulary, so every rank must project
+    the same rows for the logits' gather."""
+
+    rows: list[int]
+
+
 @dataclass
 class ModelInput:
     input_ids: torch.Tensor  # [T] int64
@@ -173,12 +183,24 @@ class ModelRunner:
         batch = self.prepare(inputs)
         return batch, self._forward(batch, self.kv_caches)
 
+    def logits_of_rows(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """fp32 logits of `rows` of this step's hidden states `hidden` [T, hidden]; on rank 0 of
+        a tensor-parallel group the workers are told to project the same rows (LogitRows)."""
+        if self.tp.size > 1:
+            self.tp.broadcast(LogitRows(rows))
+        return self.compute_logits(hidden[torch.tensor(rows, dtype=torch.int64, device=hidden.device)])
+
     def serve_steps(self) -> None:
-        """A tensor-parallel worker's whole life: run every step rank 0 sends, its logits'
-        gather included, until rank 0 sends None (close) or a collective fails (rank 0 died)."""
+        """A tensor-parallel worker's whole life: run every step rank 0 sends, its sampled rows'
+        logits gathered, and every further projection of that step's rows it announces, until
+        rank 0 sends None (close) or a collective fails (rank 0 died)."""
         assert self.tp.rank > 0
-        while (inputs := self.tp.broadcast()) is not None:
-            batch = self.prepare(inputs)
+        hidden = None
+        while (message := self.tp.broadcast()) is not None:
+            if isinstance(message, LogitRows):
+                self.compute_logits(hidden[torch.tensor(message.rows, dtype=torch.int64, device=hidden.device)])
+                continue
+            batch = self.prepare(message)
             hidden = self._forward(batch, self.kv_caches)
             self.compute_logits(hidden[batch.sample_rows])
 
@@ -210,8 +232,9 @@ class ModelRunner:
         logits = []
         for start in range(0, len(token_ids), chunk):
             end = min(start + chunk, len(token_ids))
-            _, hidden = self._run(StepInputs([token_ids[start:end]], [table], [start], [True]))
-            logits.append(self.compute_logits(hidden))
+            # No sampled row: every row's logits, projected as the rows of one LogitRows.
+            _, hidden = self._run(StepInputs([token_ids[start:end]], [table], [start], [False]))
+            logits.append(self.logits_of_rows(hidden, list(range(end - start))))
         return torch.cat(logits)
 
     def prepare(self, inputs: StepInputs) -> ModelInput:
