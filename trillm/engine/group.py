@@ -31,14 +31,14 @@ class Member:
 
     request_id: str
     prompt_token_ids: list[int]
-    params: SamplingParams | PoolingParams
+    params: Params
     client_id: str | None = None  # the client's name for the prompt this member samples, if any
 
 
 class RequestGroup:
     """A group's members and their admission; `fan_out` makes the members of a client request."""
 
-    def __init__(self, request_id: str, members: list[tuple[list[int], SamplingParams | PoolingParams]],
+    def __init__(self, request_id: str, members: list[tuple[list[int], Params]],
                  client_ids: list[str | None] | None = None):
         """`client_ids`: each member's client name (None: none), as Member.client_id."""
         assert members, "a group has at least one member"
@@ -59,8 +59,8 @@ class RequestGroup:
         per_prompt = params if isinstance(params, list) else [params] * len(prompts)
         names = client_ids if isinstance(client_ids, list) else [client_ids] * len(prompts)
         assert len(per_prompt) == len(names) == len(prompts)
-        n = _samples(per_prompt[0])
-        assert all(_samples(p) == n for p in per_prompt), "every prompt of a group has the same n"
+        n = num_samples(per_prompt[0])
+        assert all(num_samples(p) == n for p in per_prompt), "every prompt of a group has the same n"
         members = [
             (ids, p if isinstance(p, PoolingParams) or p.seed is None else replace(p, seed=p.seed + i))
             for ids, p in zip(prompts, per_prompt)
@@ -141,5 +141,6 @@ class RequestGroup:
         self._in_core.add(member.request_id)
 
 
-def _samples(params: Params) -> int:
+def num_samples(params: Params) -> int:
+    """Members per prompt: n samples, or one pooled vector."""
     return 1 if isinstance(params, PoolingParams) else params.n

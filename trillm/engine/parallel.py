@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from trillm.subprocesses import cpu_share, even_span
+
 CONTROL_TIMEOUT = datetime.timedelta(days=365)  # an idle server's workers wait this long for a step
 STARTUP_TIMEOUT = datetime.timedelta(minutes=30)  # for every rank to start, meet and load its shard
 
@@ -39,9 +41,7 @@ class TensorParallel:
     def split(self, n: int) -> tuple[int, int]:
         """This rank's [start, end) of n things split as evenly as can be (the first n % size
         ranks take one more)."""
-        base, extra = divmod(n, self.size)
-        start = self.rank * base + min(self.rank, extra)
-        return start, start + base + (self.rank < extra)
+        return even_span(n, self.rank, self.size)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sums `x` over the ranks, in place."""
@@ -83,15 +83,13 @@ def rank_cpus(tp: TensorParallel) -> set[int]:
     """The cores this rank's threads run on: its NUMA node's, where the machine has a node per
     rank, else its even share of the cores this process may use (ranks sharing cores would
     fight over them at every collective)."""
-    allowed = sorted(os.sched_getaffinity(0))
     nodes = sorted(glob.glob("/sys/devices/system/node/node[0-9]*/cpulist"))
     if len(nodes) >= tp.size:
         with open(nodes[tp.rank]) as f:
-            mine = _cpu_list(f.read()) & set(allowed)
+            mine = _cpu_list(f.read()) & os.sched_getaffinity(0)
         if mine:
             return mine
-    start, end = tp.split(len(allowed))
-    return set(allowed[start:end]) or set(allowed)
+    return cpu_share(tp.rank, tp.size)
 
 
 def _cpu_list(text: str) -> set[int]:

@@ -178,7 +178,7 @@ class ModelRunner:
 
     def _run(self, inputs: StepInputs) -> tuple[ModelInput, torch.Tensor]:
         """One forward on every rank: rank 0 sends the inputs to the workers first."""
-        if self.tp.size > 1:
+        if self.tp.rank == 0 and self.tp.size > 1:
             self.tp.broadcast(inputs)
         batch = self.prepare(inputs)
         return batch, self._forward(batch, self.kv_caches)
@@ -200,8 +200,7 @@ class ModelRunner:
             if isinstance(message, LogitRows):
                 self.compute_logits(hidden[torch.tensor(message.rows, dtype=torch.int64, device=hidden.device)])
                 continue
-            batch = self.prepare(message)
-            hidden = self._forward(batch, self.kv_caches)
+            batch, hidden = self._run(message)
             self.compute_logits(hidden[batch.sample_rows])
 
     def close(self) -> bool:

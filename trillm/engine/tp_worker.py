@@ -11,23 +11,20 @@ sends its close, or dies: then the worker's next collective raises and it exits.
 """
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import json
 import logging
 import os
-import signal
-import socket
 import subprocess
 import sys
 
 from trillm.config import EngineArgs
 from trillm.engine import parallel
+from trillm.subprocesses import die_with_parent, free_port
 
 log = logging.getLogger(__name__)
 ARGS_VARIABLE = "TRILLM_TP_ENGINE_ARGS"
 STOP_TIMEOUT = 10.0  # seconds a worker gets to exit after rank 0's close, before it is killed
-_PR_SET_PDEATHSIG = 1
 
 
 def launcher_rank() -> int | None:
@@ -66,13 +63,11 @@ class Workers:
         """Ranks 1..N-1 of `args`, and the args with the meeting point filled in (a free loopback
         port when none was given)."""
         if args.tp_init_method is None:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                args = dataclasses.replace(args, tp_init_method=f"tcp://127.0.0.1:{s.getsockname()[1]}")
+            args = dataclasses.replace(args, tp_init_method=f"tcp://127.0.0.1:{free_port()}")
         env = {**os.environ, ARGS_VARIABLE: json.dumps(dataclasses.asdict(args))}
         processes = [
             subprocess.Popen([sys.executable, "-m", "trillm.engine.tp_worker", str(rank)], env=env,
-                             preexec_fn=_die_with_parent)
+                             preexec_fn=die_with_parent)
             for rank in range(1, args.tensor_parallel_size)
         ]
         return cls(processes), args
@@ -86,11 +81,6 @@ class Workers:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
-
-
-def _die_with_parent() -> None:
-    """In the child, before exec: the kernel sends it SIGTERM when its parent exits."""
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -22,11 +22,8 @@ the router dies, or the last replica, the supervisor stops the rest and exits wi
 """
 from __future__ import annotations
 
-import ctypes
 import logging
-import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -35,26 +32,12 @@ import urllib.request
 from dataclasses import replace
 
 from trillm.http.settings import ServerSettings, to_argv
+from trillm.subprocesses import cpu_share, die_with_parent, free_port
 
 log = logging.getLogger(__name__)
 ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
 READY_TIMEOUT = 600.0  # seconds for a replica to load its model and answer /health
 STOP_TIMEOUT = 60.0  # seconds the router and the replicas get to exit on a signal, before SIGKILL
-_PR_SET_PDEATHSIG = 1
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def replica_cpus(index: int, count: int) -> set[int]:
-    """Replica `index`'s even share of the cores this process may use."""
-    cores = sorted(os.sched_getaffinity(0))
-    base, extra = divmod(len(cores), count)
-    start = index * base + min(index, extra)
-    return set(cores[start:start + base + (index < extra)]) or set(cores)
 
 
 def router_command(settings: ServerSettings, port: int, worker_urls: list[str]) -> list[str]:
@@ -75,10 +58,10 @@ def run(settings: ServerSettings) -> int:
     replicas = []
     for index, port in enumerate(ports):
         replica = replace(settings, host="127.0.0.1", port=port, data_parallel_size=1, data_parallel_address=None)
-        cpus = replica_cpus(index, count)
+        cpus = cpu_share(index, count)
         replicas.append(subprocess.Popen(
             [sys.executable, "-m", "trillm", "serve", *to_argv(replica)],
-            preexec_fn=lambda cpus=cpus: _in_child(cpus),
+            preexec_fn=lambda cpus=cpus: die_with_parent(cpus),
         ))
     children = list(replicas)
     stopping = []
@@ -92,7 +75,7 @@ def run(settings: ServerSettings) -> int:
             return 0 if stopping else 1
         workers = urls + ServerSettings.as_list(settings.data_parallel_address or "")
         port = settings.port or free_port()  # port 0: any free one, logged below
-        router = subprocess.Popen(router_command(settings, port, workers), preexec_fn=lambda: _in_child(None))
+        router = subprocess.Popen(router_command(settings, port, workers), preexec_fn=die_with_parent)
         children.insert(0, router)
         if not _wait_ready([f"http://{_loopback(settings.host)}:{port}"], [router], stopping):
             return 0 if stopping else 1
@@ -151,10 +134,3 @@ def _stop(children: list[subprocess.Popen]) -> None:
         except subprocess.TimeoutExpired:
             child.kill()
             child.wait()
-
-
-def _in_child(cpus: set[int] | None) -> None:
-    """In a child, before exec: die with the supervisor, on its own cores if given."""
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    if cpus:
-        os.sched_setaffinity(0, cpus)

@@ -18,7 +18,7 @@ import trio
 
 from trillm.engine.async_engine import RequestStream
 from trillm.engine.output import Delta, output_processor
-from trillm.engine.group import Params, RequestGroup
+from trillm.engine.group import Params, RequestGroup, num_samples
 from trillm.sampling_params import SamplingParamError, SamplingParams
 from trillm.sched_ext import FinishReason
 
@@ -38,7 +38,7 @@ class Generation:
             raise SamplingParamError("stop", "Stop strings need text, and this model has no tokenizer.")
         self.request_id = request_id
         self.prompts = prompts
-        self.n = every[0].n if isinstance(every[0], SamplingParams) else 1
+        self.n = num_samples(every[0])
         self._engine = state.engine
         self._field_names = field_names or {}
         # Refused before a detokenizer is built for each member: a group too large for the

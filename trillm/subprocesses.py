@@ -1,0 +1,41 @@
+"""What the processes trillm starts itself share (tensor-parallel ranks, data-parallel replicas
+and their router): a free loopback port to meet at, an even share of the cores, and a death
+tied to their parent's, so that no child outlives the server however it ends."""
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import socket
+
+_PR_SET_PDEATHSIG = 1
+
+
+def even_span(n: int, index: int, count: int) -> tuple[int, int]:
+    """Part `index`'s [start, end) of n things split in `count` parts as evenly as can be (the
+    first n % count parts take one more)."""
+    base, extra = divmod(n, count)
+    start = index * base + min(index, extra)
+    return start, start + base + (index < extra)
+
+
+def cpu_share(index: int, count: int) -> set[int]:
+    """Part `index`'s even share of the cores this process may run on (all of them when there
+    are fewer cores than parts)."""
+    cores = sorted(os.sched_getaffinity(0))
+    start, end = even_span(len(cores), index, count)
+    return set(cores[start:end]) or set(cores)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def die_with_parent(cpus: set[int] | None = None) -> None:
+    """For a child's preexec_fn (it runs before exec): the kernel sends the child SIGTERM when
+    its parent exits; `cpus`, if given, are the only cores it runs on."""
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if cpus:
+        os.sched_setaffinity(0, cpus)
