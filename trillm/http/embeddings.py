@@ -21,7 +21,7 @@ from trillm.http.errors import APIError
 from trillm.http.generation import Generation
 from trillm.http.prompts import completion_prompts
 from trillm.http.protocol import EmbeddingRequest, RerankRequest, ScoreRequest
-from trillm.http.state import ServerState, current, parse_body, request_id
+from trillm.http.state import ServerState, model_request, request_id
 from trillm.pooling_params import PoolingParams
 from trillm.sampling_params import SamplingParamError
 
@@ -66,9 +66,7 @@ def _head(rid: str, state: ServerState) -> dict:
 
 
 async def _embedding_request(kind: str) -> tuple[EmbeddingRequest, ServerState, list[list[int]], str, list[torch.Tensor]]:
-    state = current()
-    req = await parse_body(EmbeddingRequest)
-    state.check_model(req.model)
+    state, req = await model_request(EmbeddingRequest)
     hidden_size = state.core.config.hf_config.hidden_size
     if req.dimensions is not None and req.dimensions > hidden_size:
         raise SamplingParamError("dimensions", f"dimensions must be at most this model's {hidden_size}.")
@@ -106,9 +104,7 @@ async def _cosines(state: ServerState, prefix: str, queries: list[str], document
 @blueprint.post("/score")
 @blueprint.post("/v1/score")
 async def score():
-    state = current()
-    req = await parse_body(ScoreRequest)
-    state.check_model(req.model)
+    state, req = await model_request(ScoreRequest)
     first = [req.text_1] if isinstance(req.text_1, str) else req.text_1
     second = [req.text_2] if isinstance(req.text_2, str) else req.text_2
     if len(first) == 1:
@@ -126,9 +122,7 @@ async def score():
 @blueprint.post("/v1/rerank")
 @blueprint.post("/v2/rerank")
 async def rerank():
-    state = current()
-    req = await parse_body(RerankRequest)
-    state.check_model(req.model)
+    state, req = await model_request(RerankRequest)
     rid, prompts, scores = await _cosines(state, "rerank", [req.query] * len(req.documents), req.documents, "documents")
     order = sorted(range(len(scores)), key=lambda i: -scores[i])[: req.top_n or None]
     results = []

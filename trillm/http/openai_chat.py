@@ -15,7 +15,7 @@ from trillm.http.logprobs import TokenTexts, chat_logprobs, vllm_prompt_logprobs
 from trillm.http.prompts import chat_prompt, encode
 from trillm.http.protocol import ChatCompletionRequest
 from trillm.http.sse import UsageChunks, stream_response
-from trillm.http.state import ServerState, current, parse_body, request_id
+from trillm.http.state import ServerState, model_request, request_id
 from trillm.http.tools import tool_choice
 
 log = logging.getLogger(__name__)
@@ -24,9 +24,7 @@ blueprint = Blueprint("openai_chat", __name__)
 
 @blueprint.post("/v1/chat/completions")
 async def chat_completions():
-    state = current()
-    req = await parse_body(ChatCompletionRequest)
-    state.check_model(req.model)
+    state, req = await model_request(ChatCompletionRequest)
     params = req.to_sampling_params(state.vocab_size, state.tokenizer)
     choice, params = tool_choice(req, state.tool_call_parser, params)
     tools = req.tools if choice != "none" else None

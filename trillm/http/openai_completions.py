@@ -17,16 +17,14 @@ from trillm.http.logprobs import TokenTexts, completion_logprobs, join_completio
 from trillm.http.prompts import completion_prompts, decode
 from trillm.http.protocol import CompletionRequest
 from trillm.http.sse import UsageChunks, stream_response
-from trillm.http.state import current, parse_body, request_id
+from trillm.http.state import model_request, request_id
 
 blueprint = Blueprint("openai_completions", __name__)
 
 
 @blueprint.post("/v1/completions")
 async def completions():
-    state = current()
-    req = await parse_body(CompletionRequest)
-    state.check_model(req.model)
+    state, req = await model_request(CompletionRequest)
     params = req.to_sampling_params(state.vocab_size, state.tokenizer)
     prompts = [req.truncated(p, state.max_model_len) for p in completion_prompts(state.tokenizer, req.prompt)]
     generation = Generation(state, *request_id("cmpl", req.session_name), prompts, params)

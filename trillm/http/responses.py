@@ -26,7 +26,7 @@ from trillm.http.prompts import chat_prompt
 from trillm.http.protocol import ChatCompletionRequest, ChatMessage, FunctionCall, ToolCallMessage
 from trillm.http.responses_protocol import FIELD_NAMES, ResponsesRequest, item_id, items_to_messages, with_ids
 from trillm.http.responses_store import StoredResponse
-from trillm.http.state import ServerState, current, parse_body, request_id
+from trillm.http.state import ServerState, current, model_request, request_id
 from trillm.http.tools import tool_choice
 from trillm.sampling_params import SamplingParamError
 from trillm.sched_ext import FinishReason
@@ -45,9 +45,7 @@ def _in_responses_terms():
 
 @blueprint.post("/v1/responses")
 async def create_response():
-    state = current()
-    req = await parse_body(ResponsesRequest)
-    state.check_model(req.model)
+    state, req = await model_request(ResponsesRequest)
     if req.background and not req.store:
         raise SamplingParamError("background", "background needs store: true (a background response is fetched by id).")
     if req.background and req.stream:

@@ -71,6 +71,15 @@ async def parse_body(model: type[pydantic.BaseModel], status: int = 400):
     return validate(model, await read_json(), status)
 
 
+async def model_request(model: type[pydantic.BaseModel]) -> tuple[ServerState, pydantic.BaseModel]:
+    """The server and the JSON body as `model` (400 naming a bad field), whose `model` field
+    names the served model (404 otherwise): the opening of every OpenAI-style route."""
+    state = current()
+    req = await parse_body(model)
+    state.check_model(req.model)
+    return state, req
+
+
 def validate(model: type[pydantic.BaseModel], body, status: int = 400):
     """`body` (decoded JSON) as `model`; `status` naming the bad field if it does not fit."""
     try:
