@@ -130,6 +130,14 @@ async def test_sigterm_under_load_ends_every_stream_with_a_final_chunk_and_exits
         finishes, started = {}, []
         all_started = trio.Event()
 
+        def note_started(i: int) -> None:
+            """Whichever stream starts last, completion or response, sets the event (each kind
+            checking its own count could miss it, and the test would wait forever)."""
+            if i not in started:
+                started.append(i)
+                if len(started) == 48:
+                    all_started.set()
+
         async def stream(i: int) -> None:
             chunks = await client.completions.create(
                 model=model, prompt=[5 + i, 6, 7],
@@ -137,10 +145,7 @@ async def test_sigterm_under_load_ends_every_stream_with_a_final_chunk_and_exits
                 extra_headers={"X-Request-Id": f"term-{i}"},
             )
             async for chunk in chunks:
-                if i not in started:
-                    started.append(i)
-                    if len(started) == 40:
-                        all_started.set()
+                note_started(i)
                 if chunk.choices[0].finish_reason:
                     finishes[i] = chunk.choices[0].finish_reason
 
@@ -154,10 +159,7 @@ async def test_sigterm_under_load_ends_every_stream_with_a_final_chunk_and_exits
                         if not line.startswith("data: "):
                             continue
                         event = json.loads(line[len("data: "):])
-                        if i not in started:
-                            started.append(i)
-                            if len(started) == 48:
-                                all_started.set()
+                        note_started(i)
                         if event["type"] in ("response.completed", "response.incomplete", "response.failed"):
                             finishes[i] = event["response"]["status"]
 
