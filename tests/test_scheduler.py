@@ -389,19 +389,22 @@ PREFIXES = [(), (2, 3, 4, 5, 2), (2, 3, 4, 5, 2, 4, 4, 3, 5), (5, 5, 4, 3, 2, 2,
 
 
 def scheduler_machine(num_blocks: int, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
-                      enable_prefix_caching: bool = True, check_hit_rates: bool = False, policy: str = "fcfs"):
+                      enable_prefix_caching: bool = True, check_hit_rates: bool = False, policy: str = "fcfs",
+                      max_loras: int = 0):
     """A state machine class driving one scheduler configuration. `check_hit_rates` (for a pool
     too large to evict from): a follow-up turn must hit at least every full block computed for
-    the conversation it extends."""
+    the conversation it extends. `max_loras`: requests name LoRA adapters 0-3 (0: none), and the
+    running ones use at most that many."""
 
     class SchedulerMachine(RuleBasedStateMachine):
         preemptions = 0  # over all runs of this class
         prefix_hits = 0
+        max_adapters = 0  # the most LoRA adapters that ran at once
 
         def __init__(self):
             super().__init__()
             self.sched = Scheduler(num_blocks, BS, max_num_batched_tokens, max_num_seqs, max_model_len,
-                                   enable_prefix_caching, policy)
+                                   enable_prefix_caching, policy, max_loras)
             self.max_len = min(max_model_len, num_blocks * BS + 1)
             self.live: set[str] = set()
             self.done: set[str] = set()
@@ -425,11 +428,12 @@ def scheduler_machine(num_blocks: int, max_num_batched_tokens: int, max_num_seqs
         @rule(prefix=st.sampled_from(PREFIXES), suffix=st.lists(st.integers(1, VOCAB - 1), max_size=3 * BS),
               max_tokens=st.integers(0, 24), min_tokens=st.integers(0, 3), ignore_eos=st.booleans(),
               stop_token_ids=st.sampled_from([(), (1,)]), prefix_hit_limit=st.sampled_from([-1, -1, 0, 5, 2 * BS]),
-              cache_salt=st.sampled_from(["", "", "a", "b"]), priority=st.integers(-2, 2))
+              cache_salt=st.sampled_from(["", "", "a", "b"]), priority=st.integers(-2, 2),
+              lora_id=st.sampled_from([0, 0, 1, 2, 3]))
         def add(self, prefix, suffix, max_tokens, min_tokens, ignore_eos, stop_token_ids, prefix_hit_limit, cache_salt,
-                priority):
+                priority, lora_id):
             self.add_request(list(prefix) + suffix, max_tokens, min(min_tokens, max_tokens), ignore_eos,
-                             stop_token_ids, prefix_hit_limit, cache_salt, priority)
+                             stop_token_ids, prefix_hit_limit, cache_salt, priority, lora_id if max_loras else 0)
 
         @rule(prefix=st.sampled_from(PREFIXES), suffix=st.lists(st.integers(1, VOCAB - 1), max_size=2 * BS),
               copies=st.integers(2, 3), max_tokens=st.integers(1, 8))
@@ -452,7 +456,7 @@ def scheduler_machine(num_blocks: int, max_num_batched_tokens: int, max_num_seqs
                 self.min_hits[rid] = min(self.computed_blocks[previous], (len(self.expected[rid]) - 1) // BS)
 
         def add_request(self, prompt, max_tokens, min_tokens, ignore_eos, stop_token_ids,
-                        prefix_hit_limit=-1, cache_salt="", priority=0) -> str | None:
+                        prefix_hit_limit=-1, cache_salt="", priority=0, lora_id=0) -> str | None:
             """Add a request, or check that it is refused; its id if it was added."""
             rid = f"r{self.count}"
             self.count += 1
@@ -462,7 +466,7 @@ def scheduler_machine(num_blocks: int, max_num_batched_tokens: int, max_num_seqs
                 return None
             request = Request(rid, prompt, max_tokens, min_tokens=min_tokens, eos_token_id=EOS,
                               stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, prefix_hit_limit=prefix_hit_limit,
-                              cache_salt=cache_salt, priority=priority)
+                              cache_salt=cache_salt, priority=priority, lora_id=lora_id)
             if len(prompt) >= max_model_len or cdiv(len(prompt) + 1, BS) > num_blocks:
                 with pytest.raises(ValueError):
                     self.sched.add(request)
@@ -500,6 +504,10 @@ def scheduler_machine(num_blocks: int, max_num_batched_tokens: int, max_num_seqs
             if admitted and still_waiting:  # who runs first: admission follows rank
                 assert max(sched.get(rid).rank for rid in admitted) < min(r.rank for r in still_waiting)
             SchedulerMachine.preemptions += len(out.preempted)
+            running_loras = {sched.get(rid).lora_id for rid in self.live if sched.get(rid).status == RUNNING} - {0}
+            assert not max_loras or len(running_loras) <= max_loras, f"adapters {running_loras} run at once"
+            assert set(sched.running_loras) == running_loras
+            SchedulerMachine.max_adapters = max(SchedulerMachine.max_adapters, len(running_loras))
             holders = Counter(b for rid in self.live for b in sched.get(rid).block_table)
             for r, n, computed, needs_sample in zip(out.requests, out.num_scheduled_tokens,
                                                     out.num_computed_tokens, out.needs_sample):
@@ -631,6 +639,24 @@ def test_stateful_priority_policy_in_a_tiny_pool():
                                 policy="priority")
     run_state_machine_as_test(machine, settings=STATEFUL)
     assert machine.preemptions > 0
+
+
+def test_stateful_max_loras_bounds_the_adapters_running_at_once():
+    machine = scheduler_machine(num_blocks=16, max_num_batched_tokens=16, max_num_seqs=4, max_model_len=24, max_loras=2)
+    run_state_machine_as_test(machine, settings=STATEFUL)
+    assert machine.max_adapters == 2  # the bound was reached, never passed
+
+
+def test_a_request_of_one_adapter_too_many_waits_for_a_slot_and_nobody_overtakes():
+    sched = Scheduler(16, BS, max_num_batched_tokens=64, max_loras=1)
+    for rid, lora_id in (("a1", 1), ("base", 0), ("b", 2), ("a2", 1)):
+        sched.add(Request(rid, [3, 4, 5], 2, lora_id=lora_id))
+    out, _ = step(sched)
+    # a1 and base run; b's adapter would be a second one, so it waits, and a2 behind it
+    assert [r.request_id for r in out.requests] == ["a1", "base"]
+    step(sched)  # a1 and base finish (max_tokens 2)
+    assert [r.request_id for r in step(sched)[0].requests] == ["b"]  # adapter 1 left; b runs, a2 (adapter 1) waits
+    assert sched.running_loras == {2: 1}
 
 
 def test_stateful_tiny_pool_without_prefix_caching():

@@ -47,6 +47,17 @@ class EngineArgs:
     tp_timeout: float = 60.0  # seconds a step's collectives wait for a late rank before failing
     # where the ranks meet (tcp://host:port); None: a free loopback port (ranks on one machine)
     tp_init_method: str | None = None
+    # LoRA adapters (trillm/engine/lora.py), vLLM's flags: requests may name adapters loaded from
+    # PEFT directories; `lora_modules` loads some at start ("name=path", several separated by
+    # commas); at most `max_loras` distinct adapters run in one step, of rank up to
+    # `max_lora_rank`; `max_cpu_loras` adapters keep their weights in host memory (None: max_loras)
+    enable_lora: bool = False
+    lora_modules: str | None = None
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    # /sleep may free the KV cache (level 1) and the weights (level 2) until /wake_up
+    enable_sleep_mode: bool = False
 
     @classmethod
     def field_names(cls) -> list[str]:

@@ -27,6 +27,7 @@ class PoolingType(enum.StrEnum):
 class PoolingParams:
     pooling: PoolingType = PoolingType.LAST
     n: int = 1  # one vector per input, always; a group fans out on this as on SamplingParams.n
+    lora_name: str | None = None  # the LoRA adapter to run under (None: the base model)
 
     def __post_init__(self) -> None:
         assert self.n == 1, "a pooling request makes one vector per input"

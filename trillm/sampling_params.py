@@ -81,6 +81,7 @@ class SamplingParams:
     prompt_logprobs_start: int = 0
     cache_salt: str | None = None  # requests share prefix-cached blocks only under the same salt
     priority: int = 0  # under the priority scheduling policy, lower runs first (vLLM's)
+    lora_name: str | None = None  # the LoRA adapter to run under (None: the base model)
     structured_output: StructuredOutput | None = None  # a grammar the output must match
     allowed_token_ids: list[int] | None = None  # only these may be sampled (vLLM's)
     # Token sequences the output must not form (vLLM's bad_words, tokenized): the last token of

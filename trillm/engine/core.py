@@ -17,6 +17,7 @@ from trillm.engine.prompt_logprobs import PromptLogprobs, fill_prompt_logprobs
 from trillm.engine.request import EngineRequest
 from trillm.engine import parallel
 from trillm.engine.loader import resolve_device
+from trillm.engine.lora import LoRAAdapter, LoRAError, LoRARegistry, LoRAWeights
 from trillm.engine.runner import ModelRunner
 from trillm.engine.tp_worker import Workers, launcher_init_method, launcher_rank
 from trillm.engine.sampler import Sampler, SamplingBatch, TokenLogprobs
@@ -24,7 +25,7 @@ from trillm.engine.stats import EngineStats
 from trillm.engine.structured_output import Grammars, accept
 from trillm.pooling_params import PoolingParams
 from trillm.sampling_params import SamplingParamError, SamplingParams
-from trillm.sched_ext import FinishReason, Request, Scheduler, SchedulerOutput
+from trillm.sched_ext import FinishReason, Request, RequestStatus, Scheduler, SchedulerOutput
 
 
 @dataclass
@@ -63,6 +64,7 @@ class EngineCore:
                 self._stop_workers()
                 raise
         self.args = args
+        check_lora_args(args)
         self.runner = ModelRunner(args, self.tp)
         self.config = self.runner.config  # resolved once, by the loader
         self.tokenizer = self.runner.tokenizer
@@ -74,7 +76,14 @@ class EngineCore:
             self.config.max_model_len,
             args.enable_prefix_caching,
             args.scheduling_policy,
+            args.max_loras if args.enable_lora else 0,
         )
+        # The adapters requests may name (None: LoRA is off)
+        self.loras: LoRARegistry | None = None
+        if args.enable_lora:
+            self.loras = LoRARegistry(self.config.hf_config, args.max_lora_rank, args.max_cpu_loras or args.max_loras)
+            for name, path in parse_lora_modules(args.lora_modules):
+                self.load_lora(name, path, self.loras.read(path))
         self.sampler = Sampler()
         self.grammars = Grammars(self.tokenizer, self.config.hf_config.vocab_size, list(self.config.eos_token_ids))
         self.requests: dict[str, EngineRequest] = {}  # live requests, from add_request to their end
@@ -131,9 +140,15 @@ class EngineCore:
             )
         if sampling and params.priority and self.args.scheduling_policy != "priority":
             raise SamplingParamError("priority", "priority needs a server started with --scheduling-policy priority.")
+        lora = self._adapter(params.lora_name)
+        # An adapter's KV differs from the base model's: its id roots its blocks' hash chain.
+        lora_salt = "" if lora is None else f"\0lora-{lora.lora_id}"
+        lora_id = 0 if lora is None else lora.lora_id
         if not sampling:
-            request = Request(request_id, list(prompt_token_ids), 0, prefix_hit_limit=params.pooling.prefix_hit_limit)
-            self._add(EngineRequest(request, params, None, pooler=Pooler(params.pooling, len(prompt_token_ids))))
+            request = Request(request_id, list(prompt_token_ids), 0, prefix_hit_limit=params.pooling.prefix_hit_limit,
+                              cache_salt=lora_salt, lora_id=lora_id)
+            self._add(EngineRequest(request, params, None, pooler=Pooler(params.pooling, len(prompt_token_ids)),
+                                    lora=lora))
             return
         max_tokens = self.config.max_model_len - len(prompt_token_ids)  # none asked: to the end of the context
         if params.max_tokens is not None:
@@ -155,8 +170,9 @@ class EngineCore:
             stop_token_ids=params.stop_token_set(self.config.eos_token_ids),
             ignore_eos=params.ignore_eos,
             prefix_hit_limit=params.prefix_hit_limit,
-            cache_salt=params.cache_salt or "",
+            cache_salt=(params.cache_salt or "") + lora_salt,
             priority=params.priority,
+            lora_id=lora_id,
         )
         generator = None if params.seed is None else torch.Generator().manual_seed(params.seed)
         # Made before the scheduler takes the request: the matcher is what can still fail.
@@ -164,21 +180,68 @@ class EngineCore:
         prompt_logprobs = None
         if params.prompt_logprobs is not None:
             prompt_logprobs = PromptLogprobs(list(prompt_token_ids), params.prompt_logprobs_start, params.prompt_logprobs)
-        self._add(EngineRequest(request, params, generator, matcher, prompt_logprobs=prompt_logprobs))
+        self._add(EngineRequest(request, params, generator, matcher, prompt_logprobs=prompt_logprobs, lora=lora))
+
+    def _adapter(self, name: str | None) -> LoRAAdapter | None:
+        """The adapter a request names, checked (not yet held: _add holds it)."""
+        if name is None:
+            return None
+        if self.loras is None:
+            raise SamplingParamError("model", f"The LoRA adapter `{name}` does not exist: this server runs without --enable-lora.")
+        try:
+            return self.loras.get(name)
+        except LoRAError as exc:
+            raise SamplingParamError("model", str(exc)) from None
 
     def _add(self, row: EngineRequest) -> None:
+        if row.lora is not None:
+            try:  # reads its weights again if they were dropped: the last thing that can fail
+                self.loras.acquire(row.lora.name)
+            except LoRAError as exc:
+                raise SamplingParamError("model", str(exc)) from None
         try:
             self.scheduler.add(row.seq)
         except ValueError as e:
+            if row.lora is not None:
+                self.loras.release(row.lora)
             raise SamplingParamError("prompt", str(e)) from None
         self.requests[row.request_id] = row
+
+    def _forget(self, request_id: str) -> None:
+        """A request ended: its record goes, and its hold on its adapter."""
+        row = self.requests.pop(request_id)
+        if row.lora is not None:
+            self.loras.release(row.lora)
+
+    # --- LoRA adapters: only the engine's owner calls these, between steps ----------------------
+
+    def load_lora(self, name: str, path: str, weights: LoRAWeights) -> LoRAAdapter:
+        """Register an adapter read by `self.loras.read(path)` (which may run in any thread);
+        LoRAError if LoRA is off or the name is taken."""
+        if self.loras is None:
+            raise LoRAError("LoRA adapters need a server started with --enable-lora.")
+        return self.loras.add(name, path, weights)
+
+    def unload_lora(self, name: str) -> LoRAAdapter:
+        """Forget an adapter; LoRAError: 404 if unknown, 400 while requests use it."""
+        if self.loras is None:
+            raise LoRAError(f"The LoRA adapter `{name}` does not exist.", status=404)
+        return self.loras.remove(name)
+
+    def lora_usage(self) -> tuple[list[str], list[str]]:
+        """The adapters of running requests, and of waiting ones (vLLM's lora_requests_info)."""
+        running, waiting = set(), set()
+        for row in self.requests.values():
+            if row.lora is not None:
+                (running if row.seq.status is RequestStatus.RUNNING else waiting).add(row.lora.name)
+        return sorted(running), sorted(waiting)
 
     def abort_request(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> StepOutput | None:
         """End a request now and free its blocks; None if it is unknown or already finished."""
         request = self.scheduler.abort(request_id, reason)
         if request is None:
             return None
-        del self.requests[request_id]
+        self._forget(request_id)
         return self._output(request, [], None, True)
 
     def step(self) -> list[StepOutput]:
@@ -188,7 +251,8 @@ class EngineCore:
             return []
         scheduled = [self.requests[r.request_id] for r in sched.requests]
         wants_hidden = any(row.wants_hidden for row in scheduled)
-        out = self.runner.execute(sched, keep_hidden=wants_hidden)
+        lora_slots = None if self.loras is None else self.runner.lora_slots.assign([row.lora for row in scheduled])
+        out = self.runner.execute(sched, keep_hidden=wants_hidden, lora_slots=lora_slots)
         if wants_hidden:
             self._take_hidden(sched, scheduled, out.hidden)
         rows = [row for row, need in zip(scheduled, sched.needs_sample) if need]
@@ -224,7 +288,7 @@ class EngineCore:
             if not need and row.request_id in finished_ids:  # prefill only: its prompt is done
                 outputs.append(self._output(row.seq, [], None, True, row))
         for request_id in finished_ids:
-            del self.requests[request_id]
+            self._forget(request_id)
         return outputs
 
     def _take_hidden(self, sched: SchedulerOutput, scheduled: list[EngineRequest], hidden: torch.Tensor) -> None:
@@ -281,3 +345,29 @@ class EngineCore:
             prompt_logprobs=prompt_logprobs,
             pooled=pooled,
         )
+
+
+def parse_lora_modules(spec: str | None) -> list[tuple[str, str]]:
+    """`--lora-modules`: "name=path" items, separated by commas (or spaces)."""
+    items = [] if not spec else [item for part in spec.split(",") for item in part.split()]
+    pairs = []
+    for item in items:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora-modules takes name=path items; got {item!r}.")
+        pairs.append((name, path))
+    return pairs
+
+
+def check_lora_args(args: EngineArgs) -> None:
+    """ValueError for LoRA settings that cannot run."""
+    if args.lora_modules and not args.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora.")
+    if not args.enable_lora:
+        return
+    if args.tensor_parallel_size > 1:
+        raise ValueError("LoRA adapters are not supported under tensor parallelism yet; use --data-parallel-size.")
+    if args.max_loras < 1 or args.max_lora_rank < 1:
+        raise ValueError("--max-loras and --max-lora-rank must be at least 1.")
+    if args.max_cpu_loras is not None and args.max_cpu_loras < args.max_loras:
+        raise ValueError("--max-cpu-loras must be at least --max-loras.")

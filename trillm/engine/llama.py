@@ -40,16 +40,23 @@ class Linear(nn.Module):
     (qkv, gate_up, lm_head) hold some output rows and need nothing more; a row-parallel one
     (o_proj, down_proj: `reduce` given) holds some input columns, so its output is a partial
     sum that is all-reduced over the ranks, and its bias (whole on every rank) is added once,
-    after the sum."""
+    after the sum.
+
+    With LoRA (trillm/engine/lora.py: `attach_lora` sets `lora`), each row of a step whose
+    adapter slot is set adds its adapter's update to the output, whatever runs the base
+    projection (dense, packed or GGUF blocks)."""
 
     def __init__(self, in_features: int, shard_sizes: list[int], bias: bool, reduce: TensorParallel | None = None):
         super().__init__()
         self.shard_offsets = [0, *itertools.accumulate(shard_sizes)]
+        self.in_features = in_features
         self.weight = _empty(self.shard_offsets[-1], in_features)
+        self.dtype, self.device = self.weight.dtype, self.weight.device  # the weight may move to other forms
         self.bias = _empty(self.shard_offsets[-1]) if bias else None
         self.packed_weight: torch.Tensor | None = None  # set by pack(), which drops the plain weight
         self.quantized = None  # set by quantize(), which drops it too: (x, bias) -> y
         self.reduce = reduce if reduce is not None and reduce.size > 1 else None
+        self.lora = None  # a LinearLoRA once adapters may apply here
 
     def quantize(self, weight: quant.QuantizedWeight, quantized_linear) -> None:
         """Runs this projection on GGUF blocks (through the backend's `quantized_linear`, e.g.
@@ -77,9 +84,12 @@ class Linear(nn.Module):
         return param.narrow(0, start, end - start)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self._matmul(x, self.bias if self.reduce is None else None)
+        if self.lora is not None and self.lora.batch.slots is not None:
+            self.lora.add(y, x)
         if self.reduce is None:
-            return self._matmul(x, self.bias)
-        y = self.reduce.all_reduce(self._matmul(x, None))
+            return y
+        y = self.reduce.all_reduce(y)
         return y if self.bias is None else y + self.bias
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

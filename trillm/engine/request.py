@@ -2,7 +2,7 @@
 
 The scheduler's Cython `Request` holds what scheduling needs (tokens, blocks, status, the
 stop set); this record wraps it with what the rest of a step needs: the sampling (or pooling)
-params, the request's own random generator, its grammar matcher, and what it gathers from the
+params, the request's own random generator, its grammar matcher, its LoRA adapter, and what it gathers from the
 steps' hidden states (prompt logprobs, a pooled vector) until it is delivered. `EngineCore` keeps one dict of these,
 from `add_request` until the request finishes or is aborted, when its one entry goes.
 """
@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from trillm.engine.lora import LoRAAdapter
 from trillm.engine.pooler import Pooler
 from trillm.engine.prompt_logprobs import PromptLogprobs
 from trillm.pooling_params import PoolingParams
@@ -28,6 +29,7 @@ class EngineRequest:
     # Filled from the steps' hidden states; None once delivered (or never asked).
     prompt_logprobs: PromptLogprobs | None = None
     pooler: Pooler | None = None
+    lora: LoRAAdapter | None = None  # its adapter, held (LoRARegistry.acquire) until it ends
 
     @property
     def wants_hidden(self) -> bool:

@@ -21,6 +21,7 @@ from trillm.engine.attention import AttentionMetadata
 from trillm.engine.cuda_graphs import DecodeGraphs, use_cuda_graphs
 from trillm.engine.llama import head_dim_of
 from trillm.engine.loader import load_model, pack_linear_weights, resolve_device
+from trillm.engine.lora import attach_lora
 from trillm.engine.parallel import SINGLE, TensorParallel, rank_cpus
 from trillm.sched_ext import SchedulerOutput
 
@@ -41,6 +42,7 @@ class StepInputs:
     block_tables: list[list[int]]
     num_computed_tokens: list[int]
     needs_sample: list[bool]
+    lora_slots: list[int] | None = None  # each request's LoRA slot (-1: none); None: no adapter runs
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,7 @@ class ModelInput:
     positions: torch.Tensor  # [T] int64
     meta: AttentionMetadata
     sample_rows: torch.Tensor  # [N] int64: the last row of each chunk that needs a sample
+    lora_slots: torch.Tensor | None = None  # [T] int64: each row's LoRA slot (-1: none); None: none at all
 
 
 @dataclass
@@ -87,6 +90,8 @@ class ModelRunner:
         if self.config.device.type == "cpu":
             torch.set_num_threads(args.num_threads)
             self.model.kernels.set_threads(args.kernel_threads or len(os.sched_getaffinity(0)))
+        # The model's LoRA adapter slots (trillm/engine/lora.py), before any CUDA graph is captured
+        self.lora_slots = attach_lora(self.model, args.max_loras, args.max_lora_rank) if args.enable_lora else None
         self.block_size = args.block_size
         self.decode_graphs: DecodeGraphs | None = None  # captured once the KV cache exists
         self.closed = False
@@ -160,9 +165,10 @@ class ModelRunner:
         free, total = torch.cuda.mem_get_info(self.config.device)
         return int(total * args.gpu_memory_utilization) - (total - free) - activations
 
-    def execute(self, sched: SchedulerOutput, keep_hidden: bool = False) -> ModelOutput:
+    def execute(self, sched: SchedulerOutput, keep_hidden: bool = False, lora_slots: list[int] | None = None) -> ModelOutput:
         """sched: a SchedulerOutput. `keep_hidden`: also return every row's final hidden state
-        (for prompt logprobs and pooling)."""
+        (for prompt logprobs and pooling). `lora_slots`: each scheduled request's LoRA slot
+        (LoRASlots.assign), or None when none uses an adapter."""
         if self.fault_hook is not None:
             self.fault_hook(sched)
         chunks = []
@@ -171,7 +177,7 @@ class ModelRunner:
             assert not sample or start + n == len(r.token_ids), "a request samples only when its chunk reaches its last token"
             chunks.append(r.token_ids[start:start + n])
         inputs = StepInputs(chunks, [r.block_table for r in sched.requests], list(sched.num_computed_tokens),
-                            list(sched.needs_sample))
+                            list(sched.needs_sample), lora_slots)
         batch, hidden = self._run(inputs)
         hidden = hidden[: sched.total_num_tokens]
         return ModelOutput(self.compute_logits(hidden[batch.sample_rows]), hidden if keep_hidden else None)
@@ -280,12 +286,21 @@ class ModelRunner:
             positions=to_device(positions_t),
             meta=meta,
             sample_rows=to_device(torch.tensor(sample_rows, dtype=torch.int64)),
+            lora_slots=None if inputs.lora_slots is None else to_device(torch.repeat_interleave(
+                torch.tensor(inputs.lora_slots, dtype=torch.int64), torch.tensor(num_scheduled_tokens, dtype=torch.int64))),
         )
 
     @torch.inference_mode()
     def _forward(self, batch: ModelInput, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """Final hidden states; on CUDA graphs padded past the batch's rows, which come first."""
-        if self.decode_graphs is not None and self.decode_graphs.can_run(batch):
+        """Final hidden states; on CUDA graphs padded past the batch's rows, which come first.
+        A step with adapter rows runs eagerly: the graphs were captured without them."""
+        if batch.lora_slots is None and self.decode_graphs is not None and self.decode_graphs.can_run(batch):
             assert kv_caches is self.kv_caches, "the graphs were captured on the engine's KV cache"
             return self.decode_graphs.forward(batch)
-        return self.model(batch.input_ids, batch.positions, kv_caches, batch.meta)
+        if self.lora_slots is None:
+            return self.model(batch.input_ids, batch.positions, kv_caches, batch.meta)
+        self.lora_slots.batch.slots = batch.lora_slots
+        try:
+            return self.model(batch.input_ids, batch.positions, kv_caches, batch.meta)
+        finally:
+            self.lora_slots.batch.slots = None

@@ -53,6 +53,7 @@ class Kernels:
         self.rotary_embedding = kernels("rotary").rotary_embedding
         self.write_kv = kernels("cache").write_kv
         self.paged_attention = kernels("attention").paged_attention
+        self.lora_add = kernels("lora").lora_add  # each row's LoRA adapter update (trillm/engine/lora.py)
 
     def auto_kv_cache_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The KV cache's dtype for a model in `dtype` when none is asked for."""
@@ -110,7 +111,8 @@ class CpuKernels(TorchKernels):
     (trillm/kernels/quant_cpu.pyx); attention, every query row on its own, by the compiled kernel
     (trillm/kernels/attention_cpu.pyx), which reads the paged cache without a gather, so that a
     row's result never depends on the rest of the step; norms,
-    SiLU-and-mul, rotary and the KV write each one compiled pass (trillm/kernels/ops_cpu.pyx).
+    SiLU-and-mul, rotary and the KV write each one compiled pass (trillm/kernels/ops_cpu.pyx); the
+    grouped LoRA multiply, row by row (trillm/kernels/lora_cpu.pyx).
     fp32 only for the compiled kernels; other dtypes keep packed weights and the twins. The
     quantized projections multiply 8-bit activations in integers (quant_int8_cpu.h) unless
     `quantized_activations` is off; they and attention share their work among
@@ -121,7 +123,7 @@ class CpuKernels(TorchKernels):
 
     def __init__(self, dtype: torch.dtype, quantized_activations: bool = True, kv_cache_dtype: str = "auto"):
         super().__init__(dtype, quantized_activations, kv_cache_dtype)
-        from trillm.kernels import ops_cpu, quant_cpu
+        from trillm.kernels import lora_cpu, ops_cpu, quant_cpu
         from trillm.kernels.attention_cpu import CACHE_DTYPES, paged_decode_attention
 
         if dtype == torch.float32:
@@ -133,6 +135,7 @@ class CpuKernels(TorchKernels):
             self.fused_add_rms_norm = ops_cpu.fused_add_rms_norm
             self.silu_and_mul = ops_cpu.silu_and_mul
             self.rotary_embedding = ops_cpu.rotary_embedding
+            self.lora_add = lora_cpu.lora_add
 
     def auto_kv_cache_dtype(self, dtype: torch.dtype) -> torch.dtype:
         return torch.float16 if dtype == torch.float32 else dtype
@@ -177,5 +180,5 @@ def get_kernels(
 def _cpu_family_runs(dtype: torch.dtype) -> bool:
     from trillm.kernels import linear_cpu
 
-    built = all(importlib.util.find_spec(f"trillm.kernels.{ext}") for ext in ("attention_cpu", "ops_cpu", "pool_cpu", "quant_cpu"))
+    built = all(importlib.util.find_spec(f"trillm.kernels.{ext}") for ext in ("attention_cpu", "lora_cpu", "ops_cpu", "pool_cpu", "quant_cpu"))
     return built and linear_cpu.is_available(dtype)

@@ -28,6 +28,11 @@ preempted. A waiting request that outranks the worst running one and cannot be a
 blocks, or max_num_seqs running) preempts running requests, worst first, before the step is
 planned, until it fits.
 
+With `max_loras` set, the requests running at once use at most that many distinct LoRA
+adapters (`Request.lora_id`, 0: the base model), since each needs one of the model's adapter
+slots. A waiting request whose adapter would be one too many does not fit, like one without
+blocks: admission stops there until a running request of another adapter finishes.
+
 The file runs both compiled and as plain Python (Cython's pure-Python mode).
 """
 from collections import deque
@@ -73,7 +78,8 @@ class Request:
     first blocks may take from the prefix cache: a cached block has KV but no hidden states, and
     prompt logprobs or mean pooling need the hidden state of every row they cover. The request's
     own full blocks still enter the cache. `cache_salt` ("": none) isolates its cached blocks:
-    only requests with the same salt share them."""
+    only requests with the same salt share them. `lora_id` (0: none) names its LoRA adapter, for
+    the scheduler's `max_loras` bound; its cache isolation is the salt's business."""
 
     request_id = cython.declare(str, visibility="readonly")
     token_ids = cython.declare(list, visibility="readonly")
@@ -86,6 +92,7 @@ class Request:
     prefix_hit_limit = cython.declare(cython.int, visibility="readonly")
     cache_salt = cython.declare(str, visibility="readonly")
     priority = cython.declare(cython.int, visibility="readonly")
+    lora_id = cython.declare(cython.int, visibility="readonly")
     rank = cython.declare(tuple, visibility="readonly")  # (priority under the policy, arrival); set by add()
     arrival = cython.declare(cython.double, visibility="readonly")
     num_computed_tokens = cython.declare(cython.int, visibility="readonly")
@@ -101,7 +108,7 @@ class Request:
     def __init__(self, request_id: str, prompt_token_ids, max_tokens: cython.int, *,
                  min_tokens: cython.int = 0, eos_token_id: cython.int = -1, stop_token_ids=(),
                  ignore_eos: cython.bint = False, prefix_hit_limit: cython.int = -1, cache_salt: str = "",
-                 priority: cython.int = 0, arrival: cython.double = 0.0):
+                 priority: cython.int = 0, arrival: cython.double = 0.0, lora_id: cython.int = 0):
         self.request_id = request_id
         self.token_ids = list(prompt_token_ids)
         if not self.token_ids:
@@ -119,6 +126,7 @@ class Request:
         self.prefix_hit_limit = prefix_hit_limit
         self.cache_salt = cache_salt
         self.priority = priority
+        self.lora_id = lora_id
         self.rank = None
         self.arrival = arrival
         self.num_computed_tokens = 0
@@ -198,6 +206,8 @@ class Scheduler:
     max_model_len = cython.declare(cython.int, visibility="readonly")
     _max_len: cython.int  # a request whose token_ids reach this length is done
     policy = cython.declare(str, visibility="readonly")  # "fcfs" | "priority"
+    max_loras = cython.declare(cython.int, visibility="readonly")  # 0: no bound
+    _lora_running: dict  # lora_id -> running requests using it (base-model requests not counted)
     _waiting: object  # deque[Request], in rank order
     _running: list  # list[Request], in rank order
     _requests: dict  # request_id -> Request, for every live request
@@ -206,9 +216,10 @@ class Scheduler:
 
     def __init__(self, num_blocks: cython.int, block_size: cython.int = 16,
                  max_num_batched_tokens: cython.int = 2048, max_num_seqs: cython.int = 256,
-                 max_model_len: cython.int = 8192, enable_prefix_caching: cython.bint = True, policy: str = "fcfs"):
-        if max_num_batched_tokens < 1 or max_num_seqs < 1 or max_model_len < 2:
-            raise ValueError("need max_num_batched_tokens >= 1, max_num_seqs >= 1 and max_model_len >= 2")
+                 max_model_len: cython.int = 8192, enable_prefix_caching: cython.bint = True, policy: str = "fcfs",
+                 max_loras: cython.int = 0):
+        if max_num_batched_tokens < 1 or max_num_seqs < 1 or max_model_len < 2 or max_loras < 0:
+            raise ValueError("need max_num_batched_tokens >= 1, max_num_seqs >= 1, max_model_len >= 2 and max_loras >= 0")
         if policy not in ("fcfs", "priority"):
             raise ValueError(f"the scheduling policy is fcfs or priority, got {policy!r}")
         self.policy = policy
@@ -220,6 +231,8 @@ class Scheduler:
         # A request alone must always be able to go on, or preemption would loop:
         # it stops at the context length or once its KV would outgrow the pool.
         self._max_len = min(max_model_len, num_blocks * block_size + 1)
+        self.max_loras = max_loras
+        self._lora_running = {}
         self._waiting = deque()
         self._running = []
         self._requests = {}
@@ -269,6 +282,7 @@ class Scheduler:
             self._waiting.remove(request)
         else:
             self._running.remove(request)
+            self._lora_leaves(request)
             self.allocator.free(request.block_table)
         request._status = FINISHED
         request.finish_reason = FinishReason(reason)
@@ -326,6 +340,7 @@ class Scheduler:
     def _preempt_last(self, out: SchedulerOutput) -> Request:
         """Preempt the worst-ranked running request by recompute; it waits, in rank order."""
         victim: Request = self._running.pop()
+        self._lora_leaves(victim)
         self.allocator.free(victim.block_table)
         victim.num_computed_tokens = 0
         victim._status = WAITING
@@ -389,7 +404,7 @@ class Scheduler:
             computed = len(hits) * block_size
             num_new = min(num_tokens - computed, budget)
             need = _cdiv(computed + num_new, block_size) - len(hits)
-            if not alloc.can_allocate(need, hits):
+            if not alloc.can_allocate(need, hits) or not self._lora_fits(request):
                 break
             waiting.popleft()
             alloc.acquire_prefix(request.block_table, hits, max_hits)
@@ -398,10 +413,33 @@ class Scheduler:
                 request.num_cached_tokens = computed
             request.num_computed_tokens = computed
             request._status = RUNNING
+            if request.lora_id:
+                self._lora_running[request.lora_id] = self._lora_running.get(request.lora_id, 0) + 1
             _insert_ranked(self._running, request)
             (out if num_new == 1 else prefills)._add(request, num_new)
             budget -= num_new
         return budget
+
+    @cython.cfunc
+    def _lora_fits(self, request: Request) -> cython.bint:
+        """Whether running `request` keeps the running adapters within max_loras."""
+        return (self.max_loras == 0 or request.lora_id == 0 or request.lora_id in self._lora_running
+                or len(self._lora_running) < self.max_loras)
+
+    @cython.cfunc
+    def _lora_leaves(self, request: Request):
+        """A running request stops running (finished, aborted or preempted)."""
+        if request.lora_id:
+            left: cython.int = self._lora_running[request.lora_id] - 1
+            if left:
+                self._lora_running[request.lora_id] = left
+            else:
+                del self._lora_running[request.lora_id]
+
+    @property
+    def running_loras(self) -> dict:
+        """lora_id -> running requests using it (a copy)."""
+        return dict(self._lora_running)
 
     @cython.ccall
     def update(self, output: SchedulerOutput, sampled: list) -> list:
@@ -439,6 +477,7 @@ class Scheduler:
                 finished.append(request)
         if finished:
             for request in finished:
+                self._lora_leaves(request)
                 alloc.free(request.block_table)
                 del self._requests[request.request_id]
             self._running = [request for request in self._running if request._status == RUNNING]
@@ -469,6 +508,12 @@ class Scheduler:
         request: Request
         self.allocator.check_invariants([request.block_table for request in self._running])
         assert len(self._running) <= self.max_num_seqs
+        counted: dict = {}
+        for request in self._running:
+            if request.lora_id:
+                counted[request.lora_id] = counted.get(request.lora_id, 0) + 1
+        assert counted == self._lora_running, "the running adapters' counts are off"
+        assert self.max_loras == 0 or len(counted) <= self.max_loras, "more adapters run than max_loras"
         assert len(self._requests) == len(self._running) + len(self._waiting), "a live request is lost"
         last_seq = -1
         for request in self._running:
