@@ -92,6 +92,8 @@ async def test_the_older_structural_tag_constrains_what_follows_each_trigger(ser
     ({"response_format": {"type": "json"}}, "response_format.schema"),
     ({"response_format": {"type": "regex_schema"}}, "response_format.regex_schema"),
     ({"guided_choice": []}, "guided_choice"),
+    ({"guided_regex": ""}, "guided_regex"),
+    ({"structured_outputs": {"grammar": ""}}, "structured_outputs.grammar"),
 ])
 async def test_conflicting_or_bad_specs_are_400s_naming_the_field(server, extra, param):
     with pytest.raises(openai.BadRequestError) as info:

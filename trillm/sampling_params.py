@@ -46,7 +46,9 @@ class StructuredOutput:
 
     def __post_init__(self) -> None:
         assert self.kind in ("json_schema", "json_object", "regex", "grammar", "structural_tag"), self.kind
-        assert (self.kind == "json_object") == (self.spec == ""), "every kind but json_object has a spec"
+        assert self.kind != "json_object" or self.spec == "", "json_object has no spec"
+        if self.kind != "json_object" and not self.spec:
+            raise SamplingParamError(self.param, f"{self.param} must not be empty.")
 
     @classmethod
     def from_schema(cls, schema: dict, strict: bool = True, param: str = "response_format") -> StructuredOutput:
