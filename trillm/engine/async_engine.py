@@ -27,6 +27,7 @@ import trio
 
 from trillm.engine.core import EngineCore, StepOutput
 from trillm.engine.group import RequestGroup
+from trillm.engine.lora import LoRAError
 from trillm.engine.stats import ServingStats
 from trillm.sampling_params import SamplingParamError, SamplingParams
 from trillm.sched_ext import FinishReason
@@ -226,6 +227,39 @@ class AsyncEngine:
         done = self.core.reset_prefix_cache()
         self._stats = self.core.stats()
         return done
+
+    async def load_lora(self, name: str, path: str) -> None:
+        """Make the PEFT adapter at `path` servable as `name`. Its files are read and checked in a
+        worker thread; then it is registered at once (admissions look it up between steps).
+        LoRAError says what is wrong (a 400), or that LoRA is off."""
+        if self.core.loras is None:
+            raise LoRAError("LoRA adapters need a server started with --enable-lora.")
+        if name in self.core.loras.adapters:  # checked again on registering: the read may race another load
+            raise LoRAError(f"The LoRA adapter {name!r} has already been loaded.")
+        weights = await trio.to_thread.run_sync(self.core.loras.read, path, limiter=self._compile_limiter)
+        self.core.load_lora(name, path, weights)
+        self._refresh_stats()
+
+    async def replace_lora(self, name: str, path: str) -> None:
+        """vLLM's load_inplace: the adapter `name` gets the weights at `path` (under a new id, so
+        the old weights' cached blocks are never reused); LoRAError 400 while requests use it
+        or if the new adapter cannot be served, which leaves the old one in place."""
+        weights = await trio.to_thread.run_sync(self.core.loras.read, path, limiter=self._compile_limiter)
+        self.core.unload_lora(name)
+        self.core.load_lora(name, path, weights)
+        self._refresh_stats()
+
+    def unload_lora(self, name: str) -> None:
+        """Forget an adapter: LoRAError 404 if unknown, 400 while live requests use it (refused,
+        not waited for). Its requests' blocks left the prefix cache's reach with its id."""
+        self.core.unload_lora(name)
+        self._refresh_stats()
+
+    def _refresh_stats(self) -> None:
+        """Read the core's stats now, unless a step runs (it reads them when it ends): the
+        core's records change on the step's thread."""
+        if not self._stepping:
+            self._stats = self.core.stats()
 
     def stats(self) -> ServingStats:
         """The core's counters as of the last step or command, plus the front's own."""

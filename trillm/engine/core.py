@@ -228,13 +228,13 @@ class EngineCore:
             raise LoRAError(f"The LoRA adapter `{name}` does not exist.", status=404)
         return self.loras.remove(name)
 
-    def lora_usage(self) -> tuple[list[str], list[str]]:
+    def _lora_usage(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """The adapters of running requests, and of waiting ones (vLLM's lora_requests_info)."""
         running, waiting = set(), set()
         for row in self.requests.values():
             if row.lora is not None:
                 (running if row.seq.status is RequestStatus.RUNNING else waiting).add(row.lora.name)
-        return sorted(running), sorted(waiting)
+        return tuple(sorted(running)), tuple(sorted(waiting))
 
     def abort_request(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> StepOutput | None:
         """End a request now and free its blocks; None if it is unknown or already finished."""
@@ -310,6 +310,7 @@ class EngineCore:
     def stats(self) -> EngineStats:
         allocator = self.scheduler.allocator
         total = self.runner.num_kv_blocks
+        running_loras, waiting_loras = self._lora_usage()
         return EngineStats(
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
@@ -321,6 +322,10 @@ class EngineCore:
             prefix_cache_queries=allocator.prefix_cache_queries * self.args.block_size,
             prefix_cache_hits=allocator.prefix_cache_hits * self.args.block_size,
             num_preemptions=self.num_preemptions,
+            running_lora_adapters=running_loras,
+            waiting_lora_adapters=waiting_loras,
+            num_lora_adapters=0 if self.loras is None else len(self.loras.adapters),
+            lora_memory_bytes=0 if self.loras is None else self.loras.nbytes,
         )
 
     def reset_prefix_cache(self) -> bool:

@@ -29,6 +29,14 @@ class EngineStats:
     """Of those, tokens found (their KV was not computed again), since start."""
     num_preemptions: int
     """Requests preempted by recompute when blocks ran out, since start."""
+    running_lora_adapters: tuple[str, ...]
+    """LoRA adapters of running requests (vLLM's lora_requests_info), by name."""
+    waiting_lora_adapters: tuple[str, ...]
+    """LoRA adapters of waiting requests, by name."""
+    num_lora_adapters: int
+    """LoRA adapters requests may name (loaded, whether their weights are in host memory or not)."""
+    lora_memory_bytes: int
+    """Host memory held by adapters' weights (the model's adapter slots not counted)."""
 
 
 @dataclass(frozen=True)

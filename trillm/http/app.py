@@ -26,6 +26,7 @@ from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 from trillm.engine.async_engine import EngineUnavailableError, QueueFullError
 from trillm.engine.core import EngineCore
 from trillm.http import (
+    adapters,
     embeddings,
     http1_only,
     info,
@@ -60,7 +61,8 @@ def create_app(settings: ServerSettings | None = None, core: EngineCore | None =
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes  # bounds what one request can make us buffer
     state = ServerState(settings, core)
     app.extensions[EXTENSION] = state
-    for module in (openai_chat, openai_completions, responses, embeddings, native, info, invocations, openapi):
+    for module in (openai_chat, openai_completions, responses, embeddings, native, info, invocations, openapi,
+                   adapters):
         app.register_blueprint(module.blueprint)
 
     @app.before_request

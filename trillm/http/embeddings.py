@@ -29,12 +29,12 @@ blueprint = Blueprint("embeddings", __name__)
 
 
 async def pooled_vectors(
-    state: ServerState, prefix: str, prompts: list[list[int]], param: str
+    state: ServerState, prefix: str, prompts: list[list[int]], param: str, lora_name: str | None = None
 ) -> tuple[str, list[torch.Tensor]]:
     """The request's id, and each prompt's raw pooled vector, from one engine group; `param`
-    names the client's field in errors."""
+    names the client's field in errors; `lora_name`: the adapter to run under."""
     generation = Generation(state, *request_id(prefix), prompts, PoolingParams(state.core.config.pooling_type),
-                            field_names={"prompt": param})
+                            field_names={"prompt": param}, lora_name=lora_name)
     await generation.start()
     await generation.run()
     vectors = [p.completion.pooled for p in generation.processors]
@@ -71,7 +71,7 @@ async def _embedding_request(kind: str) -> tuple[EmbeddingRequest, ServerState, 
     if req.dimensions is not None and req.dimensions > hidden_size:
         raise SamplingParamError("dimensions", f"dimensions must be at most this model's {hidden_size}.")
     prompts = _prompts(state, req.input, "input")
-    rid, vectors = await pooled_vectors(state, kind, prompts, "input")
+    rid, vectors = await pooled_vectors(state, kind, prompts, "input", await state.requested_lora(req.model))
     return req, state, prompts, rid, [v if req.dimensions is None else v[: req.dimensions] for v in vectors]
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from contextlib import contextmanager
+from dataclasses import replace
 
 import trio
 
@@ -27,12 +28,20 @@ log = logging.getLogger(__name__)
 
 class Generation:
     def __init__(self, state, request_id: str, client_id: str | None | list[str | None], prompts: list[list[int]],
-                 params: Params | list[Params], field_names: dict[str, str] | None = None):
+                 params: Params | list[Params], field_names: dict[str, str] | None = None,
+                 lora_name: str | list[str | None] | None = None):
         """`request_id`: the server's id (the engine's key); `client_id`: the client's own name
         for the request, if it gave one (see trillm.http.state.request_id); `field_names`: the
         client's names for the engine's fields where they differ (chat's `messages` for
         `prompt`), so a refusal names the field the client sent. `client_id` and `params` may
-        also be one per prompt (SGLang's batch, whose prompts have their own rid and settings)."""
+        also be one per prompt (SGLang's batch, whose prompts have their own rid and settings).
+        `lora_name`: the LoRA adapter every prompt runs under, or one (or None) per prompt."""
+        if isinstance(lora_name, list):
+            per_prompt = params if isinstance(params, list) else [params] * len(prompts)
+            params = [replace(p, lora_name=name) for p, name in zip(per_prompt, lora_name, strict=True)]
+        elif lora_name is not None:
+            params = [replace(p, lora_name=lora_name) for p in params] if isinstance(params, list) else \
+                replace(params, lora_name=lora_name)
         every = params if isinstance(params, list) else [params]
         if any(isinstance(p, SamplingParams) and p.stop for p in every) and state.tokenizer is None:
             raise SamplingParamError("stop", "Stop strings need text, and this model has no tokenizer.")

@@ -7,7 +7,7 @@ import time
 from quart import Blueprint, Response
 
 import trillm
-from trillm.http.errors import APIError, error_response
+from trillm.http.errors import error_response
 from trillm.http.metrics import CONTENT_TYPE
 from trillm.http.state import current
 
@@ -27,19 +27,21 @@ async def health():
     return Response("", status=200)
 
 
-def _model_card(state) -> dict:
+def _model_card(state, adapter=None) -> dict:
     """OpenAI's model object with vLLM's fields (`root`, `parent`, `max_model_len`, `permission`),
-    which vLLM's clients and UIs read."""
+    which vLLM's clients and UIs read: of the base model, or of a LoRA adapter (`root` its
+    directory, `parent` the base model)."""
+    name = state.model_name if adapter is None else adapter.name
     return {
-        "id": state.model_name,
+        "id": name,
         "object": "model",
         "created": _STARTED,
         "owned_by": "trillm",
-        "root": state.settings.engine.model or state.core.config.name,
-        "parent": None,  # no adapter: the base model itself
+        "root": state.weights_path if adapter is None else adapter.path,
+        "parent": None if adapter is None else state.model_name,
         "max_model_len": state.max_model_len,
         "permission": [{
-            "id": f"modelperm-{state.model_name}", "object": "model_permission", "created": _STARTED,
+            "id": f"modelperm-{name}", "object": "model_permission", "created": _STARTED,
             "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
             "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
             "organization": "*", "group": None, "is_blocking": False,
@@ -49,15 +51,16 @@ def _model_card(state) -> dict:
 
 @blueprint.get("/v1/models")
 async def models():
-    return {"object": "list", "data": [_model_card(current())]}
+    state = current()
+    adapters = [] if state.core.loras is None else list(state.core.loras.adapters.values())
+    return {"object": "list", "data": [_model_card(state), *(_model_card(state, a) for a in adapters)]}
 
 
 @blueprint.get("/v1/models/<path:model>")
 async def model(model: str):
     state = current()
-    if model != state.model_name:
-        raise APIError(404, f"The model `{model}` does not exist.", "model")
-    return _model_card(state)
+    state.check_model(model)
+    return _model_card(state, None if model == state.model_name else state.core.loras.adapters[model])
 
 
 @blueprint.get("/model_info")
@@ -65,7 +68,7 @@ async def model_info():
     state = current()
     config = state.core.config.hf_config
     return {
-        "model_path": state.settings.engine.model or state.core.config.name,
+        "model_path": state.weights_path,
         "served_model_name": state.model_name,
         "architectures": getattr(config, "architectures", None),
         "max_model_len": state.max_model_len,

@@ -9,6 +9,7 @@ prefix-cache counters are read from its stats snapshot at scrape time.
 """
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -48,10 +49,12 @@ ENGINE_METRICS = (
 
 
 class Metrics:
-    def __init__(self, model_name: str, engine_stats: Callable[[], ServingStats], prefix: str = "trillm"):
-        """`prefix`: every name's, before its colon (trillm, or vllm)."""
+    def __init__(self, model_name: str, engine_stats: Callable[[], ServingStats], prefix: str = "trillm",
+                 max_loras: int | None = None):
+        """`prefix`: every name's, before its colon (trillm, or vllm). `max_loras`: with LoRA on,
+        the adapters a step may run, for vLLM's lora_requests_info (None: LoRA is off)."""
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(model_name, engine_stats, prefix))
+        self.registry.register(_EngineCollector(model_name, engine_stats, prefix, max_loras))
         by_model = dict(labelnames=["model_name"], registry=self.registry)
 
         def counter(name: str, doc: str):
@@ -79,10 +82,11 @@ class Metrics:
 
 
 class _EngineCollector:
-    def __init__(self, model_name: str, engine_stats: Callable[[], ServingStats], prefix: str):
+    def __init__(self, model_name: str, engine_stats: Callable[[], ServingStats], prefix: str, max_loras: int | None):
         self._model_name = model_name
         self._stats = engine_stats
         self._prefix = prefix
+        self._max_loras = max_loras
 
     def collect(self):
         stats = self._stats()
@@ -90,3 +94,10 @@ class _EngineCollector:
             metric = family(f"{self._prefix}:{name}", doc, labels=["model_name"])
             metric.add_metric([self._model_name], getattr(stats, key))
             yield metric
+        if self._max_loras is not None:
+            # vLLM's shape: the adapters are in the labels, the value is when they were read
+            info = GaugeMetricFamily(f"{self._prefix}:lora_requests_info", "Running and waiting LoRA adapters.",
+                                     labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+            info.add_metric([str(self._max_loras), ",".join(stats.running_lora_adapters),
+                             ",".join(stats.waiting_lora_adapters)], time.time())
+            yield info

@@ -27,6 +27,7 @@ from trillm.http.protocol import (
 )
 from trillm.http.sse import stream_response
 from trillm.http.state import current, parse_body, read_json, request_id, validate
+from trillm.sampling_params import SamplingParamError
 from trillm.sched_ext import FinishReason
 
 blueprint = Blueprint("native", __name__)
@@ -54,9 +55,11 @@ async def generate():
     params = req.to_sampling_params(len(prompts))
     if isinstance(req.rid, list):  # each prompt named by the client: the server's id names the batch
         server_id, _ = request_id("gen")
-        generation = Generation(state, server_id, req.rid, prompts, params, field_names=field_names)
+        generation = Generation(state, server_id, req.rid, prompts, params, field_names=field_names,
+                                lora_name=await req_lora(state, req, len(prompts)))
     else:
-        generation = Generation(state, *request_id("gen", req.rid), prompts, params, field_names=field_names)
+        generation = Generation(state, *request_id("gen", req.rid), prompts, params, field_names=field_names,
+                                lora_name=await req_lora(state, req, len(prompts)))
     await generation.start()
     batched = isinstance(req.text, list) or (req.input_ids is not None and isinstance(req.input_ids[0], list))
     chunks = GenerateChunks(generation)
@@ -185,3 +188,12 @@ async def flush_cache():
     if not current().engine.reset_prefix_cache():
         raise APIError(400, "Cannot flush the prefix cache while requests are running; retry when idle.")
     return {"message": "The prefix cache is empty."}
+
+
+async def req_lora(state, req, num_prompts: int) -> str | list[str | None] | None:
+    """SGLang's `lora_path`: a loaded adapter's name for the batch, or one (or null) per prompt."""
+    if not isinstance(req.lora_path, list):
+        return await state.requested_lora(req.lora_path, field="lora_path")
+    if len(req.lora_path) != num_prompts:
+        raise SamplingParamError("lora_path", f"lora_path lists {len(req.lora_path)} entries for {num_prompts} prompts.")
+    return [await state.requested_lora(name, field="lora_path") for name in req.lora_path]

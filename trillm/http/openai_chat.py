@@ -35,7 +35,8 @@ async def chat_completions():
         options = req.template_options(state.chat_template, state.settings.trust_request_chat_template)
         prompt = chat_prompt(state.tokenizer, req.messages, options, tools=tools)
     prompt = req.truncated(prompt, state.max_model_len)
-    generation = Generation(state, *request_id("chatcmpl", req.session_name), [prompt], params, field_names=req.field_names)
+    generation = Generation(state, *request_id("chatcmpl", req.session_name), [prompt], params,
+                            field_names=req.field_names, lora_name=await state.requested_lora(req.model, req.lora_request))
     if req.user is not None or req.metadata:
         log.info("%s user=%r metadata=%s", generation.request_id, req.user, req.metadata or {})
     await generation.start()
@@ -48,7 +49,7 @@ async def chat_completions():
 
 class ChatChunks(UsageChunks):
     def __init__(self, generation: Generation, req: ChatCompletionRequest, state: ServerState, choice):
-        self.head = {"id": generation.request_id, "created": int(time.time()), "model": state.model_name}
+        self.head = {"id": generation.request_id, "created": int(time.time()), "model": req.model or state.model_name}
         super().__init__(generation, req, {**self.head, "object": "chat.completion.chunk"})
         self.texts: TokenTexts = state.token_texts
         self.return_token_ids = req.return_token_ids  # vLLM's: prompt_token_ids, and each choice's token_ids

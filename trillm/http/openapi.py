@@ -26,9 +26,11 @@ from trillm.http.protocol import (
     EmbeddingRequest,
     GenerateRequest,
     LMDeployGenerateRequest,
+    LoadLoRAAdapterRequest,
     RerankRequest,
     ScoreRequest,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
 )
 
 blueprint = Blueprint("openapi", __name__)
@@ -50,6 +52,8 @@ BODIES: dict[str, type[BaseModel] | tuple[type[BaseModel], ...]] = {
     "/rerank": RerankRequest,
     "/v1/rerank": RerankRequest,
     "/v2/rerank": RerankRequest,
+    "/v1/load_lora_adapter": LoadLoRAAdapterRequest,
+    "/v1/unload_lora_adapter": UnloadLoRAAdapterRequest,
 }
 BODILESS_POSTS = {"/flush_cache", "/reset_prefix_cache", "/ping", "/v1/responses/<response_id>/cancel"}
 REF_TEMPLATE = "#/components/schemas/{model}"

@@ -146,6 +146,31 @@ def _structural_tag_spec(text: str, param: str) -> StructuredOutput:
     return tag.to_structured_output(param)
 
 
+class LoRARequest(Strict):
+    """TensorRT-LLM's `lora_request`: the adapter to run under, by name; an adapter not loaded yet
+    is loaded from `lora_path` first. `lora_int_id` is the client's number for it (trillm numbers
+    adapters itself, so it is not used)."""
+
+    lora_name: str
+    lora_int_id: int | None = None
+    lora_path: str | None = None
+
+
+class LoadLoRAAdapterRequest(Strict):
+    """vLLM's /v1/load_lora_adapter body; `load_inplace` replaces an adapter of the same name."""
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+    load_inplace: bool = False
+
+
+class UnloadLoRAAdapterRequest(Strict):
+    """vLLM's /v1/unload_lora_adapter body (`lora_int_id` is taken and not used: names are unique)."""
+
+    lora_name: str = Field(min_length=1)
+    lora_int_id: int | None = None
+
+
 class SamplingFields(Strict):
     """What chat and completions requests share."""
 
@@ -191,6 +216,7 @@ class SamplingFields(Strict):
     # matched stop string in the output; hidden states are not offered (true is refused).
     no_stop_trim: bool = False
     return_hidden_states: bool = False
+    lora_request: LoRARequest | None = None  # TensorRT-LLM's: the LoRA adapter (or the model field names one)
 
     @property
     def session_name(self) -> str | None:
@@ -604,6 +630,7 @@ class GenerateRequest(Strict):
     return_logprob: bool = False
     top_logprobs_num: int = 0
     logprob_start_len: int = Field(-1, ge=-1)  # SGLang's: -1, the output's logprobs only
+    lora_path: str | None | Annotated[list[str | None], Field(min_length=1)] = None  # SGLang's: an adapter's name, or one per prompt
 
     def to_sampling_params(self, num_prompts: int) -> SamplingParams | list[SamplingParams]:
         """The batch's settings, or one per prompt; the rid and sampling_params lists checked

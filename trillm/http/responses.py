@@ -62,7 +62,8 @@ async def create_response():
         choice, params = tool_choice(chat, state.tool_call_parser, params)
         prompt = _prompt(state, req, chat, choice, params.max_tokens)
     response_id, client_id = request_id("resp", separator="_")
-    generation = Generation(state, response_id, client_id, [prompt], params, field_names=FIELD_NAMES)
+    generation = Generation(state, response_id, client_id, [prompt], params, field_names=FIELD_NAMES,
+                            lora_name=await state.requested_lora(req.model))
     builder = ResponseBuilder(state, req, response_id, chat, choice, params)
     conversation = earlier + items_to_messages(req.items())
     stored = StoredResponse(builder.response("queued" if req.background else "in_progress"),
@@ -185,7 +186,7 @@ class ResponseBuilder:
             "max_output_tokens": req.max_output_tokens,
             "max_tool_calls": None,
             "metadata": req.metadata or {},
-            "model": self.state.model_name,
+            "model": req.model or self.state.model_name,
             "output": copy.deepcopy(self.output),
             "parallel_tool_calls": req.parallel_tool_calls is not False,
             "previous_response_id": req.previous_response_id,

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, fields, replace
 from trillm.config import EngineArgs
 
 ENV_PREFIX = "TRILLM_"
+LIST_FLAGS = {"lora_modules"}  # flags that take several items (stored comma-separated)
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
 
 
@@ -97,11 +98,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             flag = "--" + name.replace("_", "-")
             if kind is bool:
                 group.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=default)
+            elif name in LIST_FLAGS:  # vLLM's `--lora-modules a=/p b=/q`: the items joined by commas
+                group.add_argument(flag, dest=name, nargs="+", action=_JoinItems, default=default, metavar="ITEM")
             else:
                 group.add_argument(
                     flag, dest=name, type=kind, default=default, metavar=kind.__name__.upper(),
                     help="default: %(default)s",
                 )
+
+
+class _JoinItems(argparse.Action):
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, ",".join(values))
 
 
 def from_args(namespace: argparse.Namespace) -> ServerSettings:

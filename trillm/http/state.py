@@ -14,6 +14,7 @@ from quart import current_app, g, request
 
 from trillm.engine.async_engine import AsyncEngine
 from trillm.engine.core import EngineCore
+from trillm.engine.lora import LoRAError
 from trillm.http.errors import APIError, from_validation_error
 from trillm.http.logprobs import TokenTexts
 from trillm.http.logs import REQUEST_ID
@@ -48,8 +49,14 @@ class ServerState:
         self.vocab_size = core.config.hf_config.vocab_size
         self.max_model_len = core.config.max_model_len
         self.model_name = settings.served_model_name or core.config.name
-        self.metrics = Metrics(self.model_name, self.engine.stats, settings.metrics_prefix)
+        self.metrics = Metrics(self.model_name, self.engine.stats, settings.metrics_prefix,
+                               core.args.max_loras if core.loras is not None else None)
         self.responses = ResponseStore(settings.responses_store_size)
+
+    @property
+    def weights_path(self) -> str:
+        """Where the served weights came from (a path, or the default model's name)."""
+        return self.settings.engine.model or self.core.config.name
 
     @property
     def chat_template(self) -> str | None:
@@ -57,9 +64,30 @@ class ServerState:
         return getattr(self.tokenizer, "chat_template", None)
 
     def check_model(self, model: str | None) -> None:
-        """OpenAI clients must name a model; any name but ours is a 404, as with vLLM."""
-        if model is not None and model != self.model_name:
+        """OpenAI clients must name a model: ours or one of its LoRA adapters; any other name is a
+        404, as with vLLM."""
+        loras = self.core.loras
+        if model is not None and model != self.model_name and (loras is None or model not in loras.adapters):
             raise APIError(404, f"The model `{model}` does not exist.", "model")
+
+    async def requested_lora(self, model: str | None, lora_request=None, field: str = "model") -> str | None:
+        """The LoRA adapter a request runs under: TensorRT-LLM's `lora_request` (loading it from
+        its lora_path first when it is not loaded), else the adapter `model` names (None: the
+        base model). An unknown adapter is a 404 naming `field`."""
+        if lora_request is not None:
+            model, field = lora_request.lora_name, "lora_request"
+            loras = self.core.loras
+            if lora_request.lora_path and loras is not None and model not in loras.adapters:
+                try:
+                    await self.engine.load_lora(model, lora_request.lora_path)
+                except LoRAError as exc:
+                    if model not in loras.adapters:  # not a concurrent load of the same adapter
+                        raise APIError(exc.status, str(exc), "lora_request") from None
+        if model is None or model == self.model_name:
+            return None
+        if self.core.loras is None or model not in self.core.loras.adapters:
+            raise APIError(404, f"The model `{model}` does not exist.", field)
+        return model
 
 
 def current() -> ServerState:
