@@ -10,6 +10,7 @@ import pytest
 import trio
 from lora_support import make_adapter, reference
 
+from fuzz_support import fuzz
 from http_support import EXACT, frozen_engine, live_server, metric_value, settled_stats
 from trillm.config import EngineArgs
 from trillm.engine.core import EngineCore
@@ -160,3 +161,18 @@ async def test_a_server_without_lora_refuses_adapters(server, adapters):
     assert response.status_code == 400 and "--enable-lora" in response.json()["error"]["message"]
     generate = await http.post("/generate", json={"text": "Hi", "lora_path": "x"})
     assert generate.status_code == 404
+
+
+async def test_fuzzed_adapter_and_weight_bodies_get_4xx_never_5xx(lora_server):
+    """schemathesis on the routes that load and unload adapters and update weights, on a server
+    with LoRA on: every body it makes is refused or served, never a 5xx, and the adapters and
+    weights stay as they were."""
+    http = lora_server.http()
+    doc = (await http.get("/openapi.json")).json()
+    routes = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/update_weights", "/update_weights_from_disk")
+    doc["paths"] = {path: ops for path, ops in doc["paths"].items() if path in routes}
+    counts: dict[int, int] = {}
+    await trio.to_thread.run_sync(fuzz, lora_server.url, doc, counts, 25)
+    assert counts.get(4) and not counts.get(5)
+    assert set(lora_server.state.core.loras.adapters) == {"one"}
+    assert (await http.get("/health")).status_code == 200

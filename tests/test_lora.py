@@ -88,9 +88,10 @@ def test_a_step_mixing_the_base_model_and_two_adapters_gives_each_row_its_own_ou
     core = engine(base, max_loras=2, lora_modules=f"one={a1},two={a2}", attention_backend=backend)
     requests = {"base": (PROMPT, None), "one": (PROMPT, "one"), "two": (PROMPT[:5], "two"),
                 "one-b": ([9, 9, 4, 1], "one")}
-    together = run(core, requests)
+    num_tokens = 3 if backend == "triton" else 8  # the Triton interpreter is slow
+    together = run(core, requests, num_tokens)
     for rid, request in requests.items():
-        alone, = run(core, {rid + "-alone": request}).values()
+        alone, = run(core, {rid + "-alone": request}, num_tokens).values()
         assert together[rid][0] == alone[0]
         assert max(abs(a - b) for a, b in zip(together[rid][1], alone[1])) < 1e-4
     assert len({tuple(together[rid][0]) for rid in ("base", "one")}) == 2

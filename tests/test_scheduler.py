@@ -643,7 +643,7 @@ def test_stateful_priority_policy_in_a_tiny_pool():
 
 def test_stateful_max_loras_bounds_the_adapters_running_at_once():
     machine = scheduler_machine(num_blocks=16, max_num_batched_tokens=16, max_num_seqs=4, max_model_len=24, max_loras=2)
-    run_state_machine_as_test(machine, settings=STATEFUL)
+    run_state_machine_as_test(machine, settings=settings(STATEFUL, max_examples=100))
     assert machine.max_adapters == 2  # the bound was reached, never passed
 
 

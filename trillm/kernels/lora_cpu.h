@@ -15,6 +15,15 @@
 
 #define LORA_MAX_K 1024 /* the shrink's output lives on the stack */
 
+static inline float lora_dot(const float *a, const float *b, int64_t n)
+{
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < n; i++)
+        sum += a[i] * b[i];
+    return sum;
+}
+
 struct lora_job {
     float *y;
     const float *x, *a, *b;
@@ -35,23 +44,11 @@ static void lora_rows(void *ctx, int64_t chunk)
         const float *x = job->x + t * job->x_stride;
         const float *a = job->a + s * job->K * job->n_in;
         const float *b = job->b + s * job->n_out * job->K;
-        for (int64_t k = 0; k < job->K; k++) {
-            const float *ak = a + k * job->n_in;
-            float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-            for (int64_t i = 0; i < job->n_in; i++)
-                sum += ak[i] * x[i];
-            h[k] = sum;
-        }
+        for (int64_t k = 0; k < job->K; k++)
+            h[k] = lora_dot(a + k * job->n_in, x, job->n_in);
         float *y = job->y + t * job->y_stride;
-        for (int64_t n = 0; n < job->n_out; n++) {
-            const float *bn = b + n * job->K;
-            float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-            for (int64_t k = 0; k < job->K; k++)
-                sum += bn[k] * h[k];
-            y[n] += sum;
-        }
+        for (int64_t n = 0; n < job->n_out; n++)
+            y[n] += lora_dot(b + n * job->K, h, job->K);
     }
 }
 
