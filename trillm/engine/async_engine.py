@@ -41,7 +41,12 @@ class QueueFullError(RuntimeError):
 
 
 class EngineUnavailableError(RuntimeError):
-    """The engine cannot take or finish requests: it died, or the server is shutting down."""
+    """The engine cannot take or finish requests: it died, the server is shutting down, or it sleeps."""
+
+
+class WeightsError(ValueError):
+    """A sleep, wake-up or weight update that cannot be done (a 400): the message says why, and
+    the weights that served before still serve."""
 
 
 @dataclass(eq=False)
@@ -135,6 +140,11 @@ class AsyncEngine:
         # process), slow grammar compiles could take every token and starve the engine's steps.
         self._step_limiter = trio.CapacityLimiter(1)
         self._compile_limiter = trio.CapacityLimiter(GRAMMAR_COMPILE_THREADS)
+        self._load_limiter = trio.CapacityLimiter(1)  # LoRA adapters and new weights read from disk
+        self.sleeping = False  # requests get 503 from the moment a sleep begins until the wake-up
+        self._weights_lock = trio.Lock()  # one sleep, wake-up or weight update at a time
+        self._admissions_open = trio.Event()  # cleared while a weight update swaps the model
+        self._admissions_open.set()
 
     # --- what handlers call ------------------------------------------------------------------
 
@@ -172,7 +182,10 @@ class AsyncEngine:
         specs = {m.params.structured_output for m in requests.members if isinstance(m.params, SamplingParams)}
         for spec in specs - {None}:
             await trio.to_thread.run_sync(self.core.grammars.compile, spec, limiter=self._compile_limiter)
-        self._check_open(requests.request_id)  # the world may have changed during the compiles
+        # A weight update swapping the model holds admissions: the new weights serve this group.
+        await self._admissions_open.wait()
+        # The world may have changed meanwhile; from here to registering there is no checkpoint.
+        self._check_open(requests.request_id)
         self.check_room(size, param)
         send, receive = trio.open_memory_channel[StepOutput](math.inf)
         group = _Group(requests, send, unfinished=size)
@@ -269,6 +282,7 @@ class AsyncEngine:
             num_steps=self.num_steps,
             alive=self.error is None,
             accepting=self.accepting,
+            is_sleeping=self.sleeping,
         )
 
     # --- lifetime -----------------------------------------------------------------------------
@@ -291,11 +305,83 @@ class AsyncEngine:
         """Graceful shutdown: take no new requests, let running ones finish for up to
         `timeout` seconds, then abort the rest (their streams end with finish_reason abort)."""
         self.accepting = False
+        await self._settle(timeout, "drain")
+
+    async def _settle(self, timeout: float, why: str) -> None:
+        """Let live requests finish for up to `timeout` seconds, abort the rest, and wait until
+        every group has ended (the caller keeps new ones out)."""
         with trio.move_on_after(timeout):
             await self._idle.wait()
         num_aborted = self.abort_all()
         if num_aborted:
-            log.info("drain timeout: aborting %d requests", num_aborted)
+            log.info("%s timeout: aborting %d requests", why, num_aborted)
+        await self._idle.wait()
+
+    # --- the weights' life cycle ------------------------------------------------------------
+
+    async def sleep(self, level: int, timeout: float) -> int:
+        """Sleep mode: requests get 503 from now on; running ones finish for up to `timeout`
+        seconds (then they are aborted, as in a drain); then the core frees the KV cache and, at
+        level 2, the weights. Returns the bytes freed. WeightsError if it cannot sleep."""
+        async with self._weights_lock:
+            self._check_alive()
+            self.sleeping = True
+            try:
+                await self._settle(timeout, "sleep")
+                freed = await trio.to_thread.run_sync(self.core.sleep, level, limiter=self._step_limiter)
+            except ValueError as exc:
+                raise WeightsError(str(exc)) from None
+            finally:
+                self.sleeping = self.core.is_sleeping
+                self._refresh_stats()
+            log.info("sleeping at level %d: %d MiB freed", level, freed >> 20)
+            return freed
+
+    async def wake_up(self, tags: set[str] | None = None) -> None:
+        """Bring back what sleep freed (`tags`: "weights", "kv_cache"; None: all); requests are
+        served again once nothing sleeps. WeightsError for an unknown tag."""
+        async with self._weights_lock:
+            self._check_alive()
+            try:
+                await trio.to_thread.run_sync(self.core.wake_up, tags, limiter=self._step_limiter)
+            except ValueError as exc:
+                raise WeightsError(str(exc)) from None
+            finally:
+                self.sleeping = self.core.is_sleeping
+                self._refresh_stats()
+            log.info("awake" if not self.sleeping else "partly awake: %s still sleeps", sorted(self.core.runner.asleep))
+
+    async def update_weights(self, path: str, abort_running: bool = False) -> int:
+        """Serve the weights at `path` from the next step on. They load into a model of their own
+        while the old one serves; then admissions wait, running requests finish (or, with
+        `abort_running`, are aborted), the new model takes over and the prefix cache is emptied,
+        and admissions go on. Returns how many requests were aborted. WeightsError (a 400) for a
+        path that cannot be loaded, another architecture or other shapes: the old weights keep
+        serving, and nothing half-loaded ever does."""
+        async with self._weights_lock:
+            self._check_alive()
+            if self.sleeping:
+                raise WeightsError("The server is sleeping: wake it up before updating its weights.")
+            try:
+                model = await trio.to_thread.run_sync(self.core.load_weights, path, limiter=self._load_limiter)
+            except Exception as exc:  # noqa: BLE001 - any failure to load is the request's bad path
+                raise WeightsError(f"The weights at {path!r} cannot serve: {exc}") from None
+            self._admissions_open = trio.Event()
+            try:
+                num_aborted = self.abort_all() if abort_running else 0
+                await self._idle.wait()
+                self._check_alive()
+                # On this thread, with no checkpoint since idle: no group can register meanwhile.
+                self.core.swap_weights(model, path)
+            finally:
+                self._admissions_open.set()
+                self._refresh_stats()
+            log.info("now serving the weights at %s (%d requests aborted)", path, num_aborted)
+            return num_aborted
+
+    def _check_alive(self) -> None:
+        if self.error is not None or not self.accepting:
+            raise EngineUnavailableError(self._unavailable_reason())
 
     async def aclose(self) -> None:
         """Abort everything, wait until every stream got its final output, stop the task."""
@@ -406,11 +492,13 @@ class AsyncEngine:
         self._idle.set()
 
     def _check_open(self, request_id: str) -> None:
-        if self.error is not None or not self.accepting:
+        if self.error is not None or not self.accepting or self.sleeping:
             raise EngineUnavailableError(self._unavailable_reason())
         assert request_id not in self._groups, "the server's request ids are unique"
 
     def _unavailable_reason(self) -> str:
         if self.error is not None:
             return f"The engine stopped: {self.error!r}"
+        if self.accepting and self.sleeping:
+            return "The server is sleeping: POST /wake_up to serve again."
         return "The server is shutting down."

@@ -15,7 +15,7 @@ from trillm.config import EngineArgs
 from trillm.engine.pooler import Pooler
 from trillm.engine.prompt_logprobs import PromptLogprobs, fill_prompt_logprobs
 from trillm.engine.request import EngineRequest
-from trillm.engine import parallel
+from trillm.engine import memory, parallel
 from trillm.engine.loader import resolve_device
 from trillm.engine.lora import LoRAAdapter, LoRAError, LoRARegistry, LoRAWeights
 from trillm.engine.runner import ModelRunner
@@ -122,6 +122,8 @@ class EngineCore:
         trace (a half-added one would be stepped with no record and kill the engine)."""
         if request_id in self.requests:
             raise SamplingParamError("request_id", f"A request with id {request_id!r} is already running.")
+        if self.is_sleeping:
+            raise SamplingParamError("model", "The engine is sleeping: wake it up first.")
         if not prompt_token_ids:
             raise SamplingParamError("prompt", "The prompt is empty.")
         vocab_size = self.config.hf_config.vocab_size
@@ -212,6 +214,54 @@ class EngineCore:
         row = self.requests.pop(request_id)
         if row.lora is not None:
             self.loras.release(row.lora)
+
+    # --- the weights' life cycle: only the engine's owner calls these, with no request live -----
+
+    def sleep(self, level: int) -> int:
+        """Free the KV cache (level 1) and the weights (level 2; level 1 on CUDA moves them to host
+        memory); the prefix cache is emptied, since its KV is gone. Returns the bytes the device
+        (CUDA) or the process (CPU: its resident set) holds less. Steps wait for wake_up."""
+        self._check_weights_op("Sleep mode")
+        if level not in (1, 2):
+            raise ValueError(f"The sleep level is 1 or 2, got {level}.")
+        device = self.config.device
+        before = memory.in_use(device)
+        assert self.scheduler.allocator.reset_prefix_cache(), "no request holds blocks"
+        self.runner.sleep(level)
+        memory.give_back(device)
+        return before - memory.in_use(device)
+
+    def wake_up(self, tags: set[str] | None = None) -> None:
+        """Bring back what sleep freed (`tags`: "weights", "kv_cache"; None: both)."""
+        unknown = (tags or set()) - {"weights", "kv_cache"}
+        if unknown:
+            raise ValueError(f"Unknown wake-up tags {sorted(unknown)}; the tags are weights and kv_cache.")
+        self.runner.wake_up({"weights", "kv_cache"} if not tags else tags)
+
+    @property
+    def is_sleeping(self) -> bool:
+        return bool(self.runner.asleep)
+
+    def load_weights(self, path: str):
+        """New weights from `path` in a model of their own, for `swap_weights` (any thread: the
+        serving model is untouched). ValueError for another architecture or shapes; whatever the
+        loader raises for a path it cannot read."""
+        self._check_weights_op("Updating weights", idle=False)
+        return self.runner.load_replacement(path)
+
+    def swap_weights(self, model, path: str) -> None:
+        """Serve `model` (from load_weights) from the next step on; the prefix cache is emptied
+        (its KV came from the old weights)."""
+        assert not self.has_unfinished() and self.scheduler.allocator.reset_prefix_cache()
+        self.runner.swap_in(model, path)
+        self.args = replace(self.args, model=path)
+
+    def _check_weights_op(self, what: str, idle: bool = True) -> None:
+        """ValueError unless `what` can run now: on one rank, and (`idle`) with no request live."""
+        if self.tp.size > 1:
+            raise ValueError(f"{what} is not supported under tensor parallelism yet.")
+        if idle and self.has_unfinished():
+            raise ValueError(f"{what} needs every request to have ended first.")
 
     # --- LoRA adapters: only the engine's owner calls these, between steps ----------------------
 

@@ -203,6 +203,23 @@ def load_model(args: EngineArgs, tp: TensorParallel = SINGLE) -> LoadedModel:
     return LoadedModel(model.eval(), resolved, _load_tokenizer(model_dir), model_dir)
 
 
+# What two checkpoints must share for one to replace the other in a running server.
+ARCHITECTURE_FIELDS = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                       "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings", "attention_bias",
+                       "mlp_bias", "hidden_act")
+
+
+def check_same_architecture(serving: PretrainedConfig, new: PretrainedConfig) -> None:
+    """ValueError naming the first field in which `new` differs from the `serving` model's config
+    (so its weights would not fit the serving model's tensors, KV cache or tokenizer)."""
+    for name in ARCHITECTURE_FIELDS:
+        before = head_dim_of(serving) if name == "head_dim" else getattr(serving, name, None)
+        after = head_dim_of(new) if name == "head_dim" else getattr(new, name, None)
+        if before != after:
+            raise ValueError(f"The new weights are of another architecture: {name} is {after!r}, "
+                             f"the serving model's is {before!r}.")
+
+
 # sentence-transformers' Pooling config flags, in the order they are tried.
 _POOLING_MODES = (("pooling_mode_lasttoken", PoolingType.LAST), ("pooling_mode_mean_tokens", PoolingType.MEAN),
                   ("pooling_mode_cls_token", PoolingType.CLS))

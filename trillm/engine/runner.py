@@ -12,16 +12,17 @@ import math
 import mmap
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
+from transformers import AutoConfig
 
 from trillm.config import EngineArgs
 from trillm.engine.attention import AttentionMetadata
 from trillm.engine.cuda_graphs import DecodeGraphs, use_cuda_graphs
-from trillm.engine.llama import head_dim_of
-from trillm.engine.loader import load_model, pack_linear_weights, resolve_device
-from trillm.engine.lora import attach_lora
+from trillm.engine.llama import Linear, LlamaForCausalLM, head_dim_of
+from trillm.engine.loader import check_same_architecture, load_model, pack_linear_weights, resolve_device, resolve_model
+from trillm.engine.lora import LoRASlots, attach_lora
 from trillm.engine.parallel import SINGLE, TensorParallel, rank_cpus
 from trillm.sched_ext import SchedulerOutput
 
@@ -84,14 +85,12 @@ class ModelRunner:
         if tp.size > 1 and args.tp_cpu_binding and resolve_device(args.device).type == "cpu":
             os.sched_setaffinity(0, rank_cpus(tp))  # before any thread pool starts
         loaded = load_model(args, tp)
-        self.model, self.config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
-        if self.model.kernels.packs_linear_weights:
-            pack_linear_weights(self.model)
+        self.model, self.config, self.tokenizer = self._prepared(loaded.model), loaded.config, loaded.tokenizer
         if self.config.device.type == "cpu":
             torch.set_num_threads(args.num_threads)
             self.model.kernels.set_threads(args.kernel_threads or len(os.sched_getaffinity(0)))
-        # The model's LoRA adapter slots (trillm/engine/lora.py), before any CUDA graph is captured
-        self.lora_slots = attach_lora(self.model, args.max_loras, args.max_lora_rank) if args.enable_lora else None
+        self.lora_slots: LoRASlots | None = None  # the model's LoRA adapter slots (trillm/engine/lora.py)
+        self.asleep: set[str] = set()  # what sleep mode freed: "weights", "kv_cache" (empty: serving)
         self.block_size = args.block_size
         self.decode_graphs: DecodeGraphs | None = None  # captured once the KV cache exists
         self.closed = False
@@ -102,16 +101,84 @@ class ModelRunner:
         self.num_kv_blocks = args.num_kv_blocks or tp.minimum(self._num_blocks_in_budget())
         if self.num_kv_blocks < 1:
             raise ValueError("The KV cache budget holds no block: raise the memory budget or lower block_size.")
-        self.kv_caches = self._allocate_kv_cache(self.num_kv_blocks)
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = self._allocate_kv_cache(self.num_kv_blocks)
+        self._serve(self.model)
+
+    def _prepared(self, model: LlamaForCausalLM) -> LlamaForCausalLM:
+        """A loaded model made ready to run: its linear weights packed where the family packs them."""
+        if model.kernels.packs_linear_weights:
+            pack_linear_weights(model)
+        return model
+
+    def _serve(self, model: LlamaForCausalLM) -> None:
+        """Make `model` the one steps run: its LoRA slots (empty: adapters are copied in as steps
+        need them) and, on CUDA, its decode graphs over the KV cache, captured after the slots."""
+        self.model = model
+        if self.args.enable_lora:
+            self.lora_slots = attach_lora(model, self.args.max_loras, self.args.max_lora_rank)
+        self.decode_graphs = None
         # A graph would capture the collectives of one process group's state: eager under TP.
-        if tp.size == 1 and use_cuda_graphs(self.config.device, args.enforce_eager, args.attention_backend):
+        if self.tp.size == 1 and use_cuda_graphs(self.config.device, self.args.enforce_eager, self.args.attention_backend):
             self.decode_graphs = DecodeGraphs(
                 self.model,
                 self.kv_caches,
-                min(args.max_num_seqs, args.max_num_batched_tokens),  # the largest decode batch
+                min(self.args.max_num_seqs, self.args.max_num_batched_tokens),  # the largest decode batch
                 self.config.max_model_len,
                 self.block_size,
             )
+
+    # --- the weights' life cycle: only the engine's owner calls these, with no request live ---
+
+    def load_replacement(self, path: str) -> LlamaForCausalLM:
+        """The weights at `path` (an HF directory or a GGUF file) in a new model, ready to `swap_in`;
+        the serving model is untouched, so this may run in any thread while steps go on.
+        ValueError (before any weight is read) when `path` holds another architecture or other
+        shapes; the loader's own errors for a path that cannot be read."""
+        assert self.tp.size == 1, "updating weights under tensor parallelism is refused before this"
+        args = replace(self.args, model=path, load_format="auto")
+        check_same_architecture(self.config.hf_config, AutoConfig.from_pretrained(resolve_model(path)))
+        return self._prepared(load_model(args).model)
+
+    def swap_in(self, model: LlamaForCausalLM, path: str) -> None:
+        """Serve `model` (from load_replacement) from the next step on; the old one is dropped."""
+        self.args = replace(self.args, model=path, load_format="auto")
+        self._serve(model)
+
+    def sleep(self, level: int) -> None:
+        """Free the KV cache and, at level 2, the weights; at level 1 on CUDA the weights move to
+        host memory (on CPU they stay). Whatever the cache held is gone: the caller resets the
+        prefix cache. Sleeping again may go deeper (level 1, then 2)."""
+        assert level in (1, 2)
+        self.decode_graphs = None  # they hold the cache and the weights
+        self.kv_caches = None
+        self.asleep.add("kv_cache")
+        if self.model is not None:
+            for module in self.model.modules():
+                if isinstance(module, Linear):
+                    module.lora = None
+        self.lora_slots = None
+        if level == 2:
+            self.model = None
+            self.asleep.add("weights")
+        elif self.config.device.type == "cuda" and self.model is not None:
+            self.model.to("cpu")
+            self.asleep.add("weights")
+
+    def wake_up(self, tags: set[str]) -> None:
+        """Bring back what `tags` names of what sleeps: "weights" (read again from their path
+        after a level-2 sleep, moved back to the device after level 1 on CUDA) and "kv_cache"
+        (empty). Once nothing sleeps, the model serves again (its slots, its graphs)."""
+        if "weights" in tags & self.asleep:
+            if self.model is None:
+                self.model = self._prepared(load_model(self.args, self.tp).model)
+            else:
+                self.model.to(self.config.device)
+            self.asleep.discard("weights")
+        if "kv_cache" in tags & self.asleep:
+            self.kv_caches = self._allocate_kv_cache(self.num_kv_blocks)
+            self.asleep.discard("kv_cache")
+        if not self.asleep:
+            self._serve(self.model)
 
     @property
     def block_bytes(self) -> int:

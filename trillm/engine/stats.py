@@ -51,3 +51,5 @@ class ServingStats(EngineStats):
     """False once a step failed and the engine task stopped."""
     accepting: bool
     """False once the server drains or closes: new requests get 503."""
+    is_sleeping: bool
+    """True from the start of a sleep until the wake-up: new requests get 503."""

@@ -23,7 +23,7 @@ from quart_cors import cors
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
-from trillm.engine.async_engine import EngineUnavailableError, QueueFullError
+from trillm.engine.async_engine import EngineUnavailableError, QueueFullError, WeightsError
 from trillm.engine.core import EngineCore
 from trillm.http import (
     adapters,
@@ -36,6 +36,7 @@ from trillm.http import (
     openai_completions,
     openapi,
     responses,
+    weights,
 )
 from trillm.http.auth import check_api_key
 from trillm.http.connection import Connection
@@ -62,7 +63,7 @@ def create_app(settings: ServerSettings | None = None, core: EngineCore | None =
     state = ServerState(settings, core)
     app.extensions[EXTENSION] = state
     for module in (openai_chat, openai_completions, responses, embeddings, native, info, invocations, openapi,
-                   adapters):
+                   adapters, weights):
         app.register_blueprint(module.blueprint)
 
     @app.before_request
@@ -125,6 +126,10 @@ def _register_error_handlers(app: QuartTrio) -> None:
     @app.errorhandler(SamplingParamError)
     async def bad_parameter(exc: SamplingParamError):
         return error_response(400, str(exc), exc.param)
+
+    @app.errorhandler(WeightsError)
+    async def weights_refused(exc: WeightsError):
+        return error_response(400, str(exc))
 
     @app.errorhandler(QueueFullError)
     async def queue_full(exc: QueueFullError):

@@ -31,6 +31,7 @@ from trillm.http.protocol import (
     ScoreRequest,
     TokenizeRequest,
     UnloadLoRAAdapterRequest,
+    UpdateWeightsRequest,
 )
 
 blueprint = Blueprint("openapi", __name__)
@@ -54,8 +55,11 @@ BODIES: dict[str, type[BaseModel] | tuple[type[BaseModel], ...]] = {
     "/v2/rerank": RerankRequest,
     "/v1/load_lora_adapter": LoadLoRAAdapterRequest,
     "/v1/unload_lora_adapter": UnloadLoRAAdapterRequest,
+    "/update_weights": UpdateWeightsRequest,
+    "/update_weights_from_disk": UpdateWeightsRequest,
 }
-BODILESS_POSTS = {"/flush_cache", "/reset_prefix_cache", "/ping", "/v1/responses/<response_id>/cancel"}
+BODILESS_POSTS = {"/flush_cache", "/reset_prefix_cache", "/ping", "/v1/responses/<response_id>/cancel", "/sleep",
+                  "/wake_up", "/wakeup"}
 REF_TEMPLATE = "#/components/schemas/{model}"
 
 ERROR_SCHEMA = {

@@ -171,6 +171,16 @@ class UnloadLoRAAdapterRequest(Strict):
     lora_int_id: int | None = None
 
 
+class UpdateWeightsRequest(Strict):
+    """SGLang's update_weights_from_disk body, with trillm's `abort_running` beside SGLang's
+    `abort_all_requests` (either aborts running requests instead of waiting for them)."""
+
+    model_path: str = Field(min_length=1)
+    load_format: Literal["auto"] | None = None
+    abort_running: bool = False
+    abort_all_requests: bool = False
+
+
 class SamplingFields(Strict):
     """What chat and completions requests share."""
 

@@ -56,7 +56,7 @@ class ServerState:
     @property
     def weights_path(self) -> str:
         """Where the served weights came from (a path, or the default model's name)."""
-        return self.settings.engine.model or self.core.config.name
+        return self.core.args.model or self.core.config.name
 
     @property
     def chat_template(self) -> str | None:
