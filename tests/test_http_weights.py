@@ -186,3 +186,22 @@ async def test_running_requests_finish_or_are_aborted_before_the_swap(updatable,
     else:  # it finished on the old weights, whole
         assert reasons == ["length"] and tokens == reference(tiny_text_model_dir, None, PROMPT, 60)[0]
     assert await greedy(client, updatable.model, PROMPT) == reference(second_model_dir, None, PROMPT, 8)[0]
+
+
+async def test_an_update_may_come_from_a_gguf_file(default_model_dir):
+    """Serving the default model's converted directory, an update to its GGUF file serves the
+    file's quantized blocks: the same greedy tokens (the blocks dequantize to the same weights)."""
+    from trillm.engine.loader import default_model_path
+
+    core = EngineCore(EngineArgs(model=default_model_dir, num_kv_blocks=32, **EXACT))
+    async with live_server(core) as server:
+        client, http = server.openai(), server.http()
+        prompt = core.tokenizer.encode("The capital of France is")
+        before = await greedy(client, server.model, prompt)
+        assert core.runner.model.lm_head.quantized is None
+        response = await http.post("/update_weights", json={"model_path": default_model_path()})
+        assert response.status_code == 200, response.text
+        assert core.runner.model.lm_head.quantized is not None  # on the file's blocks now
+        assert (await http.get("/model_info")).json()["model_path"] == default_model_path()
+        assert await greedy(client, server.model, prompt) == before
+    core.close()
