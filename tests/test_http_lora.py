@@ -70,6 +70,17 @@ async def test_adapters_are_listed_served_loaded_and_unloaded(lora_server, tiny_
     assert response.status_code == 404 and response.json()["error"]["param"] == "lora_name"
 
 
+async def test_load_inplace_gives_a_name_new_weights(lora_server, tiny_text_model_dir, adapters):
+    http, client = lora_server.http(), lora_server.openai()
+    await http.post("/v1/load_lora_adapter", json={"lora_name": "two", "lora_path": adapters["two"]})
+    assert await greedy(client, "two") == reference(tiny_text_model_dir, adapters["two"], PROMPT, 6)[0]
+    body = {"lora_name": "two", "lora_path": adapters["three"], "load_inplace": True}
+    assert (await http.post("/v1/load_lora_adapter", json=body)).status_code == 200
+    assert await greedy(client, "two") == reference(tiny_text_model_dir, adapters["three"], PROMPT, 6)[0]
+    cards = {m.id: m for m in (await client.models.list()).data}
+    assert cards["two"].model_extra["root"] == adapters["three"]
+
+
 async def test_lora_path_and_lora_request_choose_the_adapter(lora_server, tiny_text_model_dir, adapters):
     http, client = lora_server.http(), lora_server.openai()
     body = {"input_ids": [PROMPT, PROMPT], "lora_path": ["one", None],
