@@ -16,10 +16,19 @@ from trillm.kernels import lora, lora_cpu, lora_triton
 from trillm.sampling_params import SamplingParamError, SamplingParams
 
 
-@pytest.mark.parametrize("T,n_in,n_out,K,S", [(1, 64, 192, 12, 1), (9, 40, 33, 8, 3), (33, 576, 960, 48, 2)])
-def test_the_compiled_and_triton_kernels_equal_the_twin(T, n_in, n_out, K, S):
+@pytest.mark.parametrize("T,n_in,n_out,K,S,offsets", [(1, 64, 192, 12, 1, None), (9, 40, 33, 8, 3, None),
+                                                      (33, 576, 960, 48, 2, [0, 576, 768, 960]),
+                                                      (6, 64, 80, 8, 2, [0, 3, 80])])
+def test_the_compiled_and_triton_kernels_equal_the_twin(T, n_in, n_out, K, S, offsets):
+    """With `offsets`, b is block-diagonal over a fused projection's parts (as the slots hold it)."""
     torch.manual_seed(T)
-    x, a, b = torch.randn(T, n_in), torch.randn(S, K, n_in), torch.randn(S, n_out, K)
+    x, a, b = torch.randn(T, n_in), torch.randn(S, K, n_in), torch.randn(S, K, n_out)
+    if offsets is not None:
+        parts = len(offsets) - 1
+        mask = torch.zeros(K, n_out)
+        for p in range(parts):
+            mask[p * K // parts:(p + 1) * K // parts, offsets[p]:offsets[p + 1]] = 1
+        b *= mask
     slots = torch.randint(-1, S, (T,))
     slots[0] = 0  # at least one row with an adapter
     start = torch.randn(T, n_out)
@@ -27,7 +36,7 @@ def test_the_compiled_and_triton_kernels_equal_the_twin(T, n_in, n_out, K, S):
     lora.lora_add(expected, x, a, b, slots)
     for kernel in (lora_cpu.lora_add, lora_triton.lora_add):
         y = start.clone()
-        kernel(y, x, a, b, slots)
+        kernel(y, x, a, b, slots, offsets)
         torch.testing.assert_close(y, expected, rtol=1e-4, atol=1e-3)
     base_rows = slots < 0
     assert torch.equal(expected[base_rows], start[base_rows])  # a row without an adapter is untouched

@@ -244,8 +244,8 @@ class LoRABatch:
 
 
 class LinearLoRA:
-    """A projection's slots: a [S, parts * R, in] (each part's A rows at part * R), b [S, out,
-    parts * R] (each part's B block on the diagonal), zero where an adapter has nothing."""
+    """A projection's slots: a [S, parts * R, in] (each part's A rows at part * R), b [S, parts * R,
+    out] (each part's B, transposed, as a block on the diagonal), zero where an adapter has nothing."""
 
     def __init__(self, linear: Linear, modules: list[str], num_slots: int, max_rank: int, batch: LoRABatch, lora_add):
         in_features = linear.in_features
@@ -253,15 +253,17 @@ class LinearLoRA:
         dtype, device = linear.dtype, linear.device
         self.modules = modules  # the PEFT module of each part, in order
         self.offsets = linear.shard_offsets
+        # where each part's outputs start, for the kernels that skip b's zero blocks (made once)
+        self.out_offsets = torch.tensor(self.offsets, dtype=torch.int64)
         self.max_rank = max_rank
         self.a = torch.zeros(num_slots, len(modules) * max_rank, in_features, dtype=dtype, device=device)
-        self.b = torch.zeros(num_slots, out_features, len(modules) * max_rank, dtype=dtype, device=device)
+        self.b = torch.zeros(num_slots, len(modules) * max_rank, out_features, dtype=dtype, device=device)
         self.batch = batch
         self.lora_add = lora_add
 
     def add(self, y: torch.Tensor, x: torch.Tensor) -> None:
         """y += each row's adapter update, in place."""
-        self.lora_add(y, x, self.a, self.b, self.batch.slots)
+        self.lora_add(y, x, self.a, self.b, self.batch.slots, self.out_offsets)
 
     def load(self, slot: int, layer: int, weights: LoRAWeights) -> None:
         self.a[slot].zero_()
@@ -272,7 +274,7 @@ class LinearLoRA:
             if pair is not None:
                 a, b = pair
                 self.a[slot, part * R:part * R + r].copy_(a)
-                self.b[slot, self.offsets[part]:self.offsets[part + 1], part * R:part * R + r].copy_(b)
+                self.b[slot, part * R:part * R + r, self.offsets[part]:self.offsets[part + 1]].copy_(b.T)
 
 
 @dataclass

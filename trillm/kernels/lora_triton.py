@@ -1,7 +1,7 @@
 """The grouped LoRA multiply as Triton kernels; twin of `lora.py`.
 
 Two passes, as punica's shrink and expand: h = a[slot] x (one program per row, K small enough
-to hold whole), then y += b[slot] h (one program per row and block of outputs). A row whose
+to hold whole), then y += h b[slot] (one program per row and block of outputs; b is [K, out]). A row whose
 slot is negative loads and stores nothing. Shapes size the grids; no value is read on the host,
 so the launch is the same whatever the slots hold.
 """
@@ -38,20 +38,22 @@ def _expand_kernel(h_ptr, b_ptr, slots_ptr, y_ptr, n_out, K, y_stride, BLOCK_K: 
     ks = tl.arange(0, BLOCK_K)
     out_mask = (outs < n_out) & ((outs * 0 + slot) >= 0)
     h = tl.load(h_ptr + row * BLOCK_K + ks)
-    b = tl.load(b_ptr + tl.maximum(slot, 0).to(tl.int64) * n_out * K + outs[:, None] * K + ks[None, :],
+    b = tl.load(b_ptr + tl.maximum(slot, 0).to(tl.int64) * K * n_out + ks[None, :] * n_out + outs[:, None],
                 mask=out_mask[:, None] & (ks[None, :] < K), other=0.0).to(tl.float32)
     delta = tl.sum(b * h[None, :], axis=1)
     y = tl.load(y_ptr + row * y_stride + outs, mask=out_mask, other=0.0).to(tl.float32)
     tl.store(y_ptr + row * y_stride + outs, (y + delta).to(y_ptr.dtype.element_ty), mask=out_mask)
 
 
-def lora_add(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor) -> None:
-    """As lora.lora_add: y [T, out] += b[slots[t]] @ (a[slots[t]] @ x[t]) where slots[t] >= 0."""
+def lora_add(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor,
+             out_offsets: list[int] | torch.Tensor | None = None) -> None:
+    """As lora.lora_add: y [T, out] += (a[slots[t]] @ x[t]) @ b[slots[t]] where slots[t] >= 0
+    (b's zero blocks, which `out_offsets` marks, are multiplied like the rest)."""
     T, n_in = x.shape
     _, K, _ = a.shape
     n_out = y.shape[1]
     assert a.is_contiguous() and b.is_contiguous() and x.stride(1) == 1 and y.stride(1) == 1
-    assert b.shape[1:] == (n_out, K) and a.shape[2] == n_in and slots.shape == (T,)
+    assert b.shape[1:] == (K, n_out) and a.shape[2] == n_in and slots.shape == (T,)
     if T == 0:
         return
     block_k = triton.next_power_of_2(K)
