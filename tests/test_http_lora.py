@@ -134,6 +134,34 @@ async def test_unloading_an_adapter_that_requests_use_is_refused_then_allowed(lo
     assert (await http.post("/v1/unload_lora_adapter", json={"lora_name": "two"})).status_code == 200
 
 
+async def test_an_adapter_unloaded_before_its_request_is_admitted_is_a_404(lora_server, adapters):
+    """The route finds the adapter, the engine is busy in a step, the adapter is unloaded before
+    the request's admission: the admission's refusal is still a 404 naming `model`."""
+    http, client = lora_server.http(), lora_server.openai()
+    await http.post("/v1/load_lora_adapter", json={"lora_name": "two", "lora_path": adapters["two"]})
+    engine = lora_server.state.engine
+    outcome = []
+
+    async def late():
+        try:
+            await greedy(client, "two", max_tokens=2)
+        except openai.NotFoundError as exc:
+            outcome.append(exc.body["param"])
+
+    async with trio.open_nursery() as nursery:
+        with frozen_engine(lora_server.state.core):
+            nursery.start_soon(functools.partial(greedy, client, lora_server.model, max_tokens=3))
+            with trio.fail_after(30):
+                while not engine._stepping:  # the base request's step is held
+                    await trio.sleep(0.01)
+            nursery.start_soon(late)
+            with trio.fail_after(30):
+                while not engine._commands:  # its admission waits for the step to end
+                    await trio.sleep(0.01)
+            assert (await http.post("/v1/unload_lora_adapter", json={"lora_name": "two"})).status_code == 200
+    assert outcome == ["model"]
+
+
 async def test_loading_and_unloading_under_traffic_leaks_nothing(lora_server, tiny_text_model_dir, adapters):
     http, client = lora_server.http(), lora_server.openai()
     baseline = await settled_stats(http)

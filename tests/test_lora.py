@@ -142,7 +142,7 @@ def test_bad_adapters_are_refused_with_what_is_wrong(tiny_model_dir, tmp_path):
         core.load_lora("good", good, registry.read(good))
     with pytest.raises(SamplingParamError, match="does not exist") as refused:
         core.add_request("x", PROMPT, SamplingParams(lora_name="other"))
-    assert refused.value.param == "model" and not core.has_unfinished()
+    assert refused.value.param == "model" and refused.value.status == 404 and not core.has_unfinished()
     with pytest.raises(LoRAError) as unknown:
         core.unload_lora("other")
     assert unknown.value.status == 404

@@ -20,11 +20,13 @@ MAX_LOGPROBS = 20  # top logprobs per token, OpenAI's bound
 
 
 class SamplingParamError(ValueError):
-    """A sampling parameter is out of range; `param` names it."""
+    """A sampling parameter is out of range; `param` names it. `status`: the server's answer
+    (400; 404 when what the parameter names does not exist, as an unknown LoRA adapter)."""
 
-    def __init__(self, param: str, message: str):
+    def __init__(self, param: str, message: str, status: int = 400):
         super().__init__(message)
         self.param = param
+        self.status = status
 
 
 Kind = Literal["json_schema", "json_object", "regex", "grammar", "structural_tag"]

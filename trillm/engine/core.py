@@ -189,18 +189,19 @@ class EngineCore:
         if name is None:
             return None
         if self.loras is None:
-            raise SamplingParamError("model", f"The LoRA adapter `{name}` does not exist: this server runs without --enable-lora.")
+            raise SamplingParamError("model", f"The LoRA adapter `{name}` does not exist: this server runs without "
+                                              "--enable-lora.", status=404)
         try:
             return self.loras.get(name)
-        except LoRAError as exc:
-            raise SamplingParamError("model", str(exc)) from None
+        except LoRAError as exc:  # unloaded since the server checked the name: still a 404
+            raise SamplingParamError("model", str(exc), exc.status) from None
 
     def _add(self, row: EngineRequest) -> None:
         if row.lora is not None:
             try:  # reads its weights again if they were dropped: the last thing that can fail
                 self.loras.acquire(row.lora.name)
             except LoRAError as exc:
-                raise SamplingParamError("model", str(exc)) from None
+                raise SamplingParamError("model", str(exc), exc.status) from None
         try:
             self.scheduler.add(row.seq)
         except ValueError as e:

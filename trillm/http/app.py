@@ -125,7 +125,7 @@ def _register_error_handlers(app: QuartTrio) -> None:
 
     @app.errorhandler(SamplingParamError)
     async def bad_parameter(exc: SamplingParamError):
-        return error_response(400, str(exc), exc.param)
+        return error_response(exc.status, str(exc), exc.param)
 
     @app.errorhandler(WeightsError)
     async def weights_refused(exc: WeightsError):

@@ -47,7 +47,7 @@ def _prompts(state: ServerState, value, param: str) -> list[list[int]]:
     try:
         return completion_prompts(state.tokenizer, value)
     except SamplingParamError as exc:
-        raise SamplingParamError(param, str(exc)) from None
+        raise SamplingParamError(param, str(exc), exc.status) from None
 
 
 def _encode(vector: torch.Tensor, encoding_format: str):

@@ -150,7 +150,7 @@ class Generation:
         try:
             yield
         except SamplingParamError as exc:
-            raise SamplingParamError(self._field_names.get(exc.param, exc.param), str(exc)) from None
+            raise SamplingParamError(self._field_names.get(exc.param, exc.param), str(exc), exc.status) from None
 
     def _observe(self, index: int, num_tokens: int, delta: Delta) -> None:
         now = trio.current_time()

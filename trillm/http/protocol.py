@@ -522,7 +522,7 @@ class ChatCompletionRequest(SamplingFields):
             return self._sampling_params(vocab_size, tokenizer, max_tokens,
                                          (self.top_logprobs or 0) if self.logprobs else None)
         except SamplingParamError as exc:
-            raise SamplingParamError(self.field_names.get(exc.param, exc.param), str(exc)) from None
+            raise SamplingParamError(self.field_names.get(exc.param, exc.param), str(exc), exc.status) from None
 
     @property
     def field_names(self) -> dict[str, str]:

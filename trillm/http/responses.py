@@ -40,7 +40,7 @@ def _in_responses_terms():
     try:
         yield
     except SamplingParamError as exc:
-        raise SamplingParamError(FIELD_NAMES.get(exc.param, exc.param), str(exc)) from None
+        raise SamplingParamError(FIELD_NAMES.get(exc.param, exc.param), str(exc), exc.status) from None
 
 
 @blueprint.post("/v1/responses")
