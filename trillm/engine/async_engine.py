@@ -140,7 +140,9 @@ class AsyncEngine:
         # process), slow grammar compiles could take every token and starve the engine's steps.
         self._step_limiter = trio.CapacityLimiter(1)
         self._compile_limiter = trio.CapacityLimiter(GRAMMAR_COMPILE_THREADS)
-        self._load_limiter = trio.CapacityLimiter(1)  # LoRA adapters and new weights read from disk
+        # New weights load on a thread of their own (a GGUF file converts for tens of seconds);
+        # LoRA adapters, small, are read on the compile threads.
+        self._load_limiter = trio.CapacityLimiter(1)
         self.sleeping = False  # requests get 503 from the moment a sleep begins until the wake-up
         self._weights_lock = trio.Lock()  # one sleep, wake-up or weight update at a time
         self._admissions_open = trio.Event()  # cleared while a weight update swaps the model
@@ -349,7 +351,10 @@ class AsyncEngine:
             finally:
                 self.sleeping = self.core.is_sleeping
                 self._refresh_stats()
-            log.info("awake" if not self.sleeping else "partly awake: %s still sleeps", sorted(self.core.runner.asleep))
+            if self.sleeping:
+                log.info("partly awake: %s still sleeps", ", ".join(sorted(self.core.runner.asleep)))
+            else:
+                log.info("awake")
 
     async def update_weights(self, path: str, abort_running: bool = False) -> int:
         """Serve the weights at `path` from the next step on. They load into a model of their own

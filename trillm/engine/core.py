@@ -216,7 +216,7 @@ class EngineCore:
         if row.lora is not None:
             self.loras.release(row.lora)
 
-    # --- the weights' life cycle: only the engine's owner calls these, with no request live -----
+    # --- the weights' life cycle: the engine's owner calls these; sleep and swap need it idle ---
 
     def sleep(self, level: int) -> int:
         """Free the KV cache (level 1) and the weights (level 2; level 1 on CUDA moves them to host
