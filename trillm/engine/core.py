@@ -281,6 +281,8 @@ class EngineCore:
 
     def _lora_usage(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """The adapters of running requests, and of waiting ones (vLLM's lora_requests_info)."""
+        if self.loras is None:  # stats are read after every step: no walk over the requests for nothing
+            return (), ()
         running, waiting = set(), set()
         for row in self.requests.values():
             if row.lora is not None:

@@ -25,7 +25,6 @@ import json
 import math
 import os
 import re
-import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -167,7 +166,6 @@ class LoRARegistry:
         self.max_cpu_loras = max_cpu_loras
         self.adapters: OrderedDict[str, LoRAAdapter] = OrderedDict()  # least recently used first
         self._next_id = 1  # 0 is the base model's, in the scheduler's Request.lora_id
-        self._read_lock = threading.Lock()
 
     def read(self, path: str) -> LoRAWeights:
         """`read_adapter` against this model and rank limit (any thread)."""
@@ -286,10 +284,6 @@ class LoRASlots:
     owners: list[int | None] = field(default_factory=list)  # lora_id in each slot, least recently used first
     order: list[int] = field(default_factory=list)  # slot indices, least recently used first
 
-    @property
-    def nbytes(self) -> int:
-        return sum(p.a.nbytes + p.b.nbytes for _, p in self.layers)
-
     def assign(self, adapters: list[LoRAAdapter | None]) -> list[int] | None:
         """Each request's slot (-1: no adapter), loading adapters not in one; None when no request
         of the step uses an adapter. At most len(owners) distinct adapters (the scheduler's bound)."""
@@ -314,11 +308,11 @@ def attach_lora(model: LlamaForCausalLM, max_loras: int, max_rank: int) -> LoRAS
     """Give every target projection of `model` its slots; the model then adds adapters' updates
     in the steps whose LoRABatch names slots."""
     batch = LoRABatch()
+    grouped: dict[tuple[str, str], list[str]] = {}  # (submodule, projection) -> its parts' PEFT modules
+    for module, (sub, proj, _) in TARGETS.items():
+        grouped.setdefault((sub, proj), []).append(module)
     layers = []
     for i, layer in enumerate(model.model.layers):
-        grouped: dict[tuple[str, str], list[str]] = {}
-        for module, (sub, proj, _) in TARGETS.items():
-            grouped.setdefault((sub, proj), []).append(module)
         for (sub, proj), modules in grouped.items():
             linear = getattr(getattr(layer, sub), proj)
             assert linear.num_shards == len(modules), (proj, linear.num_shards)
