@@ -243,24 +243,22 @@ class AsyncEngine:
         self._stats = self.core.stats()
         return done
 
-    async def load_lora(self, name: str, path: str) -> None:
+    async def load_lora(self, name: str, path: str, inplace: bool = False) -> None:
         """Make the PEFT adapter at `path` servable as `name`. Its files are read and checked in a
         worker thread; then it is registered at once (admissions look it up between steps).
-        LoRAError says what is wrong (a 400), or that LoRA is off."""
+        LoRAError says what is wrong (a 400), or that LoRA is off. `inplace` (vLLM's load_inplace):
+        an adapter already loaded under `name` gets these weights (under a new id, so the old
+        weights' cached blocks are never reused), refused (400) while requests use it; an adapter
+        that cannot be served leaves the old one in place."""
         if self.core.loras is None:
             raise LoRAError("LoRA adapters need a server started with --enable-lora.")
-        if name in self.core.loras.adapters:  # checked again on registering: the read may race another load
+        replacing = inplace and name in self.core.loras.adapters
+        # checked again on registering: the read may race another load of the name
+        if name in self.core.loras.adapters and not replacing:
             raise LoRAError(f"The LoRA adapter {name!r} has already been loaded.")
         weights = await trio.to_thread.run_sync(self.core.loras.read, path, limiter=self._compile_limiter)
-        self.core.load_lora(name, path, weights)
-        self._refresh_stats()
-
-    async def replace_lora(self, name: str, path: str) -> None:
-        """vLLM's load_inplace: the adapter `name` gets the weights at `path` (under a new id, so
-        the old weights' cached blocks are never reused); LoRAError 400 while requests use it
-        or if the new adapter cannot be served, which leaves the old one in place."""
-        weights = await trio.to_thread.run_sync(self.core.loras.read, path, limiter=self._compile_limiter)
-        self.core.unload_lora(name)
+        if replacing:
+            self.core.unload_lora(name)
         self.core.load_lora(name, path, weights)
         self._refresh_stats()
 

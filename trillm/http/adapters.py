@@ -24,10 +24,7 @@ async def load_lora_adapter():
     state = current()
     req = await parse_body(LoadLoRAAdapterRequest)
     try:
-        if req.load_inplace and state.core.loras is not None and req.lora_name in state.core.loras.adapters:
-            await state.engine.replace_lora(req.lora_name, req.lora_path)
-        else:
-            await state.engine.load_lora(req.lora_name, req.lora_path)
+        await state.engine.load_lora(req.lora_name, req.lora_path, inplace=req.load_inplace)
     except LoRAError as exc:
         raise APIError(exc.status, str(exc), "lora_path" if exc.status == 400 else "lora_name") from None
     return Response(f"Success: LoRA adapter '{req.lora_name}' added successfully.", status=200)

@@ -53,13 +53,14 @@ async def generate():
     prompt = req.text if req.text is not None else req.input_ids
     prompts = completion_prompts(state.tokenizer, prompt)
     params = req.to_sampling_params(len(prompts))
+    lora_name = await req_lora(state, req, len(prompts))
     if isinstance(req.rid, list):  # each prompt named by the client: the server's id names the batch
         server_id, _ = request_id("gen")
         generation = Generation(state, server_id, req.rid, prompts, params, field_names=field_names,
-                                lora_name=await req_lora(state, req, len(prompts)))
+                                lora_name=lora_name)
     else:
         generation = Generation(state, *request_id("gen", req.rid), prompts, params, field_names=field_names,
-                                lora_name=await req_lora(state, req, len(prompts)))
+                                lora_name=lora_name)
     await generation.start()
     batched = isinstance(req.text, list) or (req.input_ids is not None and isinstance(req.input_ids[0], list))
     chunks = GenerateChunks(generation)

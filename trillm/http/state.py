@@ -63,12 +63,14 @@ class ServerState:
         """The model's chat template (None without a tokenizer)."""
         return getattr(self.tokenizer, "chat_template", None)
 
-    def check_model(self, model: str | None) -> None:
-        """OpenAI clients must name a model: ours or one of its LoRA adapters; any other name is a
-        404, as with vLLM."""
-        loras = self.core.loras
-        if model is not None and model != self.model_name and (loras is None or model not in loras.adapters):
-            raise APIError(404, f"The model `{model}` does not exist.", "model")
+    def check_model(self, model: str | None, field: str = "model") -> str | None:
+        """OpenAI clients must name a model: ours, or one of its LoRA adapters, whose name this
+        returns (None: the base model); any other name is a 404 naming `field`, as with vLLM."""
+        if model is None or model == self.model_name:
+            return None
+        if self.core.loras is None or model not in self.core.loras.adapters:
+            raise APIError(404, f"The model `{model}` does not exist.", field)
+        return model
 
     async def requested_lora(self, model: str | None, lora_request=None, field: str = "model") -> str | None:
         """The LoRA adapter a request runs under: TensorRT-LLM's `lora_request` (loading it from
@@ -83,11 +85,7 @@ class ServerState:
                 except LoRAError as exc:
                     if model not in loras.adapters:  # not a concurrent load of the same adapter
                         raise APIError(exc.status, str(exc), "lora_request") from None
-        if model is None or model == self.model_name:
-            return None
-        if self.core.loras is None or model not in self.core.loras.adapters:
-            raise APIError(404, f"The model `{model}` does not exist.", field)
-        return model
+        return self.check_model(model, field)
 
 
 def current() -> ServerState:
