@@ -170,10 +170,14 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(previous)
 
 
-def load_model(args: EngineArgs, tp: TensorParallel = SINGLE) -> LoadedModel:
-    """`tp`: under tensor parallelism, this rank's shard of the model is built and loaded."""
+def load_model(args: EngineArgs, tp: TensorParallel = SINGLE, same_as: PretrainedConfig | None = None) -> LoadedModel:
+    """`tp`: under tensor parallelism, this rank's shard of the model is built and loaded.
+    `same_as`: the config of a serving model these weights are to replace; another architecture
+    is a ValueError before any weight is read (check_same_architecture)."""
     model_dir = resolve_model(args.model)
     config = AutoConfig.from_pretrained(model_dir)
+    if same_as is not None:
+        check_same_architecture(same_as, config)
     max_model_len = _max_model_len(args, config)  # refused before any weight is read
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)

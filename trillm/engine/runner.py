@@ -15,13 +15,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
-from transformers import AutoConfig
 
 from trillm.config import EngineArgs
 from trillm.engine.attention import AttentionMetadata
 from trillm.engine.cuda_graphs import DecodeGraphs, use_cuda_graphs
 from trillm.engine.llama import Linear, LlamaForCausalLM, head_dim_of
-from trillm.engine.loader import check_same_architecture, load_model, pack_linear_weights, resolve_device, resolve_model
+from trillm.engine.loader import load_model, pack_linear_weights, resolve_device
 from trillm.engine.lora import LoRASlots, attach_lora
 from trillm.engine.parallel import SINGLE, TensorParallel, rank_cpus
 from trillm.sched_ext import SchedulerOutput
@@ -136,8 +135,7 @@ class ModelRunner:
         shapes; the loader's own errors for a path that cannot be read."""
         assert self.tp.size == 1, "updating weights under tensor parallelism is refused before this"
         args = replace(self.args, model=path, load_format="auto")
-        check_same_architecture(self.config.hf_config, AutoConfig.from_pretrained(resolve_model(path)))
-        return self._prepared(load_model(args).model)
+        return self._prepared(load_model(args, same_as=self.config.hf_config).model)
 
     def swap_in(self, model: LlamaForCausalLM, path: str) -> None:
         """Serve `model` (from load_replacement) from the next step on; the old one is dropped."""
