@@ -413,8 +413,7 @@ class Scheduler:
                 request.num_cached_tokens = computed
             request.num_computed_tokens = computed
             request._status = RUNNING
-            if request.lora_id:
-                self._lora_running[request.lora_id] = self._lora_running.get(request.lora_id, 0) + 1
+            self._lora_joins(request)
             _insert_ranked(self._running, request)
             (out if num_new == 1 else prefills)._add(request, num_new)
             budget -= num_new
@@ -425,6 +424,12 @@ class Scheduler:
         """Whether running `request` keeps the running adapters within max_loras."""
         return (self.max_loras == 0 or request.lora_id == 0 or request.lora_id in self._lora_running
                 or len(self._lora_running) < self.max_loras)
+
+    @cython.cfunc
+    def _lora_joins(self, request: Request):
+        """A request starts running (admitted)."""
+        if request.lora_id:
+            self._lora_running[request.lora_id] = self._lora_running.get(request.lora_id, 0) + 1
 
     @cython.cfunc
     def _lora_leaves(self, request: Request):
