@@ -97,6 +97,19 @@ async def live_server(core: EngineCore, **settings):
             stop.set()
 
 
+TOKEN_PROMPT = [504, 2115, 282, 4649, 314, 7042, 30, 1370]  # token ids in SmolLM2's vocabulary (tiny text models share it)
+
+
+async def greedy_ids(client: openai.AsyncOpenAI, model: str, prompt=TOKEN_PROMPT, max_tokens: int = 8,
+                     **extra) -> list[int]:
+    """A greedy completion's token ids (vLLM's return_token_ids, ignoring EOS); `extra`: more body
+    fields. The response must name the model asked for (an adapter's name for an adapter)."""
+    out = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                          extra_body={"return_token_ids": True, "ignore_eos": True, **extra})
+    assert out.model == model
+    return out.choices[0].model_extra["token_ids"]
+
+
 async def settled_stats(http: httpx.AsyncClient) -> dict:
     """The engine's stats (read over HTTP) once no request is live any more."""
     with trio.fail_after(SETTLE_TIMEOUT):

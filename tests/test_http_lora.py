@@ -12,10 +12,11 @@ from lora_support import make_adapter, reference
 
 from fuzz_support import fuzz
 from http_support import EXACT, frozen_engine, live_server, metric_value, settled_stats
+from http_support import TOKEN_PROMPT as PROMPT
+from http_support import greedy_ids as greedy
 from trillm.config import EngineArgs
 from trillm.engine.core import EngineCore
 
-PROMPT = [504, 2115, 282, 4649, 314, 7042, 30, 1370]  # token ids; the tiny model's vocabulary is SmolLM2's
 
 
 @functools.cache
@@ -38,21 +39,14 @@ async def lora_server(tiny_text_model_dir, adapters):
                 server.state.engine.unload_lora(name)
 
 
-async def greedy(client, model: str, prompt=PROMPT, max_tokens: int = 6, **extra) -> list[int]:
-    out = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
-                                          extra_body={"return_token_ids": True, "ignore_eos": True, **extra})
-    assert out.model == model
-    return out.choices[0].model_extra["token_ids"]
-
-
 async def test_adapters_are_listed_served_loaded_and_unloaded(lora_server, tiny_text_model_dir, adapters):
     client, http = lora_server.openai(), lora_server.http()
     base = lora_server.model
     cards = {m.id: m for m in (await client.models.list()).data}
     assert set(cards) == {base, "one"}
     assert cards["one"].model_extra["parent"] == base and cards["one"].model_extra["root"] == adapters["one"]
-    assert await greedy(client, "one") == reference(tiny_text_model_dir, adapters["one"], PROMPT, 6)[0]
-    assert await greedy(client, base) == reference(tiny_text_model_dir, None, PROMPT, 6)[0]
+    assert await greedy(client, "one") == reference(tiny_text_model_dir, adapters["one"], PROMPT, 8)[0]
+    assert await greedy(client, base) == reference(tiny_text_model_dir, None, PROMPT, 8)[0]
 
     response = await http.post("/v1/load_lora_adapter", json={"lora_name": "two", "lora_path": adapters["two"]})
     assert response.status_code == 200 and "two" in response.text
@@ -60,7 +54,7 @@ async def test_adapters_are_listed_served_loaded_and_unloaded(lora_server, tiny_
     chat = await client.chat.completions.create(model="two", messages=[{"role": "user", "content": "Hi"}],
                                                 max_tokens=4, temperature=0)
     assert chat.model == "two"
-    assert await greedy(client, "two") == reference(tiny_text_model_dir, adapters["two"], PROMPT, 6)[0]
+    assert await greedy(client, "two") == reference(tiny_text_model_dir, adapters["two"], PROMPT, 8)[0]
 
     assert (await http.post("/v1/unload_lora_adapter", json={"lora_name": "two"})).status_code == 200
     with pytest.raises(openai.NotFoundError, match="does not exist"):
@@ -73,10 +67,10 @@ async def test_adapters_are_listed_served_loaded_and_unloaded(lora_server, tiny_
 async def test_load_inplace_gives_a_name_new_weights(lora_server, tiny_text_model_dir, adapters):
     http, client = lora_server.http(), lora_server.openai()
     await http.post("/v1/load_lora_adapter", json={"lora_name": "two", "lora_path": adapters["two"]})
-    assert await greedy(client, "two") == reference(tiny_text_model_dir, adapters["two"], PROMPT, 6)[0]
+    assert await greedy(client, "two") == reference(tiny_text_model_dir, adapters["two"], PROMPT, 8)[0]
     body = {"lora_name": "two", "lora_path": adapters["three"], "load_inplace": True}
     assert (await http.post("/v1/load_lora_adapter", json=body)).status_code == 200
-    assert await greedy(client, "two") == reference(tiny_text_model_dir, adapters["three"], PROMPT, 6)[0]
+    assert await greedy(client, "two") == reference(tiny_text_model_dir, adapters["three"], PROMPT, 8)[0]
     cards = {m.id: m for m in (await client.models.list()).data}
     assert cards["two"].model_extra["root"] == adapters["three"]
 
@@ -93,7 +87,7 @@ async def test_lora_path_and_lora_request_choose_the_adapter(lora_server, tiny_t
     # TensorRT-LLM's lora_request: an adapter not loaded yet comes from its lora_path
     request = {"lora_name": "three", "lora_int_id": 3, "lora_path": adapters["three"]}
     tokens = await greedy(client, lora_server.model, lora_request=request)
-    assert tokens == reference(tiny_text_model_dir, adapters["three"], PROMPT, 6)[0]
+    assert tokens == reference(tiny_text_model_dir, adapters["three"], PROMPT, 8)[0]
     assert "three" in lora_server.state.core.loras.adapters
     with pytest.raises(openai.NotFoundError):
         await greedy(client, lora_server.model, lora_request={"lora_name": "four"})

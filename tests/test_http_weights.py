@@ -15,10 +15,11 @@ import trio
 from lora_support import reference
 
 from http_support import EXACT, live_server, settled_stats
+from http_support import TOKEN_PROMPT as PROMPT
+from http_support import greedy_ids as greedy
 from trillm.config import EngineArgs
 from trillm.engine.core import EngineCore
 
-PROMPT = [504, 2115, 282, 4649, 314, 7042, 30, 1370]
 
 
 def resident_bytes() -> int:
@@ -30,12 +31,6 @@ def resident_bytes() -> int:
 def sleepy_core() -> EngineCore:
     """The default model, as served with --enable-sleep-mode."""
     return EngineCore(EngineArgs(num_kv_blocks=128, enable_sleep_mode=True))
-
-
-async def greedy(client, model: str, prompt, max_tokens: int = 8) -> list[int]:
-    out = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
-                                          extra_body={"return_token_ids": True, "ignore_eos": True})
-    return out.choices[0].model_extra["token_ids"]
 
 
 @pytest.mark.parametrize("level, route", [(1, "/wake_up"), (2, "/wakeup")])
