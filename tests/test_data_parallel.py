@@ -85,15 +85,28 @@ async def test_the_router_spreads_or_keeps_a_shared_prefix(tiny_text_model_dir, 
 
 
 async def test_replicas_serve_survive_a_death_free_blocks_and_stop_with_the_server(tiny_text_model_dir):
+    """With --api-key: no process's command line carries the key, the router reads the replicas'
+    load with it, clients need it, and the router lists the served model by its name."""
     model = os.path.basename(tiny_text_model_dir)
+    key = "dp-secret-" + os.urandom(4).hex()
+    auth = {"Authorization": f"Bearer {key}"}
     async with trio.open_nursery() as nursery:
-        process, router, replicas, log = await start_replicated(nursery, tiny_text_model_dir, "round_robin")
+        process, router, replicas, log = await start_replicated(nursery, tiny_text_model_dir, "round_robin",
+                                                                "--api-key", key)
         children = descendants(process.pid)
         assert len(children) == 3, "two replicas and the router"
-        async with httpx.AsyncClient(base_url=router) as http:  # what power_of_two reads: -1 when unreadable
+        for pid in children:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                assert key.encode() not in f.read()
+        async with httpx.AsyncClient(base_url=router, headers=auth) as http:  # power_of_two's: -1 when unreadable
             loads = (await http.get("/get_loads")).json()["workers"]
+            models = (await http.get("/v1/models")).json()["data"]
         assert len(loads) == 2 and all(w["load"] >= 0 for w in loads), loads
-        client = openai.AsyncOpenAI(base_url=router + "/v1", api_key="none", max_retries=0)
+        assert [m["id"] for m in models] == [model]
+        async with openai.AsyncOpenAI(base_url=router + "/v1", api_key="wrong", max_retries=0) as wrong:
+            with pytest.raises(openai.AuthenticationError):
+                await wrong.completions.create(model=model, prompt="Hello", max_tokens=2)
+        client = openai.AsyncOpenAI(base_url=router + "/v1", api_key=key, max_retries=0)
         chat = await client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}],
                                                     max_tokens=3)
         assert chat.choices[0].message.content is not None
@@ -109,7 +122,7 @@ async def test_replicas_serve_survive_a_death_free_blocks_and_stop_with_the_serv
             while not any("abort (client gone)" in line for line in log):
                 await trio.sleep(0.05)
         for url in replicas:
-            async with httpx.AsyncClient(base_url=url) as http:
+            async with httpx.AsyncClient(base_url=url, headers=auth) as http:
                 with trio.fail_after(30):
                     while (await http.get("/load")).json()["server_load"]:
                         await trio.sleep(0.05)

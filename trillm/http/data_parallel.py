@@ -11,7 +11,9 @@ processes on other machines, join the router's worker list beside the local ones
 Why sglang-router (over vllm-router): its cache-aware policy keeps a prefix tree per worker,
 so requests that share a prefix go to the replica that caches it, which is where trillm's
 prefix cache pays off. It speaks plain OpenAI HTTP to any backend and reads from a worker only
-what trillm serves: /health, /server_info, /model_info. Its gRPC probe speaks HTTP/2, which
+what trillm serves: /health, /server_info, /model_info. With --api-key, the replicas take the key
+from their environment and the router sends it on its own calls to them (trillm/http/router_main.py);
+no command line carries it. Its gRPC probe speaks HTTP/2, which
 trillm refuses (trillm/http/http1_only.py), so the router falls back to HTTP.
 
 Lifetime: the replicas and the router die with the supervisor (PR_SET_PDEATHSIG), however it
@@ -23,6 +25,7 @@ the router dies, or the last replica, the supervisor stops the rest and exits wi
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -31,7 +34,8 @@ import urllib.error
 import urllib.request
 from dataclasses import replace
 
-from trillm.http.settings import ServerSettings, to_argv
+from trillm.http.router_main import ROUTER_KEY_VARIABLE
+from trillm.http.settings import API_KEY_VARIABLE, ServerSettings, to_argv
 from trillm.subprocesses import cpu_share, die_with_parent, free_port
 
 log = logging.getLogger(__name__)
@@ -42,7 +46,7 @@ STOP_TIMEOUT = 60.0  # seconds the router and the replicas get to exit on a sign
 
 def router_command(settings: ServerSettings, port: int, worker_urls: list[str]) -> list[str]:
     return [
-        sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *worker_urls,
+        sys.executable, "-m", "trillm.http.router_main", "--worker-urls", *worker_urls,
         "--policy", settings.router_policy, "--host", settings.host, "--port", str(port),
         "--prometheus-port", str(free_port()), "--log-level", "warn",
     ]
@@ -57,11 +61,13 @@ def run(settings: ServerSettings) -> int:
     ports = [free_port() for _ in range(count)]
     replicas = []
     for index, port in enumerate(ports):
-        replica = replace(settings, host="127.0.0.1", port=port, data_parallel_size=1, data_parallel_address=None)
+        # the key travels in the environment, which only this user can read, not on the command line
+        replica = replace(settings, host="127.0.0.1", port=port, data_parallel_size=1, data_parallel_address=None,
+                          api_key=None)
         cpus = cpu_share(index, count)
         replicas.append(subprocess.Popen(
             [sys.executable, "-m", "trillm", "serve", *to_argv(replica)],
-            preexec_fn=lambda cpus=cpus: die_with_parent(cpus),
+            preexec_fn=lambda cpus=cpus: die_with_parent(cpus), env=_environment(API_KEY_VARIABLE, settings.api_key),
         ))
     children = list(replicas)
     stopping = []
@@ -75,7 +81,8 @@ def run(settings: ServerSettings) -> int:
             return 0 if stopping else 1
         workers = urls + ServerSettings.as_list(settings.data_parallel_address or "")
         port = settings.port or free_port()  # port 0: any free one, logged below
-        router = subprocess.Popen(router_command(settings, port, workers), preexec_fn=die_with_parent)
+        router = subprocess.Popen(router_command(settings, port, workers), preexec_fn=die_with_parent,
+                                  env=_environment(ROUTER_KEY_VARIABLE, settings.api_key))
         children.insert(0, router)
         if not _wait_ready([f"http://{_loopback(settings.host)}:{port}"], [router], stopping):
             return 0 if stopping else 1
@@ -95,6 +102,15 @@ def run(settings: ServerSettings) -> int:
         return 0
     finally:
         _stop(children)
+
+
+def _environment(variable: str, api_key: str | None) -> dict[str, str]:
+    """This process's environment, with `variable` holding the API key if there is one (and
+    neither key variable otherwise: a replica must not inherit a key it was not given)."""
+    env = {k: v for k, v in os.environ.items() if k not in (API_KEY_VARIABLE, ROUTER_KEY_VARIABLE)}
+    if api_key is not None:
+        env[variable] = api_key
+    return env
 
 
 def _loopback(host: str) -> str:

@@ -80,9 +80,20 @@ async def model_info():
 
 @blueprint.get("/server_info")
 async def server_info():
+    """trillm's settings and stats, and at the top level the fields of SGLang's server info that
+    sglang-router reads when a worker joins (the model's name for its /v1/models among them).
+    Not `model_path`: the router would try to fetch a tokenizer by that name from a model hub."""
     state = current()
     stats = dataclasses.asdict(state.engine.stats())
-    return {"version": trillm.__version__, "settings": state.settings.redacted(), "stats": stats}
+    engine = state.settings.engine
+    config = state.core.config.hf_config
+    sglang = {
+        "served_model_name": state.model_name, "is_generation": True,
+        "model_type": getattr(config, "model_type", None), "architectures": getattr(config, "architectures", None),
+        "tp_size": engine.tensor_parallel_size, "dp_size": 1, "max_running_requests": engine.max_num_seqs,
+        "max_prefill_tokens": engine.max_num_batched_tokens,
+    }
+    return {**sglang, "version": trillm.__version__, "settings": state.settings.redacted(), "stats": stats}
 
 
 @blueprint.get("/version")

@@ -17,6 +17,9 @@ from dataclasses import dataclass, field, fields, replace
 from trillm.config import EngineArgs
 
 ENV_PREFIX = "TRILLM_"
+# `trillm serve` reads the key from here when --api-key is not given: a command line is
+# readable by every local user (/proc/*/cmdline), a process's environment only by its own.
+API_KEY_VARIABLE = ENV_PREFIX + "API_KEY"
 LIST_FLAGS = {"lora_modules"}  # flags that take several items (stored comma-separated)
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
 
@@ -113,7 +116,9 @@ class _JoinItems(argparse.Action):
 
 
 def from_args(namespace: argparse.Namespace) -> ServerSettings:
-    values = vars(namespace)
+    values = dict(vars(namespace))
+    if values.get("api_key") is None:
+        values["api_key"] = os.environ.get(API_KEY_VARIABLE) or None
     engine = EngineArgs(**{name: values[name] for name in EngineArgs.field_names()})
     return ServerSettings(**{name: values[name] for name, _, _ in _settable(ServerSettings)}, engine=engine)
 
