@@ -198,3 +198,38 @@ def test_the_pooling_type_comes_from_a_sentence_transformers_config(tmp_path):
                            ("pooling_mode_lasttoken", PoolingType.LAST), ("pooling_mode_max_tokens", None)):
         (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 64, flag: True}))
         assert sentence_transformers_pooling(str(tmp_path)) == expected
+
+
+def test_the_start_log_names_the_kernels_and_every_fallback(caplog, monkeypatch, tmp_path):
+    """The log says which kernel family, dtypes and instruction set a server runs, and warns when
+    it falls back: to the torch twins when the compiled kernels cannot run, and to fp32 copies for
+    a GGUF file's projections in a format the kernels do not read (K-quants)."""
+    import logging
+
+    from gguf import GGMLQuantizationType
+
+    from trillm.engine import gguf_weights
+    from trillm.kernels import family, quant_cpu
+
+    with caplog.at_level(logging.INFO, logger="trillm"):
+        family.get_kernels("auto", torch.device("cpu"), torch.float32)
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("kernels:")]
+    assert "the cpu family" in line and "float16 KV cache" in line and quant_cpu.isas()[-1] in line
+    caplog.clear()
+    monkeypatch.setattr(family, "_cpu_family_runs", lambda dtype: False)
+    with caplog.at_level(logging.INFO, logger="trillm"):
+        family.get_kernels("auto", torch.device("cpu"), torch.float32)
+    assert any(r.levelno == logging.WARNING and "torch reference kernels" in r.getMessage() for r in caplog.records)
+    assert any("the torch family" in r.getMessage() for r in caplog.records)
+
+    caplog.clear()
+    (tmp_path / "model.gguf").write_bytes(bytes(64))
+    index = [{"name": f"blk.0.{t}.weight", "type": int(GGMLQuantizationType.Q4_K), "offset": 0, "bytes": 0,
+              "shape": [0]} for t in ("attn_q", "ffn_down")]
+    index.append({"name": "output_norm.weight", "type": int(GGMLQuantizationType.F32), "offset": 0, "bytes": 0,
+                  "shape": [0]})
+    (tmp_path / gguf_weights.INDEX_FILE).write_text(json.dumps(index))
+    with caplog.at_level(logging.INFO, logger="trillm"):
+        assert list(gguf_weights.quantized_weights(str(tmp_path / "model.gguf"), None, str(tmp_path))) == []
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert "2 Q4_K projections run on dequantized fp32 copies" in warning

@@ -13,6 +13,7 @@ vocabulary included, which took seconds of every start-up; later loads map the f
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from collections.abc import Iterator
@@ -23,6 +24,10 @@ from gguf import GGMLQuantizationType, GGUFReader
 from transformers import PretrainedConfig
 
 from trillm.kernels import quant
+
+log = logging.getLogger(__name__)
+# Formats a file may hold that are stored as they are, not quantized: their fp32 copies are exact.
+_UNQUANTIZED = frozenset({GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16})
 
 FORMATS = {GGMLQuantizationType.Q4_1: "q4_1", GGMLQuantizationType.Q8_0: "q8_0"}
 
@@ -81,8 +86,11 @@ def quantized_weights(
     K-quants) are not listed, and stay on their fp32 copies. cache_dir: the file's converted
     directory, which keeps the tensor index."""
     data = np.memmap(gguf_path, dtype=np.uint8, mode="r")
+    others: dict[str, int] = {}  # quantized formats the kernels do not read: projections on fp32 copies
     for tensor in tensor_index(gguf_path, cache_dir):
         name, kind = hf_name(tensor["name"]), GGMLQuantizationType(tensor["type"])
+        if name is not None and kind not in FORMATS and kind not in _UNQUANTIZED:
+            others[kind.name] = others.get(kind.name, 0) + 1
         if name is None or kind not in FORMATS:
             continue
         blocks = np.array(data[tensor["offset"] : tensor["offset"] + tensor["bytes"]]).reshape(tensor["shape"])
@@ -92,6 +100,11 @@ def quantized_weights(
         elif ".k_proj." in name:
             weight = weight.rows(_unpermute(weight.out_features, config.num_key_value_heads))
         yield name, weight
+    if others:
+        log.warning("%s: %s projections run on dequantized fp32 copies, ~4-7x the memory traffic of "
+                    "their blocks (the kernels read %s blocks directly)", os.path.basename(gguf_path),
+                    ", ".join(f"{count} {kind}" for kind, count in sorted(others.items())),
+                    " and ".join(k.name for k in FORMATS))
 
 
 def _unpermute(rows: int, heads: int) -> torch.Tensor:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import logging
 from typing import TYPE_CHECKING
 
 import torch
@@ -17,6 +18,8 @@ from trillm.kernels.attention import attend_planned, plan_attention
 
 if TYPE_CHECKING:
     from trillm.engine.attention import AttentionMetadata
+
+log = logging.getLogger(__name__)
 
 
 class Kernels:
@@ -58,6 +61,10 @@ class Kernels:
     def auto_kv_cache_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The KV cache's dtype for a model in `dtype` when none is asked for."""
         return dtype
+
+    def describe(self) -> str:
+        """What the start-up log adds about this family (its instruction sets), from ", " on."""
+        return ""
 
     def set_threads(self, threads: int) -> int:
         """Threads the family's own compiled kernels use (EngineArgs.kernel_threads); returns the
@@ -140,6 +147,15 @@ class CpuKernels(TorchKernels):
     def auto_kv_cache_dtype(self, dtype: torch.dtype) -> torch.dtype:
         return torch.float16 if dtype == torch.float32 else dtype
 
+    def describe(self) -> str:
+        from trillm.kernels import quant_cpu
+
+        if self.quantized_linear is None:
+            return ", compiled kernels off for this dtype (torch twins)"
+        if self.quantized_linear is quant_cpu.Int8QuantizedLinear:
+            return f", GGUF blocks as 8-bit integer dot products on {quant_cpu.isas()[-1]}"
+        return ", GGUF blocks with fp32 activations"
+
     def set_threads(self, threads: int) -> int:
         from trillm.kernels import pool_cpu
 
@@ -170,11 +186,18 @@ def get_kernels(
     cpu_runs = device.type == "cpu" and _cpu_family_runs(dtype)
     if name == "auto":
         name = "triton" if device.type == "cuda" else "cpu" if cpu_runs else "torch"
+        if device.type == "cpu" and not cpu_runs:
+            log.warning("the compiled CPU kernels are not built, or do not run %s here: every op runs on the "
+                        "torch reference kernels, several times slower (build them: setup.py build_ext)", dtype)
     if name not in FAMILIES:
         raise ValueError(f"Unknown kernel family {name!r}; choose one of auto, {', '.join(FAMILIES)}.")
     if name == "cpu" and not cpu_runs:
         raise ValueError("The cpu kernel family runs on the CPU, in float32 or (with AVX512-bf16) bfloat16, once built.")
-    return FAMILIES[name](dtype, quantized_activations, kv_cache_dtype)
+    kernels = FAMILIES[name](dtype, quantized_activations, kv_cache_dtype)
+    log.info("kernels: the %s family on %s, %s weights, %s KV cache%s", name, device.type,
+             str(dtype).removeprefix("torch."), str(kernels.kv_cache_dtype).removeprefix("torch."),
+             kernels.describe())
+    return kernels
 
 
 def _cpu_family_runs(dtype: torch.dtype) -> bool:

@@ -39,7 +39,7 @@ struct lora_job {
     int64_t S, parts, n_in, n_out, K, x_stride, y_stride, per_chunk;
 };
 
-static void lora_shrink(void *ctx, int64_t chunk)
+TRILLM_MULTIVERSION static void lora_shrink(void *ctx, int64_t chunk)
 {
     const struct lora_job *job = ctx;
     const int64_t k0 = chunk * job->per_chunk;
@@ -106,7 +106,7 @@ static inline void lora_expand_tile(float *y, const float *h, const float *bt, i
         y[j] = acc[j];
 }
 
-static void lora_expand(void *ctx, int64_t chunk)
+TRILLM_MULTIVERSION static void lora_expand(void *ctx, int64_t chunk)
 {
     const struct lora_job *job = ctx;
     const int64_t n0 = chunk * job->per_chunk;
