@@ -212,3 +212,43 @@ async def test_live_requests_may_share_a_client_id_and_abort_takes_either_id(ser
     assert [m["completion_tokens"] for m in metas] == [2, 2] and metas[0]["id"] != metas[1]["id"] != "mine"
     stats = await settled_stats(http)
     assert stats["num_used_blocks"] == 0 and stats["num_running"] == 0
+
+
+@functools.cache
+def slow_long_core(model_dir: str):
+    """The tiny model with room for long prompts, in small chunks."""
+    from trillm.config import EngineArgs
+    from trillm.engine.core import EngineCore
+
+    return EngineCore(EngineArgs(model=model_dir, num_kv_blocks=64, max_num_batched_tokens=16))
+
+
+async def test_a_prompt_retried_after_client_timeouts_resumes_where_it_was_cut(tiny_text_model_dir):
+    """A client whose timeout is shorter than the prefill retries: the chunks each abandoned
+    attempt computed stay in the prefix cache, so every attempt starts further on and one is
+    answered, reporting the earlier attempts' work as cached tokens."""
+    import time
+
+    import httpx
+
+    from http_support import live_server
+
+    core = slow_long_core(tiny_text_model_dir)
+    prompt = [1000 + (i * 7919) % 30000 for i in range(240)]  # 15 steps of 16 tokens
+    core.runner.fault_hook = lambda sched: time.sleep(0.05)  # a slow device: ~0.75 s of prefill
+    try:
+        async with live_server(core) as server, httpx.AsyncClient(base_url=server.url) as client:
+            body = {"model": server.model, "prompt": prompt, "max_tokens": 1}
+            attempts = 0
+            while True:
+                attempts += 1
+                assert attempts <= 12, "every attempt started over"
+                try:
+                    response = await client.post("/v1/completions", json=body, timeout=0.25)
+                    break
+                except httpx.TimeoutException:
+                    await trio.sleep(0.1)  # the abort lands before the retry
+            assert response.status_code == 200 and attempts > 1
+            assert response.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 32
+    finally:
+        core.runner.fault_hook = None

@@ -390,7 +390,7 @@ PREFIXES = [(), (2, 3, 4, 5, 2), (2, 3, 4, 5, 2, 4, 4, 3, 5), (5, 5, 4, 3, 2, 2,
 
 def scheduler_machine(num_blocks: int, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
                       enable_prefix_caching: bool = True, check_hit_rates: bool = False, policy: str = "fcfs",
-                      max_loras: int = 0):
+                      max_loras: int = 0, max_prefill_pairs: int = 0):
     """A state machine class driving one scheduler configuration. `check_hit_rates` (for a pool
     too large to evict from): a follow-up turn must hit at least every full block computed for
     the conversation it extends. `max_loras`: requests name LoRA adapters 0-3 (0: none), and the
@@ -400,11 +400,12 @@ def scheduler_machine(num_blocks: int, max_num_batched_tokens: int, max_num_seqs
         preemptions = 0  # over all runs of this class
         prefix_hits = 0
         max_adapters = 0  # the most LoRA adapters that ran at once
+        max_pairs = 0  # the most attention pairs one step's prompt chunks took
 
         def __init__(self):
             super().__init__()
             self.sched = Scheduler(num_blocks, BS, max_num_batched_tokens, max_num_seqs, max_model_len,
-                                   enable_prefix_caching, policy, max_loras)
+                                   enable_prefix_caching, policy, max_loras, max_prefill_pairs)
             self.max_len = min(max_model_len, num_blocks * BS + 1)
             self.live: set[str] = set()
             self.done: set[str] = set()
@@ -493,6 +494,13 @@ def scheduler_machine(num_blocks: int, max_num_batched_tokens: int, max_num_seqs
             assert len(set(ids)) == len(ids) and set(ids) <= self.live
             assert all(n == 1 for n in out.num_scheduled_tokens[:out.num_decodes])
             assert all(n > 1 for n in out.num_scheduled_tokens[out.num_decodes:])
+            # Prompt chunks stay within the attention budget, but for the one-token minimum of a
+            # step's only prompt chunk.
+            chunks = [(c, n) for r, c, n in zip(out.requests, out.num_computed_tokens, out.num_scheduled_tokens)
+                      if len(r.token_ids) - c > 1]
+            pairs = sum(n * c + n * (n + 1) // 2 for c, n in chunks)
+            assert pairs <= sched.max_prefill_pairs or (len(chunks) == 1 and chunks[0][1] == 1), (chunks, pairs)
+            type(self).max_pairs = max(type(self).max_pairs, pairs)
             for rid in out.preempted:
                 r = sched.get(rid)
                 assert r.status == WAITING and r.block_table == [] and r.num_computed_tokens == 0
@@ -639,6 +647,34 @@ def test_stateful_priority_policy_in_a_tiny_pool():
                                 policy="priority")
     run_state_machine_as_test(machine, settings=STATEFUL)
     assert machine.preemptions > 0
+
+
+def test_stateful_attention_budget_cuts_late_chunks_and_every_prompt_finishes():
+    machine = scheduler_machine(num_blocks=64, max_num_batched_tokens=16, max_num_seqs=4, max_model_len=40,
+                                max_prefill_pairs=60)
+    run_state_machine_as_test(machine, settings=settings(STATEFUL, max_examples=100))
+    assert machine.max_pairs > 40  # the budget was approached
+
+
+def test_a_long_prompt_is_cut_by_its_attention_while_a_decode_runs_every_step():
+    """With an attention budget of one fresh full chunk, a fresh chunk takes the whole token
+    budget; later chunks shrink as the context grows, each step's pairs within the budget, and
+    the decoding request gains a token in every step."""
+    sched = Scheduler(128, BS, max_num_batched_tokens=64, max_model_len=1024, max_prefill_pairs=64 * 65 // 2)
+    sched.add(Request("decode", [1, 2, 3], 100))
+    step(sched)  # its prompt: from here on it decodes
+    long = Request("long", list(range(1, 301)), 1)
+    sched.add(long)
+    chunks = []
+    while long.num_computed_tokens < 300:
+        out = sched.schedule()
+        assert out.requests[0].request_id == "decode" and out.num_scheduled_tokens[0] == 1
+        (c, n), = [(c, n) for r, c, n in zip(out.requests, out.num_computed_tokens, out.num_scheduled_tokens)
+                   if r.request_id == "long"]
+        assert n * c + n * (n + 1) // 2 <= sched.max_prefill_pairs
+        chunks.append(n)
+        sched.update(out, [7] * len(out.requests))
+    assert chunks[0] == 63 and chunks == sorted(chunks, reverse=True) and chunks[-1] < 16, chunks
 
 
 def test_stateful_max_loras_bounds_the_adapters_running_at_once():

@@ -27,6 +27,11 @@ class EngineArgs:
     num_kv_blocks: int | None = None  # overrides both budgets (tests use tiny pools)
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     max_num_batched_tokens: int = 2048
+    # The query-key pairs a step's prompt chunks may attend over (trillm/sched_ext/scheduler.pyx):
+    # a late chunk of a long prompt is cut, so a step's cost stays bounded and decoding requests
+    # beside it wait no longer for their next token. None: as many as cost what the projections
+    # of max_num_batched_tokens tokens cost (engine.core.prefill_pairs_budget); 0: no limit
+    max_prefill_pairs: int | None = None
     max_num_seqs: int = 256
     enable_prefix_caching: bool = True
     # fcfs: arrival order; priority: a request's `priority` first (lower runs first, vLLM's), then

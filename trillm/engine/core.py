@@ -45,6 +45,19 @@ class StepOutput:
     pooled: torch.Tensor | None = None  # a pooling request's vector: fp32 [hidden], raw
 
 
+
+def prefill_pairs_budget(config, max_num_batched_tokens: int) -> int:
+    """The attention pairs a step's prompt chunks may cover by default: as many as cost what the
+    projections of a full token budget cost. Per layer, a token's projections are about
+    hidden x (q + k + v + o + 3 x intermediate) multiply-adds and one query-key pair's attention
+    2 x heads x head_dim (the score and the value), so a step of any prompt costs at most about
+    twice a fresh full chunk's projections."""
+    heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    hidden = config.hidden_size
+    projections = hidden * (2 * heads * head_dim + 2 * kv_heads * head_dim) + 3 * hidden * config.intermediate_size
+    return max_num_batched_tokens * max(projections // (2 * heads * head_dim), 1)
+
 class EngineCore:
     def __init__(self, args: EngineArgs):
         """With tensor_parallel_size > 1 this is rank 0: it starts the other ranks (unless a
@@ -77,6 +90,8 @@ class EngineCore:
             args.enable_prefix_caching,
             args.scheduling_policy,
             args.max_loras if args.enable_lora else 0,
+            prefill_pairs_budget(self.config.hf_config, args.max_num_batched_tokens)
+            if args.max_prefill_pairs is None else args.max_prefill_pairs,
         )
         # The adapters requests may name (None: LoRA is off)
         self.loras: LoRARegistry | None = None

@@ -3,7 +3,14 @@
 Each step spends a token budget (`max_num_batched_tokens`) over at most
 `max_num_seqs` requests. Running requests go first, oldest first: a decode costs
 one token, an unfinished prompt continues with as large a chunk as the budget
-leaves (chunked prefill). Then waiting requests are admitted in arrival order,
+leaves (chunked prefill). A prompt's chunk also spends a second budget,
+`max_prefill_pairs` (0: no such limit), in what its attention costs: the query-key pairs it
+covers (causal: chunk x tokens before it, plus chunk x (chunk + 1) / 2). A chunk late in a long
+prompt attends to everything before it, so at one token budget it would cost many times an
+early chunk, and every decoding request would wait that long for its next token; with both
+budgets a step's cost stays bounded however long the prompt. The oldest prompt in a step
+always gets at least one token, so it progresses. Then waiting requests are admitted in
+arrival order,
 each starting after the blocks the prefix cache already holds for it, until the
 budget, the sequence limit or the free blocks run out; the first one that does not
 fit stops admission, so nobody overtakes.
@@ -57,6 +64,33 @@ FINISHED: cython.int = RequestStatus.FINISHED
 @cython.inline
 def _cdiv(a: cython.int, b: cython.int) -> cython.int:
     return (a + b - 1) // b
+
+
+NO_PAIRS_LIMIT: cython.longlong = 1 << 62  # max_prefill_pairs 0: prompt chunks spend tokens only
+
+
+@cython.cfunc
+@cython.inline
+def _pairs(computed: cython.int, chunk: cython.int) -> cython.longlong:
+    """Query-key pairs a causal chunk of `chunk` tokens after `computed` ones attends over."""
+    return cython.cast(cython.longlong, chunk) * computed + cython.cast(cython.longlong, chunk) * (chunk + 1) // 2
+
+
+@cython.cfunc
+def _pairs_fit(computed: cython.int, want: cython.int, pairs: cython.longlong) -> cython.int:
+    """The longest chunk of at most `want` tokens after `computed` ones whose pairs are at most
+    `pairs` (0 if none)."""
+    if _pairs(computed, want) <= pairs:
+        return want
+    if pairs <= 0:
+        return 0
+    b: cython.double = 2.0 * computed + 1.0
+    chunk: cython.int = min(cython.cast(cython.int, (-b + (b * b + 8.0 * pairs) ** 0.5) / 2.0), want)
+    while chunk > 0 and _pairs(computed, chunk) > pairs:  # the float's rounding, corrected
+        chunk -= 1
+    while chunk < want and _pairs(computed, chunk + 1) <= pairs:
+        chunk += 1
+    return chunk
 
 
 def _insert_ranked(queue, request) -> None:
@@ -202,6 +236,7 @@ class Scheduler:
     allocator = cython.declare(BlockAllocator, visibility="readonly")
     block_size = cython.declare(cython.int, visibility="readonly")
     max_num_batched_tokens = cython.declare(cython.int, visibility="readonly")
+    max_prefill_pairs = cython.declare(cython.longlong, visibility="readonly")
     max_num_seqs = cython.declare(cython.int, visibility="readonly")
     max_model_len = cython.declare(cython.int, visibility="readonly")
     _max_len: cython.int  # a request whose token_ids reach this length is done
@@ -213,19 +248,23 @@ class Scheduler:
     _requests: dict  # request_id -> Request, for every live request
     _next_seq: cython.longlong
     _preempted_for_rank: cython.bint  # this schedule() preempted for a better-ranked waiting request
+    _pairs_left: cython.longlong  # this schedule()'s attention pairs not yet spent on prompt chunks
+    _any_prefill: cython.bint  # this schedule() gave some prompt a chunk
 
     def __init__(self, num_blocks: cython.int, block_size: cython.int = 16,
                  max_num_batched_tokens: cython.int = 2048, max_num_seqs: cython.int = 256,
                  max_model_len: cython.int = 8192, enable_prefix_caching: cython.bint = True, policy: str = "fcfs",
-                 max_loras: cython.int = 0):
-        if max_num_batched_tokens < 1 or max_num_seqs < 1 or max_model_len < 2 or max_loras < 0:
-            raise ValueError("need max_num_batched_tokens >= 1, max_num_seqs >= 1, max_model_len >= 2 and max_loras >= 0")
+                 max_loras: cython.int = 0, max_prefill_pairs: cython.longlong = 0):
+        if max_num_batched_tokens < 1 or max_num_seqs < 1 or max_model_len < 2 or max_loras < 0 or max_prefill_pairs < 0:
+            raise ValueError("need max_num_batched_tokens >= 1, max_num_seqs >= 1, max_model_len >= 2, max_loras >= 0 "
+                             "and max_prefill_pairs >= 0")
         if policy not in ("fcfs", "priority"):
             raise ValueError(f"the scheduling policy is fcfs or priority, got {policy!r}")
         self.policy = policy
         self.allocator = BlockAllocator(num_blocks, block_size, enable_prefix_caching)
         self.block_size = block_size
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_prefill_pairs = max_prefill_pairs or NO_PAIRS_LIMIT
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         # A request alone must always be able to go on, or preemption would loop:
@@ -298,6 +337,8 @@ class Scheduler:
             self._preempt_for_better_ranked(out)
         running: list = self._running
         budget: cython.int = self.max_num_batched_tokens
+        self._pairs_left = self.max_prefill_pairs
+        self._any_prefill = False
         block_size: cython.int = self.block_size
         request: Request
         computed: cython.int
@@ -307,7 +348,10 @@ class Scheduler:
         while i < len(running) and budget > 0:
             request = running[i]
             computed = request.num_computed_tokens
-            num_new = min(len(request.token_ids) - computed, budget)
+            num_new = self._chunk(computed, len(request.token_ids) - computed, budget)
+            if num_new == 0:
+                i += 1  # a prompt whose chunk the step has no attention left for: a later step
+                continue
             need = _cdiv(computed + num_new, block_size) - len(request.block_table)
             assert num_new > 0 and need >= 0, "schedule() called twice without update()"
             if need > 0:
@@ -324,6 +368,24 @@ class Scheduler:
         out._extend(prefills)
         assert out.total_num_tokens == self.max_num_batched_tokens - budget
         return out
+
+    @cython.cfunc
+    def _chunk(self, computed: cython.int, remaining: cython.int, budget: cython.int,
+               spend: cython.bint = True) -> cython.int:
+        """Tokens to compute now for a request with `computed` done and `remaining` to go: within
+        the token budget and, for a prompt's chunk (more than one token to go), within the
+        attention pairs left, which it spends (unless not `spend`). The step's first prompt
+        chunk gets at least one token; another that cannot fit gets 0 (it waits a step)."""
+        num_new: cython.int = min(remaining, budget)
+        if remaining <= 1:
+            return num_new  # a decode
+        fit: cython.int = _pairs_fit(computed, num_new, self._pairs_left)
+        if fit < num_new:
+            num_new = fit if fit > 0 or self._any_prefill else 1
+        if spend and num_new > 0:
+            self._pairs_left -= _pairs(computed, num_new)
+            self._any_prefill = True
+        return num_new
 
     @cython.cfunc
     def _make_room(self, need: cython.int, request: Request, out: SchedulerOutput) -> cython.bint:
@@ -402,10 +464,11 @@ class Scheduler:
             max_hits = self._max_prefix_hits(request)
             hits = alloc.match_prefix(request.token_ids, request._block_hashes, max_hits, request.cache_salt)
             computed = len(hits) * block_size
-            num_new = min(num_tokens - computed, budget)
+            num_new = self._chunk(computed, num_tokens - computed, budget, spend=False)
             need = _cdiv(computed + num_new, block_size) - len(hits)
-            if not alloc.can_allocate(need, hits) or not self._lora_fits(request):
+            if num_new == 0 or not alloc.can_allocate(need, hits) or not self._lora_fits(request):
                 break
+            self._chunk(computed, num_tokens - computed, budget)  # now spent
             waiting.popleft()
             alloc.acquire_prefix(request.block_table, hits, max_hits)
             alloc.allocate(request.block_table, need)
