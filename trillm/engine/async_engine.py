@@ -27,6 +27,7 @@ import trio
 
 from trillm.engine.core import EngineCore, StepOutput
 from trillm.engine.group import RequestGroup
+from trillm.engine.loader import ArchitectureMismatch
 from trillm.engine.lora import LoRAError
 from trillm.engine.stats import ServingStats
 from trillm.sampling_params import SamplingParamError, SamplingParams
@@ -34,6 +35,9 @@ from trillm.sched_ext import FinishReason
 
 log = logging.getLogger(__name__)
 GRAMMAR_COMPILE_THREADS = 2  # schema compiles at once; more wait for a thread, never the engine
+# A compile (with its wait for a thread) taking longer is refused with a 400. xgrammar cannot be
+# interrupted, so the thread runs on and caches the grammar; its token stays taken meanwhile.
+GRAMMAR_COMPILE_TIMEOUT_S = 10.0
 
 
 class QueueFullError(RuntimeError):
@@ -47,6 +51,16 @@ class EngineUnavailableError(RuntimeError):
 class WeightsError(ValueError):
     """A sleep, wake-up or weight update that cannot be done (a 400): the message says why, and
     the weights that served before still serve."""
+
+
+def _weights_refusal(exc: Exception) -> str:
+    """Why new weights cannot serve, in words that quote nothing from the files (a client may
+    name a path it cannot read itself): the whole reason goes to the log."""
+    if isinstance(exc, FileNotFoundError):
+        return "there is no model there (a .gguf file, or a directory with a config.json)"
+    if isinstance(exc, ArchitectureMismatch):
+        return f"they are of another architecture ({exc.field} differs from the serving model's)"
+    return "they cannot be read as weights of the serving model's architecture"
 
 
 @dataclass(eq=False)
@@ -183,7 +197,12 @@ class AsyncEngine:
         # Grammars compile in worker threads, so admission between two steps finds them cached.
         specs = {m.params.structured_output for m in requests.members if isinstance(m.params, SamplingParams)}
         for spec in specs - {None}:
-            await trio.to_thread.run_sync(self.core.grammars.compile, spec, limiter=self._compile_limiter)
+            with trio.move_on_after(GRAMMAR_COMPILE_TIMEOUT_S) as compiling:
+                await trio.to_thread.run_sync(self.core.grammars.compile, spec, limiter=self._compile_limiter,
+                                              abandon_on_cancel=True)
+            if compiling.cancelled_caught:
+                raise SamplingParamError(spec.param, f"The {spec.kind} did not compile within "
+                                                     f"{GRAMMAR_COMPILE_TIMEOUT_S:g} s; send a simpler one.")
         # A weight update swapping the model holds admissions: the new weights serve this group.
         await self._admissions_open.wait()
         # The world may have changed meanwhile; from here to registering there is no checkpoint.
@@ -243,24 +262,37 @@ class AsyncEngine:
         self._stats = self.core.stats()
         return done
 
-    async def load_lora(self, name: str, path: str, inplace: bool = False) -> None:
+    async def load_lora(self, name: str, path: str, inplace: bool = False, limit: int | None = None) -> None:
         """Make the PEFT adapter at `path` servable as `name`. Its files are read and checked in a
         worker thread; then it is registered at once (admissions look it up between steps).
         LoRAError says what is wrong (a 400), or that LoRA is off. `inplace` (vLLM's load_inplace):
         an adapter already loaded under `name` gets these weights (under a new id, so the old
         weights' cached blocks are never reused), refused (400) while requests use it; an adapter
-        that cannot be served leaves the old one in place."""
+        that cannot be served leaves the old one in place. `limit`: at most this many adapters
+        registered at once (a new name past it is a 400)."""
         if self.core.loras is None:
             raise LoRAError("LoRA adapters need a server started with --enable-lora.")
-        replacing = inplace and name in self.core.loras.adapters
-        # checked again on registering: the read may race another load of the name
-        if name in self.core.loras.adapters and not replacing:
-            raise LoRAError(f"The LoRA adapter {name!r} has already been loaded.")
+        self._check_lora_room(name, inplace, limit)
         weights = await trio.to_thread.run_sync(self.core.loras.read, path, limiter=self._compile_limiter)
+        # again, with no checkpoint before registering: the read may have raced another load
+        replacing = self._check_lora_room(name, inplace, limit)
         if replacing:
             self.core.unload_lora(name)
         self.core.load_lora(name, path, weights)
         self._refresh_stats()
+
+    def _check_lora_room(self, name: str, inplace: bool, limit: int | None) -> bool:
+        """Whether loading `name` replaces an adapter; LoRAError if the name is taken (and not
+        `inplace`) or a new name would pass `limit`."""
+        adapters = self.core.loras.adapters
+        if name in adapters:
+            if not inplace:
+                raise LoRAError(f"The LoRA adapter {name!r} has already been loaded.")
+            return True
+        if limit is not None and len(adapters) >= limit:
+            raise LoRAError(f"This server holds {len(adapters)} LoRA adapters, its limit (--max-lora-adapters); "
+                            "unload one first.")
+        return False
 
     def unload_lora(self, name: str) -> None:
         """Forget an adapter: LoRAError 404 if unknown, 400 while live requests use it (refused,
@@ -368,7 +400,8 @@ class AsyncEngine:
             try:
                 model = await trio.to_thread.run_sync(self.core.load_weights, path, limiter=self._load_limiter)
             except Exception as exc:  # noqa: BLE001 - any failure to load is the request's bad path
-                raise WeightsError(f"The weights at {path!r} cannot serve: {exc}") from None
+                log.warning("the weights at %s cannot serve: %s", path, exc)
+                raise WeightsError(f"The weights at {path!r} cannot serve: {_weights_refusal(exc)}.") from None
             self._admissions_open = trio.Event()
             try:
                 num_aborted = self.abort_all() if abort_running else 0

@@ -213,15 +213,24 @@ ARCHITECTURE_FIELDS = ("model_type", "hidden_size", "intermediate_size", "num_hi
                        "mlp_bias", "hidden_act")
 
 
+class ArchitectureMismatch(ValueError):
+    """New weights whose config differs from the serving model's in `field`."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
 def check_same_architecture(serving: PretrainedConfig, new: PretrainedConfig) -> None:
-    """ValueError naming the first field in which `new` differs from the `serving` model's config
-    (so its weights would not fit the serving model's tensors, KV cache or tokenizer)."""
+    """ArchitectureMismatch naming the first field in which `new` differs from the `serving`
+    model's config (so its weights would not fit the serving model's tensors, KV cache or
+    tokenizer)."""
     for name in ARCHITECTURE_FIELDS:
         before = head_dim_of(serving) if name == "head_dim" else getattr(serving, name, None)
         after = head_dim_of(new) if name == "head_dim" else getattr(new, name, None)
         if before != after:
-            raise ValueError(f"The new weights are of another architecture: {name} is {after!r}, "
-                             f"the serving model's is {before!r}.")
+            raise ArchitectureMismatch(name, f"The new weights are of another architecture: {name} is {after!r}, "
+                                             f"the serving model's is {before!r}.")
 
 
 # sentence-transformers' Pooling config flags, in the order they are tried.

@@ -46,6 +46,7 @@ TARGETS = {
 }
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 _TENSOR_NAME = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+_MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,39}")
 
 
 class LoRAError(ValueError):
@@ -89,10 +90,10 @@ def read_adapter(path: str, config: PretrainedConfig, max_rank: int) -> LoRAWeig
     try:
         with open(config_path, encoding="utf-8") as f:
             peft_config = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise LoRAError(f"The LoRA adapter's {CONFIG_FILE} at {path!r} cannot be read: {exc}") from None
+    except (OSError, ValueError):
+        raise LoRAError(f"The LoRA adapter's {CONFIG_FILE} at {path!r} cannot be read as JSON.") from None
     if not isinstance(peft_config, dict) or peft_config.get("peft_type", "LORA") != "LORA":
-        raise LoRAError(f"The adapter at {path!r} is not a LoRA adapter (peft_type {peft_config.get('peft_type')!r}).")
+        raise LoRAError(f"The adapter at {path!r} is not a LoRA adapter (its peft_type is not LORA).")
     rank, alpha = peft_config.get("r"), peft_config.get("lora_alpha")
     if not isinstance(rank, int) or rank < 1 or not isinstance(alpha, (int, float)):
         raise LoRAError(f"The LoRA adapter at {path!r} needs a positive integer r and a lora_alpha.")
@@ -102,13 +103,17 @@ def read_adapter(path: str, config: PretrainedConfig, max_rank: int) -> LoRAWeig
     for key, allowed in (("use_dora", (False, None)), ("modules_to_save", (None, [])), ("bias", ("none", None)),
                          ("rank_pattern", ({}, None)), ("alpha_pattern", ({}, None))):
         if peft_config.get(key) not in allowed:
-            raise LoRAError(f"The LoRA adapter at {path!r} sets {key}={peft_config[key]!r}, which trillm does not serve.")
+            raise LoRAError(f"The LoRA adapter at {path!r} sets {key}, which trillm does not serve.")
     targets = peft_config.get("target_modules") or []
     targets = [targets] if isinstance(targets, str) else targets
+    if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
+        raise LoRAError(f"The LoRA adapter at {path!r} has a target_modules that is not a list of module names.")
     unknown = sorted(set(targets) - set(TARGETS))
     if unknown:
-        raise LoRAError(f"The LoRA adapter at {path!r} targets {', '.join(unknown)}; trillm applies adapters to "
-                        f"{', '.join(TARGETS)}.")
+        # module names are named back only when they look like one, so no other text of the file is
+        names = [m for m in unknown if _MODULE_NAME.fullmatch(m)]
+        raise LoRAError(f"The LoRA adapter at {path!r} targets modules trillm does not apply adapters to"
+                        f"{' (' + ', '.join(names) + ')' if names else ''}; it applies them to {', '.join(TARGETS)}.")
     scaling = alpha / (math.sqrt(rank) if peft_config.get("use_rslora") else rank)
     shapes = module_shapes(config)
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
@@ -117,7 +122,7 @@ def read_adapter(path: str, config: PretrainedConfig, max_rank: int) -> LoRAWeig
             for name in f.keys():
                 match = _TENSOR_NAME.search(name)
                 if match is None or match.group(2) not in TARGETS:
-                    raise LoRAError(f"The LoRA adapter at {path!r} has a tensor {name!r} for a module trillm does "
+                    raise LoRAError(f"The LoRA adapter at {path!r} has a tensor for a module trillm does "
                                     f"not apply adapters to ({', '.join(TARGETS)}).")
                 layer, module, half = int(match.group(1)), match.group(2), match.group(3)
                 if layer >= config.num_hidden_layers:
@@ -126,8 +131,8 @@ def read_adapter(path: str, config: PretrainedConfig, max_rank: int) -> LoRAWeig
                 halves.setdefault((layer, module), {})[half] = f.get_tensor(name).float()
     except LoRAError:
         raise
-    except Exception as exc:  # noqa: BLE001 - a corrupt file is the client's bad directory
-        raise LoRAError(f"The LoRA adapter's {WEIGHTS_FILE} at {path!r} cannot be read: {exc}") from None
+    except Exception:  # noqa: BLE001 - a corrupt file is the client's bad directory
+        raise LoRAError(f"The LoRA adapter's {WEIGHTS_FILE} at {path!r} cannot be read as safetensors.") from None
     parts = {}
     for (layer, module), pair in halves.items():
         out_features, in_features = shapes[module]

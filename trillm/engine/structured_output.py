@@ -33,6 +33,7 @@ import torch
 from trillm.sampling_params import SamplingParamError, StructuredOutput
 
 CACHE_SIZE = 64  # compiled grammars kept; one costs from kilobytes to a few megabytes
+MAX_SPEC_CHARS = 128 << 10  # a schema, pattern or grammar longer than this is refused: its compile grows with it
 
 _LOCATION = re.compile(r"^\[[^\]]*\] \S+:\d+: ")
 _CHECK = re.compile(r"^Check failed: .*? is false: ")
@@ -52,6 +53,9 @@ class Grammars:
     def compile(self, spec: StructuredOutput):
         """The compiled grammar, from the cache or compiled now; SamplingParamError if it is invalid.
         Thread-safe: the server calls it from worker threads."""
+        if len(spec.spec or "") > MAX_SPEC_CHARS:
+            raise SamplingParamError(spec.param, f"The {spec.kind} is {len(spec.spec)} characters long; this server "
+                                                 f"compiles at most {MAX_SPEC_CHARS}.")
         with self._lock:
             if spec in self._cache:
                 self._cache.move_to_end(spec)
