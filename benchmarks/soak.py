@@ -21,7 +21,7 @@ sys.path.insert(0, str(TESTS))
 
 import conftest  # noqa: E402  (sets the test environment: one torch thread, no hub)
 import trio  # noqa: E402
-from fuzz_support import fuzz  # noqa: E402
+from fuzz_support import fuzz, probe_health, send_hostile  # noqa: E402
 from http_support import live_server  # noqa: E402
 from soak_support import check_no_leaks, run_soak  # noqa: E402
 from transformers import AutoConfig  # noqa: E402
@@ -61,10 +61,16 @@ async def main(args) -> None:
         http = server.http()
         doc = (await http.get("/openapi.json")).json()
         counts: dict[int, int] = {}
-        await trio.to_thread.run_sync(fuzz, server.url, doc, counts, args.fuzz_examples)
+        probes: list[float] = []
+        async with trio.open_nursery() as nursery:  # the loop must answer /health throughout
+            nursery.start_soon(probe_health, server.url, probes)
+            await trio.to_thread.run_sync(fuzz, server.url, doc, counts, args.fuzz_examples)
+            await trio.to_thread.run_sync(send_hostile, server.url, doc, counts)
+            nursery.cancel_scope.cancel()
         assert (await http.get("/health")).status_code == 200
     print(f"soak total: {totals}")
-    print(f"fuzz: {sum(counts.values())} cases, by status class {dict(sorted(counts.items()))} (5xx: {counts.get(5, 0)})")
+    print(f"fuzz: {sum(counts.values())} cases, by status class {dict(sorted(counts.items()))} (5xx: {counts.get(5, 0)}); "
+          f"{len(probes)} /health probes meanwhile, slowest {max(probes):.3f} s")
 
 
 if __name__ == "__main__":

@@ -48,3 +48,53 @@ def fuzz(url: str, doc: dict, counts: dict, examples: int) -> None:
                     assert not sse_errors(response.text), (case.body, response.text)
 
             one()
+
+
+def hostile_bodies() -> list[tuple[str, bytes]]:
+    """(Content-Type, body) pairs no route may answer with a 5xx: nesting past any parser's
+    recursion limit and just past the server's own, a key twice, lists of hundreds of thousands
+    of items, and the media types of a browser's cross-site "simple" request."""
+    deep = b'{"model": ' + b"[" * 200 + b"]" * 200 + b"}"
+    return [
+        ("application/json", b"[" * 100_000 + b"]" * 100_000),
+        ("application/json", b'{"a": ' * 2_000 + b"1" + b"}" * 2_000),
+        ("application/json", deep),
+        ("application/json", b'{"model": "a", "model": "b", "prompt": "x", "messages": [], "input": "x"}'),
+        ("application/json", b'{"prompt": [' + b'"a",' * 400_000 + b'"a"], "input": [' + b"1," * 300_000 + b"1]}"),
+        ("application/json", b'{"messages": [' + b'{"role": "user", "content": "x"},' * 30_000 + b"{}]}"),
+        ("text/plain", b'{"prompt": "x", "max_tokens": 1}'),
+        ("application/x-www-form-urlencoded", b"prompt=x&abort_all=true"),
+        ("multipart/form-data; boundary=b", b"--b\r\nContent-Disposition: form-data; name=\"prompt\"\r\n\r\nx\r\n--b--"),
+    ]
+
+
+def send_hostile(url: str, doc: dict, counts: dict) -> None:
+    """Every hostile body to every POST route of `doc` (path parameters filled with a made-up id);
+    raises on a 5xx or an error that is not OpenAI's shape."""
+    import re
+
+    import httpx
+
+    paths = [re.sub(r"\{[^}]+\}", "resp_none", path) for path, ops in doc["paths"].items() if "post" in ops]
+    with httpx.Client(base_url=url, timeout=60) as client:
+        for path in paths:
+            for content_type, body in hostile_bodies():
+                response = client.post(path, content=body, headers={"Content-Type": content_type})
+                counts[response.status_code // 100] = counts.get(response.status_code // 100, 0) + 1
+                assert response.status_code < 500, (path, content_type, body[:80], response.text[:300])
+                if response.status_code >= 400:
+                    assert_openai_error(response.status_code, response.json())
+
+
+async def probe_health(url: str, probes: list[float]) -> None:
+    """/health every 50 ms until cancelled, each answer's wait appended to `probes` (a stalled
+    event loop shows as a slow answer)."""
+    import httpx
+    import trio
+
+    async with httpx.AsyncClient(base_url=url, timeout=5) as client:
+        while True:
+            start = trio.current_time()
+            assert (await client.get("/health")).status_code == 200
+            probes.append(trio.current_time() - start)
+            await trio.sleep(0.05)

@@ -8,7 +8,7 @@ import re
 
 import pytest
 import trio
-from fuzz_support import assert_openai_error, fuzz
+from fuzz_support import assert_openai_error, fuzz, probe_health, send_hostile
 from http_support import live_server, settled_stats, tiny_core
 from openapi_spec_validator import validate
 
@@ -63,12 +63,22 @@ async def test_undecodable_bodies_are_400(server, data, words):
 
 
 async def test_fuzzed_bodies_get_4xx_never_5xx(server):
+    """schemathesis's bodies, then hostile ones (deep nesting, duplicate keys, huge lists, other
+    media types) to every POST route, while /health is probed: no 5xx, and no probe waits a
+    second (the event loop never stalls that long)."""
     http = server.http()
     doc = (await http.get("/openapi.json")).json()
     counts: dict[int, int] = {}
-    await trio.to_thread.run_sync(fuzz, server.url, doc, counts, EXAMPLES_PER_ROUTE_AND_MODE)
-    print(f"fuzz: {sum(counts.values())} cases, by status class {dict(sorted(counts.items()))}")
+    probes: list[float] = []
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(probe_health, server.url, probes)
+        await trio.to_thread.run_sync(fuzz, server.url, doc, counts, EXAMPLES_PER_ROUTE_AND_MODE)
+        await trio.to_thread.run_sync(send_hostile, server.url, doc, counts)
+        nursery.cancel_scope.cancel()
+    print(f"fuzz: {sum(counts.values())} cases, by status class {dict(sorted(counts.items()))}; "
+          f"{len(probes)} health probes, slowest {max(probes):.3f} s")
     assert counts.get(4) and counts.get(2), "the fuzzer reached both refusals and the engine"
+    assert max(probes) < 1.0
     assert (await http.get("/health")).status_code == 200
     stats = await settled_stats(http)
     assert stats["num_used_blocks"] == 0 and stats["alive"]

@@ -4,6 +4,7 @@ without a leak, and reported in /metrics (vLLM's lora_requests_info)."""
 from __future__ import annotations
 
 import functools
+import tempfile
 
 import openai
 import pytest
@@ -32,7 +33,8 @@ def adapters(tiny_text_model_dir):
 
 @pytest.fixture
 async def lora_server(tiny_text_model_dir, adapters):
-    async with live_server(lora_core(tiny_text_model_dir, adapters["one"])) as server:
+    async with live_server(lora_core(tiny_text_model_dir, adapters["one"]), allow_runtime_lora=True,
+                           allowed_weights_dir=tempfile.gettempdir()) as server:
         yield server
         for name in ("two", "three"):  # back to the adapters the core started with
             if name in server.state.core.loras.adapters:
@@ -191,7 +193,7 @@ async def test_loading_and_unloading_under_traffic_leaks_nothing(lora_server, ti
 async def test_a_server_without_lora_refuses_adapters(server, adapters):
     http = server.http()
     response = await http.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": adapters["one"]})
-    assert response.status_code == 400 and "--enable-lora" in response.json()["error"]["message"]
+    assert response.status_code == 403 and "--allow-runtime-lora" in response.json()["error"]["message"]
     generate = await http.post("/generate", json={"text": "Hi", "lora_path": "x"})
     assert generate.status_code == 404
 

@@ -55,7 +55,8 @@ async def test_sleep_frees_memory_refuses_requests_and_wakes_to_the_same_tokens(
             await greedy(client, server.model, PROMPT)
         assert refused.value.status_code == 503
         assert (await http.post(route)).json() == {"is_sleeping": False}
-        assert resident_bytes() > asleep
+        if level == 2:  # the weights are back (level 1's KV cache comes back as untouched, unresident pages)
+            assert resident_bytes() > asleep + (80 << 20)
         assert await greedy(client, server.model, long_prompt) == before_tokens
         assert (await http.get("/is_sleeping")).json() == {"is_sleeping": False}
 
@@ -120,9 +121,10 @@ def second_model_dir(tiny_text_model_dir, tmp_path_factory) -> str:
 
 
 @pytest.fixture
-async def updatable(tiny_text_model_dir):
+async def updatable(tiny_text_model_dir, second_model_dir):
     core = EngineCore(EngineArgs(model=tiny_text_model_dir, num_kv_blocks=64, max_model_len=96, **EXACT))
-    async with live_server(core) as server:
+    root = os.path.commonpath([tiny_text_model_dir, second_model_dir])  # both under the session's tmp dir
+    async with live_server(core, enable_weight_updates=True, allowed_weights_dir=root) as server:
         yield server
 
 
@@ -146,7 +148,8 @@ async def test_bad_updates_are_400s_and_the_old_weights_keep_serving(updatable, 
     client, http = updatable.openai(), updatable.http()
     expected = reference(tiny_text_model_dir, None, PROMPT, 8)[0]
     other = tiny_model_dir("llama", vocab_size=49152, hidden_size=32)
-    for path, words in (("/no/such/model", "neither a .gguf file"), (other, "hidden_size is 32")):
+    root = updatable.state.settings.allowed_weights_dir
+    for path, words in ((os.path.join(root, "no-such-model"), "no model there"), (other, "hidden_size differs")):
         response = await http.post("/update_weights", json={"model_path": path})
         assert response.status_code == 400 and words in response.json()["error"]["message"], response.text
         assert await greedy(client, updatable.model, PROMPT) == expected
@@ -189,7 +192,8 @@ async def test_an_update_may_come_from_a_gguf_file(default_model_dir):
     from trillm.engine.loader import default_model_path
 
     core = EngineCore(EngineArgs(model=default_model_dir, num_kv_blocks=32, **EXACT))
-    async with live_server(core) as server:
+    async with live_server(core, enable_weight_updates=True,
+                           allowed_weights_dir=os.path.dirname(default_model_path())) as server:
         client, http = server.openai(), server.http()
         prompt = core.tokenizer.encode("The capital of France is")
         before = await greedy(client, server.model, prompt)

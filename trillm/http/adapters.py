@@ -10,6 +10,7 @@ from __future__ import annotations
 from quart import Blueprint, Response
 
 from trillm.engine.lora import LoRAError
+from trillm.http import paths
 from trillm.http.errors import APIError
 from trillm.http.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from trillm.http.state import current, parse_body
@@ -20,11 +21,16 @@ blueprint = Blueprint("adapters", __name__)
 @blueprint.post("/v1/load_lora_adapter")
 async def load_lora_adapter():
     """200 with vLLM's text; 400 for an adapter that cannot be served (the message says why) or
-    a name already loaded (unless load_inplace, which replaces it when no request uses it)."""
+    a name already loaded (unless load_inplace, which replaces it when no request uses it) or one
+    adapter too many (--max-lora-adapters); 403 unless --allow-runtime-lora, or for a path outside
+    --allowed-weights-dir."""
     state = current()
+    require_runtime_lora(state)
     req = await parse_body(LoadLoRAAdapterRequest)
+    path = paths.allowed_path(state.settings, req.lora_path, "lora_path")
     try:
-        await state.engine.load_lora(req.lora_name, req.lora_path, inplace=req.load_inplace)
+        await state.engine.load_lora(req.lora_name, path, inplace=req.load_inplace,
+                                     limit=state.settings.max_lora_adapters)
     except LoRAError as exc:
         raise APIError(exc.status, str(exc), "lora_path" if exc.status == 400 else "lora_name") from None
     return Response(f"Success: LoRA adapter '{req.lora_name}' added successfully.", status=200)
@@ -35,9 +41,15 @@ async def unload_lora_adapter():
     """200 with vLLM's text; 404 for an unknown name; 400 while running requests use it (the
     client retries once they finish, or aborts them)."""
     state = current()
+    require_runtime_lora(state)
     req = await parse_body(UnloadLoRAAdapterRequest)
     try:
         state.engine.unload_lora(req.lora_name)
     except LoRAError as exc:
         raise APIError(exc.status, str(exc), "lora_name") from None
     return Response(f"Success: LoRA adapter '{req.lora_name}' removed successfully.", status=200)
+
+
+def require_runtime_lora(state) -> None:
+    """A 403 unless the server lets requests load and unload adapters (--allow-runtime-lora)."""
+    paths.require(state.settings.allow_runtime_lora, "--allow-runtime-lora", "Loading and unloading LoRA adapters")

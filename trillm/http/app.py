@@ -38,15 +38,19 @@ from trillm.http import (
     responses,
     weights,
 )
-from trillm.http.auth import check_api_key
+from trillm.http.auth import check_admin_origin, check_api_key
 from trillm.http.connection import Connection
 from trillm.http.errors import APIError, error_response
 from trillm.http.logs import REQUEST_ID
 from trillm.http.settings import ServerSettings, from_env
-from trillm.http.state import EXTENSION, ServerState
+from trillm.http.state import EXTENSION, ServerState, check_media_type
 from trillm.sampling_params import SamplingParamError
 
 log = logging.getLogger(__name__)
+# The response headers trillm sets that a browser page may read (left unset, quart-cors sends
+# an empty Access-Control-Expose-Headers, which hides them).
+EXPOSED_HEADERS = ["X-Request-Id", "Retry-After"]
+RETRY_AFTER_S = 1  # what a 429 tells the client to wait before trying again
 
 
 def create_app(settings: ServerSettings | None = None, core: EngineCore | None = None) -> QuartTrio:
@@ -71,7 +75,12 @@ def create_app(settings: ServerSettings | None = None, core: EngineCore | None =
         g.client_request_id = request.headers.get("X-Request-Id")
         REQUEST_ID.set(g.client_request_id or "-")  # a generating route names it (state.request_id)
         if settings.api_key is not None:
-            return check_api_key(settings.api_key)
+            refused = check_api_key(settings.api_key)
+            if refused is not None:
+                return refused
+        else:
+            check_admin_origin()
+        check_media_type()
         return None
 
     @app.after_request
@@ -112,6 +121,7 @@ def _allow_cross_origin(app: QuartTrio, settings: ServerSettings) -> None:
         allow_methods=settings.as_list(settings.allowed_methods),
         allow_headers=settings.as_list(settings.allowed_headers),
         allow_credentials=settings.allow_credentials,
+        expose_headers=EXPOSED_HEADERS,
         send_origin_wildcard=True,
     )
 
@@ -133,7 +143,11 @@ def _register_error_handlers(app: QuartTrio) -> None:
 
     @app.errorhandler(QueueFullError)
     async def queue_full(exc: QueueFullError):
-        return error_response(429, str(exc))
+        response = error_response(429, str(exc))
+        # Waiting requests leave as steps finish; a second is a few steps on any device, and
+        # clients that honour the header (the openai SDKs) wait that long instead of guessing.
+        response.headers["Retry-After"] = str(RETRY_AFTER_S)
+        return response
 
     @app.errorhandler(EngineUnavailableError)
     async def unavailable(exc: EngineUnavailableError):

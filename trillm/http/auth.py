@@ -8,16 +8,27 @@ else, `/v1/*` and the native `/generate`, `/abort_request`, `/flush_cache`, `/to
 is of what stays open, so a new route is guarded unless someone decides otherwise. The
 comparison is constant-time, so response timing does not leak how much of a guessed key
 was right.
+
+Without a key, the routes that change the server rather than ask it for tokens
+(`ADMIN_PATHS`: weights, adapters, sleep, the prefix cache, aborts) refuse any request a
+browser sent from another site (`check_admin_origin`): CORS lets every origin call the
+generation routes, as vLLM's defaults do, but no web page a user happens to visit may swap
+the weights or abort everyone's requests of a server that has no key to guard them.
 """
 from __future__ import annotations
 
 import hmac
+from urllib.parse import urlsplit
 
 from quart import Response, request
 
-from trillm.http.errors import error_response
+from trillm.http.errors import APIError, error_response
 
 OPEN_PATHS = frozenset({"/health", "/ping", "/version", "/metrics", "/openapi.json"})
+ADMIN_PATHS = frozenset({
+    "/update_weights_from_disk", "/update_weights", "/v1/load_lora_adapter", "/v1/unload_lora_adapter",
+    "/sleep", "/wake_up", "/wakeup", "/flush_cache", "/reset_prefix_cache", "/abort_request",
+})
 
 
 def check_api_key(api_key: str) -> Response | None:
@@ -28,3 +39,17 @@ def check_api_key(api_key: str) -> Response | None:
     if hmac.compare_digest(given, f"Bearer {api_key}".encode()):
         return None
     return error_response(401, "Missing or incorrect API key: send the header 'Authorization: Bearer <key>'.")
+
+
+def check_admin_origin() -> None:
+    """A 403 for an admin route (`ADMIN_PATHS`) called by a browser from another site: its
+    request names an `Origin` other than this server's own, or says `Sec-Fetch-Site` cross-site
+    or same-site. For a server without --api-key; with one, the key is what guards them."""
+    if request.path not in ADMIN_PATHS or request.method == "OPTIONS":
+        return
+    origin = request.headers.get("Origin")
+    own = origin is not None and urlsplit(origin).netloc == request.headers.get("Host")
+    site = request.headers.get("Sec-Fetch-Site")
+    if (origin is not None and not own) or site in ("cross-site", "same-site"):
+        raise APIError(403, f"{request.path} is not open to web pages of other sites: call it from outside a "
+                            "browser, or start the server with --api-key and send the key.")

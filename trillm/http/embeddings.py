@@ -70,7 +70,7 @@ async def _embedding_request(kind: str) -> tuple[EmbeddingRequest, ServerState, 
     hidden_size = state.core.config.hf_config.hidden_size
     if req.dimensions is not None and req.dimensions > hidden_size:
         raise SamplingParamError("dimensions", f"dimensions must be at most this model's {hidden_size}.")
-    prompts = _prompts(state, req.input, "input")
+    prompts = await state.off_loop(_prompts, state, req.input, "input")
     rid, vectors = await pooled_vectors(state, kind, prompts, "input", await state.requested_lora(req.model))
     return req, state, prompts, rid, [v if req.dimensions is None else v[: req.dimensions] for v in vectors]
 
@@ -95,7 +95,7 @@ async def pooling():
 async def _cosines(state: ServerState, prefix: str, queries: list[str], documents: list[str], param: str):
     """cos(query i, document i) for each pair, embedding every distinct text once."""
     texts = list(dict.fromkeys(queries + documents))
-    prompts = _prompts(state, texts, param)
+    prompts = await state.off_loop(_prompts, state, texts, param)
     rid, vectors = await pooled_vectors(state, prefix, prompts, param)
     unit = dict(zip(texts, (F.normalize(v, dim=0) for v in vectors)))
     return rid, prompts, [float(unit[q] @ unit[d]) for q, d in zip(queries, documents)]

@@ -21,9 +21,11 @@ from quart import Response
 ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
+    403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     422: "invalid_request_error",
     429: "rate_limit_error",
     500: "internal_error",
@@ -55,12 +57,19 @@ def error_response(status: int, message: str, param: str | None = None) -> Respo
 _UNION_MEMBER = re.compile(r"^([A-Z]\w*|str|int|float|bool|none|(list|dict|tuple|set)\[.*\]|function-\w+\[.*\])$")
 
 
+_TELLING = ("too_long", "value_error")
+
+
 def from_validation_error(exc: pydantic.ValidationError, status: int) -> APIError:
     """The first problem, named by its field path (`messages.0.role`) in `param`."""
-    first = exc.errors(include_url=False)[0]
+    errors = exc.errors(include_url=False)
+    # A list over its length limit, or a field's own check, says more than a union's other members
+    # ("should be a valid string") do about the same value.
+    first = next((e for e in errors if e["type"] in _TELLING), errors[0])
     param = ".".join(str(part) for part in first["loc"] if not _UNION_MEMBER.match(str(part))) or None
-    message = first["msg"] if param is None else f"{param}: {first['msg']}"
-    more = len(exc.errors()) - 1
+    text = first["msg"].removeprefix("Value error, ")  # our own validators' words, as they wrote them
+    message = text if param is None else f"{param}: {text}"
+    more = len(errors) - 1
     if more:
         message += f" (and {more} more problem{'s' if more > 1 else ''})"
     return APIError(status, message, param)

@@ -11,7 +11,9 @@ delta), and `meta_info.finish_reason` is null until the last one.
 """
 from __future__ import annotations
 
-from quart import Blueprint
+import json
+
+from quart import Blueprint, Response
 
 from trillm.engine.output import Delta
 from trillm.http.errors import APIError
@@ -43,15 +45,15 @@ async def generate():
     state = current()
     body = await read_json()
     if isinstance(body, dict) and LMDEPLOY_ONLY & body.keys():
-        req = validate(LMDeployGenerateRequest, body, status=422).to_native()
+        req = (await validate(LMDeployGenerateRequest, body, status=422)).to_native()
         text_field, field_names = "prompt", None
     else:
-        req = validate(GenerateRequest, body, status=422)
+        req = await validate(GenerateRequest, body, status=422)
         text_field, field_names = "text", {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens"}
     if (req.text is None) == (req.input_ids is None):
         raise APIError(400, f"Send exactly one of {text_field} and input_ids.", text_field)
     prompt = req.text if req.text is not None else req.input_ids
-    prompts = completion_prompts(state.tokenizer, prompt)
+    prompts = await state.off_loop(completion_prompts, state.tokenizer, prompt)
     params = req.to_sampling_params(len(prompts))
     lora_name = await req_lora(state, req, len(prompts))
     if isinstance(req.rid, list):  # each prompt named by the client: the server's id names the batch
@@ -145,14 +147,19 @@ async def tokenize():
     req = await parse_body(TokenizeRequest, status=422)
     if (req.prompt is None) == (req.messages is None):
         raise APIError(400, "Send exactly one of prompt and messages.", "prompt")
+    # serialised in the thread too: a long prompt's ids are megabytes of JSON
+    return Response(await state.off_loop(_tokenized, state, req), content_type="application/json")
+
+
+def _tokenized(state, req: TokenizeRequest) -> str:
     if req.messages is not None:
-        tokens = chat_prompt(state.tokenizer, req.messages, req.template_options())
+        tokens = chat_prompt(state.tokenizer, req.messages, req.template_options(), tools=req.tools)
     else:
         tokens = encode(state.tokenizer, req.prompt, "prompt", req.add_special_tokens is not False)
     body = {"count": len(tokens), "max_model_len": state.max_model_len, "tokens": tokens}
     if req.return_token_strs:
         body["token_strs"] = state.tokenizer.convert_ids_to_tokens(tokens)
-    return body
+    return json.dumps(body)
 
 
 @blueprint.post("/detokenize")
@@ -163,7 +170,7 @@ async def detokenize():
     bad = [t for t in req.tokens if not 0 <= t < state.vocab_size]
     if bad:
         raise APIError(400, f"Token ids must be in [0, {state.vocab_size}); got {bad[0]}.", "tokens")
-    return {"prompt": state.tokenizer.decode(req.tokens)}
+    return {"prompt": await state.off_loop(state.tokenizer.decode, req.tokens)}
 
 
 @blueprint.get("/tokenizer_info")

@@ -25,16 +25,7 @@ blueprint = Blueprint("openai_chat", __name__)
 @blueprint.post("/v1/chat/completions")
 async def chat_completions():
     state, req = await model_request(ChatCompletionRequest)
-    params = req.to_sampling_params(state.vocab_size, state.tokenizer)
-    choice, params = tool_choice(req, state.tool_call_parser, params)
-    tools = req.tools if choice != "none" else None
-    raw = req.raw_prompt()
-    if raw is not None:
-        prompt = encode(state.tokenizer, raw, "messages")
-    else:
-        options = req.template_options(state.chat_template, state.settings.trust_request_chat_template)
-        prompt = chat_prompt(state.tokenizer, req.messages, options, tools=tools)
-    prompt = req.truncated(prompt, state.max_model_len)
+    params, choice, prompt = await state.off_loop(_prepare, state, req)
     generation = Generation(state, *request_id("chatcmpl", req.session_name), [prompt], params,
                             field_names=req.field_names, lora_name=await state.requested_lora(req.model, req.lora_request))
     if req.user is not None or req.metadata:
@@ -45,6 +36,21 @@ async def chat_completions():
         return stream_response(generation, chunks)
     await generation.run()
     return chunks.response()
+
+
+def _prepare(state: ServerState, req: ChatCompletionRequest) -> tuple:
+    """The sampling params, the tool choice and the prompt's token ids (off the event loop: the
+    template and the tokenizer work in proportion to the request)."""
+    params = req.to_sampling_params(state.vocab_size, state.tokenizer)
+    choice, params = tool_choice(req, state.tool_call_parser, params)
+    tools = req.tools if choice != "none" else None
+    raw = req.raw_prompt()
+    if raw is not None:
+        prompt = encode(state.tokenizer, raw, "messages")
+    else:
+        options = req.template_options(state.chat_template, state.settings.trust_request_chat_template)
+        prompt = chat_prompt(state.tokenizer, req.messages, options, tools=tools)
+    return params, choice, req.truncated(prompt, state.max_model_len)
 
 
 class ChatChunks(UsageChunks):

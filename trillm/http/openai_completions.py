@@ -25,19 +25,26 @@ blueprint = Blueprint("openai_completions", __name__)
 @blueprint.post("/v1/completions")
 async def completions():
     state, req = await model_request(CompletionRequest)
-    params = req.to_sampling_params(state.vocab_size, state.tokenizer)
-    prompts = [req.truncated(p, state.max_model_len) for p in completion_prompts(state.tokenizer, req.prompt)]
+    params, prompts, echoes = await state.off_loop(_prepare, state, req)
     generation = Generation(state, *request_id("cmpl", req.session_name), prompts, params,
                             lora_name=await state.requested_lora(req.model, req.lora_request))
     await generation.start()
-    # A truncated prompt is echoed as what the model saw: its remaining tokens.
-    sent = req.prompt if req.truncate_prompt_tokens is None else prompts
-    echoes = [_prompt_text(state.tokenizer, sent, k, ids) if req.echo else "" for k, ids in enumerate(prompts)]
     chunks = CompletionChunks(generation, req, req.model or state.model_name, state.token_texts, echoes)
     if req.stream:
         return stream_response(generation, chunks)
     await generation.run()
     return chunks.response()
+
+
+def _prepare(state, req: CompletionRequest) -> tuple:
+    """The sampling params, each prompt's token ids and its echo (off the event loop: the work
+    grows with the request)."""
+    params = req.to_sampling_params(state.vocab_size, state.tokenizer)
+    prompts = [req.truncated(p, state.max_model_len) for p in completion_prompts(state.tokenizer, req.prompt)]
+    # A truncated prompt is echoed as what the model saw: its remaining tokens.
+    sent = req.prompt if req.truncate_prompt_tokens is None else prompts
+    echoes = [_prompt_text(state.tokenizer, sent, k, ids) if req.echo else "" for k, ids in enumerate(prompts)]
+    return params, prompts, echoes
 
 
 def _prompt_text(tokenizer, prompt, k: int, ids: list[int]) -> str:

@@ -16,10 +16,17 @@ from typing import Annotated, Any, Literal
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
+from trillm.http import json_body
 from trillm.sampling_params import SamplingParamError, SamplingParams, StructuredOutput
 
 MAX_N = 128  # samples per request: more would let one request fill the whole batch
 MAX_PROMPTS = 2048  # prompts in one request's list (OpenAI's bound for a batch of inputs)
+# Bounds on a request's other lists, each refused by its length before any item is read: a
+# list's cost (validation, template rendering, a grammar compile, the sampler's masks) grows
+# with it, and the body limit alone lets through millions of short items.
+MAX_LIST_ITEMS = 10_000  # chat messages, Responses input items, bad_words
+MAX_TOOLS = 1024  # tools (OpenAI allows 128)
+MAX_CHOICES = 1024  # guided_choice / structured_outputs.choice alternatives (one regex; its compile grows with them)
 
 
 @dataclass(frozen=True)
@@ -113,7 +120,7 @@ class StructuredOutputs(Strict):
 
     json_: str | dict[str, Any] | None = Field(None, alias="json")
     regex: str | None = None
-    choice: list[str] | None = Field(None, min_length=1)
+    choice: list[str] | None = Field(None, min_length=1, max_length=MAX_CHOICES)
     grammar: str | None = None
     json_object: bool | None = None
     structural_tag: str | None = None
@@ -128,9 +135,9 @@ def _schema_spec(value: str | dict, param: str) -> StructuredOutput:
     """A JSON schema sent as an object or as JSON text (vLLM takes both)."""
     if isinstance(value, str):
         try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise SamplingParamError(param, f"{param} is not valid JSON: {exc}") from None
+            value = json_body.loads(value)
+        except json_body.JSONError as exc:
+            raise SamplingParamError(param, f"{param} cannot be read: {exc}") from None
     if not isinstance(value, dict):
         raise SamplingParamError(param, f"{param} must be a JSON schema object.")
     return StructuredOutput.from_schema(value, param=param)
@@ -210,13 +217,13 @@ class SamplingFields(Strict):
     structured_outputs: StructuredOutputs | None = None  # vLLM's; and its older guided_* fields:
     guided_json: str | dict[str, Any] | None = None
     guided_regex: str | None = None
-    guided_choice: list[str] | None = Field(None, min_length=1)
+    guided_choice: list[str] | None = Field(None, min_length=1, max_length=MAX_CHOICES)
     guided_grammar: str | None = None
     prompt_logprobs: int | None = None  # vLLM's: the prompt tokens' logprobs, with this many top ones
     cache_salt: str | None = None  # vLLM's and TensorRT-LLM's: prefix-cache isolation between tenants
     priority: int = Field(0, ge=-(2**31), lt=2**31)  # vLLM's: lower runs first (--scheduling-policy priority)
     allowed_token_ids: list[int] | None = None  # vLLM's: only these may be sampled
-    bad_words: list[str] | None = None  # vLLM's: words the output must not contain
+    bad_words: list[str] | None = Field(None, max_length=MAX_LIST_ITEMS)  # vLLM's: words the output must not contain
     truncate_prompt_tokens: int | None = Field(None, ge=-1)  # vLLM's, TensorRT-LLM's: keep the last k (-1: the context)
     return_token_ids: bool = False  # vLLM's, LMDeploy's: prompt and output token ids in the response
     top_p_min: float = Field(0.0, ge=0, le=1)  # TensorRT-LLM's floor of top_p (it has no decay here)
@@ -408,13 +415,13 @@ class LegacyFunctionChoice(Strict):
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage]  # LMDeploy's string is one user message (_one_string)
+    messages: Annotated[list[ChatMessage], Field(max_length=MAX_LIST_ITEMS)]  # LMDeploy's string: one user message (_one_string)
     logprobs: bool | None = False
     top_logprobs: int | None = None
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[Tool] | None = None
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: str | NamedToolChoice | None = None  # "none" | "auto" | "required"; checked in http.tools
     parallel_tool_calls: bool | None = None
     # OpenAI's, honoured: metadata goes to the request's log line (as user does); reasoning_effort
@@ -535,9 +542,18 @@ class ChatCompletionRequest(SamplingFields):
         }
 
 
+def _prompt_count(value):
+    """A list that is not one prompt's token ids is refused by its length before any item is
+    validated: each item of a long list would otherwise fail every member of the union in
+    turn, and a body of a million strings would build millions of errors."""
+    if isinstance(value, list) and len(value) > MAX_PROMPTS and not all(type(v) is int for v in value):
+        raise ValueError(f"A request holds at most {MAX_PROMPTS} prompts; this list holds {len(value)}.")
+    return value
+
+
 PromptList = Annotated[list[str], Field(max_length=MAX_PROMPTS)]
 TokenPromptList = Annotated[list[list[int]], Field(max_length=MAX_PROMPTS)]
-Prompt = str | PromptList | list[int] | TokenPromptList
+Prompt = Annotated[str | PromptList | list[int] | TokenPromptList, pydantic.BeforeValidator(_prompt_count)]
 
 
 class CompletionRequest(SamplingFields):
@@ -632,7 +648,7 @@ class GenerateRequest(Strict):
     give each its own `sampling_params` (lists as long as the batch)."""
 
     text: str | PromptList | None = None
-    input_ids: list[int] | TokenPromptList | None = None
+    input_ids: Annotated[list[int] | TokenPromptList | None, pydantic.BeforeValidator(_prompt_count)] = None
     sampling_params: NativeSamplingParams | Annotated[list[NativeSamplingParams], Field(min_length=1)] = Field(
         default_factory=NativeSamplingParams)
     stream: bool = False
@@ -742,7 +758,8 @@ class AbortRequest(Strict):
 class TokenizeRequest(Strict):
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(None, max_length=MAX_LIST_ITEMS)
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)  # rendered as chat renders them (vLLM's)
     add_special_tokens: bool | None = None  # default: true for a prompt, false for messages (as vLLM's)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -760,9 +777,11 @@ class DetokenizeRequest(Strict):
 
 
 def _json_or_text(text: str):
+    """A tool call's arguments for the template: the object they spell, or the text itself when
+    they are not JSON a server reads (json_body: not JSON, a key twice, nested too deep)."""
     try:
-        return json.loads(text)
-    except json.JSONDecodeError:
+        return json_body.loads(text)
+    except json_body.JSONError:
         return text
 
 
@@ -773,15 +792,15 @@ def _bad_words_token_ids(tokenizer, words: list[str] | None) -> list[list[int]] 
         return None
     if tokenizer is None:
         raise SamplingParamError("bad_words", "bad_words needs text, and this model has no tokenizer.")
-    sequences = []
+    sequences: dict[tuple[int, ...], None] = {}  # in order, each once
     for word in words:
         if not word.strip():
             raise SamplingParamError("bad_words", "bad_words must not hold an empty word.")
         for text in (word.lstrip(), " " + word.lstrip()):
             ids = tokenizer.encode(text, add_special_tokens=False)
-            if ids and ids not in sequences:
-                sequences.append(ids)
-    return sequences or None
+            if ids:
+                sequences[tuple(ids)] = None
+    return [list(ids) for ids in sequences] or None
 
 
 def _token_biases(logit_bias: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:

@@ -57,10 +57,7 @@ async def create_response():
             raise SamplingParamError("previous_response_id", f"Response {req.previous_response_id!r} is still running.")
         earlier = previous.conversation
     with _in_responses_terms():
-        chat = req.to_chat(earlier, stream=req.stream)
-        params = chat.to_sampling_params(state.vocab_size, state.tokenizer)
-        choice, params = tool_choice(chat, state.tool_call_parser, params)
-        prompt = _prompt(state, req, chat, choice, params.max_tokens)
+        chat, params, choice, prompt = await state.off_loop(_prepare, state, req, earlier)
     response_id, client_id = request_id("resp", separator="_")
     generation = Generation(state, response_id, client_id, [prompt], params, field_names=FIELD_NAMES,
                             lora_name=await state.requested_lora(req.model))
@@ -80,6 +77,15 @@ async def create_response():
         return response
     await _run(state, generation, builder, stored)
     return stored.response
+
+
+def _prepare(state: ServerState, req: ResponsesRequest, earlier: list[ChatMessage]) -> tuple:
+    """The request as chat, its sampling params, tool choice and prompt (off the event loop: the
+    work grows with the input items)."""
+    chat = req.to_chat(earlier, stream=req.stream)
+    params = chat.to_sampling_params(state.vocab_size, state.tokenizer)
+    choice, params = tool_choice(chat, state.tool_call_parser, params)
+    return chat, params, choice, _prompt(state, req, chat, choice, params.max_tokens)
 
 
 def _prompt(state: ServerState, req: ResponsesRequest, chat: ChatCompletionRequest, choice, max_tokens) -> list[int]:
@@ -195,7 +201,7 @@ class ResponseBuilder:
             "store": req.store,
             "temperature": self.params.temperature,
             "text": {"format": fmt or {"type": "text"}},
-            "tool_choice": tool_choice or ("auto" if req.tools else "none"),
+            "tool_choice": tool_choice or "auto",  # OpenAI reports auto when tools were not named
             "tools": [t.model_dump(exclude_none=True) for t in req.tools or []],
             "top_p": self.params.top_p,
             "truncation": req.truncation,

@@ -14,6 +14,8 @@ from typing import Annotated, Any, Literal
 from pydantic import Field
 
 from trillm.http.protocol import (
+    MAX_LIST_ITEMS,
+    MAX_TOOLS,
     ChatCompletionRequest,
     ChatMessage,
     FunctionCall,
@@ -137,12 +139,13 @@ class ResponsesStreamOptions(Strict):
 
 class ResponsesRequest(Strict):
     model: str | None = None
-    input: str | list[MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem]
+    input: str | Annotated[list[MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem],
+                           Field(max_length=MAX_LIST_ITEMS)]
     instructions: str | None = None
     max_output_tokens: int | None = Field(None, ge=1)
     temperature: float | None = None
     top_p: float | None = None
-    tools: list[FunctionTool] | None = None
+    tools: list[FunctionTool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | FunctionToolChoice | None = None
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None

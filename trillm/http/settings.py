@@ -52,6 +52,12 @@ class ServerSettings:
     # replicas on other machines (`trillm serve` there), as URLs, that the router also routes to
     data_parallel_address: str | None = None
     metrics_prefix: str = "trillm"  # trillm | vllm: the name prefix of /metrics (vllm: what gateways read)
+    # What a request may make the server read from disk (trillm/http/paths.py): each is off unless
+    # asked for, and every path a request names must resolve inside `allowed_weights_dir`.
+    enable_weight_updates: bool = False  # /update_weights_from_disk, /update_weights
+    allow_runtime_lora: bool = False  # /v1/load_lora_adapter, /v1/unload_lora_adapter, lora_request.lora_path
+    allowed_weights_dir: str | None = None
+    max_lora_adapters: int = 64  # adapters registered at once (at start and at run time)
     engine: EngineArgs = field(default_factory=EngineArgs)
 
     @staticmethod

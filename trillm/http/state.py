@@ -6,15 +6,18 @@ what they need passed in, never through `current()`.
 """
 from __future__ import annotations
 
-import json
 import uuid
+from collections.abc import Callable
+from typing import TypeVar
 
 import pydantic
+import trio
 from quart import current_app, g, request
 
 from trillm.engine.async_engine import AsyncEngine
 from trillm.engine.core import EngineCore
 from trillm.engine.lora import LoRAError
+from trillm.http import json_body, paths
 from trillm.http.errors import APIError, from_validation_error
 from trillm.http.logprobs import TokenTexts
 from trillm.http.logs import REQUEST_ID
@@ -25,6 +28,11 @@ from trillm.http.settings import ServerSettings
 from trillm.http.tool_parsers import TOOL_PARSERS, default_parser
 
 EXTENSION = "trillm"
+# Bodies larger than this are decoded and validated in a worker thread: their cost grows with
+# them, and on the event loop it would delay every other request's next token.
+OFF_LOOP_BYTES = 16 << 10
+PREPARE_THREADS = 2  # requests tokenised, rendered or validated at once, beside the engine's step
+T = TypeVar("T")
 
 
 class ServerState:
@@ -36,6 +44,7 @@ class ServerState:
         ):
             if value is not None and value not in known:
                 raise ValueError(f"Unknown {name} {value!r}; known: {', '.join(known)}.")
+        paths.check_settings(settings)
         self.settings = settings
         self.core = core
         self.engine = AsyncEngine(core, settings.max_waiting)
@@ -52,6 +61,17 @@ class ServerState:
         self.metrics = Metrics(self.model_name, self.engine.stats, settings.metrics_prefix,
                                core.args.max_loras if core.loras is not None else None)
         self.responses = ResponseStore(settings.responses_store_size)
+        # A limiter of its own, so a flood of large requests waits here and never takes the
+        # threads the engine's step and grammar compiles run on.
+        self.prepare_limiter = trio.CapacityLimiter(PREPARE_THREADS)
+
+    async def off_loop(self, fn: Callable[..., T], *args) -> T:
+        """`fn(*args)` in a worker thread (at most PREPARE_THREADS at once): for work that grows
+        with a request (decoding, validation, tokenising, templates, bad-words preparation).
+        `fn` must touch nothing the event loop owns (no Quart context, no engine state). If the
+        caller is cancelled (its client went away), it returns at once and the thread finishes
+        alone, still holding its limiter token, so abandoned work still counts against the bound."""
+        return await trio.to_thread.run_sync(fn, *args, limiter=self.prepare_limiter, abandon_on_cancel=True)
 
     @property
     def weights_path(self) -> str:
@@ -74,14 +94,18 @@ class ServerState:
 
     async def requested_lora(self, model: str | None, lora_request=None, field: str = "model") -> str | None:
         """The LoRA adapter a request runs under: TensorRT-LLM's `lora_request` (loading it from
-        its lora_path first when it is not loaded), else the adapter `model` names (None: the
-        base model). An unknown adapter is a 404 naming `field`."""
+        its lora_path first when it is not loaded, if --allow-runtime-lora and the path lies inside
+        --allowed-weights-dir: 403s otherwise), else the adapter `model` names (None: the base
+        model). An unknown adapter is a 404 naming `field`."""
         if lora_request is not None:
             model, field = lora_request.lora_name, "lora_request"
             loras = self.core.loras
             if lora_request.lora_path and loras is not None and model not in loras.adapters:
+                paths.require(self.settings.allow_runtime_lora, "--allow-runtime-lora",
+                              "Loading a LoRA adapter from lora_request.lora_path")
+                path = paths.allowed_path(self.settings, lora_request.lora_path, "lora_request.lora_path")
                 try:
-                    await self.engine.load_lora(model, lora_request.lora_path)
+                    await self.engine.load_lora(model, path, limit=self.settings.max_lora_adapters)
                 except LoRAError as exc:
                     if model not in loras.adapters:  # not a concurrent load of the same adapter
                         raise APIError(exc.status, str(exc), "lora_request") from None
@@ -94,7 +118,7 @@ def current() -> ServerState:
 
 async def parse_body(model: type[pydantic.BaseModel], status: int = 400):
     """The JSON body as `model`; 400 (or `status`, for schema errors) naming the bad field."""
-    return validate(model, await read_json(), status)
+    return await validate(model, await read_json(), status)
 
 
 async def model_request(model: type[pydantic.BaseModel]) -> tuple[ServerState, pydantic.BaseModel]:
@@ -106,8 +130,16 @@ async def model_request(model: type[pydantic.BaseModel]) -> tuple[ServerState, p
     return state, req
 
 
-def validate(model: type[pydantic.BaseModel], body, status: int = 400):
-    """`body` (decoded JSON) as `model`; `status` naming the bad field if it does not fit."""
+async def validate(model: type[pydantic.BaseModel], body, status: int = 400):
+    """`body` (this request's decoded JSON, or part of it) as `model`; `status` naming the bad
+    field if it does not fit. Off the event loop for a large body."""
+    if len(await request.get_data()) > OFF_LOOP_BYTES:
+        return await current().off_loop(validated, model, body, status)
+    return validated(model, body, status)
+
+
+def validated(model: type[pydantic.BaseModel], body, status: int = 400):
+    """`validate`'s work, for any thread."""
     try:
         return model.model_validate(body)
     except pydantic.ValidationError as exc:
@@ -115,16 +147,42 @@ def validate(model: type[pydantic.BaseModel], body, status: int = 400):
 
 
 async def read_json():
-    """The request's body, decoded; 400 if it is not UTF-8 JSON. An empty body is `{}`."""
-    data = await request.get_data()
+    """The request's body, decoded (once per request: /invocations reads it, then its route); 400
+    if it is not UTF-8 JSON, has a key twice in one object or nests too deep (json_body). An
+    empty body is `{}`. The media type was checked before the route (`check_media_type`)."""
+    if "json_body" not in g:
+        data = await request.get_data()
+        if len(data) > OFF_LOOP_BYTES:
+            g.json_body = await current().off_loop(_decode, data)
+        else:
+            g.json_body = _decode(data)
+    return g.json_body
+
+
+def _decode(data: bytes):
     try:
         text = data.decode("utf-8")  # JSON on the wire is UTF-8 (RFC 8259); json.loads would guess
     except UnicodeDecodeError as exc:
         raise APIError(400, f"The body is not valid UTF-8: {exc}") from None
     try:
-        return json.loads(text or "{}")
-    except json.JSONDecodeError as exc:
-        raise APIError(400, f"The body is not valid JSON: {exc}") from None
+        return json_body.loads(text or "{}")
+    except json_body.JSONError as exc:
+        raise APIError(400, f"The body cannot be read: {exc}") from None
+
+
+def check_media_type() -> None:
+    """A request that carries a body, or names its media type, must say JSON: a 415 otherwise.
+    Browsers send a cross-site POST of text/plain, form data or multipart without asking the
+    server first (no CORS preflight), so a route that read any body would run such a request
+    for any web page its user visits."""
+    if request.method in ("GET", "HEAD", "OPTIONS", "DELETE"):
+        return
+    content_type = request.headers.get("Content-Type")
+    has_body = request.content_length not in (None, 0) or "chunked" in request.headers.get("Transfer-Encoding", "")
+    if (content_type is not None or has_body) and not json_body.media_type_is_json(content_type):
+        named = f"{content_type!r}" if content_type else "none"
+        raise APIError(415, f"Unsupported media type {named}: send the body as JSON, with "
+                            "'Content-Type: application/json'.")
 
 
 def request_id(prefix: str, rid: str | None = None, separator: str = "-") -> tuple[str, str | None]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from quart import Blueprint, request
 
+from trillm.http import paths
 from trillm.http.errors import APIError
 from trillm.http.protocol import UpdateWeightsRequest
 from trillm.http.state import current, parse_body
@@ -50,9 +51,12 @@ async def is_sleeping():
 async def update_weights():
     """SGLang's body: `model_path` (an HF directory or a GGUF file of the same architecture),
     `abort_all_requests` (or `abort_running`: abort running requests instead of letting them
-    finish). A path that cannot serve is a 400 and the old weights keep serving."""
+    finish). Needs --enable-weight-updates, and a path inside --allowed-weights-dir (403s
+    otherwise). A path that cannot serve is a 400 and the old weights keep serving."""
     state = current()
+    paths.require(state.settings.enable_weight_updates, "--enable-weight-updates", "Updating the weights from a path")
     req = await parse_body(UpdateWeightsRequest)
-    aborted = await state.engine.update_weights(req.model_path, req.abort_running or req.abort_all_requests)
+    path = paths.allowed_path(state.settings, req.model_path, "model_path")
+    aborted = await state.engine.update_weights(path, req.abort_running or req.abort_all_requests)
     return {"success": True, "message": f"Serving the weights at {req.model_path}.", "num_paused_requests": 0,
             "num_aborted_requests": aborted}

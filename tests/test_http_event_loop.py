@@ -1,0 +1,89 @@
+"""One request's size must not freeze everyone else: while requests whose work grows with them
+are read, validated, tokenised and rendered (a prompt of megabytes, 10,000 bad words, a template
+over thousands of messages, a list of a million prompts, deep nesting), a neighbour's stream keeps
+getting tokens and /health keeps answering, each within a bound (the 1 s a Kubernetes probe
+waits), because that work runs in worker threads of its own, and lists are refused by their
+length before any item is read. The bound is a behaviour (a probe that fails restarts the pod),
+not a speed figure: unbounded, these requests held the loop for seconds."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+import trio
+
+from http_support import live_server, tiny_core
+
+BOUND_S = 1.0
+
+
+@pytest.fixture(scope="session")
+def core(tiny_text_model_dir):
+    return tiny_core(tiny_text_model_dir)
+
+
+def heavy_requests(model: str) -> list[tuple[str, bytes, int]]:
+    """(path, JSON body, the status it must get)."""
+    text = "All work and no play makes a dull day. " * 75_000  # ~3 MB
+    words = [f"w{i}x" for i in range(10_000)]
+    messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"turn {i} " + "lorem ipsum " * 30}
+                for i in range(4_001)]
+    cases = [
+        ("/tokenize", {"model": model, "prompt": text}, 200),
+        ("/v1/completions", {"model": model, "prompt": "Hi", "max_tokens": 1, "bad_words": words}, 200),
+        ("/tokenize", {"model": model, "messages": messages}, 200),
+        ("/v1/completions", {"model": model, "prompt": ["a"] * 1_300_000, "max_tokens": 1}, 400),
+        ("/v1/embeddings", {"model": model, "input": text}, 400),
+    ]
+    return [(path, json.dumps(body).encode(), status) for path, body, status in cases] + [
+        ("/v1/completions", b"[" * 200_000 + b"]" * 200_000, 400)]
+
+
+async def test_heavy_requests_never_stall_a_neighbour_stream_or_health(core):
+    async with live_server(core) as server:
+        http = server.http()
+        stats = {"health": [], "gaps": []}
+        heavy_done = trio.Event()
+
+        async def neighbour():
+            body = {"model": server.model, "prompt": "Once", "max_tokens": 80, "ignore_eos": True, "stream": True}
+            while not heavy_done.is_set():
+                async with http.stream("POST", "/v1/completions", json=body) as response:
+                    last = trio.current_time()
+                    async for _ in response.aiter_lines():
+                        now = trio.current_time()
+                        if not heavy_done.is_set():
+                            stats["gaps"].append(now - last)
+                        last = now
+
+        async def probe():
+            async with httpx.AsyncClient(base_url=server.url, timeout=BOUND_S) as prober:
+                while not heavy_done.is_set():
+                    start = trio.current_time()
+                    response = await prober.get("/health")
+                    stats["health"].append((response.status_code, trio.current_time() - start))
+                    await trio.sleep(0.05)
+
+        async def heavy():
+            await trio.sleep(0.3)  # the neighbour is streaming
+            async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
+                async with trio.open_nursery() as nursery:  # all at once: the threads' bound is reached too
+                    for path, body, status in heavy_requests(server.model):
+                        nursery.start_soon(one, client, path, body, status)
+            heavy_done.set()
+
+        async def one(client, path, body, status):
+            response = await client.post(path, content=body, headers={"Content-Type": "application/json"})
+            assert response.status_code == status, (path, response.text[:200])
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(neighbour)
+            nursery.start_soon(probe)
+            nursery.start_soon(heavy)
+        assert stats["health"] and all(code == 200 for code, _ in stats["health"])
+        slowest_probe = max(t for _, t in stats["health"])
+        slowest_token = max(stats["gaps"])
+        print(f"{len(stats['health'])} probes, slowest {slowest_probe:.3f} s; "
+              f"{len(stats['gaps'])} neighbour tokens, longest gap {slowest_token:.3f} s")
+        assert slowest_probe < BOUND_S and slowest_token < BOUND_S
