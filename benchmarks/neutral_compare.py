@@ -45,6 +45,13 @@ def llama_server_command(args, model_dir: str, port: int) -> tuple[list[str], di
 SERVERS = {"trillm": trillm_command, "vllm-cpu": vllm_command, "llama-server": llama_server_command}
 
 
+MIN_PROMPTS = 8  # per level: at c=1, rounds x c alone was 2 requests, too few to mean anything
+
+
+def num_prompts(rounds: int, concurrency: int) -> int:
+    return max(rounds * concurrency, MIN_PROMPTS)
+
+
 def bench_serve(args, model_dir: str, base_url: str, concurrency: int, result: Path) -> dict:
     """One `vllm bench serve` run; its saved result."""
     vllm = Path(args.vllm_venv) / "bin" / "vllm"
@@ -52,7 +59,7 @@ def bench_serve(args, model_dir: str, base_url: str, concurrency: int, result: P
         str(vllm), "bench", "serve", "--backend", "openai", "--base-url", base_url, "--endpoint", "/v1/completions",
         "--model", SERVED_NAME, "--tokenizer", model_dir, "--dataset-name", "random",
         "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
-        "--random-range-ratio", "0", "--num-prompts", str(args.rounds * concurrency),
+        "--random-range-ratio", "0", "--num-prompts", str(num_prompts(args.rounds, concurrency)),
         "--max-concurrency", str(concurrency), "--ignore-eos", "--num-warmups", "2", "--seed", str(args.seed),
         "--save-result", "--result-dir", str(result.parent), "--result-filename", result.name,
     ]
@@ -133,7 +140,7 @@ def main() -> None:
         results[name] = measure(name, args, model_dir, out.parent)
         out.write_text(json.dumps(results, indent=1))
     print(f"\nvllm bench serve, {args.input_len} input / {args.output_len} output tokens, "
-          f"{args.rounds} x c prompts, order {' -> '.join(args.order)}")
+          f"max({args.rounds} x c, {MIN_PROMPTS}) prompts, order {' -> '.join(args.order)}")
     print(table(results, args.concurrency))
     for name in args.order:
         print(f"{name}: ready in {results[name]['startup_s']:.1f} s, peak RSS {results[name]['peak_rss_mib']:.0f} MiB")

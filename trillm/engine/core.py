@@ -46,12 +46,22 @@ class StepOutput:
 
 
 
-def prefill_pairs_budget(config, max_num_batched_tokens: int) -> int:
-    """The attention pairs a step's prompt chunks may cover by default: as many as cost what the
-    projections of a full token budget cost. Per layer, a token's projections are about
-    hidden x (q + k + v + o + 3 x intermediate) multiply-adds and one query-key pair's attention
-    2 x heads x head_dim (the score and the value), so a step of any prompt costs at most about
-    twice a fresh full chunk's projections."""
+# On CPU a step's prompt chunks attend over at most the pairs of a fresh 512-token chunk. The
+# attention there costs far more per pair than its multiply-adds say (it runs row by row, off
+# its roof), so the budget is set from what a step costs, not from the model's shapes: a step
+# stays a fraction of a second, and a fresh chunk is at most 511 tokens, while short prompts
+# still share a step by the dozen.
+CPU_PREFILL_PAIRS = 512 * 513 // 2
+
+
+def prefill_pairs_budget(config, max_num_batched_tokens: int, device: torch.device) -> int:
+    """The attention pairs a step's prompt chunks may cover by default. On CPU, CPU_PREFILL_PAIRS.
+    Elsewhere, as many as cost what the projections of a full token budget cost: per layer, a
+    token's projections are about hidden x (q + k + v + o + 3 x intermediate) multiply-adds and
+    one query-key pair's attention 2 x heads x head_dim (the score and the value), so a step of
+    any prompt costs at most about twice a fresh full chunk's projections."""
+    if device.type == "cpu":
+        return CPU_PREFILL_PAIRS
     heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     hidden = config.hidden_size
@@ -90,7 +100,7 @@ class EngineCore:
             args.enable_prefix_caching,
             args.scheduling_policy,
             args.max_loras if args.enable_lora else 0,
-            prefill_pairs_budget(self.config.hf_config, args.max_num_batched_tokens)
+            prefill_pairs_budget(self.config.hf_config, args.max_num_batched_tokens, self.config.device)
             if args.max_prefill_pairs is None else args.max_prefill_pairs,
         )
         # The adapters requests may name (None: LoRA is off)
