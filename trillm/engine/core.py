@@ -16,6 +16,7 @@ from trillm.engine.pooler import Pooler
 from trillm.engine.prompt_logprobs import PromptLogprobs, fill_prompt_logprobs
 from trillm.engine.request import EngineRequest
 from trillm.engine import memory, parallel
+from trillm.engine.llama import head_dim_of
 from trillm.engine.loader import resolve_device
 from trillm.engine.lora import LoRAAdapter, LoRAError, LoRARegistry, LoRAWeights
 from trillm.engine.runner import ModelRunner
@@ -45,7 +46,6 @@ class StepOutput:
     pooled: torch.Tensor | None = None  # a pooling request's vector: fp32 [hidden], raw
 
 
-
 # On CPU a step's prompt chunks attend over at most the pairs of a fresh 512-token chunk. The
 # attention there costs far more per pair than its multiply-adds say (it runs row by row, off
 # its roof), so the budget is set from what a step costs, not from the model's shapes: a step
@@ -62,11 +62,11 @@ def prefill_pairs_budget(config, max_num_batched_tokens: int, device: torch.devi
     any prompt costs at most about twice a fresh full chunk's projections."""
     if device.type == "cpu":
         return CPU_PREFILL_PAIRS
-    heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, head_dim_of(config)
     hidden = config.hidden_size
     projections = hidden * (2 * heads * head_dim + 2 * kv_heads * head_dim) + 3 * hidden * config.intermediate_size
     return max_num_batched_tokens * max(projections // (2 * heads * head_dim), 1)
+
 
 class EngineCore:
     def __init__(self, args: EngineArgs):

@@ -57,7 +57,7 @@ class ServerSettings:
     enable_weight_updates: bool = False  # /update_weights_from_disk, /update_weights
     allow_runtime_lora: bool = False  # /v1/load_lora_adapter, /v1/unload_lora_adapter, lora_request.lora_path
     allowed_weights_dir: str | None = None
-    max_lora_adapters: int = 64  # adapters registered at once (at start and at run time)
+    max_lora_adapters: int = 64  # adapters registered at once: a load while serving past it is refused
     engine: EngineArgs = field(default_factory=EngineArgs)
 
     @staticmethod

@@ -343,12 +343,14 @@ class Scheduler:
         request: Request
         computed: cython.int
         num_new: cython.int
+        remaining: cython.int
         need: cython.int
         i: cython.int = 0
         while i < len(running) and budget > 0:
             request = running[i]
             computed = request.num_computed_tokens
-            num_new = self._chunk(computed, len(request.token_ids) - computed, budget)
+            remaining = len(request.token_ids) - computed
+            num_new = self._chunk(computed, remaining, budget)
             if num_new == 0:
                 i += 1  # a prompt whose chunk the step has no attention left for: a later step
                 continue
@@ -358,6 +360,7 @@ class Scheduler:
                 if not self._make_room(need, request, out):
                     break  # it preempted itself, being the newest
                 alloc.allocate(request.block_table, need)
+            self._spend_pairs(computed, num_new, remaining)
             (out if num_new == 1 else prefills)._add(request, num_new)
             budget -= num_new
             i += 1
@@ -370,22 +373,26 @@ class Scheduler:
         return out
 
     @cython.cfunc
-    def _chunk(self, computed: cython.int, remaining: cython.int, budget: cython.int,
-               spend: cython.bint = True) -> cython.int:
+    def _chunk(self, computed: cython.int, remaining: cython.int, budget: cython.int) -> cython.int:
         """Tokens to compute now for a request with `computed` done and `remaining` to go: within
         the token budget and, for a prompt's chunk (more than one token to go), within the
-        attention pairs left, which it spends (unless not `spend`). The step's first prompt
-        chunk gets at least one token; another that cannot fit gets 0 (it waits a step)."""
+        attention pairs left. The step's first prompt chunk gets at least one token; another
+        that cannot fit gets 0 (it waits a step). Spends nothing: `_spend_pairs` does, once the
+        chunk is scheduled."""
         num_new: cython.int = min(remaining, budget)
         if remaining <= 1:
             return num_new  # a decode
         fit: cython.int = _pairs_fit(computed, num_new, self._pairs_left)
         if fit < num_new:
             num_new = fit if fit > 0 or self._any_prefill else 1
-        if spend and num_new > 0:
+        return num_new
+
+    @cython.cfunc
+    def _spend_pairs(self, computed: cython.int, num_new: cython.int, remaining: cython.int):
+        """A scheduled prompt chunk's pairs leave the step's attention budget."""
+        if remaining > 1:
             self._pairs_left -= _pairs(computed, num_new)
             self._any_prefill = True
-        return num_new
 
     @cython.cfunc
     def _make_room(self, need: cython.int, request: Request, out: SchedulerOutput) -> cython.bint:
@@ -464,11 +471,11 @@ class Scheduler:
             max_hits = self._max_prefix_hits(request)
             hits = alloc.match_prefix(request.token_ids, request._block_hashes, max_hits, request.cache_salt)
             computed = len(hits) * block_size
-            num_new = self._chunk(computed, num_tokens - computed, budget, spend=False)
+            num_new = self._chunk(computed, num_tokens - computed, budget)
             need = _cdiv(computed + num_new, block_size) - len(hits)
             if num_new == 0 or not alloc.can_allocate(need, hits) or not self._lora_fits(request):
                 break
-            self._chunk(computed, num_tokens - computed, budget)  # now spent
+            self._spend_pairs(computed, num_new, num_tokens - computed)
             waiting.popleft()
             alloc.acquire_prefix(request.block_table, hits, max_hits)
             alloc.allocate(request.block_table, need)
