@@ -7,11 +7,13 @@ gateway (400)."""
 from __future__ import annotations
 
 import json
+import os
+import re
 import tempfile
 
 import pytest
 
-from http_support import live_server, tiny_core
+from http_support import TINY_KV_BLOCKS, live_server, tiny_core
 
 EVIL = "https://evil.example"
 
@@ -190,3 +192,55 @@ def test_an_opt_in_needs_a_directory(core):
     for flags in ({"enable_weight_updates": True}, {"allow_runtime_lora": True}):
         with pytest.raises(ValueError, match="--allowed-weights-dir"):
             create_app(ServerSettings(**flags), core)
+
+
+def nested_schema(depth: int) -> dict:
+    """Objects of three properties each, `depth` deep: under the spec size limit, it compiles for
+    seconds (every level multiplies the grammar by three)."""
+    schema = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {f"k{j}": schema for j in range(3)}, "required": ["k0"]}
+    return schema
+
+
+def children(pid: int) -> list[int]:
+    """The processes that `pid`'s threads started."""
+    tasks = os.listdir(f"/proc/{pid}/task")
+    return [int(child) for task in tasks for child in open(f"/proc/{pid}/task/{task}/children").read().split()]
+
+
+def grammar_compilers() -> list[int]:
+    """The pids of this process's grammar compiler processes."""
+    found = []
+    for pid in children(os.getpid()):
+        try:
+            if b"trillm.engine.grammar_compiler" in open(f"/proc/{pid}/cmdline", "rb").read():
+                found.append(pid)
+        except FileNotFoundError:  # it ended meanwhile
+            pass
+    return found
+
+
+async def test_a_grammar_too_long_or_too_slow_to_compile_is_refused_and_its_compile_stops(tiny_text_model_dir):
+    from trillm.config import EngineArgs
+    from trillm.engine.core import EngineCore
+    from trillm.engine.structured_output import MAX_SPEC_CHARS
+
+    with EngineCore(EngineArgs(model=tiny_text_model_dir, num_kv_blocks=TINY_KV_BLOCKS,
+                               grammar_compile_timeout=0.3)) as core:
+        async with live_server(core) as server:
+            http = server.http()
+            long = await http.post("/v1/completions", json={**completion(server), "guided_regex": "a" * (MAX_SPEC_CHARS + 1)})
+            assert long.status_code == 400 and long.json()["error"]["param"] == "guided_regex"
+            assert f"compiles at most {MAX_SPEC_CHARS}" in long.json()["error"]["message"]
+            schema = {"type": "json_schema", "json_schema": {"name": "deep", "schema": nested_schema(7)}}
+            slow = await http.post("/v1/completions", json={**completion(server), "response_format": schema})
+            assert slow.status_code == 400 and slow.json()["error"]["param"] == "response_format"
+            assert "did not compile within 0.3 s" in slow.json()["error"]["message"]
+            # The compile was stopped: its process (a fork of the compiler's) is gone, and the compiler serves on.
+            (compiler,) = grammar_compilers()
+            assert children(compiler) == []
+            out = await server.openai().completions.create(model=server.model, prompt="Hi", max_tokens=4,
+                                                           extra_body={"guided_regex": "[0-9]{4}"})
+            assert re.fullmatch("[0-9]{4}", out.choices[0].text)
+    assert grammar_compilers() == [], "the compiler process stops with its engine"

@@ -62,6 +62,9 @@ class EngineArgs:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # Seconds a structured-output grammar may compile (trillm/engine/grammar_compiler.py): a
+    # longer compile is stopped and its request refused with a 400 naming the field
+    grammar_compile_timeout: float = 10.0
     # /sleep may free the KV cache (level 1) and the weights (level 2) until /wake_up
     enable_sleep_mode: bool = False
 

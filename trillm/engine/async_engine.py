@@ -30,14 +30,11 @@ from trillm.engine.group import RequestGroup
 from trillm.engine.loader import ArchitectureMismatch
 from trillm.engine.lora import LoRAError
 from trillm.engine.stats import ServingStats
+from trillm.engine.structured_output import COMPILE_SLOTS
 from trillm.sampling_params import SamplingParamError, SamplingParams
 from trillm.sched_ext import FinishReason
 
 log = logging.getLogger(__name__)
-GRAMMAR_COMPILE_THREADS = 2  # schema compiles at once; more wait for a thread, never the engine
-# A compile (with its wait for a thread) taking longer is refused with a 400. xgrammar cannot be
-# interrupted, so the thread runs on and caches the grammar; its token stays taken meanwhile.
-GRAMMAR_COMPILE_TIMEOUT_S = 10.0
 
 
 class QueueFullError(RuntimeError):
@@ -153,7 +150,7 @@ class AsyncEngine:
         # Threads of their own: on Trio's default limiter (shared by every to_thread call in the
         # process), slow grammar compiles could take every token and starve the engine's steps.
         self._step_limiter = trio.CapacityLimiter(1)
-        self._compile_limiter = trio.CapacityLimiter(GRAMMAR_COMPILE_THREADS)
+        self._compile_limiter = trio.CapacityLimiter(COMPILE_SLOTS)
         # New weights load on a thread of their own (a GGUF file converts for tens of seconds);
         # LoRA adapters, small, are read on the compile threads.
         self._load_limiter = trio.CapacityLimiter(1)
@@ -196,13 +193,11 @@ class AsyncEngine:
         self.check_room(size, param)
         # Grammars compile in worker threads, so admission between two steps finds them cached.
         specs = {m.params.structured_output for m in requests.members if isinstance(m.params, SamplingParams)}
+        # A compile past the engine's timeout is stopped and refused; a cancelled wait here (the
+        # client left) leaves its thread to finish that compile, within the same timeout.
         for spec in specs - {None}:
-            with trio.move_on_after(GRAMMAR_COMPILE_TIMEOUT_S) as compiling:
-                await trio.to_thread.run_sync(self.core.grammars.compile, spec, limiter=self._compile_limiter,
-                                              abandon_on_cancel=True)
-            if compiling.cancelled_caught:
-                raise SamplingParamError(spec.param, f"The {spec.kind} did not compile within "
-                                                     f"{GRAMMAR_COMPILE_TIMEOUT_S:g} s; send a simpler one.")
+            await trio.to_thread.run_sync(self.core.grammars.compile, spec, limiter=self._compile_limiter,
+                                          abandon_on_cancel=True)
         # A weight update swapping the model holds admissions: the new weights serve this group.
         await self._admissions_open.wait()
         # The world may have changed meanwhile; from here to registering there is no checkpoint.

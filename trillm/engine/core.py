@@ -110,15 +110,17 @@ class EngineCore:
             for name, path in parse_lora_modules(args.lora_modules):
                 self.load_lora(name, path, self.loras.read(path))
         self.sampler = Sampler()
-        self.grammars = Grammars(self.tokenizer, self.config.hf_config.vocab_size, list(self.config.eos_token_ids))
+        self.grammars = Grammars(self.tokenizer, self.config.hf_config.vocab_size, list(self.config.eos_token_ids),
+                                 args.grammar_compile_timeout)
         self.requests: dict[str, EngineRequest] = {}  # live requests, from add_request to their end
         self.num_preemptions = 0
 
     def close(self) -> None:
-        """Stops the other tensor-parallel ranks (a no-op on one rank). Idempotent; the core
-        steps no more after it."""
+        """Stops the other tensor-parallel ranks (a no-op on one rank) and the grammar compiler
+        processes. Idempotent; the core steps no more after it."""
         told = True
         try:
+            self.grammars.close()
             if self.tp.size > 1 and not self.runner.closed:
                 told = self.runner.close()
         finally:

@@ -9,11 +9,14 @@ matchers of the constrained rows write their allowed tokens into a bitmask, the 
 sets every other token's logit to -inf in those rows only, and after sampling each matcher
 advances by its row's token. A step with no constrained row does none of this.
 
-Why compile off the engine: a schema compiles in milliseconds to seconds, and the engine's
+Why compile off the engine: a schema compiles in milliseconds to minutes, and the engine's
 step must not wait on it. The server compiles in a worker thread before admission
 (`compile`, which also turns a bad spec into a SamplingParamError); admission then finds
-the compiled grammar in a small LRU keyed by the spec. The tokenizer's xgrammar view, which
-takes most of a second to build, is made once per engine, on first use.
+the compiled grammar in a small LRU keyed by the spec. The compile itself runs in a process of
+its own (trillm/engine/grammar_compiler.py), which is killed when it runs past the engine's
+`grammar_compile_timeout`: xgrammar cannot be interrupted in-process, and an abandoned compile
+would hold a core for as long as it ran. The tokenizer's xgrammar view, which takes most of a
+second to build, is made once per engine, on first use, and handed to each compiler process.
 
 A matcher's state depends only on the request's output tokens, which a preempted request
 keeps, so preemption needs nothing here. When a grammar is complete, only the stop tokens
@@ -23,36 +26,42 @@ constrain a request.
 """
 from __future__ import annotations
 
-import json
-import re
+import logging
 import threading
 from collections import OrderedDict
 
 import torch
 
+from trillm.engine.grammar_compiler import CompileFailed, CompilerProcess, CompileTimeout
 from trillm.sampling_params import SamplingParamError, StructuredOutput
 
+log = logging.getLogger(__name__)
 CACHE_SIZE = 64  # compiled grammars kept; one costs from kilobytes to a few megabytes
 MAX_SPEC_CHARS = 128 << 10  # a schema, pattern or grammar longer than this is refused: its compile grows with it
-
-_LOCATION = re.compile(r"^\[[^\]]*\] \S+:\d+: ")
-_CHECK = re.compile(r"^Check failed: .*? is false: ")
+COMPILE_SLOTS = 2  # compiles at once (in one compiler process, started when first needed)
 
 
 class Grammars:
-    """The engine's grammar compiler and its cache; each request's matcher lives on its record."""
+    """The engine's grammar compiler and its cache; each request's matcher lives on its record.
+    `close()` stops the compiler process (idempotent; a compile after it starts a new one)."""
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]):
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], compile_timeout: float):
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         self._stop_token_ids = stop_token_ids
-        self._compiler = None  # built on first use
+        self._compile_timeout = compile_timeout
+        self._info = None  # the tokenizer's xgrammar view, built on first use
+        self._info_json = ""  # ... serialized, for the compiler processes
         self._cache: OrderedDict[StructuredOutput, object] = OrderedDict()
+        self._process: CompilerProcess | None = None
         self._lock = threading.Lock()  # compile runs in worker threads, admission on the engine's
+        self._start_lock = threading.Lock()  # one process start at a time, without holding up admission
 
     def compile(self, spec: StructuredOutput):
-        """The compiled grammar, from the cache or compiled now; SamplingParamError if it is invalid.
-        Thread-safe: the server calls it from worker threads."""
+        """The compiled grammar, from the cache or compiled now; SamplingParamError if it is
+        invalid or does not compile within the timeout (the compile is then stopped).
+        Thread-safe: the server calls it from worker threads. Blocks while COMPILE_SLOTS other
+        compiles run, and for at most the timeout (plus a process start) once its own runs."""
         if len(spec.spec or "") > MAX_SPEC_CHARS:
             raise SamplingParamError(spec.param, f"The {spec.kind} is {len(spec.spec)} characters long; this server "
                                                  f"compiles at most {MAX_SPEC_CHARS}.")
@@ -60,16 +69,38 @@ class Grammars:
             if spec in self._cache:
                 self._cache.move_to_end(spec)
                 return self._cache[spec]
-            compiler = self._get_compiler()
+            info, info_json = self._tokenizer_info()
         try:
-            compiled = _compile(compiler, spec)
-        except RuntimeError as exc:  # xgrammar's errors for a bad schema, pattern or grammar
-            raise SamplingParamError(spec.param, f"The {spec.kind} cannot be compiled: {_reason(exc)}") from None
+            serialized = self._compiler_process(info_json).compile(spec.kind, spec.spec, spec.strict,
+                                                                   self._compile_timeout)
+        except CompileFailed as exc:
+            raise SamplingParamError(spec.param, f"The {spec.kind} cannot be compiled: {exc}") from None
+        except CompileTimeout:
+            raise SamplingParamError(spec.param, f"The {spec.kind} did not compile within "
+                                                 f"{self._compile_timeout:g} s; send a simpler one.") from None
+        except RuntimeError:
+            log.exception("Compiling a %s failed", spec.kind)
+            raise SamplingParamError(spec.param, f"The {spec.kind} could not be compiled.") from None
+        import xgrammar
+
+        compiled = xgrammar.CompiledGrammar.deserialize_json(serialized, info)
         with self._lock:
             self._cache[spec] = compiled
             while len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)
         return compiled
+
+    def close(self) -> None:
+        with self._start_lock:
+            if self._process is not None:
+                self._process.close()
+
+    def _compiler_process(self, info_json: str) -> CompilerProcess:
+        """The running compiler process, started (again, if it failed) now if need be."""
+        with self._start_lock:
+            if self._process is None or not self._process.alive:
+                self._process = CompilerProcess(info_json, COMPILE_SLOTS)
+            return self._process
 
     def matcher(self, spec: StructuredOutput):
         """A new matcher for one request (each of n samples has its own), at the grammar's start."""
@@ -89,15 +120,16 @@ class Grammars:
         with torch.inference_mode():  # the runner made the logits as inference tensors
             xgrammar.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)
 
-    def _get_compiler(self):
-        if self._compiler is None:
+    def _tokenizer_info(self):
+        """The tokenizer's xgrammar view and its serialized form (the caller holds the lock)."""
+        if self._info is None:
             import xgrammar
 
             if self._tokenizer is None:
                 raise SamplingParamError("response_format", "Structured output needs a tokenizer, and this model has none.")
-            info = xgrammar.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self._vocab_size)
-            self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-        return self._compiler
+            self._info = xgrammar.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self._vocab_size)
+            self._info_json = self._info.serialize_json()
+        return self._info, self._info_json
 
 
 def accept(matcher, token: int) -> bool:
@@ -106,35 +138,3 @@ def accept(matcher, token: int) -> bool:
     other settings forbade every token the grammar allows (min_tokens masking the only stop
     token): then the output can never match, and it ends here."""
     return matcher.accept_token(token) and not matcher.is_terminated()
-
-
-def _compile(compiler, spec: StructuredOutput):
-    # Compact JSON (no free whitespace): a small model left free to add whitespace may add it forever.
-    if spec.kind == "json_object":
-        return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
-    if spec.kind == "json_schema":
-        return compiler.compile_json_schema(spec.spec, any_whitespace=False, strict_mode=spec.strict)
-    if spec.kind == "regex":
-        return compiler.compile_regex(spec.spec)
-    if spec.kind == "structural_tag":
-        return _compile_structural_tag(compiler, json.loads(spec.spec))
-    return compiler.compile_grammar(spec.spec)
-
-
-def _compile_structural_tag(compiler, tag: dict):
-    """xgrammar's own format as it is; the older structures-and-triggers form (vLLM's and SGLang's
-    response_format) through xgrammar's call for it."""
-    if "format" in tag:
-        return compiler.compile_structural_tag(json.dumps(tag))
-    import xgrammar
-
-    items = [xgrammar.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"])
-             for s in tag["structures"]]
-    return compiler.compile_structural_tag(items, tag["triggers"])
-
-
-def _reason(exc: RuntimeError) -> str:
-    """xgrammar's message without its time, C++ source location and failed-check prefixes."""
-    text = _LOCATION.sub("", str(exc).strip())
-    return _CHECK.sub("", text)
-
