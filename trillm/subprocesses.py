@@ -1,12 +1,14 @@
 """What the processes trillm starts itself share (tensor-parallel ranks, data-parallel replicas
-and their router): a free loopback port to meet at, an even share of the cores, and a death
-tied to their parent's, so that no child outlives the server however it ends."""
+and their router, the grammar compiler): a free loopback port to meet at, an even share of the
+cores, and a death tied to their parent's, so that no child outlives the server however it ends."""
 from __future__ import annotations
 
 import ctypes
 import os
 import signal
 import socket
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
 
 _PR_SET_PDEATHSIG = 1
 
@@ -31,6 +33,18 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# The kernel sends PR_SET_PDEATHSIG when the *thread* that forked the child ends, not its
+# process: a child started from a worker thread (Trio's end after 10 s idle) would be killed
+# with it. Children are forked from this one thread, which lives as long as the process.
+_spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trillm-spawner")
+
+
+def spawn(command: list[str], cpus: set[int] | None = None, **popen_args) -> subprocess.Popen:
+    """Start `command` as a child that dies with this process (die_with_parent), on `cpus` if
+    given, whichever thread calls this. `popen_args` go to subprocess.Popen."""
+    return _spawner.submit(subprocess.Popen, command, preexec_fn=lambda: die_with_parent(cpus), **popen_args).result()
 
 
 def die_with_parent(cpus: set[int] | None = None) -> None:

@@ -32,7 +32,7 @@ import warnings
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 
-from trillm.subprocesses import die_with_parent
+from trillm.subprocesses import die_with_parent, spawn
 
 START_TIMEOUT_S = 120.0  # importing xgrammar (and torch, which it imports) on a busy machine
 REPLY_GRACE_S = 5.0  # beyond a compile's timeout, for the worker to stop the fork and answer
@@ -78,9 +78,8 @@ class CompilerProcess:
             server_ends.append(_Slot(Connection(reply_read, writable=False), Connection(request_write, readable=False)))
             worker_fds += [request_read, reply_write]
         try:
-            self._process = subprocess.Popen(
-                [sys.executable, "-m", __name__, *map(str, worker_fds)],
-                pass_fds=worker_fds, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
+            self._process = spawn([sys.executable, "-m", __name__, *map(str, worker_fds)], pass_fds=worker_fds,
+                                  stdin=subprocess.DEVNULL)
         except BaseException:
             for slot in server_ends:
                 slot.close()

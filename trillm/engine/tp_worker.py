@@ -20,7 +20,7 @@ import sys
 
 from trillm.config import EngineArgs
 from trillm.engine import parallel
-from trillm.subprocesses import die_with_parent, free_port
+from trillm.subprocesses import free_port, spawn
 
 log = logging.getLogger(__name__)
 ARGS_VARIABLE = "TRILLM_TP_ENGINE_ARGS"
@@ -66,8 +66,7 @@ class Workers:
             args = dataclasses.replace(args, tp_init_method=f"tcp://127.0.0.1:{free_port()}")
         env = {**os.environ, ARGS_VARIABLE: json.dumps(dataclasses.asdict(args))}
         processes = [
-            subprocess.Popen([sys.executable, "-m", "trillm.engine.tp_worker", str(rank)], env=env,
-                             preexec_fn=die_with_parent)
+            spawn([sys.executable, "-m", "trillm.engine.tp_worker", str(rank)], env=env)
             for rank in range(1, args.tensor_parallel_size)
         ]
         return cls(processes), args

@@ -36,7 +36,7 @@ from dataclasses import replace
 
 from trillm.http.router_main import ROUTER_KEY_VARIABLE
 from trillm.http.settings import API_KEY_VARIABLE, ServerSettings, to_argv
-from trillm.subprocesses import cpu_share, die_with_parent, free_port
+from trillm.subprocesses import cpu_share, free_port, spawn
 
 log = logging.getLogger(__name__)
 ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
@@ -65,10 +65,8 @@ def run(settings: ServerSettings) -> int:
         replica = replace(settings, host="127.0.0.1", port=port, data_parallel_size=1, data_parallel_address=None,
                           api_key=None)
         cpus = cpu_share(index, count)
-        replicas.append(subprocess.Popen(
-            [sys.executable, "-m", "trillm", "serve", *to_argv(replica)],
-            preexec_fn=lambda cpus=cpus: die_with_parent(cpus), env=_environment(API_KEY_VARIABLE, settings.api_key),
-        ))
+        replicas.append(spawn([sys.executable, "-m", "trillm", "serve", *to_argv(replica)], cpus,
+                              env=_environment(API_KEY_VARIABLE, settings.api_key)))
     children = list(replicas)
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
@@ -81,8 +79,7 @@ def run(settings: ServerSettings) -> int:
             return 0 if stopping else 1
         workers = urls + ServerSettings.as_list(settings.data_parallel_address or "")
         port = settings.port or free_port()  # port 0: any free one, logged below
-        router = subprocess.Popen(router_command(settings, port, workers), preexec_fn=die_with_parent,
-                                  env=_environment(ROUTER_KEY_VARIABLE, settings.api_key))
+        router = spawn(router_command(settings, port, workers), env=_environment(ROUTER_KEY_VARIABLE, settings.api_key))
         children.insert(0, router)
         if not _wait_ready([f"http://{_loopback(settings.host)}:{port}"], [router], stopping):
             return 0 if stopping else 1

@@ -1,0 +1,55 @@
+"""The children trillm starts (tensor-parallel ranks, data-parallel replicas and their router, the
+grammar compiler) die with the server's process, and only then: not with the thread that
+happened to start them (PR_SET_PDEATHSIG follows the forking thread, and Trio's worker threads
+end after 10 s idle)."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+from trillm.subprocesses import spawn
+
+
+def gone(pid: int) -> bool:
+    """Ended (reaped, or a zombie nobody reaps yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_a_child_outlives_the_thread_that_started_it():
+    started = []
+    thread = threading.Thread(target=lambda: started.append(spawn(["sleep", "30"])))
+    thread.start()
+    thread.join()
+    (child,) = started
+    try:
+        time.sleep(0.5)
+        assert child.poll() is None, "the child died with the thread that started it"
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_a_child_dies_with_its_process():
+    parent = subprocess.Popen([sys.executable, "-c", "import sys, threading, time\n"
+                               "from trillm.subprocesses import spawn\n"
+                               "child = []\n"
+                               "t = threading.Thread(target=lambda: child.append(spawn(['sleep', '30'])))\n"
+                               "t.start(); t.join()\n"
+                               "print(child[0].pid, flush=True)\n"
+                               "time.sleep(30)\n"], stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    assert not gone(child)
+    os.kill(parent.pid, signal.SIGKILL)
+    parent.wait()
+    deadline = time.monotonic() + 10
+    while not gone(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert gone(child), "the child outlived its process"
