@@ -23,6 +23,18 @@ import math  # noqa: E402
 import pytest  # noqa: E402
 
 
+def pytest_collection_modifyitems(config, items):
+    """`cuda`-marked tests need a CUDA device, except those marked cuda(cpu_too=True), which run
+    here as well (Triton kernels in the interpreter, the model on the CPU kernels)."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="marker cuda: needs a CUDA device (scripts/gpu_check.py runs these there)")
+    for item in items:
+        marker = item.get_closest_marker("cuda")
+        if marker is not None and not marker.kwargs.get("cpu_too", False):
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def default_model_dir() -> str:
     """SmolLM2-135M-Instruct as an HF directory (converted from its GGUF once per machine, then cached)."""

@@ -49,6 +49,7 @@ def greedy_generations(model_dir: str, backend: str) -> tuple[list, dict]:
     return first + rest, llm.engine.stats()
 
 
+@pytest.mark.cuda(cpu_too=True)
 def test_triton_backend_generates_what_the_torch_backend_does(tiny_model_dir):
     pytest.importorskip("triton")
     model_dir = tiny_model_dir("llama")
@@ -113,6 +114,7 @@ def assert_only_slots_changed(runner: ModelRunner, before: list[torch.Tensor], s
         torch.testing.assert_close(now[slots], then[slots], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.cuda(cpu_too=True)
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_padded_decode_batch_gives_the_unpadded_logits(tiny_model_dir, backend):
     if backend == "triton":
@@ -160,7 +162,7 @@ def test_padded_decode_batch_gives_the_unpadded_logits(tiny_model_dir, backend):
             ids.append(token)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.cuda
 def test_cuda_graphs_generate_what_eager_does(tiny_model_dir):
     """Requests of different lengths finish at different steps, so decode batches of 10 down to
     1 rows replay graphs of several padded sizes."""

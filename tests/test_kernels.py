@@ -14,6 +14,7 @@ from trillm.kernels import activation, attention, cache, norm, rotary
 from trillm.kernels import activation_triton, attention_triton, cache_triton, norm_triton, rotary_triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+CUDA_CHECK = pytest.mark.cuda(cpu_too=True)  # the Triton kernels: on the device there, in the interpreter here
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # Both sides compute in fp32; they differ only by output rounding (and, for attention on a
 # GPU, by the probabilities rounded to the input dtype before the P @ V product).
@@ -37,6 +38,7 @@ def assert_close(got, want, dtype):
 # --- norm, activation ----------------------------------------------------------------------
 
 
+@CUDA_CHECK
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hidden", [64, 96])  # 96: the block is wider than the row
 def test_rms_norm(dtype, hidden):
@@ -44,6 +46,7 @@ def test_rms_norm(dtype, hidden):
     assert_close(norm_triton.rms_norm(x, w, 1e-5), norm.rms_norm(x, w, 1e-5), dtype)
 
 
+@CUDA_CHECK
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hidden", [64, 96])
 def test_fused_add_rms_norm(dtype, hidden):
@@ -55,6 +58,7 @@ def test_fused_add_rms_norm(dtype, hidden):
     assert_close(got_out, want_out, dtype)
 
 
+@CUDA_CHECK
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("inter", [64, 1100])  # 1100: two column blocks, the last one partial
 def test_silu_and_mul(dtype, inter):
@@ -67,6 +71,7 @@ def test_silu_and_mul(dtype, inter):
 # --- rotary --------------------------------------------------------------------------------
 
 
+@CUDA_CHECK
 @pytest.mark.parametrize(
     "dtype,head_dim,is_neox",
     [
@@ -98,6 +103,7 @@ def test_rotary_embedding(dtype, head_dim, is_neox):
 # --- KV cache write ------------------------------------------------------------------------
 
 
+@CUDA_CHECK
 @pytest.mark.parametrize("dtype,block_size,head_dim", [(torch.float32, 16, 64), (torch.float16, 32, 128), (torch.bfloat16, 16, 128)])
 def test_write_kv(dtype, block_size, head_dim):
     hk, num_blocks = 2, 4
@@ -162,6 +168,7 @@ BATCHES = {  # (queries per request, context length per request)
 }
 
 
+@CUDA_CHECK
 @pytest.mark.parametrize(
     "batch,block_size,head_dim,group,sliding_window,num_splits,dtype",
     [
@@ -182,11 +189,13 @@ def test_paged_attention(batch, block_size, head_dim, group, sliding_window, num
                     sliding_window=sliding_window, num_splits=num_splits, dtype=dtype)
 
 
+@CUDA_CHECK
 def test_paged_attention_more_splits_than_tiles():
     """Splits beyond the KV a request has must contribute nothing (empty partials)."""
     check_attention([1, 2], [5, 40], num_splits=8)
 
 
+@CUDA_CHECK
 def test_paged_attention_strided_query():
     """q as a slice of a fused qkv projection, not contiguous across tokens."""
     k_cache, v_cache, block_tables, lens, starts = make_batch(*BATCHES["mixed"], 16, 2, 64, torch.float32)
@@ -235,6 +244,7 @@ def ragged_batches(draw):
     return num_queries, seq_lens
 
 
+@CUDA_CHECK
 @settings(max_examples=12, deadline=None)
 @given(
     batch=ragged_batches(),

@@ -16,6 +16,7 @@ from trillm.kernels import lora, lora_cpu, lora_triton
 from trillm.sampling_params import SamplingParamError, SamplingParams
 
 
+@pytest.mark.cuda(cpu_too=True)  # the Triton kernel on the device there, in the interpreter here
 @pytest.mark.parametrize("T,n_in,n_out,K,S,offsets", [(1, 64, 192, 12, 1, None), (9, 40, 33, 8, 3, None),
                                                       (33, 576, 960, 48, 2, [0, 576, 768, 960]),
                                                       (6, 64, 80, 8, 2, [0, 3, 80])])
@@ -34,10 +35,11 @@ def test_the_compiled_and_triton_kernels_equal_the_twin(T, n_in, n_out, K, S, of
     start = torch.randn(T, n_out)
     expected = start.clone()
     lora.lora_add(expected, x, a, b, slots)
-    for kernel in (lora_cpu.lora_add, lora_triton.lora_add):
-        y = start.clone()
-        kernel(y, x, a, b, slots, offsets)
-        torch.testing.assert_close(y, expected, rtol=1e-4, atol=1e-3)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    for kernel, on in ((lora_cpu.lora_add, "cpu"), (lora_triton.lora_add, device)):
+        y = start.to(on, copy=True)
+        kernel(y, x.to(on), a.to(on), b.to(on), slots.to(on), offsets)
+        torch.testing.assert_close(y.cpu(), expected, rtol=1e-4, atol=1e-3)
     base_rows = slots < 0
     assert torch.equal(expected[base_rows], start[base_rows])  # a row without an adapter is untouched
     assert not torch.equal(expected[~base_rows], start[~base_rows])

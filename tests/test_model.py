@@ -90,7 +90,8 @@ def make_sequences(runner: ModelRunner, lengths: list[int], num_decode: int = 0,
 
 
 # the exact path, which transformers' logits judge: fp32 activations and an fp32 KV cache
-EXACT = dict(quantized_activations=False, kv_cache_dtype="float32")
+# fp32 on CUDA too, where "auto" would be bf16
+EXACT = dict(quantized_activations=False, kv_cache_dtype="float32", dtype="float32")
 
 
 def tiny_runner(model_dir: str, **args) -> ModelRunner:
@@ -112,7 +113,7 @@ def prefill_then_decode(runner: ModelRunner, sequences: list[Sequence]) -> list[
     steps = [run_step(runner, [s.chunk(0, s.prompt_len) for s in sequences])]
     for i in range(num_decode):
         steps.append(run_step(runner, [s.chunk(s.prompt_len + i, 1) for s in sequences]))
-    return [torch.stack([step[b] for step in steps]) for b in range(len(sequences))]
+    return [torch.stack([step[b] for step in steps]).cpu() for b in range(len(sequences))]
 
 
 VARIANTS = {
@@ -126,6 +127,7 @@ VARIANTS = {
 }
 
 
+@pytest.mark.cuda(cpu_too=True)  # on the Triton kernels on a GPU, the CPU kernels here
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_tiny_models_match_transformers(tiny_model_dir, variant):
     kind, overrides = VARIANTS[variant]
@@ -264,6 +266,7 @@ PROMPTS = [
 ]
 
 
+@pytest.mark.cuda(cpu_too=True)
 @pytest.mark.parametrize("source", ["hf-dir", "gguf"])
 def test_default_model_matches_transformers(default_model_dir, source):
     """From the converted directory (fp32 projections) and from the GGUF file itself (on CPU, the

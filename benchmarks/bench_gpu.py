@@ -1,0 +1,122 @@
+"""The serving benchmark on a GPU, beside the roof that memory bandwidth puts on decoding.
+
+Starts `trillm serve` on the default model's bf16 weights (the CUDA default: the Triton kernels,
+CUDA graphs) and measures it with this project's load generator (benchmarks/bench_serving.py):
+128 prompt / 128 output tokens at concurrency 1, 8, 32 and 128, then 1024-token prompts with
+one output token each (their TTFT is the prefill). Beside each level, the decode roof: a decode
+step reads every weight once and each request's KV cache, so at batch c it makes at most
+c x bandwidth / (weight bytes + c x KV bytes per request) tokens a second, with the bandwidth a
+device-to-device copy measures here. Writes everything to OUT/<device name>/gpu_bench.json and
+prints a table for benchmarks/README.md.
+
+    python -m benchmarks.bench_gpu --out gpu-results       (scripts/gpu_check.py bench runs it)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import trio
+
+from benchmarks.bench_serving import BenchConfig, format_summary, run_benchmark
+from benchmarks.compare_peer import REPO, free_port, stop, wait_ready
+
+LEVELS = [1, 8, 32, 128]
+PREFILL_LEN = 1024
+
+
+def copy_bandwidth(nbytes: int = 1 << 30, repeats: int = 20) -> float:
+    """Bytes a second a device-to-device copy moves (each byte read once and written once)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        dst.copy_(src)
+    end.record()
+    end.synchronize()
+    return 2 * nbytes * repeats / (start.elapsed_time(end) / 1e3)
+
+
+def model_bytes() -> tuple[int, int]:
+    """The default model's weights in bf16 bytes (as converted: tied embeddings stored once), and
+    its bf16 KV cache bytes per token."""
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    from trillm.engine.loader import resolve_model
+    from trillm.engine.llama import head_dim_of
+
+    model_dir = resolve_model(None)
+    params = 0
+    for path in Path(model_dir).glob("*.safetensors"):
+        with safe_open(path, "pt") as f:
+            params += sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())
+    config = AutoConfig.from_pretrained(model_dir)
+    kv_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim_of(config) * 2
+    return 2 * params, kv_per_token
+
+
+def decode_roof(bandwidth: float, weights: int, kv_per_token: int, concurrency: int, context: int) -> float:
+    """Tokens a second a decode step can make at most, reading the weights and c requests' KV."""
+    return concurrency * bandwidth / (weights + concurrency * context * kv_per_token)
+
+
+def measure(base_url: str) -> dict:
+    runs = {}
+    for c in LEVELS:
+        config = BenchConfig(base_url, num_prompts=max(8, 4 * c), input_len=128, output_len=128, concurrency=c)
+        runs[f"c{c}"] = trio.run(run_benchmark, config)["summary"]
+        print(format_summary(f"c={c}, 128/128", runs[f"c{c}"]), flush=True)
+    config = BenchConfig(base_url, num_prompts=8, input_len=PREFILL_LEN, output_len=1, concurrency=1)
+    runs["prefill"] = trio.run(run_benchmark, config)["summary"]
+    print(format_summary(f"prefill {PREFILL_LEN}", runs["prefill"]), flush=True)
+    return runs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("gpu-results"))
+    parser.add_argument("--startup-timeout", type=float, default=600)
+    args = parser.parse_args()
+    assert torch.cuda.is_available(), "this benchmark needs a CUDA device"
+    device = torch.cuda.get_device_name(0)
+    out = args.out / re.sub(r"[^A-Za-z0-9.-]+", "-", device).strip("-")
+    out.mkdir(parents=True, exist_ok=True)
+    bandwidth = copy_bandwidth()
+    weights, kv_per_token = model_bytes()
+    torch.cuda.empty_cache()
+    port = free_port()
+    base_url = f"http://127.0.0.1:{port}"
+    with open(out / "server.log", "w") as log:
+        server = subprocess.Popen([sys.executable, "-m", "trillm", "serve", "--port", str(port), "--dtype", "bfloat16",
+                                   "--log-level", "warning"], stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+        try:
+            ready_s = wait_ready(server, base_url, args.startup_timeout)
+            runs = measure(base_url)
+        finally:
+            stop(server)
+    context = 128 + 128 // 2  # a request's mean context while it decodes
+    roofs = {f"c{c}": decode_roof(bandwidth, weights, kv_per_token, c, context) for c in LEVELS}
+    result = {"device": device, "copy_bandwidth_gb_s": bandwidth / 1e9, "weight_bytes": weights,
+              "kv_bytes_per_token": kv_per_token, "startup_s": ready_s, "runs": runs, "decode_roof_tok_s": roofs}
+    (out / "gpu_bench.json").write_text(json.dumps(result, indent=1))
+    print(f"\n{device}: copy bandwidth {bandwidth / 1e9:.0f} GB/s, bf16 weights {weights / 2**20:.0f} MiB")
+    print("| c | output tok/s | decode roof tok/s | share of roof | TTFT mean ms | TPOT mean ms |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for c in LEVELS:
+        s = runs[f"c{c}"]
+        print(f"| {c} | {s['output_throughput']:.0f} | {roofs[f'c{c}']:.0f} | "
+              f"{s['output_throughput'] / roofs[f'c{c}']:.2f} | {s['ttft_ms']['mean']:.1f} | {s['tpot_ms']['mean']:.2f} |")
+    print(f"prefill of {PREFILL_LEN} tokens: TTFT mean {runs['prefill']['ttft_ms']['mean']:.1f} ms")
+
+
+if __name__ == "__main__":
+    main()

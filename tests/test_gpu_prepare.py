@@ -1,0 +1,68 @@
+"""The CUDA check's preparation (docs/gpu.md), exercised here: the wheels the GPU image lacks
+resolve, download for CPython 3.12, and fit with the working tree and the model's parts into
+transfers of 64 MiB; the parts join into the model's wheel; the `cuda` selection collects and,
+without a device, skips what needs one with a reason naming the marker."""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from packaging.utils import parse_wheel_filename
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def load_script(name: str):
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_preparation_resolves_and_every_trip_fits(tmp_path):
+    prepare = load_script("gpu_prepare")
+    bundle = prepare.prepare(tmp_path)
+    brought = set(bundle["packages"])
+    # what the image lacks, and nothing it has
+    assert {"trio", "hypercorn", "quart-trio", "quart-cors", "xgrammar", "gguf", "openai", "pytest-trio",
+            "cython"} <= brought
+    assert not brought & {"torch", "triton", "transformers", "safetensors", "pytest", "hypothesis", "numpy"}
+    wheels = json.loads((tmp_path / "wheels" / "bundle.json").read_text())["wheels"]
+    assert sorted(p.name for p in (tmp_path / "wheels").glob("*.whl")) == wheels and len(wheels) == len(brought)
+    for wheel in wheels:  # pure Python, or built for CPython 3.12 on x86_64 Linux
+        tags = parse_wheel_filename(wheel)[3]
+        assert any(t.interpreter in ("py3", "cp312") and (t.platform == "any" or ("linux" in t.platform and t.platform.endswith("x86_64")))
+                   for t in tags), wheel
+    for trip in bundle["trips"]:
+        assert trip["bytes"] <= prepare.TRIP_BYTES - prepare.MARGIN_BYTES, trip
+    model = bundle["model"]
+    joined = b"".join((tmp_path / "model" / part).read_bytes() for part in model["parts"])
+    assert hashlib.sha256(joined).hexdigest() == model["sha256"] and len(model["parts"]) == len(bundle["trips"])
+
+
+def test_this_machine_has_every_requirement_the_check_imports():
+    load_script("gpu_check").check_imports()
+
+
+def test_the_cuda_selection_collects_and_skips_without_a_device():
+    pytest.importorskip("torch")
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a device is here: the selection runs for real (scripts/gpu_check.py test)")
+    collected = subprocess.run([sys.executable, "-m", "pytest", "-m", "cuda", "--collect-only", "-q", "tests"],
+                               cwd=REPO, capture_output=True, text=True, check=True).stdout
+    selected = [line for line in collected.splitlines() if "::" in line]
+    files = {line.split("::")[0] for line in selected}
+    assert {"tests/test_kernels.py", "tests/test_cuda_path.py", "tests/test_cuda_serving.py", "tests/test_model.py",
+            "tests/test_lora.py"} <= files
+    ran = subprocess.run([sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-rs", "tests/test_cuda_serving.py",
+                          "tests/test_cuda_path.py::test_cuda_graphs_generate_what_eager_does"],
+                         cwd=REPO, capture_output=True, text=True)
+    assert ran.returncode == 0, ran.stdout[-2000:]
+    assert "4 skipped" in ran.stdout and "marker cuda: needs a CUDA device" in ran.stdout
