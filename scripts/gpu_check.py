@@ -1,5 +1,6 @@
-"""The CUDA check, on a GPU machine without a package registry, from what scripts/gpu_prepare.py
-brought (.gpu/wheels, .gpu/model/part-*).
+"""The CUDA check, offline on a GPU machine, from what scripts/gpu_prepare.py brought.
+
+What it reads: .gpu/wheels (with bundle.json) and .gpu/model/part-*.
 
     python3 scripts/gpu_check.py [install|test|bench|all] [--out DIR]     (default: all, $OUT or gpu-results)
 
