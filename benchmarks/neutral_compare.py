@@ -10,7 +10,7 @@ to one JSON file.
 
     benchmarks/peers/setup_vllm_cpu.sh .peers/vllm
     benchmarks/peers/setup_llama_server.sh .peers/llama.cpp
-    python -m benchmarks.neutral_compare --out benchmarks/results/neutral.json
+    python -m benchmarks.neutral_compare --out benchmarks/results/neutral.json   # raw reports: neutral/
     python -m benchmarks.neutral_compare --order llama-server vllm-cpu trillm   # the second run
 
 The servers: trillm as `trillm serve` runs it (the GGUF file), vLLM on the converted HF
@@ -87,13 +87,13 @@ def measure(name: str, args, model_dir: str, out_dir: Path) -> dict:
     port = free_port()
     command, env = SERVERS[name](args, model_dir, port)
     base_url = f"http://127.0.0.1:{port}"
-    with open(out_dir / f"neutral-{name}.log", "w") as log:
+    with open(out_dir / f"{name}.log", "w") as log:
         process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
         try:
             ready = wait_ready(process, base_url, args.startup_timeout)
             levels = {}
             for c in args.concurrency:
-                r = bench_serve(args, model_dir, base_url, c, out_dir / f"neutral-{name}-c{c}.json")
+                r = bench_serve(args, model_dir, base_url, c, out_dir / f"{name}-c{c}.json")
                 levels[str(c)] = {k: r[k] for k in ("output_throughput", "mean_ttft_ms", "median_ttft_ms",
                                                      "mean_tpot_ms", "total_output_tokens", "completed")}
                 print(f"{name} c={c}: {r['output_throughput']:.1f} tok/s, TTFT {r['mean_ttft_ms']:.0f} ms, "
@@ -134,10 +134,11 @@ def main() -> None:
 
     model_dir = resolve_model(None)
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    raw = out.with_suffix("")  # each run's raw reports and server logs in a folder of their own
+    raw.mkdir(parents=True, exist_ok=True)
     results = {"args": vars(args)}
     for name in args.order:
-        results[name] = measure(name, args, model_dir, out.parent)
+        results[name] = measure(name, args, model_dir, raw)
         out.write_text(json.dumps(results, indent=1))
     print(f"\nvllm bench serve, {args.input_len} input / {args.output_len} output tokens, "
           f"max({args.rounds} x c, {MIN_PROMPTS}) prompts, order {' -> '.join(args.order)}")
