@@ -226,6 +226,7 @@ async def test_a_grammar_too_long_or_too_slow_to_compile_is_refused_and_its_comp
     from trillm.engine.core import EngineCore
     from trillm.engine.structured_output import MAX_SPEC_CHARS
 
+    others = set(grammar_compilers())  # other engines' in this process
     with EngineCore(EngineArgs(model=tiny_text_model_dir, num_kv_blocks=TINY_KV_BLOCKS,
                                grammar_compile_timeout=0.3)) as core:
         async with live_server(core) as server:
@@ -238,9 +239,9 @@ async def test_a_grammar_too_long_or_too_slow_to_compile_is_refused_and_its_comp
             assert slow.status_code == 400 and slow.json()["error"]["param"] == "response_format"
             assert "did not compile within 0.3 s" in slow.json()["error"]["message"]
             # The compile was stopped: its process (a fork of the compiler's) is gone, and the compiler serves on.
-            (compiler,) = grammar_compilers()
+            (compiler,) = set(grammar_compilers()) - others
             assert children(compiler) == []
             out = await server.openai().completions.create(model=server.model, prompt="Hi", max_tokens=4,
                                                            extra_body={"guided_regex": "[0-9]{4}"})
             assert re.fullmatch("[0-9]{4}", out.choices[0].text)
-    assert grammar_compilers() == [], "the compiler process stops with its engine"
+    assert set(grammar_compilers()) <= others, "the compiler process stops with its engine"
