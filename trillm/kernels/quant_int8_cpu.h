@@ -22,8 +22,8 @@
  *
  * Three paths, chosen at run time, each checked against quant.py's twin: AVX512-VNNI; AVX2 (each
  * 16-row register split in two 8-row halves, with AVX-VNNI's `vpdpbusd` where the CPU has it,
- * else `vpmaddubsw` + `vpmaddwd`, which saturates beyond 16-bit pairs, hence u split in nibbles
- * for Q8_0); and plain C.
+ * else `vpmaddubsw` + `vpmaddwd`, which saturates beyond 16-bit pairs, hence Q8_0 as signed q
+ * by the sign trick, llama.cpp's way); and plain C.
  */
 #ifndef TRILLM_QUANT_INT8_CPU_H
 #define TRILLM_QUANT_INT8_CPU_H
@@ -201,8 +201,10 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) static void int8_rows_avx
 }
 
 /* The AVX2 body, once with AVX-VNNI's vpdpbusd and once with vpmaddubsw + vpmaddwd (DOT_NIBBLES:
- * a dot of unsigned values below 16, whose 16-bit pair sums cannot saturate; DOT_BYTES: any u). */
-#define INT8_DEFINE_AVX2_BODY(NAME, TARGET, DOT_NIBBLES, DOT_BYTES)                                        \
+ * a dot of unsigned values below 16, whose 16-bit pair sums cannot saturate; DOT_BYTES: any u, a
+ * Q8_0 byte; BYTES_DOT_Q: 1 when DOT_BYTES sums q v (q = u - 128) rather than u v, which leaves
+ * out the -128 d e sum(v) that Q8_0's m s term would otherwise take back off). */
+#define INT8_DEFINE_AVX2_BODY(NAME, TARGET, DOT_NIBBLES, DOT_BYTES, BYTES_DOT_Q)                           \
     __attribute__((target(TARGET), always_inline)) static inline void NAME(                                \
         int rows, int nibbles, float *out, int64_t N, const struct int8_rows *x, int64_t r0,                 \
         const struct int8_weight *w, int64_t t)                                                            \
@@ -237,7 +239,8 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) static void int8_rows_avx
                     const int64_t at = (r0 + r) * x->blocks + b;                                           \
                     acc[r][half] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(x->e[at])),             \
                                                    _mm256_cvtepi32_ps(dot), acc[r][half]);                 \
-                    acc[r][half] = _mm256_fmadd_ps(m, _mm256_set1_ps(x->s[at]), acc[r][half]);             \
+                    if (nibbles || !BYTES_DOT_Q)                                                           \
+                        acc[r][half] = _mm256_fmadd_ps(m, _mm256_set1_ps(x->s[at]), acc[r][half]);         \
                 }                                                                                          \
             }                                                                                              \
         }                                                                                                  \
@@ -252,14 +255,14 @@ __attribute__((target("avx2"), always_inline)) static inline __m256i int8_dot_ma
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, v), _mm256_set1_epi16(1)));
 }
 
-/* u = 16 h + l with h, l below 16: two saturation-free dots */
-__attribute__((target("avx2"), always_inline)) static inline __m256i int8_dot_maddubs_bytes(__m256i acc, __m256i u,
-                                                                                              __m256i v)
+/* sum q v for a Q8_0 byte u = q + 128, by the sign trick: |q| (0x80 reads as 128 unsigned)
+ * against v with q's sign; |q| <= 128 and |v| <= 127, so a 16-bit pair sum cannot saturate. One
+ * vpmaddubsw a group. */
+__attribute__((target("avx2"), always_inline)) static inline __m256i int8_dot_maddubs_q8(__m256i acc, __m256i u,
+                                                                                           __m256i v)
 {
-    const __m256i low = _mm256_set1_epi8(15);
-    const __m256i h = _mm256_and_si256(_mm256_srli_epi16(u, 4), low), l = _mm256_and_si256(u, low);
-    return int8_dot_maddubs(_mm256_add_epi32(acc, _mm256_slli_epi32(int8_dot_maddubs(_mm256_setzero_si256(), h, v), 4)),
-                            l, v);
+    const __m256i q = _mm256_xor_si256(u, _mm256_set1_epi8((char)0x80));
+    return int8_dot_maddubs(acc, _mm256_sign_epi8(q, q), _mm256_sign_epi8(v, q));
 }
 
 __attribute__((target("avx2,avxvnni"), always_inline)) static inline __m256i int8_dot_avxvnni(__m256i acc, __m256i u,
@@ -268,8 +271,8 @@ __attribute__((target("avx2,avxvnni"), always_inline)) static inline __m256i int
     return _mm256_dpbusd_avx_epi32(acc, u, v);
 }
 
-INT8_DEFINE_AVX2_BODY(int8_rows_avx2_body, "avx2,fma", int8_dot_maddubs, int8_dot_maddubs_bytes)
-INT8_DEFINE_AVX2_BODY(int8_rows_avxvnni_body, "avx2,fma,avxvnni", int8_dot_avxvnni, int8_dot_avxvnni)
+INT8_DEFINE_AVX2_BODY(int8_rows_avx2_body, "avx2,fma", int8_dot_maddubs, int8_dot_maddubs_q8, 1)
+INT8_DEFINE_AVX2_BODY(int8_rows_avxvnni_body, "avx2,fma,avxvnni", int8_dot_avxvnni, int8_dot_avxvnni, 0)
 
 __attribute__((target("avx2,fma"))) static void int8_rows_avx2(
     int rows, float *out, int64_t N, const struct int8_rows *x, int64_t r0, const struct int8_weight *w, int64_t t)
