@@ -19,7 +19,7 @@ from trillm.engine import memory, parallel
 from trillm.engine.llama import head_dim_of
 from trillm.engine.loader import resolve_device
 from trillm.engine.lora import LoRAAdapter, LoRAError, LoRARegistry, LoRAWeights
-from trillm.engine.runner import ModelRunner
+from trillm.engine.runner import ModelRunner, SleepTag
 from trillm.engine.tp_worker import Workers, launcher_init_method, launcher_rank
 from trillm.engine.sampler import Sampler, SamplingBatch, TokenLogprobs
 from trillm.engine.stats import EngineStats
@@ -260,11 +260,13 @@ class EngineCore:
         return before - memory.in_use(device)
 
     def wake_up(self, tags: set[str] | None = None) -> None:
-        """Bring back what sleep freed (`tags`: "weights", "kv_cache"; None: both)."""
-        unknown = (tags or set()) - {"weights", "kv_cache"}
+        """Bring back what sleep freed (`tags`: SleepTag values, "weights", "kv_cache"; None: both).
+        ValueError for a tag that is none of them."""
+        unknown = (tags or set()) - set(SleepTag)
         if unknown:
-            raise ValueError(f"Unknown wake-up tags {sorted(unknown)}; the tags are weights and kv_cache.")
-        self.runner.wake_up({"weights", "kv_cache"} if not tags else tags)
+            raise ValueError(f"Unknown wake-up tags {sorted(unknown)}; the tags are "
+                             f"{' and '.join(SleepTag)}.")
+        self.runner.wake_up({SleepTag(tag) for tag in tags} if tags else set(SleepTag))
 
     @property
     def is_sleeping(self) -> bool:

@@ -8,6 +8,7 @@ reach the end of its prompt needs none. On CUDA, pure-decode steps replay CUDA g
 """
 from __future__ import annotations
 
+import enum
 import math
 import mmap
 import os
@@ -28,6 +29,13 @@ from trillm.sched_ext import SchedulerOutput
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+class SleepTag(enum.StrEnum):
+    """What sleep mode frees and a wake-up brings back (vLLM's wake-up tags)."""
+
+    WEIGHTS = "weights"
+    KV_CACHE = "kv_cache"
 
 
 @dataclass(frozen=True)
@@ -89,7 +97,7 @@ class ModelRunner:
             torch.set_num_threads(args.num_threads)
             self.model.kernels.set_threads(args.kernel_threads or len(os.sched_getaffinity(0)))
         self.lora_slots: LoRASlots | None = None  # the model's LoRA adapter slots (trillm/engine/lora.py)
-        self.asleep: set[str] = set()  # what sleep mode freed: "weights", "kv_cache" (empty: serving)
+        self.asleep: set[SleepTag] = set()  # what sleep mode freed (empty: serving)
         self.block_size = args.block_size
         self.decode_graphs: DecodeGraphs | None = None  # captured once the KV cache exists
         self.closed = False
@@ -149,7 +157,7 @@ class ModelRunner:
         assert level in (1, 2)
         self.decode_graphs = None  # they hold the cache and the weights
         self.kv_caches = None
-        self.asleep.add("kv_cache")
+        self.asleep.add(SleepTag.KV_CACHE)
         if self.model is not None:
             for module in self.model.modules():
                 if isinstance(module, Linear):
@@ -157,24 +165,24 @@ class ModelRunner:
         self.lora_slots = None
         if level == 2:
             self.model = None
-            self.asleep.add("weights")
+            self.asleep.add(SleepTag.WEIGHTS)
         elif self.config.device.type == "cuda" and self.model is not None:
             self.model.to("cpu")
-            self.asleep.add("weights")
+            self.asleep.add(SleepTag.WEIGHTS)
 
-    def wake_up(self, tags: set[str]) -> None:
+    def wake_up(self, tags: set[SleepTag]) -> None:
         """Bring back what `tags` names of what sleeps: "weights" (read again from their path
         after a level-2 sleep, moved back to the device after level 1 on CUDA) and "kv_cache"
         (empty). Once nothing sleeps, the model serves again (its slots, its graphs)."""
-        if "weights" in tags & self.asleep:
+        if SleepTag.WEIGHTS in tags & self.asleep:
             if self.model is None:
                 self.model = self._prepared(load_model(self.args, self.tp).model)
             else:
                 self.model.to(self.config.device)
-            self.asleep.discard("weights")
-        if "kv_cache" in tags & self.asleep:
+            self.asleep.discard(SleepTag.WEIGHTS)
+        if SleepTag.KV_CACHE in tags & self.asleep:
             self.kv_caches = self._allocate_kv_cache(self.num_kv_blocks)
-            self.asleep.discard("kv_cache")
+            self.asleep.discard(SleepTag.KV_CACHE)
         if not self.asleep:
             self._serve(self.model)
 
