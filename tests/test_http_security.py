@@ -14,6 +14,7 @@ import tempfile
 import pytest
 
 from http_support import TINY_KV_BLOCKS, live_server, tiny_core
+from process_support import children
 
 EVIL = "https://evil.example"
 
@@ -203,19 +204,13 @@ def nested_schema(depth: int) -> dict:
     return schema
 
 
-def children(pid: int) -> list[int]:
-    """The processes that `pid`'s threads started."""
-    tasks = os.listdir(f"/proc/{pid}/task")
-    return [int(child) for task in tasks for child in open(f"/proc/{pid}/task/{task}/children").read().split()]
-
-
-def grammar_compilers() -> list[int]:
+def grammar_compilers() -> set[int]:
     """The pids of this process's grammar compiler processes."""
-    found = []
+    found = set()
     for pid in children(os.getpid()):
         try:
             if b"trillm.engine.grammar_compiler" in open(f"/proc/{pid}/cmdline", "rb").read():
-                found.append(pid)
+                found.add(pid)
         except FileNotFoundError:  # it ended meanwhile
             pass
     return found
@@ -226,7 +221,7 @@ async def test_a_grammar_too_long_or_too_slow_to_compile_is_refused_and_its_comp
     from trillm.engine.core import EngineCore
     from trillm.engine.structured_output import MAX_SPEC_CHARS
 
-    others = set(grammar_compilers())  # other engines' in this process
+    others = grammar_compilers()  # other engines' in this process
     with EngineCore(EngineArgs(model=tiny_text_model_dir, num_kv_blocks=TINY_KV_BLOCKS,
                                grammar_compile_timeout=0.3)) as core:
         async with live_server(core) as server:
@@ -239,9 +234,9 @@ async def test_a_grammar_too_long_or_too_slow_to_compile_is_refused_and_its_comp
             assert slow.status_code == 400 and slow.json()["error"]["param"] == "response_format"
             assert "did not compile within 0.3 s" in slow.json()["error"]["message"]
             # The compile was stopped: its process (a fork of the compiler's) is gone, and the compiler serves on.
-            (compiler,) = set(grammar_compilers()) - others
-            assert children(compiler) == []
+            (compiler,) = grammar_compilers() - others
+            assert children(compiler) == set()
             out = await server.openai().completions.create(model=server.model, prompt="Hi", max_tokens=4,
                                                            extra_body={"guided_regex": "[0-9]{4}"})
             assert re.fullmatch("[0-9]{4}", out.choices[0].text)
-    assert set(grammar_compilers()) <= others, "the compiler process stops with its engine"
+    assert grammar_compilers() <= others, "the compiler process stops with its engine"

@@ -11,16 +11,9 @@ import sys
 import threading
 import time
 
+from process_support import live
+
 from trillm.subprocesses import spawn
-
-
-def gone(pid: int) -> bool:
-    """Ended (reaped, or a zombie nobody reaps yet)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
 
 
 def test_a_child_outlives_the_thread_that_started_it():
@@ -46,10 +39,10 @@ def test_a_child_dies_with_its_process():
                                "print(child[0].pid, flush=True)\n"
                                "time.sleep(30)\n"], stdout=subprocess.PIPE, text=True)
     child = int(parent.stdout.readline())
-    assert not gone(child)
+    assert live(child)
     os.kill(parent.pid, signal.SIGKILL)
     parent.wait()
     deadline = time.monotonic() + 10
-    while not gone(child) and time.monotonic() < deadline:
+    while live(child) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert gone(child), "the child outlived its process"
+    assert not live(child), "the child outlived its process"

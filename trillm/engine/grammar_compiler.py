@@ -115,8 +115,7 @@ class CompilerProcess:
                                                  "timeout": timeout}).encode())
             reply = _reply(slot, timeout + REPLY_GRACE_S)
         except (OSError, EOFError, RuntimeError) as exc:
-            self._process.kill()  # it no longer answers as it should: none of its slots is trusted
-            self.closed = True
+            self.close()  # it no longer answers as it should: none of its slots is trusted
             raise RuntimeError(f"the grammar compiler process failed: {exc}") from None
         finally:
             self._free.put(slot)
@@ -165,7 +164,7 @@ def _reply(slot: _Slot, timeout: float) -> dict:
     return json.loads(slot.replies.recv_bytes())
 
 
-def compile_spec(compiler, kind: str, spec: str, strict: bool):
+def _compile_spec(compiler, kind: str, spec: str, strict: bool):
     """A spec compiled by an xgrammar GrammarCompiler (in a fork)."""
     # Compact JSON (no free whitespace): a small model left free to add whitespace may add it forever.
     if kind == "json_object":
@@ -228,7 +227,7 @@ def _fork_compile(compiler, request: dict, reply_to: Connection) -> _Fork:
             die_with_parent()  # the worker may be killed while its forks compile
             os.close(read_fd)
             try:
-                reply = {"grammar": compile_spec(compiler, request["kind"], request["spec"], request["strict"])
+                reply = {"grammar": _compile_spec(compiler, request["kind"], request["spec"], request["strict"])
                          .serialize_json()}
             except RuntimeError as exc:  # xgrammar's errors for a bad schema, pattern or grammar
                 reply = {"error": _reason(exc)}

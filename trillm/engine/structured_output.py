@@ -51,7 +51,6 @@ class Grammars:
         self._stop_token_ids = stop_token_ids
         self._compile_timeout = compile_timeout
         self._info = None  # the tokenizer's xgrammar view, built on first use
-        self._info_json = ""  # ... serialized, for the compiler processes
         self._cache: OrderedDict[StructuredOutput, object] = OrderedDict()
         self._process: CompilerProcess | None = None
         self._lock = threading.Lock()  # compile runs in worker threads, admission on the engine's
@@ -69,9 +68,9 @@ class Grammars:
             if spec in self._cache:
                 self._cache.move_to_end(spec)
                 return self._cache[spec]
-            info, info_json = self._tokenizer_info()
+            info = self._tokenizer_info()
         try:
-            serialized = self._compiler_process(info_json).compile(spec.kind, spec.spec, spec.strict,
+            serialized = self._compiler_process(info).compile(spec.kind, spec.spec, spec.strict,
                                                                    self._compile_timeout)
         except CompileFailed as exc:
             raise SamplingParamError(spec.param, f"The {spec.kind} cannot be compiled: {exc}") from None
@@ -95,11 +94,12 @@ class Grammars:
             if self._process is not None:
                 self._process.close()
 
-    def _compiler_process(self, info_json: str) -> CompilerProcess:
-        """The running compiler process, started (again, if it failed) now if need be."""
+    def _compiler_process(self, info) -> CompilerProcess:
+        """The running compiler process, started (again, if it failed) now if need be, given
+        the tokenizer's view `info`."""
         with self._start_lock:
             if self._process is None or not self._process.alive:
-                self._process = CompilerProcess(info_json, COMPILE_SLOTS)
+                self._process = CompilerProcess(info.serialize_json(), COMPILE_SLOTS)
             return self._process
 
     def matcher(self, spec: StructuredOutput):
@@ -121,15 +121,14 @@ class Grammars:
             xgrammar.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)
 
     def _tokenizer_info(self):
-        """The tokenizer's xgrammar view and its serialized form (the caller holds the lock)."""
+        """The tokenizer's xgrammar view (the caller holds the lock)."""
         if self._info is None:
             import xgrammar
 
             if self._tokenizer is None:
                 raise SamplingParamError("response_format", "Structured output needs a tokenizer, and this model has none.")
             self._info = xgrammar.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self._vocab_size)
-            self._info_json = self._info.serialize_json()
-        return self._info, self._info_json
+        return self._info
 
 
 def accept(matcher, token: int) -> bool:
