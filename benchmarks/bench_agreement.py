@@ -17,8 +17,8 @@ import torch
 from transformers import AutoTokenizer
 
 from trillm.config import EngineArgs
-from trillm.engine.loader import resolve_model
-from trillm.engine.runner import ModelRunner
+from trillm.model.loader import resolve_model
+from trillm.model.runner import ModelRunner
 
 TEXT = os.path.join(os.path.dirname(__file__), "data", "eval_text.txt")
 

@@ -51,8 +51,8 @@ def model_bytes() -> tuple[int, int]:
     from safetensors import safe_open
     from transformers import AutoConfig
 
-    from trillm.engine.loader import resolve_model
-    from trillm.engine.llama import head_dim_of
+    from trillm.model.loader import resolve_model
+    from trillm.model.llama import head_dim_of
 
     model_dir = resolve_model(None)
     params = 0

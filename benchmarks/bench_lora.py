@@ -22,7 +22,7 @@ from safetensors.torch import save_file  # noqa: E402
 from trillm import SamplingParams  # noqa: E402
 from trillm.config import EngineArgs  # noqa: E402
 from trillm.engine.core import EngineCore  # noqa: E402
-from trillm.engine.lora import TARGETS, module_shapes  # noqa: E402
+from trillm.model.lora import TARGETS, module_shapes  # noqa: E402
 
 PROMPT = "Once upon a time, in a small village nestled between two mountains, " * 48
 

@@ -29,7 +29,7 @@ from transformers import LlamaConfig
 
 from trillm.config import EngineArgs
 from trillm.engine.core import EngineCore
-from trillm.engine.llama import head_dim_of
+from trillm.model.llama import head_dim_of
 from trillm.sampling_params import SamplingParams
 
 H100_SXM_GBPS = 3350.0

@@ -78,7 +78,7 @@ def cache_counts(urls: list[str]) -> list[dict]:
 
 
 def bench_serve(args, base_url: str, result: Path) -> dict:
-    from trillm.engine.loader import resolve_model
+    from trillm.model.loader import resolve_model
 
     vllm = Path(args.vllm_venv) / "bin" / "vllm"
     command = [

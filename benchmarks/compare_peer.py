@@ -175,7 +175,7 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/compare.json")
     args = parser.parse_args()
 
-    from trillm.engine.loader import resolve_model
+    from trillm.model.loader import resolve_model
 
     model_dir = resolve_model(None)
     out = Path(args.out)

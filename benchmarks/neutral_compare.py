@@ -34,7 +34,7 @@ SERVED_NAME = "SmolLM2-135M-Instruct"
 
 
 def llama_server_command(args, model_dir: str, port: int) -> tuple[list[str], dict]:
-    from trillm.engine.loader import default_model_path
+    from trillm.model.loader import default_model_path
 
     binary = Path(args.llama_dir) / "build" / "bin" / "llama-server"
     assert binary.exists(), f"{binary} is missing: run benchmarks/peers/setup_llama_server.sh {args.llama_dir}"
@@ -130,7 +130,7 @@ def main() -> None:
     # What compare_peer's server commands read; the servers run at their defaults.
     args.dtype, args.num_threads, args.trillm_dense, args.vllm_omp_bind = None, 1, False, None
 
-    from trillm.engine.loader import resolve_model
+    from trillm.model.loader import resolve_model
 
     model_dir = resolve_model(None)
     out = Path(args.out)

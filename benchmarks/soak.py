@@ -28,7 +28,7 @@ from transformers import AutoConfig  # noqa: E402
 
 from trillm.config import EngineArgs  # noqa: E402
 from trillm.engine.core import EngineCore  # noqa: E402
-from trillm.engine.loader import resolve_model  # noqa: E402
+from trillm.model.loader import resolve_model  # noqa: E402
 
 
 def tiny_text_model(directory: str) -> str:

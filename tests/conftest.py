@@ -38,7 +38,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def default_model_dir() -> str:
     """SmolLM2-135M-Instruct as an HF directory (converted from its GGUF once per machine, then cached)."""
-    from trillm.engine.loader import resolve_model
+    from trillm.model.loader import resolve_model
 
     return resolve_model(None)
 

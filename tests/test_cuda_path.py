@@ -15,8 +15,8 @@ import torch
 import trillm
 from trillm import SamplingParams
 from trillm.config import EngineArgs
-from trillm.engine.cuda_graphs import DecodeInputs, capture_sizes, padded_size, use_cuda_graphs
-from trillm.engine.runner import ModelRunner, StepInputs
+from trillm.model.cuda_graphs import DecodeInputs, capture_sizes, padded_size, use_cuda_graphs
+from trillm.model.runner import ModelRunner, StepInputs
 
 BLOCK_SIZE = 4
 MAX_TOKENS = 16

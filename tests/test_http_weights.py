@@ -189,7 +189,7 @@ async def test_running_requests_finish_or_are_aborted_before_the_swap(updatable,
 async def test_an_update_may_come_from_a_gguf_file(default_model_dir):
     """Serving the default model's converted directory, an update to its GGUF file serves the
     file's quantized blocks: the same greedy tokens (the blocks dequantize to the same weights)."""
-    from trillm.engine.loader import default_model_path
+    from trillm.model.loader import default_model_path
 
     core = EngineCore(EngineArgs(model=default_model_dir, num_kv_blocks=32, **EXACT))
     async with live_server(core, enable_weight_updates=True,

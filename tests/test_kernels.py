@@ -209,7 +209,7 @@ def test_paged_attention_strided_query():
 def test_torch_backends_plan_attention_once_per_step(backend_name):
     """Every layer of a step reuses one plan per sliding window, and attends as the reference does
     (the cpu family through its compiled decode kernel for the decode rows of the mixed batch)."""
-    from trillm.engine.attention import AttentionMetadata
+    from trillm.kernels.attention_metadata import AttentionMetadata
     from trillm.kernels.family import get_kernels
 
     num_queries, seq_lens = BATCHES["mixed"]

@@ -9,8 +9,8 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 
 from trillm.config import EngineArgs
-from trillm.engine.llama import Linear, rope_cos_sin_cache
-from trillm.engine.loader import cache_root, convert_gguf, gguf_cache_dir, load_model, resolve_model
+from trillm.model.llama import Linear, rope_cos_sin_cache
+from trillm.model.loader import cache_root, convert_gguf, gguf_cache_dir, load_model, resolve_model
 
 
 def test_default_model_is_converted_once_into_the_cache(default_model_dir):
@@ -142,8 +142,8 @@ def test_gguf_projections_dequantize_to_the_converted_weights(default_model_dir)
     q/k rows reordered, is bit for bit the fp32 tensor transformers converted it to."""
     from safetensors import safe_open
 
-    from trillm.engine.gguf_weights import quantized_weights
-    from trillm.engine.loader import default_model_path
+    from trillm.model.gguf_weights import quantized_weights
+    from trillm.model.loader import default_model_path
     from trillm.kernels import quant
 
     config = AutoConfig.from_pretrained(default_model_dir)
@@ -170,8 +170,8 @@ def test_gguf_tensor_index_is_read_once_and_kept(tmp_path):
     import numpy as np
     from gguf import GGUFReader
 
-    from trillm.engine.gguf_weights import INDEX_FILE, tensor_index
-    from trillm.engine.loader import default_model_path
+    from trillm.model.gguf_weights import INDEX_FILE, tensor_index
+    from trillm.model.loader import default_model_path
 
     reader = GGUFReader(default_model_path())
     index = tensor_index(default_model_path(), str(tmp_path))
@@ -185,7 +185,7 @@ def test_gguf_tensor_index_is_read_once_and_kept(tmp_path):
 
 
 def test_the_pooling_type_comes_from_a_sentence_transformers_config(tmp_path):
-    from trillm.engine.loader import sentence_transformers_pooling
+    from trillm.model.loader import sentence_transformers_pooling
     from trillm.pooling_params import PoolingType
 
     assert sentence_transformers_pooling(str(tmp_path)) is None  # no modules.json
@@ -208,7 +208,7 @@ def test_the_start_log_names_the_kernels_and_every_fallback(caplog, monkeypatch,
 
     from gguf import GGMLQuantizationType
 
-    from trillm.engine import gguf_weights
+    from trillm.model import gguf_weights
     from trillm.kernels import family, quant_cpu
 
     with caplog.at_level(logging.INFO, logger="trillm"):

@@ -11,7 +11,7 @@ from lora_support import make_adapter, reference
 from http_support import EXACT
 from trillm.config import EngineArgs
 from trillm.engine.core import EngineCore, parse_lora_modules
-from trillm.engine.lora import LoRAError
+from trillm.model.lora import LoRAError
 from trillm.kernels import lora, lora_cpu, lora_triton
 from trillm.sampling_params import SamplingParamError, SamplingParams
 

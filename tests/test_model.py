@@ -13,7 +13,7 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from trillm.config import EngineArgs
-from trillm.engine.runner import ModelRunner
+from trillm.model.runner import ModelRunner
 
 BLOCK_SIZE = 4
 LLAMA3_ROPE = {
@@ -400,8 +400,8 @@ def test_quantized_projections_equal_their_dequantized_weights(tiny_model_dir, t
     shards come in two formats stays dense."""
     from test_kernels import random_gguf_blocks
 
-    from trillm.engine.llama import Linear
-    from trillm.engine.loader import load_model, load_quantized_weights, load_weights, on_quantized_blocks, param_shard
+    from trillm.model.llama import Linear
+    from trillm.model.loader import load_model, load_quantized_weights, load_weights, on_quantized_blocks, param_shard
     from trillm.kernels import quant
 
     model_dir = tiny_model_dir("llama", tie_word_embeddings=tied)

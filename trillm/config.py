@@ -46,14 +46,14 @@ class EngineArgs:
     # How embedding requests pool the prompt's final hidden states: last | mean | cls. None: the
     # model's sentence-transformers config (modules.json's Pooling module), else last
     pooling_type: str | None = None
-    # Tensor parallelism (trillm/engine/parallel.py): ranks that shard the model. With more than
+    # Tensor parallelism (trillm/model/parallel.py): ranks that shard the model. With more than
     # one, the engine starts the other ranks itself unless a launcher (torchrun) started them.
     tensor_parallel_size: int = 1
     tp_cpu_binding: bool = True  # on CPU, each rank's threads on its own cores (its NUMA node's)
     tp_timeout: float = 60.0  # seconds a step's collectives wait for a late rank before failing
     # where the ranks meet (tcp://host:port); None: a free loopback port (ranks on one machine)
     tp_init_method: str | None = None
-    # LoRA adapters (trillm/engine/lora.py), vLLM's flags: requests may name adapters loaded from
+    # LoRA adapters (trillm/model/lora.py), vLLM's flags: requests may name adapters loaded from
     # PEFT directories; `lora_modules` loads some at start ("name=path", several separated by
     # commas); at most `max_loras` distinct adapters run in one step, of rank up to
     # `max_lora_rank`; `max_cpu_loras` adapters keep their weights in host memory (None: max_loras)

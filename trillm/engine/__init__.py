@@ -1,1 +1,2 @@
-"""The synchronous engine core (scheduler driver, model runner, sampler) and its Trio front."""
+"""The request side: the synchronous core (scheduler driver, sampler, grammars, outputs) and its
+Trio front. It drives the model side, trillm.model, through `ModelRunner`."""

@@ -27,8 +27,8 @@ import trio
 
 from trillm.engine.core import EngineCore, StepOutput
 from trillm.engine.group import RequestGroup
-from trillm.engine.loader import ArchitectureMismatch
-from trillm.engine.lora import LoRAError
+from trillm.model.loader import ArchitectureMismatch
+from trillm.model.lora import LoRAError
 from trillm.engine.stats import ServingStats
 from trillm.engine.structured_output import COMPILE_SLOTS
 from trillm.sampling_params import SamplingParamError, SamplingParams

@@ -15,12 +15,12 @@ from trillm.config import EngineArgs
 from trillm.engine.pooler import Pooler
 from trillm.engine.prompt_logprobs import PromptLogprobs, fill_prompt_logprobs
 from trillm.engine.request import EngineRequest
-from trillm.engine import memory, parallel
-from trillm.engine.llama import head_dim_of
-from trillm.engine.loader import resolve_device
-from trillm.engine.lora import LoRAAdapter, LoRAError, LoRARegistry, LoRAWeights
-from trillm.engine.runner import ModelRunner, SleepTag
-from trillm.engine.tp_worker import Workers, launcher_init_method, launcher_rank
+from trillm.model import memory, parallel
+from trillm.model.llama import head_dim_of
+from trillm.model.loader import resolve_device
+from trillm.model.lora import LoRAAdapter, LoRAError, LoRARegistry, LoRAWeights
+from trillm.model.runner import ModelRunner, SleepTag
+from trillm.model.tp_worker import Workers, launcher_init_method, launcher_rank
 from trillm.engine.sampler import Sampler, SamplingBatch, TokenLogprobs
 from trillm.engine.stats import EngineStats
 from trillm.engine.structured_output import Grammars, accept
@@ -71,7 +71,7 @@ def prefill_pairs_budget(config, max_num_batched_tokens: int, device: torch.devi
 class EngineCore:
     def __init__(self, args: EngineArgs):
         """With tensor_parallel_size > 1 this is rank 0: it starts the other ranks (unless a
-        launcher did, trillm.engine.tp_worker) and joins their group before loading its shard.
+        launcher did, trillm.model.tp_worker) and joins their group before loading its shard.
         `close()` stops them."""
         self.workers: Workers | None = None
         self.tp = parallel.SINGLE

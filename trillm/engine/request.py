@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trillm.engine.lora import LoRAAdapter
+from trillm.model.lora import LoRAAdapter
 from trillm.engine.pooler import Pooler
 from trillm.engine.prompt_logprobs import PromptLogprobs
 from trillm.pooling_params import PoolingParams

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from quart import Blueprint, Response
 
-from trillm.engine.lora import LoRAError
+from trillm.model.lora import LoRAError
 from trillm.http import paths
 from trillm.http.errors import APIError
 from trillm.http.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest

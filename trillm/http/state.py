@@ -16,7 +16,7 @@ from quart import current_app, g, request
 
 from trillm.engine.async_engine import AsyncEngine
 from trillm.engine.core import EngineCore
-from trillm.engine.lora import LoRAError
+from trillm.model.lora import LoRAError
 from trillm.http import json_body, paths
 from trillm.http.errors import APIError, from_validation_error
 from trillm.http.logprobs import TokenTexts

@@ -17,7 +17,7 @@ import torch
 from trillm.kernels.attention import attend_planned, plan_attention
 
 if TYPE_CHECKING:
-    from trillm.engine.attention import AttentionMetadata
+    from trillm.kernels.attention_metadata import AttentionMetadata
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ class Kernels:
         self.rotary_embedding = kernels("rotary").rotary_embedding
         self.write_kv = kernels("cache").write_kv
         self.paged_attention = kernels("attention").paged_attention
-        self.lora_add = kernels("lora").lora_add  # each row's LoRA adapter update (trillm/engine/lora.py)
+        self.lora_add = kernels("lora").lora_add  # each row's LoRA adapter update (trillm/model/lora.py)
 
     def auto_kv_cache_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The KV cache's dtype for a model in `dtype` when none is asked for."""

@@ -1,7 +1,7 @@
 """Tensor-parallel ranks 1..N-1: how they are started and what they run.
 
 On one machine, rank 0's EngineCore starts the others itself (`Workers.start`): each is
-`python -m trillm.engine.tp_worker RANK`, given the engine's settings in its environment, and
+`python -m trillm.model.tp_worker RANK`, given the engine's settings in its environment, and
 dies with its parent (PR_SET_PDEATHSIG), so no rank outlives the server, however it ends.
 Across machines a launcher (torchrun) starts every rank with RANK, WORLD_SIZE, MASTER_ADDR and
 MASTER_PORT set; `trillm serve` then serves HTTP on rank 0 and runs `run_worker` on the others.
@@ -19,7 +19,7 @@ import subprocess
 import sys
 
 from trillm.config import EngineArgs
-from trillm.engine import parallel
+from trillm.model import parallel
 from trillm.subprocesses import free_port, spawn
 
 log = logging.getLogger(__name__)
@@ -40,8 +40,8 @@ def launcher_init_method() -> str:
 
 def run_worker(args: EngineArgs, rank: int) -> None:
     """Rank `rank`'s whole life (see the module docstring). Returns when rank 0 closes or dies."""
-    from trillm.engine.loader import resolve_device
-    from trillm.engine.runner import ModelRunner
+    from trillm.model.loader import resolve_device
+    from trillm.model.runner import ModelRunner
 
     tp = parallel.join(rank, args.tensor_parallel_size, args.tp_init_method, resolve_device(args.device), args.tp_timeout)
     try:
@@ -66,7 +66,7 @@ class Workers:
             args = dataclasses.replace(args, tp_init_method=f"tcp://127.0.0.1:{free_port()}")
         env = {**os.environ, ARGS_VARIABLE: json.dumps(dataclasses.asdict(args))}
         processes = [
-            spawn([sys.executable, "-m", "trillm.engine.tp_worker", str(rank)], env=env)
+            spawn([sys.executable, "-m", "trillm.model.tp_worker", str(rank)], env=env)
             for rank in range(1, args.tensor_parallel_size)
         ]
         return cls(processes), args

@@ -2,7 +2,7 @@
 
 The loader hands over the file's Q4_1 / Q8_0 blocks as they are, so that the CPU kernels multiply
 by them instead of by fp32 copies, and then fills everything else from the fp32 HF directory it
-converts the file into (trillm/engine/loader.py). Only Llama-family tensor names are mapped, and
+converts the file into (trillm/model/loader.py). Only Llama-family tensor names are mapped, and
 q/k rows get the reordering transformers applies (llama.cpp stores them permuted for its RoPE
 layout); a dequantized result equals the fp32 tensor the directory holds, which the tests check.
 

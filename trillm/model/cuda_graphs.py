@@ -29,7 +29,7 @@ import dataclasses
 
 import torch
 
-from trillm.engine.attention import AttentionMetadata
+from trillm.kernels.attention_metadata import AttentionMetadata
 
 MAX_CAPTURE_SIZE = 256  # above this, launch overhead is small next to the step itself
 

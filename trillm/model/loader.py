@@ -28,9 +28,9 @@ from tqdm import tqdm
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from trillm.config import EngineArgs
-from trillm.engine.gguf_weights import quantized_weights
-from trillm.engine.llama import Embedding, Linear, LlamaForCausalLM, RMSNorm, head_dim_of, head_shards
-from trillm.engine.parallel import SINGLE, TensorParallel
+from trillm.model.gguf_weights import quantized_weights
+from trillm.model.llama import Embedding, Linear, LlamaForCausalLM, RMSNorm, head_dim_of, head_shards
+from trillm.model.parallel import SINGLE, TensorParallel
 from trillm.kernels import quant
 from trillm.kernels.family import get_kernels
 from trillm.pooling_params import PoolingType

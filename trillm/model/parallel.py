@@ -3,7 +3,7 @@ collectives the sharded model and the step loop run, all over torch.distributed 
 NCCL on CUDA).
 
 Rank 0 owns the scheduler, the sampler and the HTTP side; every rank holds a shard of every
-projection (trillm/engine/llama.py says which) and its heads' share of the KV cache, so every
+projection (trillm/model/llama.py says which) and its heads' share of the KV cache, so every
 rank allocates the same blocks and the scheduler does not know the model is sharded.
 
 Two process groups, for two kinds of waiting (a gloo timeout is each process's own):

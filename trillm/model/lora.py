@@ -32,7 +32,7 @@ import torch
 from safetensors import safe_open
 from transformers import PretrainedConfig
 
-from trillm.engine.llama import Linear, LlamaForCausalLM, head_dim_of
+from trillm.model.llama import Linear, LlamaForCausalLM, head_dim_of
 
 # PEFT's module names -> (the layer's submodule, its fused projection, the part of it)
 TARGETS = {

@@ -6,7 +6,7 @@ read the same input are fused (q|k|v and gate|up), so a layer runs four matmuls 
 Every op goes through the kernel family (trillm/kernels/family.py: torch references, their
 compiled CPU versions, or the Triton twins).
 
-Parameter names are the HF checkpoint's, except the fused ones; the loader (trillm/engine/loader.py)
+Parameter names are the HF checkpoint's, except the fused ones; the loader (trillm/model/loader.py)
 maps HF tensors onto them. The variants differ only in config fields: attention bias (Qwen2's
 q/k/v; Llama's `attention_bias`), Qwen3's per-head q/k RMSNorm, a sliding window (Mistral's
 `sliding_window`, Qwen's per-layer `layer_types`), head_dim, tied embeddings and the RoPE type.
@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
-from trillm.engine.attention import AttentionMetadata
-from trillm.engine.parallel import SINGLE, TensorParallel
+from trillm.kernels.attention_metadata import AttentionMetadata
+from trillm.model.parallel import SINGLE, TensorParallel
 from trillm.kernels import linear_cpu, quant
 from trillm.kernels.family import Kernels
 
@@ -42,7 +42,7 @@ class Linear(nn.Module):
     sum that is all-reduced over the ranks, and its bias (whole on every rank) is added once,
     after the sum.
 
-    With LoRA (trillm/engine/lora.py: `attach_lora` sets `lora`), each row of a step whose
+    With LoRA (trillm/model/lora.py: `attach_lora` sets `lora`), each row of a step whose
     adapter slot is set adds its adapter's update to the output, whatever runs the base
     projection (dense, packed or GGUF blocks)."""
 
@@ -283,7 +283,7 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, config: PretrainedConfig, kernels: Kernels, tp: TensorParallel = SINGLE):
         """`tp`: this rank's place in a tensor-parallel group; its shard of every projection, of
-        the vocabulary and of the heads is built (the loader fills it, trillm/engine/loader.py)."""
+        the vocabulary and of the heads is built (the loader fills it, trillm/model/loader.py)."""
         super().__init__()
         if config.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(

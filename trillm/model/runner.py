@@ -4,7 +4,7 @@ The scheduler decides who runs and which blocks hold their context; the runner o
 as flat tensors (one torch.tensor per field, built from flat Python lists) and runs one forward.
 Logits are computed only for the requests that sample this step: a prefill chunk that does not
 reach the end of its prompt needs none. On CUDA, pure-decode steps replay CUDA graphs
-(trillm/engine/cuda_graphs.py); every other step runs eagerly.
+(trillm/model/cuda_graphs.py); every other step runs eagerly.
 """
 from __future__ import annotations
 
@@ -18,12 +18,12 @@ from dataclasses import dataclass, replace
 import torch
 
 from trillm.config import EngineArgs
-from trillm.engine.attention import AttentionMetadata
-from trillm.engine.cuda_graphs import DecodeGraphs, use_cuda_graphs
-from trillm.engine.llama import Linear, LlamaForCausalLM, head_dim_of
-from trillm.engine.loader import load_model, pack_linear_weights, resolve_device
-from trillm.engine.lora import LoRASlots, attach_lora
-from trillm.engine.parallel import SINGLE, TensorParallel, rank_cpus
+from trillm.kernels.attention_metadata import AttentionMetadata
+from trillm.model.cuda_graphs import DecodeGraphs, use_cuda_graphs
+from trillm.model.llama import Linear, LlamaForCausalLM, head_dim_of
+from trillm.model.loader import load_model, pack_linear_weights, resolve_device
+from trillm.model.lora import LoRASlots, attach_lora
+from trillm.model.parallel import SINGLE, TensorParallel, rank_cpus
 from trillm.sched_ext import SchedulerOutput
 
 
@@ -96,7 +96,7 @@ class ModelRunner:
         if self.config.device.type == "cpu":
             torch.set_num_threads(args.num_threads)
             self.model.kernels.set_threads(args.kernel_threads or len(os.sched_getaffinity(0)))
-        self.lora_slots: LoRASlots | None = None  # the model's LoRA adapter slots (trillm/engine/lora.py)
+        self.lora_slots: LoRASlots | None = None  # the model's LoRA adapter slots (trillm/model/lora.py)
         self.asleep: set[SleepTag] = set()  # what sleep mode freed (empty: serving)
         self.block_size = args.block_size
         self.decode_graphs: DecodeGraphs | None = None  # captured once the KV cache exists
