@@ -6,12 +6,7 @@ import trio
 import trio.testing
 
 from trillm import SamplingParams
-from trillm.engine.async_engine import (
-    AsyncEngine,
-    EngineUnavailableError,
-    QueueFullError,
-)
-from trillm.engine.group import RequestGroup
+from trillm.engine.api import AsyncEngine, EngineUnavailableError, QueueFullError, RequestGroup
 from trillm.sampling_params import SamplingParamError, StructuredOutput
 
 LONG_RUN = SamplingParams(max_tokens=1000, ignore_eos=True)  # ends only when stopped

@@ -131,7 +131,7 @@ async def test_a_step_mixing_embeddings_and_chat_gives_each_its_result_alone(ser
 async def test_a_client_gone_mid_batch_frees_every_block(server):
     http = server.http()
     engine = server.state.engine
-    with frozen_engine(server.state.core):
+    with frozen_engine(server.state.engine.core):
         with trio.move_on_after(1):
             await http.post("/v1/embeddings", json={"input": [t * 20 for t in TEXTS] * 4})
         assert engine.stats().num_live_requests == 1  # still in the engine when the client left

@@ -37,8 +37,8 @@ async def lora_server(tiny_text_model_dir, adapters):
                            allowed_weights_dir=tempfile.gettempdir()) as server:
         yield server
         for name in ("two", "three"):  # back to the adapters the core started with
-            if name in server.state.core.loras.adapters:
-                server.state.engine.unload_lora(name)
+            if name in server.state.engine.core.loras.adapters:
+                server.state.engine.weights.unload_lora(name)
 
 
 async def test_adapters_are_listed_served_loaded_and_unloaded(lora_server, tiny_text_model_dir, adapters):
@@ -90,7 +90,7 @@ async def test_lora_path_and_lora_request_choose_the_adapter(lora_server, tiny_t
     request = {"lora_name": "three", "lora_int_id": 3, "lora_path": adapters["three"]}
     tokens = await greedy(client, lora_server.model, lora_request=request)
     assert tokens == reference(tiny_text_model_dir, adapters["three"], PROMPT, 8)[0]
-    assert "three" in lora_server.state.core.loras.adapters
+    assert "three" in lora_server.state.engine.core.loras.adapters
     with pytest.raises(openai.NotFoundError):
         await greedy(client, lora_server.model, lora_request={"lora_name": "four"})
 
@@ -107,13 +107,13 @@ async def test_bad_adapters_are_400s_that_say_what_is_wrong(lora_server, tiny_te
         assert response.status_code == 400 and words in response.json()["error"]["message"], response.text
     again = await http.post("/v1/load_lora_adapter", json={"lora_name": "one", "lora_path": str(tmp_path)})
     assert again.status_code == 400 and "already been loaded" in again.json()["error"]["message"]
-    assert set(lora_server.state.core.loras.adapters) == {"one"}
+    assert set(lora_server.state.engine.core.loras.adapters) == {"one"}
 
 
 async def test_unloading_an_adapter_that_requests_use_is_refused_then_allowed(lora_server, adapters):
     http, client = lora_server.http(), lora_server.openai()
     await http.post("/v1/load_lora_adapter", json={"lora_name": "two", "lora_path": adapters["two"]})
-    core = lora_server.state.core
+    core = lora_server.state.engine.core
     async with trio.open_nursery() as nursery:
         with frozen_engine(core):
             nursery.start_soon(functools.partial(greedy, client, "two", max_tokens=3))
@@ -145,7 +145,7 @@ async def test_an_adapter_unloaded_before_its_request_is_admitted_is_a_404(lora_
             outcome.append(exc.body["param"])
 
     async with trio.open_nursery() as nursery:
-        with frozen_engine(lora_server.state.core):
+        with frozen_engine(lora_server.state.engine.core):
             nursery.start_soon(functools.partial(greedy, client, lora_server.model, max_tokens=3))
             with trio.fail_after(30):
                 while not engine._stepping:  # the base request's step is held
@@ -209,5 +209,5 @@ async def test_fuzzed_adapter_and_weight_bodies_get_4xx_never_5xx(lora_server):
     counts: dict[int, int] = {}
     await trio.to_thread.run_sync(fuzz, lora_server.url, doc, counts, 25)
     assert counts.get(4) and not counts.get(5)
-    assert set(lora_server.state.core.loras.adapters) == {"one"}
+    assert set(lora_server.state.engine.core.loras.adapters) == {"one"}
     assert (await http.get("/health")).status_code == 200

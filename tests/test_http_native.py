@@ -27,13 +27,13 @@ async def test_generate_whole_streamed_batched_and_with_logprobs(server):
     meta = whole["meta_info"]
     assert meta["finish_reason"] == {"type": "length", "length": 6}
     assert len(whole["output_ids"]) == meta["completion_tokens"] == 6
-    assert meta["prompt_tokens"] == len(server.state.core.tokenizer.encode(PROMPT))
-    assert whole["text"] == server.state.core.tokenizer.decode(whole["output_ids"])
+    assert meta["prompt_tokens"] == len(server.state.engine.core.tokenizer.encode(PROMPT))
+    assert whole["text"] == server.state.engine.core.tokenizer.decode(whole["output_ids"])
     assert [t for _, t in meta["output_token_logprobs"]] == whole["output_ids"]
     for top, token in zip(meta["output_top_logprobs"], whole["output_ids"]):
         assert len(top) == 2 and top[0][1] == token, "greedy: the chosen token is the most likely one"
 
-    ids = server.state.core.tokenizer.encode(PROMPT)
+    ids = server.state.engine.core.tokenizer.encode(PROMPT)
     by_ids = (await http.post("/generate", json={"input_ids": ids, "sampling_params": greedy})).json()
     assert by_ids["output_ids"] == whole["output_ids"]
 
@@ -63,8 +63,8 @@ async def test_generate_with_a_stop_string_reports_what_matched(server):
 async def test_tokenize_and_detokenize_round_trip(server):
     http = server.http()
     tokens = (await http.post("/tokenize", json={"prompt": PROMPT})).json()
-    assert tokens["tokens"] == server.state.core.tokenizer.encode(PROMPT) and tokens["count"] == len(tokens["tokens"])
-    assert tokens["max_model_len"] == server.state.core.config.max_model_len
+    assert tokens["tokens"] == server.state.engine.core.tokenizer.encode(PROMPT) and tokens["count"] == len(tokens["tokens"])
+    assert tokens["max_model_len"] == server.state.engine.core.config.max_model_len
     assert (await http.post("/detokenize", json={"tokens": tokens["tokens"]})).json() == {"prompt": PROMPT}
     hi = [{"role": "user", "content": "Hi"}]
     chat = (await http.post("/tokenize", json={"messages": hi, "return_token_strs": True})).json()

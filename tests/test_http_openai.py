@@ -30,7 +30,7 @@ async def test_chat_stream_matches_whole_answer_and_usage(server):
     usage = whole.usage
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
     assert 0 < usage.completion_tokens <= 12
-    template = server.state.core.tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, return_dict=True)
+    template = server.state.engine.core.tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, return_dict=True)
     assert usage.prompt_tokens == len(template["input_ids"])
     assert usage.prompt_tokens_details.cached_tokens >= 0
 
@@ -59,7 +59,7 @@ async def test_completions_stream_matches_whole_answer_for_text_and_token_prompt
     assert isinstance(whole, Completion) and whole.object == "text_completion"
     (choice,) = whole.choices
     assert choice.finish_reason == "length" and whole.usage.completion_tokens == 10
-    ids = server.state.core.tokenizer.encode(PROMPT)
+    ids = server.state.engine.core.tokenizer.encode(PROMPT)
     assert whole.usage.prompt_tokens == len(ids)
 
     by_ids = await client.completions.create(model=server.model, prompt=ids, max_tokens=10, temperature=0)
@@ -85,7 +85,7 @@ async def test_echo_and_a_list_of_prompts(server):
     assert [c.index for c in out.choices] == [0, 1]
     for prompt, choice in zip(prompts, out.choices):
         assert choice.text.startswith(prompt) and len(choice.text) > len(prompt)
-    tokenizer = server.state.core.tokenizer
+    tokenizer = server.state.engine.core.tokenizer
     assert out.usage.prompt_tokens == sum(len(tokenizer.encode(p)) for p in prompts)
     assert out.usage.completion_tokens == 8
 
@@ -134,7 +134,7 @@ async def test_n_samples_are_seeded_and_share_the_prompts_blocks(server):
     out = await server.openai().completions.create(**args)
     assert [c.index for c in out.choices] == [0, 1, 2]
     assert len({c.text for c in out.choices}) > 1, "each sample has its own seed"
-    prompt_tokens = len(server.state.core.tokenizer.encode(LONG_PROMPT))
+    prompt_tokens = len(server.state.engine.core.tokenizer.encode(LONG_PROMPT))
     assert prompt_tokens > 32
     assert out.usage.prompt_tokens == prompt_tokens, "the prompt counts once"
     assert out.usage.completion_tokens == 24

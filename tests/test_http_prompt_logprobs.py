@@ -13,7 +13,7 @@ PROMPT = "The capital of France is Paris, and the capital of Italy is"
 
 async def test_echo_with_logprobs_returns_the_prompt_then_the_completion(server):
     client = server.openai()
-    tokenizer = server.state.core.tokenizer
+    tokenizer = server.state.engine.core.tokenizer
     ids = tokenizer.encode(PROMPT)
     out = await client.completions.create(
         model=server.model, prompt=PROMPT, max_tokens=3, temperature=0, echo=True, logprobs=2,
@@ -71,7 +71,7 @@ async def test_max_tokens_zero_with_echo_is_the_prompt_alone(server):
 
 async def test_vllm_prompt_logprobs_on_completions_and_chat(server):
     http = server.http()
-    ids = server.state.core.tokenizer.encode(PROMPT)
+    ids = server.state.engine.core.tokenizer.encode(PROMPT)
     body = {"model": server.model, "prompt": ids, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 2,
             "echo": True, "logprobs": 0}
     out = (await http.post("/v1/completions", json=body)).json()
@@ -89,7 +89,7 @@ async def test_vllm_prompt_logprobs_on_completions_and_chat(server):
         "model": server.model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1,
         "prompt_logprobs": 0,
     })).json()
-    prompt_ids = server.state.core.tokenizer.apply_chat_template(
+    prompt_ids = server.state.engine.core.tokenizer.apply_chat_template(
         [{"role": "user", "content": "Hi"}], add_generation_prompt=True, return_dict=True)["input_ids"]
     assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) == len(prompt_ids)
     assert all(list(e) == [str(t)] for e, t in zip(chat["prompt_logprobs"][1:], prompt_ids[1:]))
@@ -108,7 +108,7 @@ async def test_vllm_prompt_logprobs_on_completions_and_chat(server):
 
 async def test_generate_logprob_start_len(server):
     http = server.http()
-    ids = server.state.core.tokenizer.encode(PROMPT)
+    ids = server.state.engine.core.tokenizer.encode(PROMPT)
     out = (await http.post("/generate", json={
         "input_ids": ids, "sampling_params": {"max_new_tokens": 0}, "return_logprob": True,
         "logprob_start_len": 4, "top_logprobs_num": 1,

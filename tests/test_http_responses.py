@@ -174,7 +174,7 @@ async def test_a_background_response_can_be_cancelled_and_frees_its_blocks(serve
         results["cancel"] = (await http.post(f"/v1/responses/{response_id}/cancel")).json()
 
     async with trio.open_nursery() as nursery:
-        with frozen_engine(server.state.core):  # it cannot finish before the cancel
+        with frozen_engine(server.state.engine.core):  # it cannot finish before the cancel
             created = (await http.post("/v1/responses", json={
                 "model": server.model, "input": "Count to a thousand.", "max_output_tokens": 500, "background": True,
             })).json()

@@ -3,13 +3,13 @@
 A loaded adapter is listed by /v1/models (its `parent`, the base model) and named by requests'
 `model` (OpenAI routes), `lora_path` (/generate) or `lora_request` (TensorRT-LLM's field).
 The adapter's files are read in a worker thread; registering and forgetting it are the engine's
-(AsyncEngine.load_lora / unload_lora), so a request never sees half an adapter.
+(WeightCycle.load_lora / unload_lora), so a request never sees half an adapter.
 """
 from __future__ import annotations
 
 from quart import Blueprint, Response
 
-from trillm.model.lora import LoRAError
+from trillm.engine.api import LoRAError
 from trillm.http import paths
 from trillm.http.errors import APIError
 from trillm.http.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
@@ -29,7 +29,7 @@ async def load_lora_adapter():
     req = await parse_body(LoadLoRAAdapterRequest)
     path = paths.allowed_path(state.settings, req.lora_path, "lora_path")
     try:
-        await state.engine.load_lora(req.lora_name, path, inplace=req.load_inplace,
+        await state.engine.weights.load_lora(req.lora_name, path, inplace=req.load_inplace,
                                      limit=state.settings.max_lora_adapters)
     except LoRAError as exc:
         raise APIError(exc.status, str(exc), "lora_path" if exc.status == 400 else "lora_name") from None
@@ -44,7 +44,7 @@ async def unload_lora_adapter():
     require_runtime_lora(state)
     req = await parse_body(UnloadLoRAAdapterRequest)
     try:
-        state.engine.unload_lora(req.lora_name)
+        state.engine.weights.unload_lora(req.lora_name)
     except LoRAError as exc:
         raise APIError(exc.status, str(exc), "lora_name") from None
     return Response(f"Success: LoRA adapter '{req.lora_name}' removed successfully.", status=200)

@@ -15,7 +15,6 @@ at startup, so Hypercorn's startup timeout never races a slow load.
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 
 import trio
 from quart import g, request
@@ -23,8 +22,7 @@ from quart_cors import cors
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
-from trillm.engine.async_engine import EngineUnavailableError, QueueFullError, WeightsError
-from trillm.engine.core import EngineCore
+from trillm.engine.api import EngineCore, EngineUnavailableError, QueueFullError, WeightsError
 from trillm.http import (
     adapters,
     embeddings,
@@ -59,12 +57,12 @@ def create_app(settings: ServerSettings | None = None, core: EngineCore | None =
     settings = settings or from_env()
     owns_core = core is None  # a core the app made, it closes (its tensor-parallel ranks stop)
     core = core or EngineCore(settings.engine)
-    settings = replace(settings, engine=core.args)  # what runs, for /server_info
     app = QuartTrio("trillm")
     app.asgi_http_class = Connection  # see trillm.http.connection: every response ends its connection cleanly
     app.config["RESPONSE_TIMEOUT"] = None  # streams last as long as their requests; see trillm.http.sse
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes  # bounds what one request can make us buffer
     state = ServerState(settings, core)
+    settings = state.settings
     app.extensions[EXTENSION] = state
     for module in (openai_chat, openai_completions, responses, embeddings, native, info, invocations, openapi,
                    adapters, weights):

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from trillm.http.protocol import NamedToolChoice
 from trillm.http.reasoning import ReasoningParser, reasoning_parser
 from trillm.http.tool_parsers import TOOL_PARSERS, ToolCall, call_from_json
-from trillm.sched_ext import FinishReason
+from trillm.engine.api import FinishReason
 
 
 class PlainText:

@@ -33,7 +33,7 @@ async def pooled_vectors(
 ) -> tuple[str, list[torch.Tensor]]:
     """The request's id, and each prompt's raw pooled vector, from one engine group; `param`
     names the client's field in errors; `lora_name`: the adapter to run under."""
-    generation = Generation(state, *request_id(prefix), prompts, PoolingParams(state.core.config.pooling_type),
+    generation = Generation(state, *request_id(prefix), prompts, PoolingParams(state.engine.config.pooling_type),
                             field_names={"prompt": param}, lora_name=lora_name)
     await generation.start()
     await generation.run()
@@ -67,7 +67,7 @@ def _head(rid: str, state: ServerState) -> dict:
 
 async def _embedding_request(kind: str) -> tuple[EmbeddingRequest, ServerState, list[list[int]], str, list[torch.Tensor]]:
     state, req = await model_request(EmbeddingRequest)
-    hidden_size = state.core.config.hf_config.hidden_size
+    hidden_size = state.engine.config.hf_config.hidden_size
     if req.dimensions is not None and req.dimensions > hidden_size:
         raise SamplingParamError("dimensions", f"dimensions must be at most this model's {hidden_size}.")
     prompts = await state.off_loop(_prompts, state, req.input, "input")

@@ -17,11 +17,10 @@ from dataclasses import replace
 
 import trio
 
-from trillm.engine.async_engine import RequestStream
-from trillm.engine.output import Delta, output_processor
-from trillm.engine.group import Params, RequestGroup, num_samples
+from trillm.engine.api import (
+    Delta, FinishReason, Params, RequestGroup, RequestStream, num_samples, output_processor,
+)
 from trillm.sampling_params import SamplingParamError, SamplingParams
-from trillm.sched_ext import FinishReason
 
 log = logging.getLogger(__name__)
 

@@ -52,7 +52,7 @@ def _model_card(state, adapter=None) -> dict:
 @blueprint.get("/v1/models")
 async def models():
     state = current()
-    adapters = [] if state.core.loras is None else list(state.core.loras.adapters.values())
+    adapters = state.engine.adapters.values()
     return {"object": "list", "data": [_model_card(state), *(_model_card(state, a) for a in adapters)]}
 
 
@@ -60,20 +60,20 @@ async def models():
 async def model(model: str):
     state = current()
     state.check_model(model)
-    return _model_card(state, None if model == state.model_name else state.core.loras.adapters[model])
+    return _model_card(state, None if model == state.model_name else state.engine.adapters[model])
 
 
 @blueprint.get("/model_info")
 async def model_info():
     state = current()
-    config = state.core.config.hf_config
+    config = state.engine.config.hf_config
     return {
         "model_path": state.weights_path,
         "served_model_name": state.model_name,
         "architectures": getattr(config, "architectures", None),
         "max_model_len": state.max_model_len,
         "vocab_size": state.vocab_size,
-        "eos_token_id": state.core.config.eos_token_id,
+        "eos_token_id": state.engine.config.eos_token_id,
         "is_generation": True,
     }
 
@@ -86,7 +86,7 @@ async def server_info():
     state = current()
     stats = dataclasses.asdict(state.engine.stats())
     engine = state.settings.engine
-    config = state.core.config.hf_config
+    config = state.engine.config.hf_config
     sglang = {
         "served_model_name": state.model_name, "is_generation": True,
         "model_type": getattr(config, "model_type", None), "architectures": getattr(config, "architectures", None),

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from trillm.engine.sampler import TokenLogprobs
+from trillm.engine.api import TokenLogprobs
 
 FLOOR = -9999.0
 

@@ -15,8 +15,7 @@ from typing import Callable
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from trillm.engine.stats import ServingStats
-from trillm.sched_ext import FinishReason
+from trillm.engine.api import FinishReason, ServingStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 TTFT_BUCKETS = (

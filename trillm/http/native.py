@@ -15,7 +15,7 @@ import json
 
 from quart import Blueprint, Response
 
-from trillm.engine.output import Delta
+from trillm.engine.api import Delta, FinishReason
 from trillm.http.errors import APIError
 from trillm.http.generation import Generation
 from trillm.http.logprobs import reported_prompt_tokens
@@ -30,7 +30,6 @@ from trillm.http.protocol import (
 from trillm.http.sse import stream_response
 from trillm.http.state import current, parse_body, read_json, request_id, validate
 from trillm.sampling_params import SamplingParamError
-from trillm.sched_ext import FinishReason
 
 blueprint = Blueprint("native", __name__)
 

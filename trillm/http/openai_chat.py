@@ -8,7 +8,7 @@ import time
 
 from quart import Blueprint
 
-from trillm.engine.output import Delta
+from trillm.engine.api import Delta
 from trillm.http.chat_output import chat_output
 from trillm.http.generation import Generation
 from trillm.http.logprobs import TokenTexts, chat_logprobs, vllm_prompt_logprobs

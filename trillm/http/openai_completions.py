@@ -11,7 +11,7 @@ import time
 
 from quart import Blueprint
 
-from trillm.engine.output import Delta
+from trillm.engine.api import Delta
 from trillm.http.generation import Generation
 from trillm.http.logprobs import TokenTexts, completion_logprobs, join_completion_logprobs, vllm_prompt_logprobs
 from trillm.http.prompts import completion_prompts, decode

@@ -12,7 +12,7 @@ it. Two styles, chosen by `--reasoning-parser`:
 """
 from __future__ import annotations
 
-from trillm.engine.detokenizer import held_prefix_len
+from trillm.engine.api import held_prefix_len
 
 START, END = "<think>", "</think>"
 

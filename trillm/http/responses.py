@@ -18,7 +18,7 @@ from contextlib import contextmanager
 
 from quart import Blueprint, Response, current_app, request
 
-from trillm.engine.async_engine import EngineUnavailableError
+from trillm.engine.api import EngineUnavailableError, FinishReason
 from trillm.http.chat_output import ChatDelta, chat_output
 from trillm.http.errors import APIError
 from trillm.http.generation import Generation
@@ -29,7 +29,6 @@ from trillm.http.responses_store import StoredResponse
 from trillm.http.state import ServerState, current, model_request, request_id
 from trillm.http.tools import tool_choice
 from trillm.sampling_params import SamplingParamError
-from trillm.sched_ext import FinishReason
 
 blueprint = Blueprint("responses", __name__)
 

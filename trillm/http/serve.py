@@ -20,8 +20,7 @@ import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve as hypercorn_serve
 
-from trillm.engine.core import EngineCore
-from trillm.model.tp_worker import launcher_init_method, launcher_rank, run_worker
+from trillm.engine.api import EngineCore, launcher_init_method, launcher_rank, run_worker
 from trillm.http import logs
 from trillm.http.app import create_app
 from trillm.http.settings import ServerSettings

@@ -18,8 +18,7 @@ from typing import Protocol
 
 from quart import Response
 
-from trillm.engine.async_engine import EngineUnavailableError
-from trillm.engine.output import Delta
+from trillm.engine.api import Delta, EngineUnavailableError
 from trillm.http.errors import error_body
 from trillm.http.generation import Generation
 

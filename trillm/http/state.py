@@ -7,6 +7,7 @@ what they need passed in, never through `current()`.
 from __future__ import annotations
 
 import uuid
+from dataclasses import replace
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -14,9 +15,7 @@ import pydantic
 import trio
 from quart import current_app, g, request
 
-from trillm.engine.async_engine import AsyncEngine
-from trillm.engine.core import EngineCore
-from trillm.model.lora import LoRAError
+from trillm.engine.api import AsyncEngine, EngineCore, LoRAError
 from trillm.http import json_body, paths
 from trillm.http.errors import APIError, from_validation_error
 from trillm.http.logprobs import TokenTexts
@@ -37,6 +36,8 @@ T = TypeVar("T")
 
 class ServerState:
     def __init__(self, settings: ServerSettings, core: EngineCore):
+        self.engine = engine = AsyncEngine(core, settings.max_waiting)  # the app's only way to the core
+        settings = self.settings = replace(settings, engine=engine.args)  # what runs, for /server_info
         for name, value, known in (
             ("tool_call_parser", settings.tool_call_parser, [*TOOL_PARSERS, "none"]),
             ("reasoning_parser", settings.reasoning_parser, REASONING_PARSERS),
@@ -45,21 +46,18 @@ class ServerState:
             if value is not None and value not in known:
                 raise ValueError(f"Unknown {name} {value!r}; known: {', '.join(known)}.")
         paths.check_settings(settings)
-        self.settings = settings
-        self.core = core
-        self.engine = AsyncEngine(core, settings.max_waiting)
-        self.tokenizer = core.tokenizer
+        self.tokenizer = engine.tokenizer
         # The tool-call parser for tool_choice auto; None ("none", or no parser fits the template) refuses auto.
         if settings.tool_call_parser is None:
             self.tool_call_parser = default_parser(self.chat_template)
         else:
             self.tool_call_parser = None if settings.tool_call_parser == "none" else settings.tool_call_parser
-        self.token_texts = TokenTexts(core.tokenizer)
-        self.vocab_size = core.config.hf_config.vocab_size
-        self.max_model_len = core.config.max_model_len
-        self.model_name = settings.served_model_name or core.config.name
-        self.metrics = Metrics(self.model_name, self.engine.stats, settings.metrics_prefix,
-                               core.args.max_loras if core.loras is not None else None)
+        self.token_texts = TokenTexts(engine.tokenizer)
+        self.vocab_size = engine.config.hf_config.vocab_size
+        self.max_model_len = engine.config.max_model_len
+        self.model_name = settings.served_model_name or engine.config.name
+        self.metrics = Metrics(self.model_name, engine.stats, settings.metrics_prefix,
+                               engine.args.max_loras if engine.lora_enabled else None)
         self.responses = ResponseStore(settings.responses_store_size)
         # A limiter of its own, so a flood of large requests waits here and never takes the
         # threads the engine's step and grammar compiles run on.
@@ -76,7 +74,7 @@ class ServerState:
     @property
     def weights_path(self) -> str:
         """Where the served weights came from (a path, or the default model's name)."""
-        return self.core.args.model or self.core.config.name
+        return self.engine.args.model or self.engine.config.name
 
     @property
     def chat_template(self) -> str | None:
@@ -88,7 +86,7 @@ class ServerState:
         returns (None: the base model); any other name is a 404 naming `field`, as with vLLM."""
         if model is None or model == self.model_name:
             return None
-        if self.core.loras is None or model not in self.core.loras.adapters:
+        if model not in self.engine.adapters:
             raise APIError(404, f"The model `{model}` does not exist.", field)
         return model
 
@@ -99,15 +97,15 @@ class ServerState:
         model). An unknown adapter is a 404 naming `field`."""
         if lora_request is not None:
             model, field = lora_request.lora_name, "lora_request"
-            loras = self.core.loras
-            if lora_request.lora_path and loras is not None and model not in loras.adapters:
+            adapters = self.engine.adapters
+            if lora_request.lora_path and self.engine.lora_enabled and model not in adapters:
                 paths.require(self.settings.allow_runtime_lora, "--allow-runtime-lora",
                               "Loading a LoRA adapter from lora_request.lora_path")
                 path = paths.allowed_path(self.settings, lora_request.lora_path, "lora_request.lora_path")
                 try:
-                    await self.engine.load_lora(model, path, limit=self.settings.max_lora_adapters)
+                    await self.engine.weights.load_lora(model, path, limit=self.settings.max_lora_adapters)
                 except LoRAError as exc:
-                    if model not in loras.adapters:  # not a concurrent load of the same adapter
+                    if model not in adapters:  # not a concurrent load of the same adapter
                         raise APIError(exc.status, str(exc), "lora_request") from None
         return self.check_model(model, field)
 

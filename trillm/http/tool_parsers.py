@@ -17,7 +17,7 @@ import json
 import uuid
 from dataclasses import dataclass, field
 
-from trillm.engine.detokenizer import held_prefix_len
+from trillm.engine.api import held_prefix_len
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """The weights' life cycle while serving: sleep and wake (vLLM's /sleep, /wake_up, /is_sleeping;
 LMDeploy's /wakeup) and updates in place (SGLang's /update_weights_from_disk, also at
-/update_weights). The engine does the work (AsyncEngine.sleep, wake_up, update_weights); these
+/update_weights). The engine does the work (its WeightCycle: sleep, wake_up, update); these
 routes read the request and report.
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ async def sleep():
     level = request.args.get("level", "1")
     if level not in ("1", "2"):
         raise APIError(400, f"The sleep level is 1 or 2, got {level!r}.", "level")
-    freed = await state.engine.sleep(int(level), state.settings.drain_timeout)
+    freed = await state.engine.weights.sleep(int(level), state.settings.drain_timeout)
     return {"is_sleeping": True, "level": int(level), "freed_bytes": freed}
 
 
@@ -37,7 +37,7 @@ async def wake_up():
     that is awake stays so."""
     state = current()
     tags = set(request.args.getlist("tags")) or None
-    await state.engine.wake_up(tags)
+    await state.engine.weights.wake_up(tags)
     return {"is_sleeping": state.engine.sleeping}
 
 
@@ -57,6 +57,6 @@ async def update_weights():
     paths.require(state.settings.enable_weight_updates, "--enable-weight-updates", "Updating the weights from a path")
     req = await parse_body(UpdateWeightsRequest)
     path = paths.allowed_path(state.settings, req.model_path, "model_path")
-    aborted = await state.engine.update_weights(path, req.abort_running or req.abort_all_requests)
+    aborted = await state.engine.weights.update(path, req.abort_running or req.abort_all_requests)
     return {"success": True, "message": f"Serving the weights at {req.model_path}.", "num_paused_requests": 0,
             "num_aborted_requests": aborted}
