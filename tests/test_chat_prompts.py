@@ -7,8 +7,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from trillm.http.prompts import chat_prompt
-from trillm.http.protocol import TemplateOptions
-from trillm.http.protocol import ChatMessage, Tool
+from trillm.http.protocol.common import TemplateOptions
+from trillm.http.protocol.chat import ChatMessage, Tool
 from trillm.http.tools import TOOLS_PREAMBLE
 
 # A Qwen3-like template, cut to what these tests look at.

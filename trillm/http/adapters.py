@@ -12,7 +12,7 @@ from quart import Blueprint, Response
 from trillm.engine.api import LoRAError
 from trillm.http import paths
 from trillm.http.errors import APIError
-from trillm.http.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
+from trillm.http.protocol.admin import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from trillm.http.state import current, parse_body
 
 blueprint = Blueprint("adapters", __name__)

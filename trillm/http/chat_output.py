@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from trillm.http.protocol import NamedToolChoice
+from trillm.http.protocol.chat import NamedToolChoice
 from trillm.http.reasoning import ReasoningParser, reasoning_parser
 from trillm.http.tool_parsers import TOOL_PARSERS, ToolCall, call_from_json
 from trillm.engine.api import FinishReason

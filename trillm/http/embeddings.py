@@ -20,7 +20,7 @@ from quart import Blueprint
 from trillm.http.errors import APIError
 from trillm.http.generation import Generation
 from trillm.http.prompts import completion_prompts
-from trillm.http.protocol import EmbeddingRequest, RerankRequest, ScoreRequest
+from trillm.http.protocol.embeddings import EmbeddingRequest, RerankRequest, ScoreRequest
 from trillm.http.state import ServerState, model_request, request_id
 from trillm.pooling_params import PoolingParams
 from trillm.sampling_params import SamplingParamError

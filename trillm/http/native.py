@@ -20,13 +20,7 @@ from trillm.http.errors import APIError
 from trillm.http.generation import Generation
 from trillm.http.logprobs import reported_prompt_tokens
 from trillm.http.prompts import chat_prompt, completion_prompts, encode, require_tokenizer
-from trillm.http.protocol import (
-    AbortRequest,
-    DetokenizeRequest,
-    GenerateRequest,
-    LMDeployGenerateRequest,
-    TokenizeRequest,
-)
+from trillm.http.protocol.native import AbortRequest, DetokenizeRequest, GenerateRequest, LMDeployGenerateRequest, TokenizeRequest
 from trillm.http.sse import stream_response
 from trillm.http.state import current, parse_body, read_json, request_id, validate
 from trillm.sampling_params import SamplingParamError

@@ -13,7 +13,7 @@ from trillm.http.chat_output import chat_output
 from trillm.http.generation import Generation
 from trillm.http.logprobs import TokenTexts, chat_logprobs, vllm_prompt_logprobs
 from trillm.http.prompts import chat_prompt, encode
-from trillm.http.protocol import ChatCompletionRequest
+from trillm.http.protocol.chat import ChatCompletionRequest
 from trillm.http.sse import UsageChunks, stream_response
 from trillm.http.state import ServerState, model_request, request_id
 from trillm.http.tools import tool_choice

@@ -15,7 +15,7 @@ from trillm.engine.api import Delta
 from trillm.http.generation import Generation
 from trillm.http.logprobs import TokenTexts, completion_logprobs, join_completion_logprobs, vllm_prompt_logprobs
 from trillm.http.prompts import completion_prompts, decode
-from trillm.http.protocol import CompletionRequest
+from trillm.http.protocol.completions import CompletionRequest
 from trillm.http.sse import UsageChunks, stream_response
 from trillm.http.state import model_request, request_id
 

@@ -17,22 +17,12 @@ from quart import Blueprint, current_app
 
 import trillm
 from trillm.http.errors import ERROR_TYPES
-from trillm.http.responses_protocol import ResponsesRequest
-from trillm.http.protocol import (
-    AbortRequest,
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    EmbeddingRequest,
-    GenerateRequest,
-    LMDeployGenerateRequest,
-    LoadLoRAAdapterRequest,
-    RerankRequest,
-    ScoreRequest,
-    TokenizeRequest,
-    UnloadLoRAAdapterRequest,
-    UpdateWeightsRequest,
-)
+from trillm.http.protocol.responses import ResponsesRequest
+from trillm.http.protocol.admin import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest, UpdateWeightsRequest
+from trillm.http.protocol.chat import ChatCompletionRequest
+from trillm.http.protocol.completions import CompletionRequest
+from trillm.http.protocol.embeddings import EmbeddingRequest, RerankRequest, ScoreRequest
+from trillm.http.protocol.native import AbortRequest, DetokenizeRequest, GenerateRequest, LMDeployGenerateRequest, TokenizeRequest
 
 blueprint = Blueprint("openapi", __name__)
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import jinja2
 
-from trillm.http.protocol import ChatMessage, TemplateOptions, Tool
+from trillm.http.protocol.chat import ChatMessage, Tool
+from trillm.http.protocol.common import TemplateOptions
 from trillm.http.tools import template_inputs
 from trillm.sampling_params import SamplingParamError
 

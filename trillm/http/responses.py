@@ -1,7 +1,7 @@
 """OpenAI's Responses API: POST /v1/responses (whole, streamed as typed events, or in the
 background), GET and DELETE /v1/responses/{id}, GET .../input_items, POST .../cancel.
 
-A response is a chat generation underneath (trillm.http.responses_protocol turns the request
+A response is a chat generation underneath (trillm.http.protocol.responses turns the request
 into a ChatCompletionRequest): the same template, tools, grammars, reasoning parser, admission,
 metrics and abort. Its engine group's id is the response's id, so `/abort_request` takes it;
 a disconnect, a cancel, `/abort_request` or a drain ends it as it ends a chat stream, and its
@@ -23,8 +23,8 @@ from trillm.http.chat_output import ChatDelta, chat_output
 from trillm.http.errors import APIError
 from trillm.http.generation import Generation
 from trillm.http.prompts import chat_prompt
-from trillm.http.protocol import ChatCompletionRequest, ChatMessage, FunctionCall, ToolCallMessage
-from trillm.http.responses_protocol import FIELD_NAMES, ResponsesRequest, item_id, items_to_messages, with_ids
+from trillm.http.protocol.chat import ChatCompletionRequest, ChatMessage, FunctionCall, ToolCallMessage
+from trillm.http.protocol.responses import FIELD_NAMES, ResponsesRequest, item_id, items_to_messages, with_ids
 from trillm.http.responses_store import StoredResponse
 from trillm.http.state import ServerState, current, model_request, request_id
 from trillm.http.tools import tool_choice

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import trio
 
 from trillm.http.errors import APIError
-from trillm.http.protocol import ChatMessage
+from trillm.http.protocol.chat import ChatMessage
 
 
 @dataclass(eq=False)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 
-from trillm.http.protocol import ChatCompletionRequest, NamedToolChoice, Tool
+from trillm.http.protocol.chat import ChatCompletionRequest, NamedToolChoice, Tool
 from trillm.http.tool_parsers import HermesParser
 from trillm.sampling_params import SamplingParamError, SamplingParams, StructuredOutput
 

@@ -9,7 +9,7 @@ from quart import Blueprint, request
 
 from trillm.http import paths
 from trillm.http.errors import APIError
-from trillm.http.protocol import UpdateWeightsRequest
+from trillm.http.protocol.admin import UpdateWeightsRequest
 from trillm.http.state import current, parse_body
 
 blueprint = Blueprint("weights", __name__)

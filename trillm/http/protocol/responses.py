@@ -13,21 +13,18 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
-from trillm.http.protocol import (
-    MAX_LIST_ITEMS,
-    MAX_TOOLS,
+from trillm.http.protocol.chat import (
     ChatCompletionRequest,
     ChatMessage,
     FunctionCall,
     FunctionDefinition,
-    JSONSchemaFormat,
     NamedFunction,
     NamedToolChoice,
-    ResponseFormat,
-    Strict,
     Tool,
     ToolCallMessage,
 )
+from trillm.http.protocol.common import MAX_LIST_ITEMS, MAX_TOOLS, Strict
+from trillm.http.protocol.structured import JSONSchemaFormat, ResponseFormat
 
 # What a client's Responses field is called on the chat path, so a refusal names the client's field.
 FIELD_NAMES = {
