@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from trillm.sched_ext.status import SchedulingPolicy
+
 
 @dataclass
 class EngineArgs:
@@ -37,7 +39,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     # fcfs: arrival order; priority: a request's `priority` first (lower runs first, vLLM's), then
     # arrival, and the worst-ranked running request is the one preempted
-    scheduling_policy: str = "fcfs"
+    scheduling_policy: SchedulingPolicy = SchedulingPolicy.FCFS
     enforce_eager: bool = False  # CUDA: no CUDA graphs
     num_threads: int = 1  # torch intra-op threads on CPU
     # threads of the compiled CPU kernels (trillm/kernels/pool_cpu.h), the step's included;
@@ -67,6 +69,9 @@ class EngineArgs:
     grammar_compile_timeout: float = 10.0
     # /sleep may free the KV cache (level 1) and the weights (level 2) until /wake_up
     enable_sleep_mode: bool = False
+
+    def __post_init__(self) -> None:
+        self.scheduling_policy = SchedulingPolicy(self.scheduling_policy)  # its name as a string is taken too
 
     @classmethod
     def field_names(cls) -> list[str]:

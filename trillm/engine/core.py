@@ -26,7 +26,7 @@ from trillm.engine.stats import EngineStats
 from trillm.engine.structured_output import Grammars, accept
 from trillm.pooling_params import PoolingParams
 from trillm.sampling_params import SamplingParamError, SamplingParams
-from trillm.sched_ext import FinishReason, Request, RequestStatus, Scheduler, SchedulerOutput
+from trillm.sched_ext import FinishReason, Request, RequestStatus, Scheduler, SchedulerOutput, SchedulingPolicy
 
 
 @dataclass
@@ -167,7 +167,7 @@ class EngineCore:
                 f"The prompt is {len(prompt_token_ids)} tokens long; this model's context is "
                 f"{self.config.max_model_len} tokens, which must hold the prompt and at least one new token.",
             )
-        if sampling and params.priority and self.args.scheduling_policy != "priority":
+        if sampling and params.priority and self.args.scheduling_policy != SchedulingPolicy.PRIORITY:
             raise SamplingParamError("priority", "priority needs a server started with --scheduling-policy priority.")
         lora = self._adapter(params.lora_name)
         # An adapter's KV differs from the base model's: its id roots its blocks' hash chain.

@@ -12,6 +12,7 @@ whole answer is built by the same code, its events dropped.
 from __future__ import annotations
 
 import copy
+import enum
 import json
 import time
 from contextlib import contextmanager
@@ -29,6 +30,18 @@ from trillm.http.responses_store import StoredResponse
 from trillm.http.state import ServerState, current, model_request, request_id
 from trillm.http.tools import tool_choice
 from trillm.sampling_params import SamplingParamError
+
+
+class ResponseStatus(enum.StrEnum):
+    """A response's `status`, and its output items' (in_progress, completed, incomplete), as
+    OpenAI's Responses API names them; a member is also that string, so it goes on the wire as is."""
+
+    QUEUED = "queued"  # a background response not yet running
+    IN_PROGRESS = "in_progress"
+    COMPLETED = "completed"
+    INCOMPLETE = "incomplete"  # cut short by max_output_tokens
+    CANCELLED = "cancelled"  # aborted, cancelled, or its client left
+    FAILED = "failed"  # the engine failed under it
 
 blueprint = Blueprint("responses", __name__)
 
@@ -62,7 +75,7 @@ async def create_response():
                             lora_name=await state.requested_lora(req.model))
     builder = ResponseBuilder(state, req, response_id, chat, choice, params)
     conversation = earlier + items_to_messages(req.items())
-    stored = StoredResponse(builder.response("queued" if req.background else "in_progress"),
+    stored = StoredResponse(builder.response(ResponseStatus.QUEUED if req.background else ResponseStatus.IN_PROGRESS),
                             with_ids(req.items()), conversation)
     await generation.start()
     if req.background:
@@ -107,7 +120,7 @@ async def _run(state: ServerState, generation: Generation, builder: ResponseBuil
     try:
         async for _, delta in generation:
             builder.feed(delta)
-            stored.response = builder.response("in_progress")
+            stored.response = builder.response(ResponseStatus.IN_PROGRESS)
     except EngineUnavailableError as exc:
         builder.fail(str(exc))
     finally:
@@ -128,8 +141,8 @@ def _finish(state: ServerState, generation: Generation, builder: ResponseBuilder
 async def _events(state: ServerState, generation: Generation, builder: ResponseBuilder, stored: StoredResponse):
     """The typed server-sent events: `event: <type>` and its JSON, each with a sequence_number."""
     try:
-        yield builder.event("response.created", response=builder.response("in_progress"))
-        yield builder.event("response.in_progress", response=builder.response("in_progress"))
+        yield builder.event("response.created", response=builder.response(ResponseStatus.IN_PROGRESS))
+        yield builder.event("response.in_progress", response=builder.response(ResponseStatus.IN_PROGRESS))
         try:
             async for _, delta in generation:
                 for event in builder.feed(delta):
@@ -139,8 +152,8 @@ async def _events(state: ServerState, generation: Generation, builder: ResponseB
         generation.close()
         for event in builder.end(generation):
             yield event
-        terminal = {"completed": "response.completed", "failed": "response.failed"}.get(builder.status,
-                                                                                      "response.incomplete")
+        terminal = {ResponseStatus.COMPLETED: "response.completed",
+                    ResponseStatus.FAILED: "response.failed"}.get(builder.status, "response.incomplete")
         yield builder.event(terminal, response=builder.response())
     finally:
         generation.close()
@@ -162,7 +175,7 @@ class ResponseBuilder:
         self.chat_output = chat_output(state.settings.reasoning_parser, state.tool_call_parser, choice,
                                        chat.parallel_tool_calls)
         self.output: list[dict] = []
-        self.status = "in_progress"
+        self.status = ResponseStatus.IN_PROGRESS
         self.error: dict | None = None
         self.incomplete_details: dict | None = None
         self.usage: dict | None = None
@@ -175,7 +188,7 @@ class ResponseBuilder:
 
     # --- the response object -----------------------------------------------------------------
 
-    def response(self, status: str | None = None) -> dict:
+    def response(self, status: ResponseStatus | None = None) -> dict:
         req = self.req
         fmt = req.text.format.model_dump(exclude_none=True, by_alias=True) if req.text and req.text.format else None
         tool_choice = req.tool_choice.model_dump() if hasattr(req.tool_choice, "model_dump") else req.tool_choice
@@ -222,7 +235,7 @@ class ResponseBuilder:
         return self._take(parts)
 
     def fail(self, message: str) -> None:
-        self.status = "failed"
+        self.status = ResponseStatus.FAILED
         self.error = {"code": "server_error", "message": message}
 
     def end(self, generation: Generation) -> list[str]:
@@ -232,18 +245,18 @@ class ResponseBuilder:
         self._ended = True
         completion = generation.processors[0].completion
         reason = completion.finish_reason
-        if self.status != "failed":
+        if self.status != ResponseStatus.FAILED:
             if reason is None or reason == FinishReason.ABORT:
-                self.status = "cancelled"
+                self.status = ResponseStatus.CANCELLED
             elif reason == FinishReason.LENGTH:
-                self.status = "incomplete"
+                self.status = ResponseStatus.INCOMPLETE
                 self.incomplete_details = {"reason": "max_output_tokens"}
             else:
-                self.status = "completed"
+                self.status = ResponseStatus.COMPLETED
         events = self._close_reasoning()
         if self._message is None and self._held_whitespace and not self._calls:
             events += self._open_message(self._held_whitespace)
-        item_status = "completed" if self.status == "completed" else "incomplete"
+        item_status = ResponseStatus.COMPLETED if self.status == ResponseStatus.COMPLETED else ResponseStatus.INCOMPLETE
         if self._message is not None:
             item, index = self._message, self._index(self._message)
             part = item["content"][0]
@@ -292,7 +305,7 @@ class ResponseBuilder:
         if parts.reasoning:
             if self._reasoning is None:
                 self._reasoning = {"type": "reasoning", "id": item_id("rs"), "summary": [],
-                                   "content": [{"type": "reasoning_text", "text": ""}], "status": "in_progress"}
+                                   "content": [{"type": "reasoning_text", "text": ""}], "status": ResponseStatus.IN_PROGRESS}
                 events += self._add(self._reasoning)
             self._reasoning["content"][0]["text"] += parts.reasoning
             events.append(self.event("response.reasoning_text.delta", item_id=self._reasoning["id"],
@@ -309,7 +322,7 @@ class ResponseBuilder:
             events += self._close_reasoning()
             if "id" in call:
                 item = {"type": "function_call", "id": item_id("fc"), "call_id": call["id"],
-                        "name": call["function"]["name"], "arguments": "", "status": "in_progress"}
+                        "name": call["function"]["name"], "arguments": "", "status": ResponseStatus.IN_PROGRESS}
                 self._calls[call["index"]] = item
                 events += self._add(item)
             item = self._calls[call["index"]]
@@ -321,7 +334,7 @@ class ResponseBuilder:
 
     def _open_message(self, text: str) -> list[str]:
         self._held_whitespace = ""
-        self._message = {"type": "message", "id": item_id("msg"), "role": "assistant", "status": "in_progress",
+        self._message = {"type": "message", "id": item_id("msg"), "role": "assistant", "status": ResponseStatus.IN_PROGRESS,
                          "content": []}
         events = self._add(self._message)
         part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
@@ -340,7 +353,7 @@ class ResponseBuilder:
         if item is None:
             return []
         index = self._index(item)
-        item["status"] = "completed"
+        item["status"] = ResponseStatus.COMPLETED
         return [
             self.event("response.reasoning_text.done", item_id=item["id"], output_index=index, content_index=0,
                        text=item["content"][0]["text"]),
@@ -399,6 +412,6 @@ async def cancel_response(response_id: str):
     if stored.running:
         state.engine.abort(response_id)
         await stored.done.wait()
-    elif stored.response["status"] != "cancelled":
+    elif stored.response["status"] != ResponseStatus.CANCELLED:
         raise APIError(400, f"Response {response_id!r} has already ended ({stored.response['status']}).", "response_id")
     return stored.response

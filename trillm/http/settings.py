@@ -8,6 +8,7 @@ environment path exists for launches where we do not own the command line:
 from __future__ import annotations
 
 import argparse
+import enum
 import json
 import os
 import types
@@ -88,7 +89,7 @@ def _scalar_type(hint) -> type:
     """`int | None` -> int; the converter a flag or variable uses."""
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
         (hint,) = [a for a in typing.get_args(hint) if a is not type(None)]
-    assert hint in (str, int, float, bool), f"no converter for {hint}"
+    assert hint in (str, int, float, bool) or issubclass(hint, enum.StrEnum), f"no converter for {hint}"
     return hint
 
 
@@ -109,6 +110,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                 group.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=default)
             elif name in LIST_FLAGS:  # vLLM's `--lora-modules a=/p b=/q`: the items joined by commas
                 group.add_argument(flag, dest=name, nargs="+", action=_JoinItems, default=default, metavar="ITEM")
+            elif issubclass(kind, enum.StrEnum):
+                group.add_argument(flag, dest=name, type=kind, default=default, choices=list(kind),
+                                   help="default: %(default)s")
             else:
                 group.add_argument(
                     flag, dest=name, type=kind, default=default, metavar=kind.__name__.upper(),

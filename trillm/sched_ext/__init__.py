@@ -18,12 +18,12 @@ except ImportError as e:
         "trillm.sched_ext is not built: run `python setup.py build_ext --inplace` "
         "(or `pip install -e .`) in the repository root") from e
 
-from trillm.sched_ext.status import FinishReason, RequestStatus
+from trillm.sched_ext.status import FinishReason, RequestStatus, SchedulingPolicy
 
 WAITING, RUNNING, FINISHED = RequestStatus
 
 __all__ = ["BlockAllocator", "FINISHED", "FinishReason", "RUNNING", "Request", "RequestStatus", "Scheduler",
-           "SchedulerOutput", "WAITING", "load_uncompiled"]
+           "SchedulerOutput", "SchedulingPolicy", "WAITING", "load_uncompiled"]
 
 
 def _load_source(name: str, path: Path) -> ModuleType:

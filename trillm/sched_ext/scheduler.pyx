@@ -51,7 +51,7 @@ if cython.compiled:
 else:
     from trillm.sched_ext.allocator import BlockAllocator
 
-from trillm.sched_ext.status import FinishReason, RequestStatus
+from trillm.sched_ext.status import FinishReason, RequestStatus, SchedulingPolicy
 
 COMPILED = cython.compiled
 # As plain ints for the compiled comparisons in the hot loops; `Request.status` is the enum.
@@ -240,7 +240,8 @@ class Scheduler:
     max_num_seqs = cython.declare(cython.int, visibility="readonly")
     max_model_len = cython.declare(cython.int, visibility="readonly")
     _max_len: cython.int  # a request whose token_ids reach this length is done
-    policy = cython.declare(str, visibility="readonly")  # "fcfs" | "priority"
+    policy = cython.declare(object, visibility="readonly")  # a SchedulingPolicy
+    _by_priority: cython.bint  # policy is SchedulingPolicy.PRIORITY
     max_loras = cython.declare(cython.int, visibility="readonly")  # 0: no bound
     _lora_running: dict  # lora_id -> running requests using it (base-model requests not counted)
     _waiting: object  # deque[Request], in rank order
@@ -253,14 +254,15 @@ class Scheduler:
 
     def __init__(self, num_blocks: cython.int, block_size: cython.int = 16,
                  max_num_batched_tokens: cython.int = 2048, max_num_seqs: cython.int = 256,
-                 max_model_len: cython.int = 8192, enable_prefix_caching: cython.bint = True, policy: str = "fcfs",
+                 max_model_len: cython.int = 8192, enable_prefix_caching: cython.bint = True, policy=SchedulingPolicy.FCFS,
                  max_loras: cython.int = 0, max_prefill_pairs: cython.longlong = 0):
         if max_num_batched_tokens < 1 or max_num_seqs < 1 or max_model_len < 2 or max_loras < 0 or max_prefill_pairs < 0:
             raise ValueError("need max_num_batched_tokens >= 1, max_num_seqs >= 1, max_model_len >= 2, max_loras >= 0 "
                              "and max_prefill_pairs >= 0")
-        if policy not in ("fcfs", "priority"):
+        if policy not in list(SchedulingPolicy):
             raise ValueError(f"the scheduling policy is fcfs or priority, got {policy!r}")
-        self.policy = policy
+        self.policy = SchedulingPolicy(policy)
+        self._by_priority = self.policy == SchedulingPolicy.PRIORITY
         self.allocator = BlockAllocator(num_blocks, block_size, enable_prefix_caching)
         self.block_size = block_size
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -306,7 +308,7 @@ class Scheduler:
             raise ValueError(f"the prompt has {num_prompt} tokens and cannot fit in the KV cache "
                              f"({self.allocator.num_blocks} blocks of {self.block_size} tokens)")
         request._seq = self._next_seq
-        request.rank = (request.priority if self.policy == "priority" else 0, request._seq)
+        request.rank = (request.priority if self._by_priority else 0, request._seq)
         self._next_seq += 1
         _insert_ranked(self._waiting, request)
         self._requests[request.request_id] = request
@@ -333,7 +335,7 @@ class Scheduler:
         out: SchedulerOutput = SchedulerOutput()
         prefills: SchedulerOutput = SchedulerOutput()
         alloc: BlockAllocator = self.allocator
-        if self.policy == "priority":
+        if self._by_priority:
             self._preempt_for_better_ranked(out)
         running: list = self._running
         budget: cython.int = self.max_num_batched_tokens
@@ -595,7 +597,7 @@ class Scheduler:
             assert request._status == RUNNING and self._requests[request.request_id] is request
             assert 0 <= request.num_computed_tokens < len(request.token_ids) < self._max_len
             assert len(request.block_table) == _cdiv(request.num_computed_tokens, self.block_size)
-            assert self.policy == "priority" or request._seq > last_seq, "running + waiting is out of arrival order"
+            assert self._by_priority or request._seq > last_seq, "running + waiting is out of arrival order"
             last_seq = request._seq
         for ranked in (self._running, self._waiting):
             ranks = [request.rank for request in ranked]
@@ -604,5 +606,5 @@ class Scheduler:
             assert request._status == WAITING and self._requests[request.request_id] is request
             assert request.num_computed_tokens == 0 and not request.block_table
             assert len(request.token_ids) < self._max_len
-            assert self.policy == "priority" or request._seq > last_seq, "running + waiting is out of arrival order"
+            assert self._by_priority or request._seq > last_seq, "running + waiting is out of arrival order"
             last_seq = request._seq

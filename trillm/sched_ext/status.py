@@ -1,4 +1,5 @@
-"""A request's status and its finish reason, as enums, from the scheduler to the wire.
+"""A request's status and its finish reason, as enums, from the scheduler to the wire; and the
+scheduling policy that ranks requests.
 
 `FinishReason`'s values are the strings OpenAI's wire format carries, made here and nowhere
 else; being a `StrEnum`, a member is also that string (it compares, hashes, formats and
@@ -18,3 +19,10 @@ class FinishReason(enum.StrEnum):
     LENGTH = "length"  # max_tokens, or the context or the KV pool is full
     ABORT = "abort"  # aborted: the client went away, /abort_request, a drain or a shutdown
     TOOL_CALLS = "tool_calls"  # the chat API's name for a stop whose text held tool calls
+
+
+class SchedulingPolicy(enum.StrEnum):
+    """How the scheduler ranks requests (`--scheduling-policy`, vLLM's names)."""
+
+    FCFS = "fcfs"  # by arrival alone
+    PRIORITY = "priority"  # by (priority, arrival): a lower `priority` runs first, and preempts
