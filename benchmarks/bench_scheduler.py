@@ -32,7 +32,7 @@ def prefill(module: ModuleType, num_requests: int, num_steps: int):
         sched.add(module.Request(f"r{i}", prompt, max_len, ignore_eos=True))
     while True:
         out = sched.schedule()
-        sched.update(out, [7] * len(out.requests))
+        sched.update(out, [7] * len(out.scheduled))
         if sched.num_waiting == 0 and out.num_decodes == num_requests:
             return sched
 

@@ -156,7 +156,7 @@ async def test_engine_death_fails_live_requests_and_health_with_503(core):
     steps = []
 
     def fault(sched) -> None:
-        steps.append(len(sched.requests))
+        steps.append(len(sched.scheduled))
         if len(steps) > 3:
             raise RuntimeError("injected fault: the device is gone")
 

@@ -36,15 +36,25 @@ class Request:
 
 
 @dataclass
+class Scheduled:
+    """What the runner reads of a scheduler's ScheduledRequest."""
+
+    request: Request
+    num_new_tokens: int
+    num_computed_tokens: int
+
+    @property
+    def needs_sample(self) -> bool:
+        return self.num_computed_tokens + self.num_new_tokens == len(self.request.token_ids)
+
+
+@dataclass
 class Schedule:
-    requests: list[Request]
-    num_scheduled_tokens: list[int]
-    num_computed_tokens: list[int]
-    needs_sample: list[bool]
+    scheduled: list[Scheduled]
 
     @property
     def total_num_tokens(self) -> int:
-        return sum(self.num_scheduled_tokens)
+        return sum(e.num_new_tokens for e in self.scheduled)
 
 
 class Sequence:
@@ -65,12 +75,7 @@ class Sequence:
 
 def run_step(runner: ModelRunner, chunks: list[tuple[Request, int, int]]) -> torch.Tensor:
     return runner.execute(
-        Schedule(
-            [r for r, _, _ in chunks],
-            [n for _, _, n in chunks],
-            [s for _, s, _ in chunks],
-            [s + n == len(r.token_ids) for r, s, n in chunks],
-        )
+        Schedule([Scheduled(r, n, s) for r, s, n in chunks])
     ).logits
 
 
@@ -371,16 +376,16 @@ def test_greedy_under_the_real_scheduler_matches_transformers(tiny_model_dir):
     prefix = [rng.randrange(3, 256) for _ in range(12)]
     prompts = [prefix + [rng.randrange(3, 256) for _ in range(n)] for n in (3, 6, 1, 5)]
     max_tokens = 8
-    requests = [SchedRequest(str(i), p, max_tokens, ignore_eos=True) for i, p in enumerate(prompts)]
+    requests = [SchedRequest(str(i), p, max_tokens) for i, p in enumerate(prompts)]
     for request in requests:
         scheduler.add(request)
     num_partial_chunks = 0
     while scheduler.has_unfinished():
         out = scheduler.schedule()
         logits = runner.execute(out).logits
-        num_partial_chunks += out.needs_sample.count(False)
+        num_partial_chunks += sum(not e.needs_sample for e in out.scheduled)
         greedy = iter(logits.argmax(-1).tolist())
-        scheduler.update(out, [next(greedy) if need else -1 for need in out.needs_sample])
+        scheduler.update(out, [next(greedy) if e.needs_sample else -1 for e in out.scheduled])
     assert num_partial_chunks > 0 and scheduler.allocator.prefix_cache_hits > 0
     assert sum(r.num_preemptions for r in requests) > 0
 

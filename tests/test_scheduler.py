@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
+from trillm.sampling_params import SamplingParams
 from trillm.sched_ext import FINISHED, RUNNING, WAITING, Request, Scheduler, load_uncompiled
 from trillm.sched_ext import allocator as compiled_allocator
 from trillm.sched_ext import scheduler as compiled_scheduler
@@ -29,14 +30,17 @@ def cdiv(a: int, b: int) -> int:
 def step(sched: Scheduler, token: int = 7):
     """One schedule + update, every sampled token `token`."""
     out = sched.schedule()
-    finished = sched.update(out, [token] * len(out.requests))
+    finished = sched.update(out, [token] * len(out.scheduled))
     sched.check_invariants()
     return out, finished
 
 
 def plan(out) -> list[tuple[str, int, int, bool]]:
-    return list(zip([r.request_id for r in out.requests], out.num_scheduled_tokens,
-                    out.num_computed_tokens, out.needs_sample))
+    return [(e.request.request_id, e.num_new_tokens, e.num_computed_tokens, e.needs_sample) for e in out.scheduled]
+
+
+def scheduled_ids(out) -> list[str]:
+    return [e.request.request_id for e in out.scheduled]
 
 
 def test_the_extensions_are_compiled():
@@ -90,7 +94,7 @@ def test_max_num_seqs_caps_the_batch():
     for rid in "abc":
         sched.add(Request(rid, [1, 2], 5))
     out, _ = step(sched)
-    assert [r.request_id for r in out.requests] == ["a", "b"]
+    assert scheduled_ids(out) == ["a", "b"]
     assert (sched.num_running, sched.num_waiting) == (2, 1)
 
 
@@ -102,7 +106,7 @@ def test_prefix_cache_hits_skip_full_blocks_but_not_the_last_token():
     sched.add(Request("b", list(range(1, 9)) + [42, 43, 44], 1))
     out, _ = step(sched)
     assert plan(out) == [("b", 3, 8, True)]
-    assert out.requests[0].num_cached_tokens == 8
+    assert out.scheduled[0].request.num_cached_tokens == 8
     sched.add(Request("c", range(1, 9), 1))  # exactly a's 2 full blocks
     out, _ = step(sched)
     assert plan(out) == [("c", 4, 4, True)]  # the last token is computed: 1 hit, not 2
@@ -116,7 +120,7 @@ def test_prefix_caching_disabled_recomputes_everything():
     step(sched)
     sched.add(Request("b", range(1, 11), 1))
     out, _ = step(sched)
-    assert plan(out) == [("b", 10, 0, True)] and out.requests[0].num_cached_tokens == 0
+    assert plan(out) == [("b", 10, 0, True)] and out.scheduled[0].request.num_cached_tokens == 0
     assert sched.allocator.prefix_cache_queries == 0
 
 
@@ -125,16 +129,16 @@ def test_a_burst_sharing_a_prefix_then_follow_ups_hit_every_full_block():
     turn must then hit every full block computed for it, the shared ones and its own."""
     sched = Scheduler(64, BS, max_num_batched_tokens=64, max_num_seqs=8, max_model_len=64)
     system = [2, 3, 4, 5, 2, 3, 4, 5]
-    first = [Request(f"r{k}", system + [10 + k] * 5, 3, ignore_eos=True) for k in range(3)]
+    first = [Request(f"r{k}", system + [10 + k] * 5, 3) for k in range(3)]
     for r in first:
         sched.add(r)
     out, _ = step(sched)
-    assert [r.request_id for r in out.requests] == ["r0", "r1", "r2"]  # one step: the burst
+    assert scheduled_ids(out) == ["r0", "r1", "r2"]  # one step: the burst
     while sched.has_unfinished():
         step(sched)
     assert [r.num_cached_tokens for r in first] == [0, 0, 0]
     for k, r in enumerate(first):
-        follow_up = Request(f"f{k}", r.token_ids + [20 + k] * 4, 2, ignore_eos=True)
+        follow_up = Request(f"f{k}", r.token_ids + [20 + k] * 4, 2)
         sched.add(follow_up)
         step(sched)
         assert follow_up.num_cached_tokens == (len(r.token_ids) - 1) // BS * BS == 12
@@ -151,7 +155,7 @@ def test_preemption_takes_the_newest_and_requeues_it_first():
     sched.add(Request("d", [4, 4, 4, 4], 5))
     out, finished = step(sched)  # all three need a second block
     c = sched.get("c")
-    assert out.preempted == ["c"] and [r.request_id for r in out.requests] == ["a", "b"]
+    assert out.preempted == ["c"] and scheduled_ids(out) == ["a", "b"]
     assert (c.status, c.num_computed_tokens, c.block_table, c.num_preemptions) == (WAITING, 0, [], 1)
     assert c.token_ids == [3, 3, 3, 3, 7]  # its output is kept and recomputed
     assert [r.request_id for r in finished] == ["a"]
@@ -166,7 +170,7 @@ def test_the_newest_request_preempts_itself():
     sched.add(Request("b", [2, 2, 2, 2], 5))
     step(sched)
     out, _ = step(sched)
-    assert out.preempted == ["b"] and [r.request_id for r in out.requests] == ["a"]
+    assert out.preempted == ["b"] and scheduled_ids(out) == ["a"]
     assert sched.get("b").status == WAITING and sched.get("a").status == RUNNING
 
 
@@ -217,34 +221,35 @@ def run_to_end(sched: Scheduler, tokens: list[int]) -> Request:
 
 def test_eos_finishes_with_stop():
     sched = Scheduler(8, BS)
-    sched.add(Request("a", [1, 2], 10, eos_token_id=EOS))
+    sched.add(Request("a", [1, 2], 10, stop_token_ids=[EOS]))
     a = run_to_end(sched, [5, 6, EOS, 5])
     assert (a.finish_reason, a.stop_token_id, a.token_ids) == ("stop", EOS, [1, 2, 5, 6, EOS])
 
 
 def test_ignore_eos_runs_to_max_tokens():
+    """The engine's stop set leaves the EOS ids out under ignore_eos; nothing else stops it."""
     sched = Scheduler(8, BS)
-    sched.add(Request("a", [1, 2], 3, eos_token_id=EOS, ignore_eos=True))
+    sched.add(Request("a", [1, 2], 3, stop_token_ids=SamplingParams(ignore_eos=True).stop_token_set([EOS])))
     a = run_to_end(sched, [EOS] * 5)
     assert (a.finish_reason, a.stop_token_id, a.num_output_tokens) == ("length", -1, 3)
 
 
 def test_stop_token_ids_finish_with_stop():
     sched = Scheduler(8, BS)
-    sched.add(Request("a", [1, 2], 10, eos_token_id=EOS, stop_token_ids=[8, 9]))
+    sched.add(Request("a", [1, 2], 10, stop_token_ids=[EOS, 8, 9]))
     a = run_to_end(sched, [5, 9, 5])
     assert (a.finish_reason, a.stop_token_id, a.num_output_tokens) == ("stop", 9, 2)
 
 
 def test_a_stop_token_wins_over_max_tokens():
     sched = Scheduler(8, BS)
-    sched.add(Request("a", [1, 2], 1, eos_token_id=EOS))
+    sched.add(Request("a", [1, 2], 1, stop_token_ids=[EOS]))
     assert run_to_end(sched, [EOS]).finish_reason == "stop"
 
 
 def test_min_tokens_defers_eos_and_stop_tokens():
     sched = Scheduler(8, BS)
-    sched.add(Request("a", [1, 2], 10, min_tokens=2, eos_token_id=EOS, stop_token_ids=[9]))
+    sched.add(Request("a", [1, 2], 10, min_tokens=2, stop_token_ids=[EOS, 9]))
     a = run_to_end(sched, [EOS, 9, EOS])
     assert (a.finish_reason, a.token_ids) == ("stop", [1, 2, EOS, 9, EOS])
 
@@ -300,28 +305,28 @@ def test_priority_policy_admits_the_best_ranked_first():
     for rid, priority in (("low", 5), ("mid", 1), ("high", -3), ("mid2", 1)):
         sched.add(Request(rid, [1, 2, 3], 4, priority=priority))
     out, _ = step(sched)
-    assert [r.request_id for r in out.requests] == ["high", "mid"]  # then mid2 (same priority, later), then low
+    assert scheduled_ids(out) == ["high", "mid"]  # then mid2 (same priority, later), then low
     fcfs = Scheduler(64, BS, max_num_batched_tokens=64, max_num_seqs=2)
     for rid, priority in (("low", 5), ("high", -3)):
         fcfs.add(Request(rid, [1, 2, 3], 4, priority=priority))
-    assert [r.request_id for r in step(fcfs)[0].requests] == ["low", "high"]  # fcfs ignores priority
+    assert scheduled_ids(step(fcfs)[0]) == ["low", "high"]  # fcfs ignores priority
 
 
 def test_priority_policy_preempts_the_worst_ranked_for_a_better_arrival():
     sched = Scheduler(4, BS, max_num_batched_tokens=64, max_num_seqs=4, policy="priority")
-    sched.add(Request("low", list(range(1, 2 * BS)), 20, priority=2, ignore_eos=True))
-    sched.add(Request("mid", list(range(1, BS)), 20, priority=1, ignore_eos=True))
+    sched.add(Request("low", list(range(1, 2 * BS)), 20, priority=2))
+    sched.add(Request("mid", list(range(1, BS)), 20, priority=1))
     step(sched)
     assert sched.num_running == 2 and sched.allocator.num_free_blocks == 1
-    sched.add(Request("high", [9] * (2 * BS - 1), 20, priority=0, ignore_eos=True))  # needs 2 blocks
+    sched.add(Request("high", [9] * (2 * BS - 1), 20, priority=0))  # needs 2 blocks
     out, _ = step(sched)
     assert out.preempted == ["low"]  # the worst ranked goes, not the newest
-    assert [r.request_id for r in out.requests] == ["mid", "high"]
+    assert scheduled_ids(out) == ["mid", "high"]
     assert sched.get("low").status == WAITING
     # out of blocks while decoding, the worst running request is preempted first, whatever its age
     sched2 = Scheduler(3, BS, max_num_batched_tokens=64, policy="priority")
-    sched2.add(Request("old-low", [1] * (BS - 1), 20, priority=9, ignore_eos=True))
-    sched2.add(Request("new-high", [2] * (BS - 1), 20, priority=0, ignore_eos=True))
+    sched2.add(Request("old-low", [1] * (BS - 1), 20, priority=9))
+    sched2.add(Request("new-high", [2] * (BS - 1), 20, priority=0))
     preempted = []
     for _ in range(2 * BS):
         preempted += step(sched2)[0].preempted
@@ -363,12 +368,12 @@ def trace(module, seed: int, policy: str = "fcfs") -> list:
         if rng.random() < 0.3:
             prompt = prefix[:rng.randrange(10)] + [rng.randrange(1, 6) for _ in range(rng.randrange(1, 8))]
             max_tokens = rng.randrange(12)
-            sched.add(module.Request(f"r{i}", prompt, max_tokens, eos_token_id=EOS,
+            sched.add(module.Request(f"r{i}", prompt, max_tokens, stop_token_ids=[EOS],
                                      min_tokens=min(rng.randrange(3), max_tokens),
                                      prefix_hit_limit=rng.choice([-1, -1, 0, BS]), priority=rng.randrange(-1, 2)))
         out = sched.schedule()
-        events.append((plan(out), out.num_decodes, out.preempted, [list(r.block_table) for r in out.requests]))
-        finished = sched.update(out, [rng.randrange(6) for _ in out.requests])
+        events.append((plan(out), out.num_decodes, out.preempted, [list(e.request.block_table) for e in out.scheduled]))
+        finished = sched.update(out, [rng.randrange(6) for _ in out.scheduled])
         events.append([(r.request_id, r.finish_reason, r.token_ids, r.num_cached_tokens) for r in finished])
     alloc = sched.allocator
     events.append((alloc.num_free_blocks, alloc.num_cached_blocks, alloc.prefix_cache_hits))
@@ -465,8 +470,10 @@ def scheduler_machine(num_blocks: int, max_num_batched_tokens: int, max_num_seqs
                 with pytest.raises(ValueError):
                     Request(rid, prompt, max_tokens)
                 return None
-            request = Request(rid, prompt, max_tokens, min_tokens=min_tokens, eos_token_id=EOS,
-                              stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, prefix_hit_limit=prefix_hit_limit,
+            # The stop set as the engine makes it: the EOS id unless ignore_eos (SamplingParams.stop_token_set).
+            stops = SamplingParams(ignore_eos=ignore_eos, stop_token_ids=list(stop_token_ids)).stop_token_set([EOS])
+            request = Request(rid, prompt, max_tokens, min_tokens=min_tokens, stop_token_ids=stops,
+                              prefix_hit_limit=prefix_hit_limit,
                               cache_salt=cache_salt, priority=priority, lora_id=lora_id)
             if len(prompt) >= max_model_len or cdiv(len(prompt) + 1, BS) > num_blocks:
                 with pytest.raises(ValueError):
@@ -488,16 +495,16 @@ def scheduler_machine(num_blocks: int, max_num_batched_tokens: int, max_num_seqs
             sched = self.sched
             was_waiting = {rid for rid in self.live if sched.get(rid).status == WAITING}
             out = sched.schedule()
-            assert out.total_num_tokens == sum(out.num_scheduled_tokens) <= max_num_batched_tokens
-            assert len(out.requests) <= max_num_seqs
-            ids = [r.request_id for r in out.requests]
+            assert out.total_num_tokens == sum(e.num_new_tokens for e in out.scheduled) <= max_num_batched_tokens
+            assert len(out.scheduled) <= max_num_seqs
+            ids = scheduled_ids(out)
             assert len(set(ids)) == len(ids) and set(ids) <= self.live
-            assert all(n == 1 for n in out.num_scheduled_tokens[:out.num_decodes])
-            assert all(n > 1 for n in out.num_scheduled_tokens[out.num_decodes:])
+            assert all(e.num_new_tokens == 1 for e in out.scheduled[:out.num_decodes])
+            assert all(e.num_new_tokens > 1 for e in out.scheduled[out.num_decodes:])
             # Prompt chunks stay within the attention budget, but for the one-token minimum of a
             # step's only prompt chunk.
-            chunks = [(c, n) for r, c, n in zip(out.requests, out.num_computed_tokens, out.num_scheduled_tokens)
-                      if len(r.token_ids) - c > 1]
+            chunks = [(e.num_computed_tokens, e.num_new_tokens) for e in out.scheduled
+                      if len(e.request.token_ids) - e.num_computed_tokens > 1]
             pairs = sum(n * c + n * (n + 1) // 2 for c, n in chunks)
             assert pairs <= sched.max_prefill_pairs or (len(chunks) == 1 and chunks[0][1] == 1), (chunks, pairs)
             type(self).max_pairs = max(type(self).max_pairs, pairs)
@@ -517,8 +524,8 @@ def scheduler_machine(num_blocks: int, max_num_batched_tokens: int, max_num_seqs
             assert set(sched.running_loras) == running_loras
             SchedulerMachine.max_adapters = max(SchedulerMachine.max_adapters, len(running_loras))
             holders = Counter(b for rid in self.live for b in sched.get(rid).block_table)
-            for r, n, computed, needs_sample in zip(out.requests, out.num_scheduled_tokens,
-                                                    out.num_computed_tokens, out.needs_sample):
+            for e in out.scheduled:
+                r, n, computed, needs_sample = e.request, e.num_new_tokens, e.num_computed_tokens, e.needs_sample
                 assert r.status == RUNNING and r.num_computed_tokens == computed and n >= 1
                 assert needs_sample == (r.max_tokens > 0 and computed + n == len(r.token_ids))
                 assert len(r.block_table) == cdiv(computed + n, BS)
@@ -537,11 +544,12 @@ def scheduler_machine(num_blocks: int, max_num_batched_tokens: int, max_num_seqs
                     assert holders[block] == 1, f"{r} writes block {block}, shared"
                     self.kv[block * BS + pos % BS] = chain[pos]
             rng = random.Random(seed)
-            sampled = [rng.randrange(VOCAB) if s else -1 for s in out.needs_sample]
+            sampled = [rng.randrange(VOCAB) if e.needs_sample else -1 for e in out.scheduled]
             finished = sched.update(out, sampled)
             finished_ids = {r.request_id for r in finished}
             assert len(finished_ids) == len(finished) and finished_ids <= set(ids)
-            for r, token, needs_sample in zip(out.requests, sampled, out.needs_sample):
+            for e, token in zip(out.scheduled, sampled):
+                r, needs_sample = e.request, e.needs_sample
                 rid = r.request_id
                 if needs_sample:
                     self.expected[rid].append(token)
@@ -562,7 +570,7 @@ def scheduler_machine(num_blocks: int, max_num_batched_tokens: int, max_num_seqs
 
         def expected_finish(self, r: Request, token: int):
             num_output = len(r.token_ids) - r.num_prompt_tokens
-            stops = (token == EOS and not r.ignore_eos) or token in r.stop_token_ids
+            stops = token in r.stop_token_ids
             if stops and num_output > r.min_tokens:
                 return "stop"
             if num_output >= r.max_tokens or len(r.token_ids) >= self.max_len:
@@ -668,12 +676,11 @@ def test_a_long_prompt_is_cut_by_its_attention_while_a_decode_runs_every_step():
     chunks = []
     while long.num_computed_tokens < 300:
         out = sched.schedule()
-        assert out.requests[0].request_id == "decode" and out.num_scheduled_tokens[0] == 1
-        (c, n), = [(c, n) for r, c, n in zip(out.requests, out.num_computed_tokens, out.num_scheduled_tokens)
-                   if r.request_id == "long"]
+        assert out.scheduled[0].request.request_id == "decode" and out.scheduled[0].num_new_tokens == 1
+        (c, n), = [(e.num_computed_tokens, e.num_new_tokens) for e in out.scheduled if e.request.request_id == "long"]
         assert n * c + n * (n + 1) // 2 <= sched.max_prefill_pairs
         chunks.append(n)
-        sched.update(out, [7] * len(out.requests))
+        sched.update(out, [7] * len(out.scheduled))
     assert chunks[0] == 63 and chunks == sorted(chunks, reverse=True) and chunks[-1] < 16, chunks
 
 
@@ -689,9 +696,9 @@ def test_a_request_of_one_adapter_too_many_waits_for_a_slot_and_nobody_overtakes
         sched.add(Request(rid, [3, 4, 5], 2, lora_id=lora_id))
     out, _ = step(sched)
     # a1 and base run; b's adapter would be a second one, so it waits, and a2 behind it
-    assert [r.request_id for r in out.requests] == ["a1", "base"]
+    assert scheduled_ids(out) == ["a1", "base"]
     step(sched)  # a1 and base finish (max_tokens 2)
-    assert [r.request_id for r in step(sched)[0].requests] == ["b"]  # adapter 1 left; b runs, a2 (adapter 1) waits
+    assert scheduled_ids(step(sched)[0]) == ["b"]  # adapter 1 left; b runs, a2 (adapter 1) waits
     assert sched.running_loras == {2: 1}
 
 

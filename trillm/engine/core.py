@@ -197,7 +197,6 @@ class EngineCore:
             min_tokens=min(params.min_tokens, max_tokens),
             # The request's one stop set, EOS ids included: the sampler masks the same set.
             stop_token_ids=params.stop_token_set(self.config.eos_token_ids),
-            ignore_eos=params.ignore_eos,
             prefix_hit_limit=params.prefix_hit_limit,
             cache_salt=(params.cache_salt or "") + lora_salt,
             priority=params.priority,
@@ -329,31 +328,25 @@ class EngineCore:
     def step(self) -> list[StepOutput]:
         sched = self.scheduler.schedule()
         self.num_preemptions += len(sched.preempted)
-        if not sched.requests:
+        if not sched.scheduled:
             return []
-        scheduled = [self.requests[r.request_id] for r in sched.requests]
+        scheduled = [self.requests[entry.request.request_id] for entry in sched.scheduled]
         wants_hidden = any(row.wants_hidden for row in scheduled)
         lora_slots = None if self.loras is None else self.runner.lora_slots.assign([row.lora for row in scheduled])
         out = self.runner.execute(sched, keep_hidden=wants_hidden, lora_slots=lora_slots)
         if wants_hidden:
             self._take_hidden(sched, scheduled, out.hidden)
-        rows = [row for row, need in zip(scheduled, sched.needs_sample) if need]
+        rows = [row for row, entry in zip(scheduled, sched.scheduled) if entry.needs_sample]
         sampled_ids, sampled_logprobs = [], []
         constrained = [i for i, row in enumerate(rows) if row.matcher is not None]
         if rows:
             logits = out.logits
             if constrained:
                 self.grammars.mask(logits, constrained, [rows[i].matcher for i in constrained])
-            sampled = self.sampler.sample(logits, SamplingBatch(
-                params=[row.params for row in rows],
-                token_ids=[row.seq.token_ids for row in rows],
-                num_prompt_tokens=[row.seq.num_prompt_tokens for row in rows],
-                generators=[row.generator for row in rows],
-                stop_ids=[row.seq.stop_token_ids for row in rows],
-            ))
+            sampled = self.sampler.sample(logits, SamplingBatch.of(rows))
             sampled_ids, sampled_logprobs = sampled.token_ids, sampled.logprobs
         tokens = iter(sampled_ids)
-        finished = self.scheduler.update(sched, [next(tokens) if need else -1 for need in sched.needs_sample])
+        finished = self.scheduler.update(sched, [next(tokens) if entry.needs_sample else -1 for entry in sched.scheduled])
         finished_ids = {r.request_id for r in finished}
         # A grammar that ended without the scheduler's say (its stop token was ignored, or it
         # refused the token) ends the request too; abort frees its blocks at once.
@@ -366,8 +359,8 @@ class EngineCore:
         for row, token, logprobs in zip(rows, sampled_ids, sampled_logprobs):
             is_finished = row.request_id in finished_ids
             outputs.append(self._output(row.seq, [token], None if logprobs is None else [logprobs], is_finished, row))
-        for row, need in zip(scheduled, sched.needs_sample):
-            if not need and row.request_id in finished_ids:  # prefill only: its prompt is done
+        for row, entry in zip(scheduled, sched.scheduled):
+            if not entry.needs_sample and row.request_id in finished_ids:  # prefill only: its prompt is done
                 outputs.append(self._output(row.seq, [], None, True, row))
         for request_id in finished_ids:
             self._forget(request_id)
@@ -377,7 +370,8 @@ class EngineCore:
         """Hand each chunk's hidden states to the requests that gather from them."""
         wanted = []
         offset = 0
-        for row, first, count in zip(scheduled, sched.num_computed_tokens, sched.num_scheduled_tokens):
+        for row, entry in zip(scheduled, sched.scheduled):
+            first, count = entry.num_computed_tokens, entry.num_new_tokens
             if row.prompt_logprobs is not None:
                 wanted.append((row.prompt_logprobs, offset, row.prompt_logprobs.rows_wanted(first, count)))
             if row.pooler is not None:

@@ -39,3 +39,16 @@ class EngineRequest:
     @property
     def request_id(self) -> str:
         return self.seq.request_id
+
+    # What the sampler reads of it (sampler.SamplingRow).
+    @property
+    def token_ids(self) -> list[int]:
+        return self.seq.token_ids
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self.seq.num_prompt_tokens
+
+    @property
+    def stop_ids(self) -> frozenset[int]:
+        return self.seq.stop_token_ids

@@ -26,7 +26,9 @@ token whatever else shares the batch and in whichever position.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -45,7 +47,8 @@ class TokenLogprobs:
 
 @dataclass(frozen=True)
 class SamplingBatch:
-    """What the sampler needs of one step's rows, built once per step; one entry per logits row."""
+    """What the sampler needs of one step's rows, built once per step (`of`); one entry per
+    logits row, held by column because the sampler works on whole columns at once."""
 
     params: list[SamplingParams]
     token_ids: list[list[int]]  # prompt + output so far
@@ -56,6 +59,34 @@ class SamplingBatch:
     def __post_init__(self) -> None:
         n = len(self.params)
         assert n == len(self.token_ids) == len(self.num_prompt_tokens) == len(self.generators) == len(self.stop_ids)
+
+    @classmethod
+    def of(cls, rows: Sequence[SamplingRow]) -> SamplingBatch:
+        """The batch of `rows`, one per logits row, in their order."""
+        batch = cls([], [], [], [], [])
+        for row in rows:
+            batch.params.append(row.params)
+            batch.token_ids.append(row.token_ids)
+            batch.num_prompt_tokens.append(row.num_prompt_tokens)
+            batch.generators.append(row.generator)
+            batch.stop_ids.append(row.stop_ids)
+        return batch
+
+
+class SamplingRow(Protocol):
+    """What the sampler reads of one row's request (the engine's EngineRequest is one)."""
+
+    params: SamplingParams
+    generator: torch.Generator | None  # a seeded request's own generator
+
+    @property
+    def token_ids(self) -> list[int]: ...  # prompt + output so far
+
+    @property
+    def num_prompt_tokens(self) -> int: ...
+
+    @property
+    def stop_ids(self) -> frozenset[int]: ...  # SamplingParams.stop_token_set: masked until min_tokens
 
 
 @dataclass

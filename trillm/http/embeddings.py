@@ -37,7 +37,7 @@ async def pooled_vectors(
                             field_names={"prompt": param}, lora_name=lora_name)
     await generation.start()
     await generation.run()
-    vectors = [p.completion.pooled for p in generation.processors]
+    vectors = [c.completion.pooled for c in generation.choices]
     if any(v is None for v in vectors):  # aborted: a drain, /abort_request
         raise APIError(503, "The request was aborted before its embeddings were computed.")
     return generation.request_id, vectors

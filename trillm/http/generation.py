@@ -13,16 +13,35 @@ from __future__ import annotations
 
 import logging
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import trio
 
 from trillm.engine.api import (
-    Delta, FinishReason, Params, RequestGroup, RequestStream, num_samples, output_processor,
+    Delta, FinishReason, OutputProcessor, Params, PoolingProcessor, RequestGroup, RequestStream, num_samples,
+    output_processor,
 )
 from trillm.sampling_params import SamplingParamError, SamplingParams
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Choice:
+    """One choice's state on the Trio side: its output processor (text, stop strings, the
+    completion so far) and when its last tokens arrived (for the inter-token latency)."""
+
+    processor: OutputProcessor | PoolingProcessor
+    last_output: float | None = None
+
+    @property
+    def completion(self):
+        """The choice's Completion so far (whole once `finished`)."""
+        return self.processor.completion
+
+    @property
+    def finished(self) -> bool:
+        return self.processor.finished
 
 
 class Generation:
@@ -56,12 +75,9 @@ class Generation:
             self._engine.check_room(len(prompts) * self.n, self._param)
         self._metrics = state.metrics
         self._requests = RequestGroup.fan_out(request_id, prompts, params, client_id)
-        self.processors = [
-            output_processor(state.tokenizer, m.prompt_token_ids, m.params, index=k)
-            for k, m in enumerate(self._requests.members)
-        ]
+        self.choices = [Choice(output_processor(state.tokenizer, m.prompt_token_ids, m.params, index=k))
+                        for k, m in enumerate(self._requests.members)]
         self._arrival = trio.current_time()
-        self._last_output: list[float | None] = [None] * len(self.processors)
         self._stream: RequestStream | None = None
         self._closed = False
 
@@ -81,7 +97,7 @@ class Generation:
 
     @property
     def num_choices(self) -> int:
-        return len(self.processors)
+        return len(self.choices)
 
     def prompt(self, index: int) -> list[int]:
         """The prompt's token ids of choice `index`."""
@@ -94,7 +110,7 @@ class Generation:
 
     @property
     def finished(self) -> bool:
-        return all(p.finished for p in self.processors)
+        return all(c.finished for c in self.choices)
 
     def __aiter__(self) -> Generation:
         return self
@@ -103,11 +119,11 @@ class Generation:
         assert self._stream is not None, "start() first"
         while not self.finished:
             index, out = await self._stream.__anext__()
-            processor = self.processors[index]
-            if processor.finished:
+            choice = self.choices[index]
+            if choice.finished:
                 continue  # a stop string ended it; the engine had not heard yet
-            delta = processor.process(out)
-            self._observe(index, len(out.new_token_ids), delta)
+            delta = choice.processor.process(out)
+            self._observe(choice, len(out.new_token_ids), delta)
             if delta.finished and not out.finished:
                 self._stream.stop(index)
             return index, delta
@@ -117,8 +133,8 @@ class Generation:
         """OpenAI's usage: a prompt counts once however many samples it has; its cached tokens
         are those its first sample found in the prefix cache."""
         prompt = sum(map(len, self.prompts))
-        completion = sum(len(p.completion.token_ids) for p in self.processors)
-        cached = sum(self.processors[k * self.n].completion.num_cached_tokens for k in range(len(self.prompts)))
+        completion = sum(len(c.completion.token_ids) for c in self.choices)
+        cached = sum(self.choices[k * self.n].completion.num_cached_tokens for k in range(len(self.prompts)))
         return {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
@@ -133,14 +149,14 @@ class Generation:
         self._closed = True
         self._stream.close()
         now = trio.current_time()
-        for processor in self.processors:
-            if not processor.finished:
+        for choice in self.choices:
+            if not choice.finished:
                 self._metrics.e2e_latency.observe(now - self._arrival)
                 self._metrics.finished(FinishReason.ABORT)
         log.info(
             "%s ended after %.3f s: %s", self.request_id, now - self._arrival,
-            ", ".join(f"{p.completion.finish_reason or 'abort (client gone)'} after {len(p.completion.token_ids)} tokens"
-                      for p in self.processors),
+            ", ".join(f"{c.completion.finish_reason or 'abort (client gone)'} after {len(c.completion.token_ids)} tokens"
+                      for c in self.choices),
         )
 
     @contextmanager
@@ -151,16 +167,15 @@ class Generation:
         except SamplingParamError as exc:
             raise SamplingParamError(self._field_names.get(exc.param, exc.param), str(exc), exc.status) from None
 
-    def _observe(self, index: int, num_tokens: int, delta: Delta) -> None:
+    def _observe(self, choice: Choice, num_tokens: int, delta: Delta) -> None:
         now = trio.current_time()
         if num_tokens:
             self._metrics.generation_tokens.inc(num_tokens)
-            last = self._last_output[index]
-            if last is None:
+            if choice.last_output is None:
                 self._metrics.time_to_first_token.observe(now - self._arrival)
             else:
-                self._metrics.inter_token_latency.observe(now - last)
-            self._last_output[index] = now
+                self._metrics.inter_token_latency.observe(now - choice.last_output)
+            choice.last_output = now
         if delta.finished:
             self._metrics.e2e_latency.observe(now - self._arrival)
             self._metrics.finished(delta.finish_reason)

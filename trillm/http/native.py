@@ -71,7 +71,7 @@ class GenerateChunks:
         self.generation = generation
 
     def result(self, index: int) -> dict:
-        c = self.generation.processors[index].completion
+        c = self.generation.choices[index].completion
         meta = {
             "id": self.generation.request_id,
             "finish_reason": _finish_reason(c.finish_reason, c.stop_reason, len(c.token_ids),

@@ -109,8 +109,8 @@ class ChatChunks(UsageChunks):
 
     def response(self) -> dict:
         choices = []
-        for i, (processor, output) in enumerate(zip(self.generation.processors, self.outputs)):
-            c = processor.completion
+        for i, (choice, output) in enumerate(zip(self.generation.choices, self.outputs)):
+            c = choice.completion
             output.feed(c.text)
             output.finish()
             choices.append({
@@ -124,7 +124,7 @@ class ChatChunks(UsageChunks):
         response = {**self.head, "object": "chat.completion", "choices": choices, "usage": self.generation.usage()}
         if self.return_token_ids:
             response["prompt_token_ids"] = self.generation.prompt(0)
-        prompt_logprobs = self.generation.processors[0].completion.prompt_logprobs
+        prompt_logprobs = self.generation.choices[0].completion.prompt_logprobs
         if prompt_logprobs is not None:
             response["prompt_logprobs"] = self._prompt_logprobs(prompt_logprobs)
         return response

@@ -121,8 +121,8 @@ class CompletionChunks(UsageChunks):
 
     def response(self) -> dict:
         choices = []
-        for i, processor in enumerate(self.generation.processors):
-            c = processor.completion
+        for i, choice in enumerate(self.generation.choices):
+            c = choice.completion
             logprobs = self._logprobs(i, c.token_ids, c.logprobs, c.prompt_logprobs)
             choice = self._choice(i, self.echoes[i] + c.text, logprobs, c.finish_reason, c.prompt_logprobs,
                                   c.token_ids, True)

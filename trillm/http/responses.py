@@ -243,7 +243,7 @@ class ResponseBuilder:
         if self._ended:
             return []
         self._ended = True
-        completion = generation.processors[0].completion
+        completion = generation.choices[0].completion
         reason = completion.finish_reason
         if self.status != ResponseStatus.FAILED:
             if reason is None or reason == FinishReason.ABORT:

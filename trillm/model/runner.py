@@ -244,13 +244,16 @@ class ModelRunner:
         (LoRASlots.assign), or None when none uses an adapter."""
         if self.fault_hook is not None:
             self.fault_hook(sched)
-        chunks = []
-        for r, start, n, sample in zip(sched.requests, sched.num_computed_tokens, sched.num_scheduled_tokens,
-                                       sched.needs_sample):
-            assert not sample or start + n == len(r.token_ids), "a request samples only when its chunk reaches its last token"
+        chunks, block_tables, starts, samples = [], [], [], []
+        for entry in sched.scheduled:
+            r, start, n = entry.request, entry.num_computed_tokens, entry.num_new_tokens
+            assert not entry.needs_sample or start + n == len(r.token_ids), \
+                "a request samples only when its chunk reaches its last token"
             chunks.append(r.token_ids[start:start + n])
-        inputs = StepInputs(chunks, [r.block_table for r in sched.requests], list(sched.num_computed_tokens),
-                            list(sched.needs_sample), lora_slots)
+            block_tables.append(r.block_table)
+            starts.append(start)
+            samples.append(entry.needs_sample)
+        inputs = StepInputs(chunks, block_tables, starts, samples, lora_slots)
         batch, hidden = self._run(inputs)
         hidden = hidden[: sched.total_num_tokens]
         return ModelOutput(self.compute_logits(hidden[batch.sample_rows]), hidden if keep_hidden else None)

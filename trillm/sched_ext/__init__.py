@@ -12,7 +12,7 @@ from types import ModuleType
 
 try:
     from trillm.sched_ext.allocator import BlockAllocator
-    from trillm.sched_ext.scheduler import Request, Scheduler, SchedulerOutput
+    from trillm.sched_ext.scheduler import Request, ScheduledRequest, Scheduler, SchedulerOutput
 except ImportError as e:
     raise ImportError(
         "trillm.sched_ext is not built: run `python setup.py build_ext --inplace` "
@@ -23,7 +23,7 @@ from trillm.sched_ext.status import FinishReason, RequestStatus, SchedulingPolic
 WAITING, RUNNING, FINISHED = RequestStatus
 
 __all__ = ["BlockAllocator", "FINISHED", "FinishReason", "RUNNING", "Request", "RequestStatus", "Scheduler",
-           "SchedulerOutput", "SchedulingPolicy", "WAITING", "load_uncompiled"]
+           "ScheduledRequest", "SchedulerOutput", "SchedulingPolicy", "WAITING", "load_uncompiled"]
 
 
 def _load_source(name: str, path: Path) -> ModuleType:

@@ -120,9 +120,7 @@ class Request:
     num_prompt_tokens = cython.declare(cython.int, visibility="readonly")
     max_tokens = cython.declare(cython.int, visibility="readonly")
     min_tokens = cython.declare(cython.int, visibility="readonly")
-    eos_token_id = cython.declare(cython.int, visibility="readonly")
-    stop_token_ids = cython.declare(frozenset, visibility="readonly")
-    ignore_eos = cython.declare(cython.bint, visibility="readonly")
+    stop_token_ids = cython.declare(frozenset, visibility="readonly")  # EOS ids included (the caller's choice)
     prefix_hit_limit = cython.declare(cython.int, visibility="readonly")
     cache_salt = cython.declare(str, visibility="readonly")
     priority = cython.declare(cython.int, visibility="readonly")
@@ -140,8 +138,8 @@ class Request:
     _seq: cython.longlong  # arrival counter, set by Scheduler.add
 
     def __init__(self, request_id: str, prompt_token_ids, max_tokens: cython.int, *,
-                 min_tokens: cython.int = 0, eos_token_id: cython.int = -1, stop_token_ids=(),
-                 ignore_eos: cython.bint = False, prefix_hit_limit: cython.int = -1, cache_salt: str = "",
+                 min_tokens: cython.int = 0, stop_token_ids=(), prefix_hit_limit: cython.int = -1,
+                 cache_salt: str = "",
                  priority: cython.int = 0, arrival: cython.double = 0.0, lora_id: cython.int = 0):
         self.request_id = request_id
         self.token_ids = list(prompt_token_ids)
@@ -154,9 +152,7 @@ class Request:
         self.num_prompt_tokens = len(self.token_ids)
         self.max_tokens = max_tokens
         self.min_tokens = min_tokens
-        self.eos_token_id = eos_token_id
         self.stop_token_ids = frozenset(stop_token_ids)
-        self.ignore_eos = ignore_eos
         self.prefix_hit_limit = prefix_hit_limit
         self.cache_salt = cache_salt
         self.priority = priority
@@ -187,45 +183,55 @@ class Request:
 
 
 @cython.cclass
+class ScheduledRequest:
+    """One request's part of a step: compute `num_new_tokens` of its tokens, from position
+    `num_computed_tokens`; `needs_sample`: the step reaches the end of its tokens (a decode, or
+    its prompt's last chunk), so a token is sampled for it."""
+
+    request = cython.declare(Request, visibility="readonly")
+    num_new_tokens = cython.declare(cython.int, visibility="readonly")
+    num_computed_tokens = cython.declare(cython.int, visibility="readonly")
+    needs_sample = cython.declare(cython.bint, visibility="readonly")
+
+    def __init__(self, request: Request, num_new_tokens: cython.int):
+        self.request = request
+        self.num_new_tokens = num_new_tokens
+        self.num_computed_tokens = request.num_computed_tokens
+        self.needs_sample = request.max_tokens > 0 and self.num_computed_tokens + num_new_tokens == len(request.token_ids)
+
+    def __repr__(self):
+        return (f"ScheduledRequest({self.request.request_id!r}, new={self.num_new_tokens}, "
+                f"computed={self.num_computed_tokens}, sample={bool(self.needs_sample)})")
+
+
+@cython.final
+@cython.cclass
 class SchedulerOutput:
-    """One step's plan: per scheduled request, the tokens to compute.
+    """One step's plan: a ScheduledRequest per scheduled request.
 
     Entries that compute one token (decodes) come first, `num_decodes` of them,
     then the prefill chunks, each group in scheduling order.
     """
 
-    requests = cython.declare(list, visibility="readonly")
-    num_scheduled_tokens = cython.declare(list, visibility="readonly")
-    num_computed_tokens = cython.declare(list, visibility="readonly")
-    needs_sample = cython.declare(list, visibility="readonly")
+    scheduled = cython.declare(list, visibility="readonly")  # list[ScheduledRequest]
     total_num_tokens = cython.declare(cython.int, visibility="readonly")
     num_decodes = cython.declare(cython.int, visibility="readonly")
     preempted = cython.declare(list, visibility="readonly")
 
     def __init__(self):
-        self.requests = []
-        self.num_scheduled_tokens = []
-        self.num_computed_tokens = []
-        self.needs_sample = []
+        self.scheduled = []
         self.total_num_tokens = 0
         self.num_decodes = 0
         self.preempted = []
 
     @cython.cfunc
     def _add(self, request: Request, num_new: cython.int):
-        self.requests.append(request)
-        self.num_scheduled_tokens.append(num_new)
-        self.num_computed_tokens.append(request.num_computed_tokens)
-        self.needs_sample.append(request.max_tokens > 0
-                                 and request.num_computed_tokens + num_new == len(request.token_ids))
+        self.scheduled.append(ScheduledRequest(request, num_new))
         self.total_num_tokens += num_new
 
     @cython.cfunc
     def _extend(self, other: "SchedulerOutput"):
-        self.requests.extend(other.requests)
-        self.num_scheduled_tokens.extend(other.num_scheduled_tokens)
-        self.num_computed_tokens.extend(other.num_computed_tokens)
-        self.needs_sample.extend(other.needs_sample)
+        self.scheduled.extend(other.scheduled)
         self.total_num_tokens += other.total_num_tokens
 
 
@@ -369,7 +375,7 @@ class Scheduler:
         if not out.preempted or self._preempted_for_rank:
             budget = self._admit(budget, out, prefills)
         self._preempted_for_rank = False
-        out.num_decodes = len(out.requests)
+        out.num_decodes = len(out.scheduled)
         out._extend(prefills)
         assert out.total_num_tokens == self.max_num_batched_tokens - budget
         return out
@@ -522,30 +528,32 @@ class Scheduler:
     def update(self, output: SchedulerOutput, sampled: list) -> list:
         """Apply one step's results; returns the requests that finished in it.
 
-        `sampled[k]` is the token sampled for `output.requests[k]` (ignored where
+        `sampled[k]` is the token sampled for `output.scheduled[k]` (ignored where
         it needs no sample). A request aborted since `schedule()` is skipped.
         """
-        count: cython.Py_ssize_t = len(output.requests)
+        count: cython.Py_ssize_t = len(output.scheduled)
         assert len(sampled) == count, f"{len(sampled)} sampled tokens for {count} scheduled requests"
         alloc: BlockAllocator = self.allocator
         block_size: cython.int = self.block_size
         finished: list = []
         request: Request
+        entry: ScheduledRequest
         before: cython.int
         after: cython.int
         k: cython.Py_ssize_t
         for k in range(count):
-            request = output.requests[k]
+            entry = output.scheduled[k]
+            request = entry.request
             if request._status != RUNNING:
                 continue
             before = request.num_computed_tokens
-            assert before == output.num_computed_tokens[k], "update() with a stale SchedulerOutput"
-            after = before + output.num_scheduled_tokens[k]
+            assert before == entry.num_computed_tokens, "update() with a stale SchedulerOutput"
+            after = before + entry.num_new_tokens
             request.num_computed_tokens = after
             if after // block_size > before // block_size:
                 alloc.cache_full_blocks(request.block_table, request.token_ids, request._block_hashes,
                                         before // block_size, after // block_size, request.cache_salt)
-            if output.needs_sample[k]:
+            if entry.needs_sample:
                 if self._append_token(request, sampled[k]):
                     finished.append(request)
             elif request.max_tokens == 0 and after == len(request.token_ids):
@@ -564,13 +572,12 @@ class Scheduler:
     def _append_token(self, request: Request, token: cython.int) -> cython.bint:
         """Append a sampled token; True if it finishes the request.
 
-        EOS and stop tokens count only once `min_tokens` other tokens precede
-        them; a stop wins over a length limit reached by the same token.
+        Stop tokens (EOS among them) count only once `min_tokens` other tokens
+        precede them; a stop wins over a length limit reached by the same token.
         """
         request.token_ids.append(token)
         num_output: cython.int = len(request.token_ids) - request.num_prompt_tokens
-        if num_output > request.min_tokens and (
-                (token == request.eos_token_id and not request.ignore_eos) or token in request.stop_token_ids):
+        if num_output > request.min_tokens and token in request.stop_token_ids:
             request.finish_reason = FinishReason.STOP
             request.stop_token_id = token
         elif num_output >= request.max_tokens or len(request.token_ids) >= self._max_len:
