@@ -6,7 +6,13 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install build serve test bench-scheduler
+.PHONY: install build serve test test-fast bench-scheduler
+
+# The suite runs on every core (at most four workers: each holds its own models), then the tests
+# marked `quiet` run alone, since they bound the event loop's stalls and a busy machine would
+# stretch them. Exit status 5 is pytest's "nothing selected" (ARGS chose no quiet test).
+PYTEST := $(PY) -m pytest -q
+PARALLEL := -n auto --maxprocesses 4
 
 $(STAMP): pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,7 +32,13 @@ serve: build
 	$(VENV)/bin/trillm serve $(ARGS)
 
 test: build
-	$(PY) -m pytest -q $(ARGS)
+	$(PYTEST) $(PARALLEL) -m "not quiet" $(ARGS)
+	$(PYTEST) -m quiet $(ARGS) || test $$? -eq 5
+
+# Everything but the long budgets (`slow`): the check to run while working.
+test-fast: build
+	$(PYTEST) $(PARALLEL) -m "not quiet and not slow" $(ARGS)
+	$(PYTEST) -m "quiet and not slow" $(ARGS) || test $$? -eq 5
 
 bench-scheduler: build
 	$(PY) benchmarks/bench_scheduler.py

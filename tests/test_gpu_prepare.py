@@ -24,6 +24,7 @@ def load_script(name: str):
     return module
 
 
+@pytest.mark.slow
 def test_the_preparation_resolves_and_every_trip_fits(tmp_path):
     prepare = load_script("gpu_prepare")
     bundle = prepare.prepare(tmp_path)

@@ -62,6 +62,8 @@ async def test_undecodable_bodies_are_400(server, data, words):
     assert words in response.json()["error"]["message"]
 
 
+@pytest.mark.slow
+@pytest.mark.quiet
 async def test_fuzzed_bodies_get_4xx_never_5xx(server):
     """schemathesis's bodies, then hostile ones (deep nesting, duplicate keys, huge lists, other
     media types) to every POST route, while /health is probed: no 5xx, and no probe waits a

@@ -40,6 +40,7 @@ def heavy_requests(model: str) -> list[tuple[str, bytes, int]]:
         ("/v1/completions", b"[" * 200_000 + b"]" * 200_000, 400)]
 
 
+@pytest.mark.quiet
 async def test_heavy_requests_never_stall_a_neighbour_stream_or_health(core):
     async with live_server(core) as server:
         http = server.http()

@@ -19,6 +19,7 @@ def core(tiny_text_model_dir):
     return tiny_core(tiny_text_model_dir)
 
 
+@pytest.mark.slow
 async def test_soak_with_disconnects_and_aborts_leaks_nothing_and_loses_nothing(core):
     async with live_server(core) as server:
         report = await run_soak(server, NUM_REQUESTS, seed=0)

@@ -5,6 +5,7 @@ Its loglikelihood requests are `echo: true, logprobs: 1, max_tokens: 1` completi
 token ids and as text, and each item's loglikelihoods and the accuracy lm-eval reports are
 checked against transformers' on the same token ids. The server runs the exact path (fp32
 activations and KV cache), on which trillm matches transformers to about 1e-4."""
+import functools
 import glob
 import json
 import os
@@ -21,6 +22,7 @@ TASK_DIR = "tests/data/lm_eval_tiny"
 TASK = "trillm_tiny_mc"
 
 
+@functools.cache  # both runs compare against the same numbers
 def transformers_loglikelihoods(model_dir: str) -> list[list[float]]:
     """Per item, per choice: log P(" " + choice | question) as lm-eval tokenizes them (context and
     continuation, with its target delimiter " ", encoded apart, then joined)."""
@@ -66,6 +68,7 @@ async def run_lm_eval(url: str, model: str, tokenizer: str, tokenized: bool, out
 
 @pytest.mark.parametrize("tokenized, tokenizer", [(True, "local"), (False, "remote")],
                          ids=["token_ids_local_tokenizer", "text_server_tokenizer"])
+@pytest.mark.slow
 async def test_lm_eval_multiple_choice_matches_transformers(default_model_dir, tmp_path, tokenized, tokenizer):
     expected = transformers_loglikelihoods(default_model_dir)
     tokenizer = default_model_dir if tokenizer == "local" else tokenizer

@@ -631,12 +631,14 @@ STATEFUL = settings(max_examples=200, stateful_step_count=50, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow])
 
 
+@pytest.mark.slow
 def test_stateful_roomy_pool():
     machine = scheduler_machine(num_blocks=64, max_num_batched_tokens=16, max_num_seqs=4, max_model_len=20)
     run_state_machine_as_test(machine, settings=STATEFUL)
     assert machine.prefix_hits > 0
 
 
+@pytest.mark.slow
 def test_stateful_hit_rates_in_a_pool_that_never_evicts():
     machine = scheduler_machine(num_blocks=2048, max_num_batched_tokens=16, max_num_seqs=4, max_model_len=28,
                                 check_hit_rates=True)
@@ -644,12 +646,14 @@ def test_stateful_hit_rates_in_a_pool_that_never_evicts():
     assert machine.prefix_hits > 0
 
 
+@pytest.mark.slow
 def test_stateful_tiny_pool_preempts():
     machine = scheduler_machine(num_blocks=5, max_num_batched_tokens=8, max_num_seqs=4, max_model_len=24)
     run_state_machine_as_test(machine, settings=STATEFUL)
     assert machine.preemptions > 0 and machine.prefix_hits > 0
 
 
+@pytest.mark.slow
 def test_stateful_priority_policy_in_a_tiny_pool():
     machine = scheduler_machine(num_blocks=5, max_num_batched_tokens=8, max_num_seqs=3, max_model_len=24,
                                 policy="priority")
@@ -657,6 +661,7 @@ def test_stateful_priority_policy_in_a_tiny_pool():
     assert machine.preemptions > 0
 
 
+@pytest.mark.slow
 def test_stateful_attention_budget_cuts_late_chunks_and_every_prompt_finishes():
     machine = scheduler_machine(num_blocks=64, max_num_batched_tokens=16, max_num_seqs=4, max_model_len=40,
                                 max_prefill_pairs=60)
@@ -684,6 +689,7 @@ def test_a_long_prompt_is_cut_by_its_attention_while_a_decode_runs_every_step():
     assert chunks[0] == 63 and chunks == sorted(chunks, reverse=True) and chunks[-1] < 16, chunks
 
 
+@pytest.mark.slow
 def test_stateful_max_loras_bounds_the_adapters_running_at_once():
     machine = scheduler_machine(num_blocks=16, max_num_batched_tokens=16, max_num_seqs=4, max_model_len=24, max_loras=2)
     run_state_machine_as_test(machine, settings=settings(STATEFUL, max_examples=100))
@@ -702,6 +708,7 @@ def test_a_request_of_one_adapter_too_many_waits_for_a_slot_and_nobody_overtakes
     assert sched.running_loras == {2: 1}
 
 
+@pytest.mark.slow
 def test_stateful_tiny_pool_without_prefix_caching():
     machine = scheduler_machine(num_blocks=5, max_num_batched_tokens=8, max_num_seqs=4, max_model_len=24,
                                 enable_prefix_caching=False)
