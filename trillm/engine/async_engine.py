@@ -110,10 +110,11 @@ class RequestStream:
 
 
 class AsyncEngine:
-    """The engine's Trio front, and the one door into it: handlers add groups, abort them, read
-    the stats and what is served (`config`, `args`, `tokenizer`, `adapters`), and reach the two
-    named parts that a few routes need: `admission` (the waiting limit) and `weights` (sleep,
-    wake-up, updates, LoRA adapters). `live` is the index of live groups that routes aborts."""
+    """The engine's Trio front, and the one way into it: handlers add groups, abort them, read
+    the stats and what is served (`config`, `args`, `tokenizer`, `adapters`), and the weight
+    routes use its part `weights` (WeightCycle: sleep, wake-up, updates, LoRA adapters). Its
+    other parts: `admission` (Admission: the waiting limit, grammar compiles, the swap's gate)
+    and `live` (LiveGroups: the index of live groups that routes aborts and outputs)."""
 
     def __init__(self, core: EngineCore, max_waiting: int):
         self.core = core
