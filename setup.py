@@ -1,5 +1,6 @@
 """Builds the Cython extensions: the scheduler in trillm/sched_ext and the CPU kernels (decode
-attention, quantized linears, the grouped LoRA multiply, the per-token ops, their thread pool) in trillm/kernels; everything else is in pyproject.toml."""
+attention, quantized linears, the grouped LoRA multiply, the per-token ops, a decode step's whole layer
+stack, their thread pool) in trillm/kernels; everything else is in pyproject.toml."""
 from Cython.Build import cythonize
 from setuptools import Extension, setup
 
@@ -15,6 +16,8 @@ setup(
             Extension("trillm.kernels.ops_cpu", ["trillm/kernels/ops_cpu.pyx"], extra_compile_args=CPU_KERNEL_FLAGS),
             Extension("trillm.kernels.quant_cpu", ["trillm/kernels/quant_cpu.pyx"], extra_compile_args=CPU_KERNEL_FLAGS),
             Extension("trillm.kernels.lora_cpu", ["trillm/kernels/lora_cpu.pyx"], extra_compile_args=CPU_KERNEL_FLAGS),
+            Extension("trillm.kernels.decoder_cpu", ["trillm/kernels/decoder_cpu.pyx"],
+                      extra_compile_args=CPU_KERNEL_FLAGS),
             # -pthread: the helper threads of pool_cpu.h
             Extension("trillm.kernels.pool_cpu", ["trillm/kernels/pool_cpu.pyx"],
                       extra_compile_args=[*CPU_KERNEL_FLAGS, "-pthread"], extra_link_args=["-pthread"]),

@@ -302,6 +302,35 @@ def test_default_model_matches_transformers(default_model_dir, source):
         assert got[:-1].argmax(-1).tolist() == seq.token_ids[seq.prompt_len :]
 
 
+@pytest.mark.parametrize("lengths", [[57], [40, 7, 23]], ids=["one", "three"])
+def test_the_fused_decoder_stack_gives_the_layers_logits_to_the_bit(lengths):
+    """A decode step of the default model runs every layer in one compiled call (DecoderStack);
+    its logits are the layer-by-layer path's, bit for bit, alone and beside other requests of
+    other lengths, and steps with prompt rows keep the layers."""
+    runner = ModelRunner(EngineArgs(num_kv_blocks=64))
+    model = runner.model.model
+    stack = model.decoder_stack
+    assert stack is not None, "the default model's decode steps should run fused"
+    sequences = make_sequences(runner, lengths, num_decode=4)
+    calls = []
+    model.decoder_stack = CountingStack(stack, calls)
+    fused = prefill_then_decode(runner, sequences)
+    assert len(calls) == 4  # the decode steps, not the prefill
+    model.decoder_stack = None
+    layered = prefill_then_decode(runner, sequences)
+    for f, l in zip(fused, layered):
+        assert torch.equal(f, l), (f - l).abs().max()
+
+
+class CountingStack:
+    def __init__(self, stack, calls: list):
+        self.stack, self.calls = stack, calls
+
+    def run(self, *args):
+        self.calls.append(args[0].shape[0])
+        return self.stack.run(*args)
+
+
 def test_integer_activations_agree_with_the_exact_path_on_the_default_model():
     """The default path (8-bit activations against the GGUF blocks, an fp16 KV cache) predicts, teacher-forced on
     the opening of benchmarks/data/eval_text.txt, the exact path's next token almost everywhere,

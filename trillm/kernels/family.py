@@ -34,6 +34,10 @@ class Kernels:
     name: str
     module_suffix: str
     packs_linear_weights = False  # the runner calls loader.pack_linear_weights(model) once loaded
+    # a class that runs a decode step through every decoder layer in one call (DecoderStack in
+    # trillm/kernels/decoder_cpu.pyx), for a model whose projections all run on this family's
+    # quantized_linear; None: the layers run one by one
+    decoder_stack = None
     # for GGUF-quantized projections (trillm/kernels/quant.py): a class made from a QuantizedWeight,
     # called as (x, bias) -> y, whose runs(weight) says which it takes; None: dense weights only
     quantized_linear = None
@@ -137,6 +141,10 @@ class CpuKernels(TorchKernels):
             if self.kv_cache_dtype in CACHE_DTYPES:  # fp32 or fp16; a bf16 cache keeps the twins
                 self.row_kernel = paged_decode_attention
                 self.write_kv = ops_cpu.write_kv
+                if quantized_activations:
+                    from trillm.kernels.decoder_cpu import DecoderStack
+
+                    self.decoder_stack = DecoderStack
             self.quantized_linear = quant_cpu.Int8QuantizedLinear if quantized_activations else quant_cpu.QuantizedLinear
             self.rms_norm = ops_cpu.rms_norm
             self.fused_add_rms_norm = ops_cpu.fused_add_rms_norm

@@ -267,14 +267,54 @@ class LlamaModel(nn.Module):
         self.register_buffer(
             "cos_sin_cache", rope_cos_sin_cache(config, config.max_position_embeddings), persistent=False
         )
+        self.kernels = kernels
+        self.tp = tp
+        self.decoder_stack = None  # set by fuse_layers()
+
+    def fuse_layers(self) -> bool:
+        """Once the weights are loaded (and quantized): let a decode step run every layer in one
+        compiled call (the family's decoder_stack) where this model fits it: one rank, every
+        projection on the family's integer kernel and without a bias, no per-head q/k norm.
+        Returns whether it does; steps with prompt rows or a LoRA adapter keep the layers."""
+        stack = self.kernels.decoder_stack
+        if stack is None or self.tp.size != 1:
+            return False
+        specs = []
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            projections = {"qkv": attn.qkv_proj, "o": attn.o_proj, "gate_up": mlp.gate_up_proj, "down": mlp.down_proj}
+            if attn.q_norm is not None or any(
+                    type(p.quantized) is not self.kernels.quantized_linear or p.bias is not None or p.reduce is not None
+                    for p in projections.values()):
+                return False
+            specs.append({
+                **{name: p.quantized for name, p in projections.items()},
+                "input_norm": layer.input_layernorm.weight, "eps": layer.input_layernorm.eps,
+                "post_norm": layer.post_attention_layernorm.weight, "post_eps": layer.post_attention_layernorm.eps,
+                "num_heads": attn.num_heads, "num_kv_heads": attn.num_kv_heads, "head_dim": attn.head_dim,
+                "window": attn.sliding_window,
+            })
+        self.decoder_stack = stack(specs, self.layers[0].self_attn.scale)
+        return True
 
     def forward(self, input_ids, positions, kv_caches, meta):
         assert len(kv_caches) == len(self.layers)
         hidden, residual = self.embed_tokens(input_ids), None
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden, residual = layer(positions, hidden, residual, self.cos_sin_cache, kv_cache, meta)
+        if self._fused(meta):
+            hidden, residual = self.decoder_stack.run(hidden, positions, meta.slot_mapping, meta.block_tables,
+                                                      meta.seq_lens, kv_caches, self.cos_sin_cache)
+        else:
+            for layer, kv_cache in zip(self.layers, kv_caches):
+                hidden, residual = layer(positions, hidden, residual, self.cos_sin_cache, kv_cache, meta)
         hidden, _ = self.norm(hidden, residual)
         return hidden
+
+    def _fused(self, meta: AttentionMetadata) -> bool:
+        """Whether this step runs on the decoder stack: every row decodes, and no adapter applies."""
+        if self.decoder_stack is None or meta.max_query_len != 1:
+            return False
+        lora = self.layers[0].self_attn.qkv_proj.lora
+        return lora is None or lora.batch.slots is None
 
 
 class LlamaForCausalLM(nn.Module):

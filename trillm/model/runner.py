@@ -112,9 +112,11 @@ class ModelRunner:
         self._serve(self.model)
 
     def _prepared(self, model: LlamaForCausalLM) -> LlamaForCausalLM:
-        """A loaded model made ready to run: its linear weights packed where the family packs them."""
+        """A loaded model made ready to run: its linear weights packed where the family packs them,
+        and its layers fused for decode steps where the family and the model allow it."""
         if model.kernels.packs_linear_weights:
             pack_linear_weights(model)
+        model.model.fuse_layers()
         return model
 
     def _serve(self, model: LlamaForCausalLM) -> None:

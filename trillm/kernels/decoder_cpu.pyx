@@ -1,0 +1,261 @@
+# cython: language_level=3
+"""A decode step through every decoder layer in one compiled call, for the cpu family.
+
+At one stream a decode step is tens of small kernel calls per layer, and on CPU the Python
+between them (the modules' calls, each wrapper's checks and allocations) costs as much as the
+weights' reading. `DecoderStack.run` calls the same C kernels the layer-by-layer path calls
+(ops_cpu.h, quant_int8_cpu.h, attention_cpu.h), in the same order, with the same arguments, on
+buffers of its own, with the GIL released once for the whole stack: its result is the same to
+the bit (tests/test_model.py holds this), only the Python between the kernels is gone.
+
+It runs what trillm.model.llama builds it for (`fusable`): every projection on 8-bit integer
+dot products with no bias, no per-head q/k norm, one rank, a fp32 or fp16 cache, and only steps
+where every row decodes (one query per request) with no LoRA adapter in the step.
+"""
+from libc.stdint cimport int32_t, int64_t, uint8_t, uintptr_t
+from libc.stdlib cimport free, malloc
+from libc.string cimport memcpy
+
+import torch
+
+from trillm.kernels cimport pool_cpu
+from trillm.kernels.pool_cpu cimport pool_runner
+
+cdef extern from "ops_cpu.h" nogil:
+    void rms_norm_f32(float *out, float *sum_out, const float *x, const float *residual, const float *weight,
+                      int64_t T, int64_t size, int64_t x_stride, float eps)
+    void silu_and_mul_f32(float *out, const float *x, int64_t T, int64_t inter)
+    int rotary_embedding_f32(float *x, const int64_t *positions, const float *cos_sin, int64_t max_positions,
+                             int64_t T, int64_t heads, int64_t head_dim, int64_t row_stride, int neox)
+    int write_kv_c "write_kv"(void *k_cache, void *v_cache, int f16, const float *k, const float *v,
+                              const int64_t *slots, int64_t T, int64_t num_slots, int64_t row_size, int64_t k_stride,
+                              int64_t v_stride)
+
+cdef extern from "quant_int8_cpu.h" nogil:
+    int int8_linear(float *out, const float *x, int64_t M, int64_t K, int64_t N, int nibbles, const uint8_t *u,
+                    const float *d, const float *m, int isa, pool_runner *run, int64_t chunks)
+
+cdef extern from "attention_cpu.h" nogil:
+    int paged_decode_attention_c "paged_decode_attention"(
+        float *out, const float *q, const void *k_cache, const void *v_cache, int f16,
+        const int32_t *block_tables, const int32_t *seq_lens,
+        int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+        int64_t block_size, int64_t max_blocks, float scale, int64_t window, pool_runner *run, int64_t chunks)
+
+
+cdef struct Projection:
+    const uint8_t *u
+    const float *d
+    const float *m
+    int64_t K
+    int64_t N
+    int nibbles
+    int isa
+
+
+cdef struct Layer:
+    const float *input_norm
+    const float *post_norm
+    Projection qkv
+    Projection o
+    Projection gate_up
+    Projection down
+    int64_t window  # 0: none
+    void *k_cache
+    void *v_cache
+
+
+# What went wrong inside the nogil loop, raised once it is left.
+cdef enum Failure:
+    FAILED_NOT = 0
+    FAILED_MEMORY = 1
+    FAILED_POSITION = 2
+    FAILED_SLOT = 3
+
+
+cdef Projection _projection(linear) except *:
+    """The kernel's arguments for one Int8QuantizedLinear (trillm/kernels/quant_cpu.pyx)."""
+    cdef Projection p
+    p.u = <const uint8_t *><uintptr_t>linear.u.data_ptr()
+    p.d = <const float *><uintptr_t>linear.d.data_ptr()
+    p.m = <const float *><uintptr_t>linear.m.data_ptr()
+    p.K = linear.in_features
+    p.N = linear.out_features
+    p.nibbles = linear.nibbles
+    p.isa = linear.isa
+    return p
+
+
+cdef inline float *_address(t):
+    return <float *><uintptr_t>t.data_ptr()
+
+
+cdef inline int _linear(float *out, const float *x, int64_t M, const Projection *p, int64_t chunks) noexcept nogil:
+    return int8_linear(out, x, M, p.K, p.N, p.nibbles, p.u, p.d, p.m, p.isa, pool_cpu.run, chunks)
+
+
+cdef class DecoderStack:
+    """The decoder layers of one loaded model, as pointers into its weights (it keeps those
+    tensors alive). `run` takes the KV caches each call and keeps no hold on them: sleep mode
+    frees them and makes new ones."""
+
+    cdef Layer *layers
+    cdef int64_t num_layers, hidden, q_size, kv_size, qkv_size, num_heads, num_kv_heads, head_dim, inter
+    cdef float eps, post_eps, scale
+    cdef object weights  # the tensors the pointers point into
+
+    def __cinit__(self):
+        self.layers = NULL
+
+    def __init__(self, layers, float scale):
+        """`layers`: per decoder layer, a dict: input_norm, post_norm (weights), eps, post_eps,
+        qkv, o, gate_up, down (Int8QuantizedLinear), num_heads, num_kv_heads, head_dim, window
+        (None: none). Every layer has the same shapes."""
+        cdef int64_t i
+        first = layers[0]
+        self.num_layers = len(layers)
+        self.num_heads, self.num_kv_heads, self.head_dim = first["num_heads"], first["num_kv_heads"], first["head_dim"]
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_size = self.q_size + 2 * self.kv_size
+        self.hidden = first["qkv"].in_features
+        self.inter = first["down"].in_features
+        self.eps, self.post_eps, self.scale = first["eps"], first["post_eps"], scale
+        self.layers = <Layer *>malloc(self.num_layers * sizeof(Layer))
+        if self.layers == NULL:
+            raise MemoryError()
+        self.weights = []
+        for i, spec in enumerate(layers):
+            assert (spec["num_heads"], spec["num_kv_heads"], spec["head_dim"]) == (self.num_heads, self.num_kv_heads,
+                                                                                   self.head_dim)
+            assert spec["eps"] == first["eps"] and spec["post_eps"] == first["post_eps"]
+            assert (spec["qkv"].in_features, spec["qkv"].out_features) == (self.hidden, self.qkv_size)
+            assert (spec["o"].in_features, spec["o"].out_features) == (self.q_size, self.hidden)
+            assert (spec["gate_up"].in_features, spec["gate_up"].out_features) == (self.hidden, 2 * self.inter)
+            assert (spec["down"].in_features, spec["down"].out_features) == (self.inter, self.hidden)
+            for norm in (spec["input_norm"], spec["post_norm"]):
+                assert norm.dtype == torch.float32 and norm.is_contiguous() and norm.shape == (self.hidden,)
+            self.layers[i].input_norm = _address(spec["input_norm"])
+            self.layers[i].post_norm = _address(spec["post_norm"])
+            self.layers[i].qkv = _projection(spec["qkv"])
+            self.layers[i].o = _projection(spec["o"])
+            self.layers[i].gate_up = _projection(spec["gate_up"])
+            self.layers[i].down = _projection(spec["down"])
+            self.layers[i].window = spec["window"] or 0
+            self.layers[i].k_cache = NULL
+            self.layers[i].v_cache = NULL
+            self.weights.append(spec)
+
+    def __dealloc__(self):
+        free(self.layers)
+
+    def run(self, hidden, positions, slot_mapping, block_tables, seq_lens, kv_caches, cos_sin_cache):
+        """hidden [T, hidden] fp32 (the embeddings of T decoding requests, one row each);
+        positions, slot_mapping [T] int64; block_tables [T, max_blocks] int32; seq_lens [T] int32;
+        kv_caches: per layer (K, V) [num_blocks, block_size, Hk, D], fp32 or fp16. Writes each
+        layer's keys and values to the caches; returns (hidden, residual) after the last layer,
+        as the layer-by-layer path hands them to the final norm."""
+        cdef int64_t i, T = hidden.shape[0]
+        assert hidden.dtype == torch.float32 and hidden.is_contiguous() and hidden.shape[1] == self.hidden
+        for tensor, dtype in ((positions, torch.int64), (slot_mapping, torch.int64), (block_tables, torch.int32),
+                              (seq_lens, torch.int32), (cos_sin_cache, torch.float32)):
+            assert tensor.dtype == dtype and tensor.device.type == "cpu" and tensor.is_contiguous(), tensor.dtype
+        assert positions.shape[0] == slot_mapping.shape[0] == block_tables.shape[0] == seq_lens.shape[0] == T
+        assert cos_sin_cache.shape[1] == self.head_dim and len(kv_caches) == self.num_layers
+        k0 = kv_caches[0][0]
+        assert k0.dtype in (torch.float32, torch.float16) and k0.shape[2:] == (self.num_kv_heads, self.head_dim)
+        # Read each call, and never kept: sleep mode frees the caches and makes new ones.
+        for i, (k_cache, v_cache) in enumerate(kv_caches):
+            assert k_cache.dtype == v_cache.dtype == k0.dtype and k_cache.shape == v_cache.shape == k0.shape
+            assert k_cache.is_contiguous() and v_cache.is_contiguous()
+            self.layers[i].k_cache = <void *><uintptr_t>k_cache.data_ptr()
+            self.layers[i].v_cache = <void *><uintptr_t>v_cache.data_ptr()
+        cdef int f16 = k0.dtype == torch.float16
+        cdef int64_t block_size = k0.shape[1], num_slots = k0.shape[0] * k0.shape[1]
+        cdef int64_t max_blocks = block_tables.shape[1], max_positions = cos_sin_cache.shape[0]
+        # The step's buffers. residual ping-pongs between two: the norm's sum may not alias its input.
+        f32 = torch.float32
+        out_hidden = torch.empty(T, self.hidden, dtype=f32)
+        residuals = (torch.empty(T, self.hidden, dtype=f32), torch.empty(T, self.hidden, dtype=f32))
+        normed = torch.empty(T, self.hidden, dtype=f32)
+        qkv = torch.empty(T, self.qkv_size, dtype=f32)
+        q = torch.empty(T, self.q_size, dtype=f32)
+        attn = torch.empty(T, self.q_size, dtype=f32)
+        projected = torch.empty(T, self.hidden, dtype=f32)
+        gate_up = torch.empty(T, 2 * self.inter, dtype=f32)
+        act = torch.empty(T, self.inter, dtype=f32)
+        cdef float *x = _address(hidden)
+        cdef float *res[2]
+        res[0] = _address(residuals[0])
+        res[1] = _address(residuals[1])
+        cdef float *normed_p = _address(normed)
+        cdef float *qkv_p = _address(qkv)
+        cdef float *q_p = _address(q)
+        cdef float *attn_p = _address(attn)
+        cdef float *proj_p = _address(projected)
+        cdef float *gate_up_p = _address(gate_up)
+        cdef float *act_p = _address(act)
+        cdef float *out_p = _address(out_hidden)
+        cdef const int64_t *pos_p = <const int64_t *><uintptr_t>positions.data_ptr()
+        cdef const int64_t *slots_p = <const int64_t *><uintptr_t>slot_mapping.data_ptr()
+        cdef const int32_t *tables_p = <const int32_t *><uintptr_t>block_tables.data_ptr()
+        cdef const int32_t *lens_p = <const int32_t *><uintptr_t>seq_lens.data_ptr()
+        cdef const float *cos_sin_p = _address(cos_sin_cache)
+        cdef int64_t chunks = pool_cpu.chunks()
+        cdef int64_t t, cur = 0
+        cdef Failure failure = FAILED_NOT
+        cdef Layer *layer
+        cdef const float *layer_in = x
+        with nogil:
+            for i in range(self.num_layers):
+                layer = &self.layers[i]
+                # input norm: the first layer's residual is its input; later ones add the last output
+                if i == 0:
+                    rms_norm_f32(normed_p, NULL, layer_in, NULL, layer.input_norm, T, self.hidden, self.hidden,
+                                 self.eps)
+                    memcpy(res[cur], layer_in, T * self.hidden * sizeof(float))
+                else:
+                    rms_norm_f32(normed_p, res[1 - cur], layer_in, res[cur], layer.input_norm, T, self.hidden,
+                                 self.hidden, self.eps)
+                    cur = 1 - cur
+                if _linear(qkv_p, normed_p, T, &layer.qkv, chunks) != 0:
+                    failure = FAILED_MEMORY
+                    break
+                if (rotary_embedding_f32(qkv_p, pos_p, cos_sin_p, max_positions, T, self.num_heads, self.head_dim,
+                                         self.qkv_size, 1) != 0
+                        or rotary_embedding_f32(qkv_p + self.q_size, pos_p, cos_sin_p, max_positions, T,
+                                                self.num_kv_heads, self.head_dim, self.qkv_size, 1) != 0):
+                    failure = FAILED_POSITION
+                    break
+                if write_kv_c(layer.k_cache, layer.v_cache, f16, qkv_p + self.q_size,
+                              qkv_p + self.q_size + self.kv_size, slots_p, T, num_slots, self.kv_size,
+                              self.qkv_size, self.qkv_size) != 0:
+                    failure = FAILED_SLOT
+                    break
+                for t in range(T):
+                    memcpy(q_p + t * self.q_size, qkv_p + t * self.qkv_size, self.q_size * sizeof(float))
+                if paged_decode_attention_c(attn_p, q_p, layer.k_cache, layer.v_cache, f16, tables_p, lens_p, T,
+                                            self.num_heads, self.num_kv_heads, self.head_dim, block_size, max_blocks,
+                                            self.scale, layer.window, pool_cpu.run, chunks) != 0:
+                    failure = FAILED_MEMORY
+                    break
+                if _linear(proj_p, attn_p, T, &layer.o, chunks) != 0:
+                    failure = FAILED_MEMORY
+                    break
+                rms_norm_f32(normed_p, res[1 - cur], proj_p, res[cur], layer.post_norm, T, self.hidden, self.hidden,
+                             self.post_eps)
+                cur = 1 - cur
+                if _linear(gate_up_p, normed_p, T, &layer.gate_up, chunks) != 0:
+                    failure = FAILED_MEMORY
+                    break
+                silu_and_mul_f32(act_p, gate_up_p, T, self.inter)
+                if _linear(out_p, act_p, T, &layer.down, chunks) != 0:
+                    failure = FAILED_MEMORY
+                    break
+                layer_in = out_p
+        if failure == FAILED_MEMORY:
+            raise MemoryError("DecoderStack.run: no memory for a kernel's scratch")
+        if failure == FAILED_POSITION:
+            raise IndexError("rotary_embedding: a position is past the end of the cos/sin table")
+        if failure == FAILED_SLOT:
+            raise IndexError("write_kv: a slot is past the end of the cache")
+        return out_hidden, residuals[cur]
