@@ -19,28 +19,13 @@ from libc.string cimport memcpy
 import torch
 
 from trillm.kernels cimport pool_cpu
+from trillm.kernels.attention_cpu_h cimport paged_decode_attention_c
+from trillm.kernels.ops_cpu_h cimport rms_norm_f32, rotary_embedding_f32, silu_and_mul_f32, write_kv_c
 from trillm.kernels.pool_cpu cimport pool_runner
-
-cdef extern from "ops_cpu.h" nogil:
-    void rms_norm_f32(float *out, float *sum_out, const float *x, const float *residual, const float *weight,
-                      int64_t T, int64_t size, int64_t x_stride, float eps)
-    void silu_and_mul_f32(float *out, const float *x, int64_t T, int64_t inter)
-    int rotary_embedding_f32(float *x, const int64_t *positions, const float *cos_sin, int64_t max_positions,
-                             int64_t T, int64_t heads, int64_t head_dim, int64_t row_stride, int neox)
-    int write_kv_c "write_kv"(void *k_cache, void *v_cache, int f16, const float *k, const float *v,
-                              const int64_t *slots, int64_t T, int64_t num_slots, int64_t row_size, int64_t k_stride,
-                              int64_t v_stride)
 
 cdef extern from "quant_int8_cpu.h" nogil:
     int int8_linear(float *out, const float *x, int64_t M, int64_t K, int64_t N, int nibbles, const uint8_t *u,
                     const float *d, const float *m, int isa, pool_runner *run, int64_t chunks)
-
-cdef extern from "attention_cpu.h" nogil:
-    int paged_decode_attention_c "paged_decode_attention"(
-        float *out, const float *q, const void *k_cache, const void *v_cache, int f16,
-        const int32_t *block_tables, const int32_t *seq_lens,
-        int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-        int64_t block_size, int64_t max_blocks, float scale, int64_t window, pool_runner *run, int64_t chunks)
 
 
 cdef struct Projection:
