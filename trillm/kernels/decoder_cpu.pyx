@@ -21,11 +21,7 @@ import torch
 from trillm.kernels cimport pool_cpu
 from trillm.kernels.attention_cpu_h cimport paged_decode_attention_c
 from trillm.kernels.ops_cpu_h cimport rms_norm_f32, rotary_embedding_f32, silu_and_mul_f32, write_kv_c
-from trillm.kernels.pool_cpu cimport pool_runner
-
-cdef extern from "quant_int8_cpu.h" nogil:
-    int int8_linear(float *out, const float *x, int64_t M, int64_t K, int64_t N, int nibbles, const uint8_t *u,
-                    const float *d, const float *m, int isa, pool_runner *run, int64_t chunks)
+from trillm.kernels.quant_int8_cpu_h cimport int8_linear
 
 
 cdef struct Projection:

@@ -10,6 +10,10 @@ import torch
 
 from trillm.kernels cimport pool_cpu
 from trillm.kernels.pool_cpu cimport pool_runner
+from trillm.kernels.quant_int8_cpu_h cimport (
+    INT8_AVX2, INT8_AVX512VNNI, INT8_AVXVNNI, INT8_GENERIC, int8_best_isa, int8_isa_supported, int8_linear,
+)
+
 from trillm.kernels.quant import BLOCK, QuantizedWeight
 
 cdef extern from "quant_cpu.h" nogil:
@@ -20,12 +24,6 @@ cdef extern from "quant_cpu.h" nogil:
                               const void *quants, const float *scales, const float *mins, pool_runner *run,
                               int64_t chunks)
 
-cdef extern from "quant_int8_cpu.h" nogil:
-    int INT8_GENERIC, INT8_AVX2, INT8_AVXVNNI, INT8_AVX512VNNI
-    int int8_isa_supported(int isa)
-    int int8_best_isa()
-    int int8_linear(float *out, const float *x, int64_t M, int64_t K, int64_t N, int nibbles, const uint8_t *u,
-                    const float *d, const float *m, int isa, pool_runner *run, int64_t chunks)
 
 FORMATS = {"q4_1": QUANT_Q4_1, "q8_0": QUANT_Q8_0}
 # the integer kernel's paths, widest last
