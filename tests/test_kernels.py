@@ -266,7 +266,7 @@ def check_cpu_decode_attention(seq_lens, *, block_size=16, head_dim=64, num_kv_h
     """The compiled decode kernel against the torch twin, on a cache (fp32 or fp16) whose unowned
     slots are poison, on one thread or shared among the pool's."""
     from trillm.kernels import pool_cpu
-    from trillm.kernels.attention_cpu import paged_decode_attention
+    from trillm.kernels.attention_cpu import paged_attention
 
     k_cache, v_cache, block_tables, lens, starts = (t.cpu() for t in make_batch(
         [1] * len(seq_lens), seq_lens, block_size, num_kv_heads, head_dim, torch.float32, seed))
@@ -276,7 +276,7 @@ def check_cpu_decode_attention(seq_lens, *, block_size=16, head_dim=64, num_kv_h
     want = attention.paged_attention(q, k_cache, v_cache, block_tables, lens, starts, scale, sliding_window)
     previous = pool_cpu.set_threads(threads)
     try:
-        got = paged_decode_attention(q, k_cache, v_cache, block_tables, lens, scale, sliding_window)
+        got = paged_attention(q, k_cache, v_cache, block_tables, lens, None, scale, sliding_window)
     finally:
         pool_cpu.set_threads(previous)
     assert got.shape == q.shape and got.dtype == torch.float32
@@ -318,7 +318,7 @@ def test_cpu_decode_attention_ragged(seq_lens, block_size, group, sliding_window
 def test_cpu_row_attention_matches_the_twin_on_mixed_steps(batch, block_size, group, sliding_window, cache_dtype):
     """The cpu family's plan: every row of prefill chunks and decodes through the compiled kernel,
     each as a query at its own position; the same output as the twin's gather and SDPA."""
-    from trillm.kernels.attention_cpu import paged_decode_attention
+    from trillm.kernels.attention_cpu import paged_attention
 
     num_queries, seq_lens = batch
     k_cache, v_cache, block_tables, lens, starts = (t.cpu() for t in make_batch(
@@ -326,21 +326,82 @@ def test_cpu_row_attention_matches_the_twin_on_mixed_steps(batch, block_size, gr
     k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
     q = randn(sum(num_queries), 2 * group, 64, seed=1).cpu()
     want = attention.paged_attention(q, k_cache, v_cache, block_tables, lens, starts, 0.125, sliding_window)
-    plan = attention.plan_attention(block_tables, lens, starts, block_size, sliding_window, paged_decode_attention)
+    plan = attention.plan_attention(block_tables, lens, starts, block_size, sliding_window, paged_attention)
     assert plan.single_group and len(plan.groups) == 1
     assert_close(attention.attend_planned(q, k_cache, v_cache, plan, 0.125), want, torch.float32)
 
 
-def test_cpu_decode_attention_refuses_what_it_cannot_read():
-    from trillm.kernels.attention_cpu import paged_decode_attention
+def test_cpu_attention_refuses_what_it_cannot_read():
+    from trillm.kernels.attention_cpu import paged_attention
 
-    k_cache, v_cache, block_tables, lens, _ = (t.cpu() for t in make_batch([1], [5], 16, 1, 64, torch.float32))
+    k_cache, v_cache, block_tables, lens, starts = (t.cpu() for t in make_batch([1], [5], 16, 1, 64, torch.float32))
     q = torch.randn(1, 1, 64)
     for bad in (q.to(torch.bfloat16), torch.randn(1, 1, 128)[..., ::2]):  # wrong dtype, not contiguous
         with pytest.raises(AssertionError):
-            paged_decode_attention(bad, k_cache, v_cache, block_tables, lens, 0.125)
+            paged_attention(bad, k_cache, v_cache, block_tables, lens, None, 0.125)
     with pytest.raises(AssertionError):
-        paged_decode_attention(q, k_cache, v_cache, block_tables.long(), lens, 0.125)
+        paged_attention(q, k_cache, v_cache, block_tables.long(), lens, None, 0.125)
+    with pytest.raises(AssertionError):  # query_start_loc that does not end at the rows given
+        paged_attention(q, k_cache, v_cache, block_tables, lens, torch.tensor([0, 2], dtype=torch.int32), 0.125)
+    # more query rows than the request's context: positions before 0, which the kernel must not read
+    six = torch.randn(6, 1, 64)
+    with pytest.raises(ValueError, match="more rows than its context"):
+        paged_attention(six, k_cache, v_cache, block_tables, lens, torch.tensor([0, 6], dtype=torch.int32), 0.125)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    context=st.integers(1, 90),
+    cached=st.integers(0, 89),
+    chunk=st.integers(1, 40),
+    group=st.sampled_from([1, 3]),
+    sliding_window=st.sampled_from([None, 5, 33]),
+    cache_dtype=st.sampled_from([torch.float32, torch.float16]),
+    threads=st.sampled_from([1, 2]),
+)
+def test_cpu_attention_gives_a_prompt_the_same_bits_however_its_rows_are_tiled(
+        context, cached, chunk, group, sliding_window, cache_dtype, threads):
+    """A prompt's rows computed whole, in chunks after a cached prefix, beside another request,
+    and one at a time as decode rows: the same output to the bit (the kernel's rows go in tiles
+    whose makeup changes with each of these, and must not change a row's arithmetic)."""
+    from trillm.kernels import pool_cpu
+    from trillm.kernels.attention_cpu import paged_attention
+
+    cached = min(cached, context - 1)
+    k_cache, v_cache, tables, lens, _ = (t.cpu() for t in make_batch([1], [context], 16, 2, 64, torch.float32))
+    k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
+    q = randn(context, 2 * group, 64, seed=3).cpu()
+
+    def attend(rows: slice, neighbour: bool = False):
+        """Rows `rows` of the prompt as one request's chunk (its context ending at the last of them)."""
+        seq_lens = torch.tensor([rows.stop], dtype=torch.int32)
+        starts = torch.tensor([0, rows.stop - rows.start], dtype=torch.int32)
+        q_rows, block_tables = q[rows], tables
+        if neighbour:  # a second request, the whole prompt again, ahead of this one in the step
+            q_rows = torch.cat([q, q_rows])
+            block_tables = torch.cat([tables, tables])
+            seq_lens = torch.tensor([context, rows.stop], dtype=torch.int32)
+            starts = torch.tensor([0, context, context + rows.stop - rows.start], dtype=torch.int32)
+        out = paged_attention(q_rows.contiguous(), k_cache, v_cache, block_tables, seq_lens, starts, 0.125,
+                              sliding_window)
+        return out[-(rows.stop - rows.start):]
+
+    previous = pool_cpu.set_threads(threads)
+    try:
+        whole = attend(slice(0, context))
+        chunked = torch.cat([attend(slice(s, min(s + chunk, context)))
+                             for s in range(cached, context, chunk)])
+        beside = attend(slice(cached, context), neighbour=True)
+        decoded = torch.cat([paged_attention(q[i:i + 1].contiguous(), k_cache, v_cache, tables,
+                                             torch.tensor([i + 1], dtype=torch.int32), None, 0.125, sliding_window)
+                             for i in range(cached, context)])
+    finally:
+        pool_cpu.set_threads(previous)
+    assert torch.equal(chunked, whole[cached:]) and torch.equal(beside, whole[cached:])
+    assert torch.equal(decoded, whole[cached:])
+    want = attention.paged_attention(q, k_cache, v_cache, tables, lens,
+                                     torch.tensor([0, context], dtype=torch.int32), 0.125, sliding_window)
+    assert_close(whole, want, torch.float32)
 
 
 @settings(max_examples=25, deadline=None)

@@ -47,10 +47,11 @@ class StepOutput:
 
 
 # On CPU a step's prompt chunks attend over at most the pairs of a fresh 512-token chunk. The
-# attention there costs far more per pair than its multiply-adds say (it runs row by row, off
-# its roof), so the budget is set from what a step costs, not from the model's shapes: a step
-# stays a fraction of a second, and a fresh chunk is at most 511 tokens, while short prompts
-# still share a step by the dozen.
+# attention there costs more per pair than its multiply-adds say (well off the FMA roof), so the
+# budget is set from what a step costs, not from the model's shapes: a step stays a fraction of
+# a second, and a fresh chunk is at most 511 tokens, while short prompts still share a step by
+# the dozen. (A larger budget shortens a long prompt's prefill little: its steps' time is mostly
+# the tokens' projections and the pairs' attention, whatever their number.)
 CPU_PREFILL_PAIRS = 512 * 513 // 2
 
 

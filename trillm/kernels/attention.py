@@ -12,9 +12,10 @@ metadata only, so a model builds it once per step and reuses it in every layer (
 backend keeps it in AttentionMetadata.per_step): on CPU, rebuilding slots and masks in each of
 30 layers cost more than the attention math itself.
 
-Given a `row_kernel` (the compiled CPU kernel in attention_cpu.pyx), every query row, decode
-and prefill alike, goes through it on its own: the kernel reads the row's keys and values straight
-from the cache blocks, and a row's arithmetic does not depend on what else the step holds. So a
+Given a `row_kernel` (the compiled CPU kernel in attention_cpu.pyx, with this module's
+`paged_attention` signature), the whole step, decode and prefill rows alike, goes through it: the
+kernel reads each row's keys and values straight from the cache blocks, and a row's arithmetic
+does not depend on what else the step holds. So a
 prompt gives the same output whether it is prefilled whole, in chunks, after a prefix-cache hit
 or beside other requests (with SDPA, whose blocking follows the number of queries, a greedy
 answer could change with the cache's state once 8-bit activations amplified the last bits).
@@ -61,26 +62,25 @@ class Group:
 
 
 @dataclass
-class PagedRowsGroup:
-    """Query rows for a kernel that reads the paged cache itself, each attending to the positions
-    before it: row i's block table and its own context length (its position + 1)."""
+class PagedGroup:
+    """The whole step for a kernel that reads the paged cache itself (the twin's own signature,
+    `paged_attention`): every request's rows, block table and context length as the step has them."""
 
-    rows: slice | torch.Tensor
-    block_tables: torch.Tensor  # [R, max_blocks] int32, contiguous
-    seq_lens: torch.Tensor  # [R] int32
+    block_tables: torch.Tensor  # [B, max_blocks] int32, contiguous
+    seq_lens: torch.Tensor  # [B] int32
+    query_start_loc: torch.Tensor | None  # [B + 1] int32; None when each request has one row
     sliding_window: int | None
     kernel: Callable
 
     def attend(self, q, k_cache, v_cache, scale: float) -> torch.Tensor:
-        return self.kernel(
-            q[self.rows].contiguous(), k_cache, v_cache, self.block_tables, self.seq_lens, scale, self.sliding_window
-        )
+        return self.kernel(q.contiguous(), k_cache, v_cache, self.block_tables, self.seq_lens, self.query_start_loc,
+                           scale, self.sliding_window)
 
 
 @dataclass
 class AttentionPlan:
     num_tokens: int
-    groups: list[Group | PagedRowsGroup]  # the decode rows as one group, then each prefill chunk
+    groups: list[Group | PagedGroup]  # the decode rows as one group, then each prefill chunk
     single_group: bool  # one group holding every row in order: its output is the whole output
 
 
@@ -141,18 +141,10 @@ def plan_attention(
 
 
 def _plan_rows(block_tables, seq_lens, query_start_loc, sliding_window, row_kernel) -> AttentionPlan:
-    """Every row as its own query for row_kernel: its request's block table, and its position + 1
-    as its context length (a pure-decode step already has both)."""
+    """The whole step as one group for row_kernel, which takes it as the step has it."""
     num_rows = int(query_start_loc[-1])
-    if num_rows == seq_lens.shape[0]:
-        tables, lens = block_tables, seq_lens
-    else:
-        ends = query_start_loc[1:].long()
-        request_of_row = torch.repeat_interleave(torch.arange(seq_lens.shape[0]), ends - query_start_loc[:-1].long())
-        # row i of a request whose queries end at `end`: position seq_len - (end - i)
-        lens = (seq_lens.long() - ends + 1)[request_of_row] + torch.arange(num_rows)
-        tables, lens = block_tables.index_select(0, request_of_row), lens.int()
-    group = PagedRowsGroup(slice(0, num_rows), tables.contiguous(), lens.contiguous(), sliding_window, row_kernel)
+    starts = None if num_rows == seq_lens.shape[0] else query_start_loc.int().contiguous()
+    group = PagedGroup(block_tables.contiguous(), seq_lens.contiguous(), starts, sliding_window, row_kernel)
     return AttentionPlan(num_rows, [group], single_group=True)
 
 

@@ -1,24 +1,42 @@
-/* Decode attention over the paged KV cache on CPU: fp32 queries and sums, the cache in fp32 or
- * fp16 (half the bytes to stream, which is the kernel's cost once a batch has long contexts).
+/* Paged attention over the KV cache on CPU, for a step that mixes prompt chunks and decode rows:
+ * fp32 queries and sums, the cache in fp32 or fp16 (half the bytes to stream, which is the
+ * kernel's cost once a batch has long contexts).
  *
- * One query row per request, at position seq_lens[b] - 1. The kernel reads each request's keys and
- * values straight from their cache blocks, whole token rows (every KV head) at a time, so nothing is
- * gathered into a copy first: with the gather, moving the context cost more than the attention
- * math. Two passes per request: scores for every head, a softmax, then the weighted sum of values.
- * Both passes take four tokens at a time, so the four dot products (or the four value rows added
- * into the output) are independent chains the CPU overlaps, and each q (or output) vector loaded
- * serves four rows; one token at a time, every dot product waited on its own horizontal sum. A
- * context is padded to a multiple of four with copies of its last row whose probability is 0, so
- * there is no one-token tail loop. The requests are shared among the threads of the kernels'
- * pool (pool_cpu.h), each with scratch of its own.
+ * Request b owns the query rows query_start_loc[b] .. query_start_loc[b + 1] - 1, the last at
+ * position seq_lens[b] - 1; each row attends causally (and within the sliding window) to the
+ * positions up to its own. The kernel reads the keys and values straight from their cache
+ * blocks, whole token rows (every KV head) at a time, so nothing is gathered into a copy first:
+ * with the gather, moving the context cost more than the attention math.
+ *
+ * A request's rows go in tiles of up to QUERY_TILE consecutive rows. Each key row is read (and
+ * widened, from fp16) once per tile and used by every row of the tile that sees it, where row by
+ * row a prompt of n tokens read its context n times: at a few thousand tokens that re-reading,
+ * not the arithmetic, was the prefill's cost. Per row, two passes: scores for every head, a
+ * softmax, then the weighted sum of values. Both passes take four tokens at a time, so the four
+ * dot products (or the four value rows added into the output) are independent chains the CPU
+ * overlaps, and each q (or output) vector loaded serves four rows. A row's context is padded to a
+ * multiple of four with rows whose probability is 0 (the tile's next keys, or copies of the last
+ * one), so there is no one-token tail loop.
+ *
+ * What a row computes is the same sequence of operations whatever tile it is in: the same loops
+ * over its own keys in the same order, its scores in a 64-byte-aligned stripe of their own. So
+ * a prompt gives the same output to the bit whole, in chunks, after a prefix-cache hit or beside
+ * other requests. With a sliding window, rows of one request do not share a first key, and each
+ * row is a tile of its own.
+ *
+ * The tiles are shared among the threads of the kernels' pool (pool_cpu.h), the longest
+ * contexts claimed first; each thread keeps its scratch between calls (thread_scratch).
  */
 #include <math.h>
+#include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "shared_cpu.h"
 
+#define QUERY_TILE 16
 /* Rows ahead of the ones in use whose cache lines are requested: the blocks of a request sit
  * anywhere in the cache, so the hardware prefetcher cannot see the next one coming. */
 #define PREFETCH_AHEAD 16
@@ -28,141 +46,392 @@ static inline void prefetch_row(const void *row, int64_t bytes)
     for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch((const char *)row + off);
 }
 
-struct decode_job {
+/* Consecutive query rows of one request. */
+struct attention_tile {
+    int64_t seq, first_row, num_rows;
+};
+
+struct attention_job {
     float *out;
     const float *q;
     const void *k_cache, *v_cache;
     f16_widen_fn *widen; /* NULL: an fp32 cache, read in place; else how an fp16 row is widened */
     const int32_t *block_tables, *seq_lens;
-    int64_t num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks, window, max_padded, per_chunk;
+    const int32_t *query_start_loc; /* NULL: row b is request b's only query */
+    int64_t num_heads, num_kv_heads, head_dim, block_size, max_blocks, window;
+    const struct attention_tile *tiles;
+    int64_t num_tiles;
     float scale;
     _Atomic int failed;
 };
 
-/* The fp32 values of the cache row at `offset` (elements): in place, or widened into `wide`. */
-static inline const float *cache_row(const struct decode_job *job, const void *cache, int64_t offset, float *wide)
+/* Scratch of the calling thread, kept for its next call (a step calls the kernel once per layer)
+ * and freed when the thread exits: at least `bytes`, 64-byte aligned, NULL when out of memory. */
+struct thread_scratch_buffer {
+    size_t bytes;
+    void *data;
+};
+
+static pthread_key_t thread_scratch_key;
+static pthread_once_t thread_scratch_once = PTHREAD_ONCE_INIT;
+
+static void thread_scratch_free(void *p)
 {
-    if (job->widen == NULL) return (const float *)cache + offset;
-    job->widen(wide, (const uint16_t *)cache + offset, job->num_kv_heads * job->head_dim);
-    return wide;
+    struct thread_scratch_buffer *s = p;
+    free(s->data);
+    free(s);
 }
 
-/* The four cache rows rows[0..3] as fp32 (r[a]), with the rows PREFETCH_AHEAD on requested. */
-static inline void cache_rows4(const struct decode_job *job, const void *cache, const int64_t *rows, float *wide,
-                               const float *r[4])
+static void thread_scratch_make_key(void) { pthread_key_create(&thread_scratch_key, thread_scratch_free); }
+
+static void *thread_scratch(size_t bytes)
+{
+    pthread_once(&thread_scratch_once, thread_scratch_make_key);
+    struct thread_scratch_buffer *s = pthread_getspecific(thread_scratch_key);
+    if (s == NULL) {
+        s = calloc(1, sizeof *s);
+        if (s == NULL || pthread_setspecific(thread_scratch_key, s) != 0) {
+            free(s);
+            return NULL;
+        }
+    }
+    if (s->bytes < bytes) {
+        free(s->data);
+        s->data = NULL;
+        s->bytes = 0;
+        const size_t want = (bytes + bytes / 4 + 63) / 64 * 64; /* room to grow a little without another call */
+        if (posix_memalign(&s->data, 64, want) != 0) {
+            s->data = NULL;
+            return NULL;
+        }
+        s->bytes = want;
+    }
+    return s->data;
+}
+
+/* Eight lanes of fp32, as GCC's vector extension: the arithmetic below is written lane by lane,
+ * so what each lane sums, and in which order, is fixed by this source (no reduction the compiler
+ * may reorder), and the same for every row whatever tile it is in. */
+typedef float v8f __attribute__((vector_size(32)));
+
+/* Inlined into each clone of attend_tile, so that they are compiled for its instruction set (an
+ * out-of-line copy would be the baseline's: no FMA, two SSE halves per vector). */
+#define TILE_INLINE static inline __attribute__((always_inline))
+
+TILE_INLINE v8f load8(const float *p)
+{
+    v8f v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+TILE_INLINE void store8(float *p, v8f v) { memcpy(p, &v, sizeof v); }
+
+/* A dot product's lanes, summed in one fixed order. */
+TILE_INLINE float hsum8(v8f a) { return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7])); }
+
+/* s[0..3] = hsum8(a0) .. hsum8(a3), each times scale: the same additions as hsum8, four dot
+ * products' lanes added side by side in vector shuffles rather than one scalar chain each. */
+TILE_INLINE void store_sums4(float *s, v8f a0, v8f a1, v8f a2, v8f a3, float scale)
+{
+    typedef int32_t v8i __attribute__((vector_size(32)));
+    const v8i low = {0, 1, 2, 3, 8, 9, 10, 11}, high = {4, 5, 6, 7, 12, 13, 14, 15};
+    const v8f u = __builtin_shuffle(a0, a1, low) + __builtin_shuffle(a0, a1, high);  /* a[i] + a[i + 4] */
+    const v8f w = __builtin_shuffle(a2, a3, low) + __builtin_shuffle(a2, a3, high);
+    const v8i even = {0, 1, 8, 9, 4, 5, 12, 13}, odd = {2, 3, 10, 11, 6, 7, 14, 15};
+    const v8f e = __builtin_shuffle(u, w, even) + __builtin_shuffle(u, w, odd);      /* (a0 + a4) + (a2 + a6) .. */
+    const v8i first = {0, 4, 2, 6, 0, 4, 2, 6}, second = {1, 5, 3, 7, 1, 5, 3, 7};
+    const v8f sums = (__builtin_shuffle(e, first) + __builtin_shuffle(e, second)) * scale;
+    s[0] = sums[0], s[1] = sums[1], s[2] = sums[2], s[3] = sums[3];
+}
+
+/* Key rows per block: read (widened) once into scratch and used by every row of the tile. */
+#define KEY_BLOCK 32
+
+/* Pointers to the fp32 values of cache rows rows[0 .. n-1]: in place, or widened into `buf`
+ * ([KEY_BLOCK, num_kv_heads * head_dim]); the next block's rows are requested meanwhile. */
+static inline void load_block(const struct attention_job *job, const void *cache, const int64_t *rows, int64_t n,
+                              float *buf, const float **out)
 {
     const int64_t token_stride = job->num_kv_heads * job->head_dim;
     const int64_t elem = job->widen == NULL ? (int64_t)sizeof(float) : (int64_t)sizeof(uint16_t);
-    for (int64_t a = 0; a < 4; a++) prefetch_row((const char *)cache + rows[PREFETCH_AHEAD + a] * elem, token_stride * elem);
-    for (int64_t a = 0; a < 4; a++) r[a] = cache_row(job, cache, rows[a], wide + a * token_stride);
+    for (int64_t j = 0; j < PREFETCH_AHEAD; j++)
+        prefetch_row((const char *)cache + rows[n + j] * elem, token_stride * elem);
+    for (int64_t j = 0; j < n; j++) {
+        if (job->widen == NULL) {
+            out[j] = (const float *)cache + rows[j];
+        } else {
+            job->widen(buf + j * token_stride, (const uint16_t *)cache + rows[j], token_stride);
+            out[j] = buf + j * token_stride;
+        }
+    }
 }
 
-/* Request b's output rows from its context. Scratch, the caller's: scores [num_heads,
- * max_padded], rows [max_padded + PREFETCH_AHEAD], wide [4, num_kv_heads * head_dim]. */
-TRILLM_MULTIVERSION static void decode_one(const struct decode_job *job, int64_t b, float *scores, int64_t *rows,
-                                           float *wide)
+/* Query vectors qa and qb (qb may be NULL) against four keys k[0..3], at head offsets oa and ob:
+ * sa[j] and sb[j] = the dot products times scale. Each dot product is eight lanes, each summing
+ * every eighth element in order, then hsum8: the same for a vector paired or alone. */
+TILE_INLINE void dots4(const float *qa, const float *qb, const float *const k[4], int64_t oa, int64_t ob,
+                         int64_t head_dim, float scale, float *sa, float *sb)
+{
+    v8f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
+    int64_t d = 0;
+    for (; d + 8 <= head_dim; d += 8) {
+        const v8f x = load8(qa + d);
+        a0 += x * load8(k[0] + oa + d);
+        a1 += x * load8(k[1] + oa + d);
+        a2 += x * load8(k[2] + oa + d);
+        a3 += x * load8(k[3] + oa + d);
+        if (qb != NULL) {
+            const v8f y = load8(qb + d);
+            b0 += y * load8(k[0] + ob + d);
+            b1 += y * load8(k[1] + ob + d);
+            b2 += y * load8(k[2] + ob + d);
+            b3 += y * load8(k[3] + ob + d);
+        }
+    }
+    for (int64_t l = 0; d < head_dim; d++, l++) { /* a head_dim that is not a multiple of 8 */
+        a0[l] += qa[d] * k[0][oa + d], a1[l] += qa[d] * k[1][oa + d];
+        a2[l] += qa[d] * k[2][oa + d], a3[l] += qa[d] * k[3][oa + d];
+        if (qb != NULL) {
+            b0[l] += qb[d] * k[0][ob + d], b1[l] += qb[d] * k[1][ob + d];
+            b2[l] += qb[d] * k[2][ob + d], b3[l] += qb[d] * k[3][ob + d];
+        }
+    }
+    store_sums4(sa, a0, a1, a2, a3, scale);
+    if (qb != NULL) store_sums4(sb, b0, b1, b2, b3, scale);
+}
+
+/* oa[d] += pa[j] * v[j][va + d] for j in 0 .. n-1, in that order, for d in [0, 8 * W); likewise
+ * ob from pb at vb when ob is not NULL. The sums stay in registers over the block's keys. */
+#define WEIGH_VALUES(W)                                                                                              \
+    TILE_INLINE void weigh_values##W(float *oa, float *ob, const float *pa, const float *pb, const float *const *v, \
+                                     int64_t va, int64_t vb, int64_t n)                                            \
+    {                                                                                                              \
+        v8f a[W], b[W];                                                                                            \
+        for (int64_t t = 0; t < W; t++) {                                                                          \
+            a[t] = load8(oa + 8 * t);                                                                              \
+            if (ob != NULL) b[t] = load8(ob + 8 * t);                                                              \
+        }                                                                                                          \
+        for (int64_t j = 0; j < n; j++) {                                                                          \
+            const float p = pa[j];                                                                                 \
+            for (int64_t t = 0; t < W; t++) a[t] += p * load8(v[j] + va + 8 * t);                                  \
+            if (ob != NULL) {                                                                                      \
+                const float q = pb[j];                                                                             \
+                for (int64_t t = 0; t < W; t++) b[t] += q * load8(v[j] + vb + 8 * t);                              \
+            }                                                                                                      \
+        }                                                                                                          \
+        for (int64_t t = 0; t < W; t++) {                                                                          \
+            store8(oa + 8 * t, a[t]);                                                                              \
+            if (ob != NULL) store8(ob + 8 * t, b[t]);                                                              \
+        }                                                                                                          \
+    }
+WEIGH_VALUES(4)
+WEIGH_VALUES(1)
+
+/* The same for one lane at d (a head_dim that is not a multiple of 8). */
+TILE_INLINE void weigh_values_lane(float *oa, float *ob, const float *pa, const float *pb, const float *const *v,
+                                   int64_t va, int64_t vb, int64_t n)
+{
+    float a = *oa, b = ob != NULL ? *ob : 0.0f;
+    for (int64_t j = 0; j < n; j++) {
+        a += pa[j] * v[j][va];
+        if (ob != NULL) b += pb[j] * v[j][vb];
+    }
+    *oa = a;
+    if (ob != NULL) *ob = b;
+}
+
+/* The weighted values of one or two query heads' rows (as weigh_values##W), across head_dim. */
+TILE_INLINE void weigh_values(float *oa, float *ob, const float *pa, const float *pb, const float *const *v,
+                              int64_t va, int64_t vb, int64_t n, int64_t head_dim)
+{
+    int64_t d = 0;
+    for (; d + 32 <= head_dim; d += 32)
+        weigh_values4(oa + d, ob != NULL ? ob + d : NULL, pa, pb, v, va + d, vb + d, n);
+    for (; d + 8 <= head_dim; d += 8)
+        weigh_values1(oa + d, ob != NULL ? ob + d : NULL, pa, pb, v, va + d, vb + d, n);
+    for (; d < head_dim; d++)
+        weigh_values_lane(oa + d, ob != NULL ? ob + d : NULL, pa, pb, v, va + d, vb + d, n);
+}
+
+/* s[j] = exp(s[j] - mx) for j < len, returning their sum: eight lanes at a time (the exponential
+ * of shared_cpu.h's exp_clamped, lane by lane), the last len % 8 one by one, in a fixed order. */
+TILE_INLINE float exp_and_sum(float *s, int64_t len, float mx)
+{
+    typedef int32_t v8i __attribute__((vector_size(32)));
+    const v8f lo = {-87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f};
+    const v8f hi = {88.0f, 88.0f, 88.0f, 88.0f, 88.0f, 88.0f, 88.0f, 88.0f};
+    const v8f shifter = {12582912.0f, 12582912.0f, 12582912.0f, 12582912.0f,
+                         12582912.0f, 12582912.0f, 12582912.0f, 12582912.0f};
+    v8f acc = {0};
+    int64_t j = 0;
+    for (; j + 8 <= len; j += 8) {
+        v8f x = load8(s + j) - mx;
+        v8i m = x < lo;
+        x = (v8f)(((v8i)x & ~m) | ((v8i)lo & m));
+        m = x > hi;
+        x = (v8f)(((v8i)x & ~m) | ((v8i)hi & m));
+        const v8f n = (x * 1.44269504088896341f + shifter) - shifter;
+        const v8f r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+        v8f p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+        p = p * r + 8.3334519073e-3f;
+        p = p * r + 4.1665795894e-2f;
+        p = p * r + 1.6666665459e-1f;
+        p = p * r + 5.0000001201e-1f;
+        const v8f er = p * r * r + r + 1.0f;
+        const v8i bits = (__builtin_convertvector(n, v8i) + 127) << 23;
+        const v8f e = er * (v8f)bits;
+        store8(s + j, e);
+        acc += e;
+    }
+    float sum = hsum8(acc);
+    for (; j < len; j++) {
+        s[j] = exp_clamped(s[j] - mx);
+        sum += s[j];
+    }
+    return sum;
+}
+
+static inline int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
+
+/* One past the last query row of request b. */
+static inline int64_t rows_end(const struct attention_job *job, int64_t b)
+{
+    return job->query_start_loc == NULL ? b + 1 : job->query_start_loc[b + 1];
+}
+
+/* The tile's output rows from its request's context. Scratch: scores [num_rows, num_heads,
+ * stride] (stride a multiple of 16 floats, so each row's and head's stripe is 64-byte aligned),
+ * rows [padded + PREFETCH_AHEAD], block [KEY_BLOCK, num_kv_heads * head_dim], pointers
+ * [KEY_BLOCK]. Rows r_lo .. m - 1 of the tile see a block's keys: their contexts ascend. */
+TRILLM_MULTIVERSION static void attend_tile(const struct attention_job *job, const struct attention_tile *t,
+                                            float *scores, int64_t stride, int64_t *rows, float *block,
+                                            const float **ptrs)
 {
     const int64_t num_heads = job->num_heads, head_dim = job->head_dim, block_size = job->block_size;
     const int64_t group = num_heads / job->num_kv_heads;
     const int64_t token_stride = job->num_kv_heads * head_dim, block_stride = block_size * token_stride;
-    const float scale = job->scale;
-    const int64_t len = job->seq_lens[b];
-    const int64_t first = (job->window > 0 && len > job->window) ? len - job->window : 0;
-    const int64_t n = len - first, padded = (n + 3) / 4 * 4;
+    const int64_t m = t->num_rows, b = t->seq;
+    /* row i of the request sits at position seq_len - (end - i); its context ends there */
+    const int64_t last_pos = job->seq_lens[b] - (rows_end(job, b) - t->first_row - m + 1);
+    const int64_t first = (job->window > 0 && last_pos + 1 > job->window) ? last_pos + 1 - job->window : 0;
+    const int64_t n_max = last_pos + 1 - first, padded_max = round_up(n_max, 4);
+    int64_t n[QUERY_TILE], padded[QUERY_TILE];
+    for (int64_t r = 0; r < m; r++) {
+        n[r] = n_max - (m - 1 - r);
+        padded[r] = round_up(n[r], 4);
+    }
     const int32_t *table = job->block_tables + b * job->max_blocks;
-    const float *qb = job->q + b * num_heads * head_dim;
-    float *ob = job->out + b * num_heads * head_dim;
-    for (int64_t i = 0; i < n; i++) {
+    for (int64_t i = 0; i < n_max; i++) {
         const int64_t pos = first + i;
         rows[i] = table[pos / block_size] * block_stride + (pos % block_size) * token_stride;
     }
-    for (int64_t i = n; i < padded + PREFETCH_AHEAD; i++) rows[i] = rows[n - 1];
+    for (int64_t i = n_max; i < padded_max + KEY_BLOCK + PREFETCH_AHEAD; i++) rows[i] = rows[n_max - 1];
+    const float *q = job->q + t->first_row * num_heads * head_dim;
+    float *out = job->out + t->first_row * num_heads * head_dim;
 
-    for (int64_t i = 0; i < padded; i += 4) {
-        const float *k[4];
-        cache_rows4(job, job->k_cache, rows + i, wide, k);
-        const float *k0 = k[0], *k1 = k[1], *k2 = k[2], *k3 = k[3];
-        for (int64_t h = 0; h < num_heads; h++) {
-            const float *qh = qb + h * head_dim;
-            const int64_t off = (h / group) * head_dim;
-            float d0 = 0.0f, d1 = 0.0f, d2 = 0.0f, d3 = 0.0f;
-#pragma omp simd reduction(+ : d0, d1, d2, d3)
-            for (int64_t d = 0; d < head_dim; d++) {
-                const float x = qh[d];
-                d0 += x * k0[off + d];
-                d1 += x * k1[off + d];
-                d2 += x * k2[off + d];
-                d3 += x * k3[off + d];
-            }
-            float *s = scores + h * padded + i;
-            s[0] = d0 * scale, s[1] = d1 * scale, s[2] = d2 * scale, s[3] = d3 * scale;
+    /* scores, four keys at a time (a context padded to a multiple of four: its last keys are the
+     * tile's later ones, or copies of its last, and get probability 0) */
+    int64_t r_lo = 0;
+    for (int64_t i0 = 0; i0 < padded_max; i0 += KEY_BLOCK) {
+        const int64_t nk = padded_max - i0 < KEY_BLOCK ? padded_max - i0 : KEY_BLOCK;
+        while (padded[r_lo] <= i0) r_lo++;
+        load_block(job, job->k_cache, rows + i0, nk, block, ptrs);
+        for (int64_t x = r_lo * num_heads; x < m * num_heads; x += 2) {
+            const int64_t ra = x / num_heads, ha = x % num_heads;
+            const int64_t rb = (x + 1) / num_heads, hb = (x + 1) % num_heads;
+            const int paired = x + 1 < m * num_heads && rb == ra; /* the same keys for both */
+            float *sa = scores + x * stride, *sb = paired ? scores + (x + 1) * stride : NULL;
+            const int64_t end = (padded[ra] < i0 + nk ? padded[ra] : i0 + nk) - i0;
+            for (int64_t j = 0; j < end; j += 4)
+                dots4(q + x * head_dim, paired ? q + (x + 1) * head_dim : NULL, ptrs + j, (ha / group) * head_dim,
+                      (hb / group) * head_dim, head_dim, job->scale, sa + i0 + j, paired ? sb + i0 + j : NULL);
+            if (!paired && x + 1 < m * num_heads) x--; /* the next row starts at x + 1: take it next */
         }
     }
 
-    for (int64_t h = 0; h < num_heads; h++) {
-        float *s = scores + h * padded, m = -INFINITY, sum = 0.0f;
-#pragma omp simd reduction(max : m)
-        for (int64_t j = 0; j < n; j++) m = s[j] > m ? s[j] : m;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t j = 0; j < n; j++) {
-            s[j] = exp_clamped(s[j] - m);
-            sum += s[j];
-        }
-        const float inv = 1.0f / sum;
-        for (int64_t j = 0; j < n; j++) s[j] *= inv;
-        for (int64_t j = n; j < padded; j++) s[j] = 0.0f;
+    for (int64_t x = 0; x < m * num_heads; x++) {
+        float *s = scores + x * stride, mx = -INFINITY;
+        const int64_t len = n[x / num_heads];
+#pragma omp simd reduction(max : mx)
+        for (int64_t j = 0; j < len; j++) mx = s[j] > mx ? s[j] : mx;
+        const float inv = 1.0f / exp_and_sum(s, len, mx);
+        for (int64_t j = 0; j < len; j++) s[j] *= inv;
     }
+    for (int64_t x = 0; x < m * num_heads * head_dim; x++) out[x] = 0.0f;
 
-    for (int64_t x = 0; x < num_heads * head_dim; x++) ob[x] = 0.0f;
-    for (int64_t i = 0; i < padded; i += 4) {
-        const float *v[4];
-        cache_rows4(job, job->v_cache, rows + i, wide, v);
-        const float *v0 = v[0], *v1 = v[1], *v2 = v[2], *v3 = v[3];
-        for (int64_t h = 0; h < num_heads; h++) {
-            const float *s = scores + h * padded + i;
-            const float p0 = s[0], p1 = s[1], p2 = s[2], p3 = s[3];
-            const int64_t off = (h / group) * head_dim;
-            float *oh = ob + h * head_dim;
-#pragma omp simd
-            for (int64_t d = 0; d < head_dim; d++)
-                oh[d] += p0 * v0[off + d] + p1 * v1[off + d] + p2 * v2[off + d] + p3 * v3[off + d];
+    /* the weighted values, over each row's own keys only, 32 output lanes at a time */
+    r_lo = 0;
+    for (int64_t i0 = 0; i0 < n_max; i0 += KEY_BLOCK) {
+        const int64_t nk = n_max - i0 < KEY_BLOCK ? n_max - i0 : KEY_BLOCK;
+        while (n[r_lo] <= i0) r_lo++;
+        load_block(job, job->v_cache, rows + i0, nk, block, ptrs);
+        for (int64_t x = r_lo * num_heads; x < m * num_heads; x += 2) {
+            const int64_t ra = x / num_heads, ha = x % num_heads, hb = (x + 1) % num_heads;
+            const int paired = x + 1 < m * num_heads && (x + 1) / num_heads == ra;
+            const int64_t end = (n[ra] < i0 + nk ? n[ra] : i0 + nk) - i0;
+            const float *pa = scores + x * stride + i0, *pb = scores + (x + 1) * stride + i0;
+            weigh_values(out + x * head_dim, paired ? out + (x + 1) * head_dim : NULL, pa, paired ? pb : NULL, ptrs,
+                         (ha / group) * head_dim, (hb / group) * head_dim, end, head_dim);
+            if (!paired && x + 1 < m * num_heads) x--;
         }
     }
 }
 
-/* Requests [c * per_chunk, ...), with scratch of their own. */
-static void decode_chunk(void *ctx, int64_t c)
+/* Tile c of the job, counted from the last: a request's later tiles have the longer contexts,
+ * and claimed first they leave the short ones to even out the threads' shares. */
+static void attend_chunk(void *ctx, int64_t c)
 {
-    struct decode_job *job = ctx;
-    float *scores = malloc(sizeof(float) * (size_t)(job->num_heads * job->max_padded));
-    int64_t *rows = malloc(sizeof(int64_t) * (size_t)(job->max_padded + PREFETCH_AHEAD));
-    float *wide = malloc(sizeof(float) * (size_t)(4 * job->num_kv_heads * job->head_dim));
-    if (scores == NULL || rows == NULL || wide == NULL)
+    struct attention_job *job = ctx;
+    const struct attention_tile *t = &job->tiles[job->num_tiles - 1 - c];
+    const int64_t b = t->seq;
+    const int64_t last_pos = job->seq_lens[b] - (rows_end(job, b) - t->first_row - t->num_rows + 1);
+    const int64_t n_max = job->window > 0 && last_pos + 1 > job->window ? job->window : last_pos + 1;
+    const int64_t stride = round_up(n_max, 16);
+    const size_t score_bytes = sizeof(float) * (size_t)(t->num_rows * job->num_heads * stride);
+    const size_t row_bytes = (size_t)round_up(sizeof(int64_t) * (size_t)(stride + KEY_BLOCK + PREFETCH_AHEAD), 64);
+    const size_t block_bytes = sizeof(float) * (size_t)(KEY_BLOCK * job->num_kv_heads * job->head_dim);
+    char *scratch = thread_scratch(score_bytes + row_bytes + block_bytes + sizeof(float *) * KEY_BLOCK);
+    if (scratch == NULL) {
         atomic_store(&job->failed, 1);
-    else
-        for (int64_t b = c * job->per_chunk; b < (c + 1) * job->per_chunk && b < job->num_seqs; b++)
-            decode_one(job, b, scores, rows, wide);
-    free(scores);
-    free(rows);
-    free(wide);
+        return;
+    }
+    attend_tile(job, t, (float *)scratch, stride, (int64_t *)(scratch + score_bytes),
+                (float *)(scratch + score_bytes + row_bytes), (const float **)(scratch + score_bytes + row_bytes + block_bytes));
 }
 
-/* q, out: [num_seqs, num_heads, head_dim] fp32; k_cache, v_cache: [num_blocks, block_size,
+/* q, out: [num_rows, num_heads, head_dim] fp32; k_cache, v_cache: [num_blocks, block_size,
  * num_kv_heads, head_dim], fp32 or (f16) fp16; block_tables: [num_seqs, max_blocks]; seq_lens:
- * [num_seqs], each >= 1. window <= 0 means no sliding window. The requests are cut in about
- * `chunks` pieces for `run` (shared_cpu.h). Returns 0, or -1 when out of memory. */
-static int paged_decode_attention(
+ * [num_seqs]; query_start_loc: [num_seqs + 1], from 0 to num_rows, or NULL when every request has
+ * one row (a decode step: num_rows == num_seqs). window <= 0 means no sliding window. Returns 0;
+ * -1 when out of memory; -2 when a request has no rows or more rows than its context (nothing is
+ * read then). */
+static int paged_attention(
     float *out, const float *q, const void *k_cache, const void *v_cache, int f16, const int32_t *block_tables,
-    const int32_t *seq_lens, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-    int64_t block_size, int64_t max_blocks, float scale, int64_t window, pool_runner *run, int64_t chunks)
+    const int32_t *seq_lens, const int32_t *query_start_loc, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+    int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale, int64_t window, pool_runner *run)
 {
-    int64_t max_len = 1;
-    for (int64_t b = 0; b < num_seqs; b++)
-        if (seq_lens[b] > max_len) max_len = seq_lens[b];
-    struct decode_job job = {out, q, k_cache, v_cache, f16 ? pick_f16_widen() : NULL, block_tables, seq_lens, num_seqs,
-                             num_heads, num_kv_heads, head_dim, block_size, max_blocks, window, (max_len + 3) / 4 * 4,
-                             0, scale, 0};
-    job.per_chunk = (num_seqs + chunks - 1) / chunks;
-    run(decode_chunk, &job, (num_seqs + job.per_chunk - 1) / job.per_chunk);
+    const int64_t tile_rows = window > 0 ? 1 : QUERY_TILE;
+    int64_t num_tiles = 0;
+    for (int64_t b = 0; b < num_seqs; b++) {
+        const int64_t start = query_start_loc == NULL ? b : query_start_loc[b];
+        const int64_t end = query_start_loc == NULL ? b + 1 : query_start_loc[b + 1];
+        if (end <= start || end - start > seq_lens[b]) return -2;
+        num_tiles += (end - start + tile_rows - 1) / tile_rows;
+    }
+    struct attention_tile *tiles = malloc(sizeof(struct attention_tile) * (size_t)(num_tiles > 0 ? num_tiles : 1));
+    if (tiles == NULL) return -1;
+    int64_t c = 0;
+    for (int64_t b = 0; b < num_seqs; b++) {
+        const int64_t start = query_start_loc == NULL ? b : query_start_loc[b];
+        const int64_t end = query_start_loc == NULL ? b + 1 : query_start_loc[b + 1];
+        for (int64_t row = start; row < end; row += tile_rows)
+            tiles[c++] = (struct attention_tile){b, row, end - row < tile_rows ? end - row : tile_rows};
+    }
+    struct attention_job job = {out, q, k_cache, v_cache, f16 ? pick_f16_widen() : NULL, block_tables, seq_lens,
+                                query_start_loc, num_heads, num_kv_heads, head_dim, block_size, max_blocks, window,
+                                tiles, num_tiles, scale, 0};
+    if (num_tiles > 0) run(attend_chunk, &job, num_tiles);
+    free(tiles);
     return atomic_load(&job.failed) ? -1 : 0;
 }

@@ -19,7 +19,7 @@ from libc.string cimport memcpy
 import torch
 
 from trillm.kernels cimport pool_cpu
-from trillm.kernels.attention_cpu_h cimport paged_decode_attention_c
+from trillm.kernels.attention_cpu_h cimport paged_attention_c
 from trillm.kernels.ops_cpu_h cimport rms_norm_f32, rotary_embedding_f32, silu_and_mul_f32, write_kv_c
 from trillm.kernels.quant_int8_cpu_h cimport int8_linear
 
@@ -214,9 +214,11 @@ cdef class DecoderStack:
                     break
                 for t in range(T):
                     memcpy(q_p + t * self.q_size, qkv_p + t * self.qkv_size, self.q_size * sizeof(float))
-                if paged_decode_attention_c(attn_p, q_p, layer.k_cache, layer.v_cache, f16, tables_p, lens_p, T,
-                                            self.num_heads, self.num_kv_heads, self.head_dim, block_size, max_blocks,
-                                            self.scale, layer.window, pool_cpu.run, chunks) != 0:
+                # every row its request's only query: a request with none or with more than its context is
+                # impossible here, so a failure is the memory for the scores
+                if paged_attention_c(attn_p, q_p, layer.k_cache, layer.v_cache, f16, tables_p, lens_p, NULL, T,
+                                     self.num_heads, self.num_kv_heads, self.head_dim, block_size, max_blocks,
+                                     self.scale, layer.window, pool_cpu.run) != 0:
                     failure = FAILED_MEMORY
                     break
                 if _linear(proj_p, attn_p, T, &layer.o, chunks) != 0:

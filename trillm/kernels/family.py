@@ -119,9 +119,9 @@ class TorchKernels(Kernels):
 class CpuKernels(TorchKernels):
     """The torch twins, sped up where a CPU step spends its time: projections on oneDNN's packed
     weights (trillm/kernels/linear_cpu.py) or, for a GGUF model, on its quantized blocks
-    (trillm/kernels/quant_cpu.pyx); attention, every query row on its own, by the compiled kernel
-    (trillm/kernels/attention_cpu.pyx), which reads the paged cache without a gather, so that a
-    row's result never depends on the rest of the step; norms,
+    (trillm/kernels/quant_cpu.pyx); attention by the compiled kernel (trillm/kernels/attention_cpu.pyx), which reads the
+    paged cache without a gather and computes each query row the same whatever else the step
+    holds; norms,
     SiLU-and-mul, rotary and the KV write each one compiled pass (trillm/kernels/ops_cpu.pyx); the
     grouped LoRA multiply, row by row (trillm/kernels/lora_cpu.pyx).
     fp32 only for the compiled kernels; other dtypes keep packed weights and the twins. The
@@ -135,11 +135,11 @@ class CpuKernels(TorchKernels):
     def __init__(self, dtype: torch.dtype, quantized_activations: bool = True, kv_cache_dtype: str = "auto"):
         super().__init__(dtype, quantized_activations, kv_cache_dtype)
         from trillm.kernels import lora_cpu, ops_cpu, quant_cpu
-        from trillm.kernels.attention_cpu import CACHE_DTYPES, paged_decode_attention
+        from trillm.kernels.attention_cpu import CACHE_DTYPES, paged_attention
 
         if dtype == torch.float32:
             if self.kv_cache_dtype in CACHE_DTYPES:  # fp32 or fp16; a bf16 cache keeps the twins
-                self.row_kernel = paged_decode_attention
+                self.row_kernel = paged_attention
                 self.write_kv = ops_cpu.write_kv
                 if quantized_activations:
                     from trillm.kernels.decoder_cpu import DecoderStack

@@ -1,0 +1,94 @@
+"""The compiled CPU attention kernel alone (trillm/kernels/attention_cpu.pyx), on the default
+model's shapes (9 query heads, 3 KV heads, head_dim 64, an fp16 cache in blocks of 16):
+
+- prefill: one request's chunk of `rows` query rows at the end of a `context`-token prompt, the
+  best of three calls; GFLOP/s counts the score and value multiply-adds of every causal pair;
+- decode: `batch` requests of one row each over `context` tokens, the median of 200 calls.
+
+    PYTHONPATH=. python benchmarks/bench_attention_cpu.py --threads 1 2 --json benchmarks/results/attention_cpu.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from trillm.kernels import pool_cpu
+from trillm.kernels.attention_cpu import paged_attention
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
+PREFILL = [(4096, 512), (4096, 64), (1024, 1024)]  # (context, rows)
+DECODE = [(1, 256), (1, 4096), (8, 256), (32, 256), (32, 1024)]  # (batch, context)
+
+
+def cache(num_blocks: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    shape = (num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
+    return torch.randn(shape, generator=generator).half(), torch.randn(shape, generator=generator).half()
+
+
+def prefill(context: int, rows: int, generator: torch.Generator) -> dict:
+    blocks = context // BLOCK + 1
+    k, v = cache(blocks + 1, generator)
+    tables = torch.randperm(blocks + 1, generator=generator)[:blocks].int()[None].contiguous()
+    q = torch.randn(rows, HEADS, HEAD_DIM, generator=generator)
+    lens, starts = torch.tensor([context], dtype=torch.int32), torch.tensor([0, rows], dtype=torch.int32)
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        paged_attention(q, k, v, tables, lens, starts, HEAD_DIM**-0.5)
+        best = min(best, time.perf_counter() - start)
+    pairs = rows * context - rows * (rows - 1) // 2
+    return {"context": context, "rows": rows, "ms": best * 1e3, "ns_per_pair": best / pairs * 1e9,
+            "gflops": pairs * HEADS * HEAD_DIM * 4 / best / 1e9}
+
+
+def decode(batch: int, context: int, generator: torch.Generator) -> dict:
+    per = context // BLOCK + 1
+    k, v = cache(batch * per + 1, generator)
+    tables = (torch.randperm(batch * per, generator=generator) + 1).int().view(batch, per).contiguous()
+    q = torch.randn(batch, HEADS, HEAD_DIM, generator=generator)
+    lens = torch.full((batch,), context, dtype=torch.int32)
+    for _ in range(10):
+        paged_attention(q, k, v, tables, lens, None, HEAD_DIM**-0.5)
+    times = []
+    for _ in range(200):
+        start = time.perf_counter()
+        paged_attention(q, k, v, tables, lens, None, HEAD_DIM**-0.5)
+        times.append(time.perf_counter() - start)
+    return {"batch": batch, "context": context, "us": statistics.median(times) * 1e6}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="the kernels' pool threads")
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    generator = torch.Generator().manual_seed(0)
+    results = []
+    for threads in args.threads:
+        previous = pool_cpu.set_threads(threads)
+        try:
+            for context, rows in PREFILL:
+                r = {"threads": threads, "kind": "prefill", **prefill(context, rows, generator)}
+                print(f"threads {threads}  prefill: {rows:5d} rows at context {context:5d}  {r['ms']:8.1f} ms  "
+                      f"{r['ns_per_pair']:6.1f} ns/pair  {r['gflops']:5.1f} GFLOP/s", flush=True)
+                results.append(r)
+            for batch, context in DECODE:
+                r = {"threads": threads, "kind": "decode", **decode(batch, context, generator)}
+                print(f"threads {threads}  decode: batch {batch:3d} at context {context:5d}  {r['us']:8.1f} us",
+                      flush=True)
+                results.append(r)
+        finally:
+            pool_cpu.set_threads(previous)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"shapes": {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "block": BLOCK,
+                                  "cache": "float16"}, "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
