@@ -1,9 +1,11 @@
-"""How far the CPU defaults move the default model from the exact path (fp32 activations on the
-same GGUF blocks, an fp32 KV cache): 8-bit activations (trillm/kernels/quant_int8_cpu.h), an
-fp16 KV cache, and both (the default). Teacher-forced top-1 agreement with the exact path and
-perplexity, on a fixed text, benchmarks/data/eval_text.txt.
+"""How far the CPU defaults move a GGUF model from the file's own weights (fp32 copies of what
+gguf-py dequantizes, fp32 activations and KV cache): the exact path on the kernels' blocks (fp32
+activations; for a format the kernels do not read as it is, its 8-bit requantization), 8-bit
+activations (trillm/kernels/quant_int8_cpu.h), an fp16 KV cache, and both (the default).
+Teacher-forced top-1 agreement with the first and perplexity, on a fixed text,
+benchmarks/data/eval_text.txt.
 
-    PYTHONPATH=. python benchmarks/bench_agreement.py [--text FILE] [--json out.json]
+    PYTHONPATH=. python benchmarks/bench_agreement.py [--model FILE.gguf] [--text FILE] [--json out.json]
 
 Top-1 agreement: the share of positions where both paths predict the same next token.
 Perplexity: exp of the mean negative log-likelihood of the text's tokens, for each path.
@@ -28,10 +30,10 @@ def teacher_forced(token_ids: list[int], args: EngineArgs) -> torch.Tensor:
     return runner.teacher_forced_logits(token_ids)
 
 
-def measure(token_ids: list[int], paths: dict[str, dict]) -> dict:
+def measure(token_ids: list[int], paths: dict[str, dict], model: str | None = None) -> dict:
     """Per path (EngineArgs fields) its perplexity and, past the first, its agreement with the
     first."""
-    common = dict(num_kv_blocks=512, max_num_batched_tokens=512)
+    common = dict(model=model, num_kv_blocks=512, max_num_batched_tokens=512)
     targets = torch.tensor(token_ids[1:])
     result = {"tokens": len(token_ids)}
     reference = None
@@ -53,18 +55,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--text", default=TEXT)
     parser.add_argument("--json")
+    parser.add_argument("--model", help="a GGUF file (default: the default model's)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     paths = {
+        "the file's weights": dict(quantized_weights=False, quantized_activations=False, kv_cache_dtype="float32"),
         "exact": dict(quantized_activations=False, kv_cache_dtype="float32"),
         "int8 activations": dict(kv_cache_dtype="float32"),
         "fp16 KV cache": dict(quantized_activations=False),
         "default (both)": {},
     }
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model(None))
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(args.model))
     with open(args.text) as f:
         token_ids = tokenizer.encode(f.read())
-    result = measure(token_ids, paths)
+    result = measure(token_ids, paths, args.model)
+    result["model"] = os.path.basename(args.model or resolve_model(None))
     print(f"tokens: {result['tokens']}")
     for name in paths:
         print(f"{name}: " + ", ".join(f"{k} {v:.6g}" for k, v in result[name].items()))

@@ -497,28 +497,35 @@ def test_packed_linear_matches_f_linear(dtype, rows):
 
 
 def random_gguf_blocks(format: str, rows: int, cols: int, seed: int = 0) -> torch.Tensor:
-    """Raw GGUF bytes of a [rows, cols] weight: random quants, small fp16 scales (and mins)."""
+    """Raw GGUF bytes of a [rows, cols] weight in `format`: random quants (and sub-block scales),
+    small fp16 scales (and mins) where the format keeps them."""
     from trillm.kernels import quant
 
+    values, nbytes = quant.GGUF_BLOCKS[format]
+    halves = 2 if format in ("q4_1", "q4_k") else 1  # fp16 d (and m or dmin) at each block's start
     g = torch.Generator().manual_seed(seed)
-    blocks = torch.randint(0, 256, (rows, cols // quant.BLOCK, quant.BLOCK_BYTES[format]), generator=g,
-                           dtype=torch.uint8)
-    fp16 = (torch.rand(rows, cols // quant.BLOCK, 2, generator=g) * torch.tensor([0.02, -0.1])).half()
-    blocks[..., :4 if format == "q4_1" else 2] = fp16[..., :2 if format == "q4_1" else 1].view(torch.uint8)
+    blocks = torch.randint(0, 256, (rows, cols // values, nbytes), generator=g, dtype=torch.uint8)
+    fp16 = (torch.rand(rows, cols // values, 2, generator=g) * torch.tensor([0.02, -0.1])).half()
+    blocks[..., : 2 * halves] = fp16[..., :halves].contiguous().view(torch.uint8)
     return blocks.reshape(rows, -1)
 
 
-def test_gguf_block_layout_dequantizes_as_gguf_py():
-    """The twin against gguf-py's own dequantization of the same bytes."""
+@settings(max_examples=20, deadline=None)
+@given(format=st.sampled_from(["q4_0", "q4_1", "q5_0", "q8_0", "q4_k"]), rows=st.integers(1, 5),
+       supers=st.integers(1, 3), seed=st.integers(0, 2**16))
+def test_gguf_blocks_dequantize_as_gguf_py(format, rows, supers, seed):
+    """Every format read from a file, repacked into the kernels' two layouts: the twin's
+    dequantization against gguf-py's own of the same bytes, to the bit."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
     from trillm.kernels import quant
 
-    for format, kind in (("q4_1", GGMLQuantizationType.Q4_1), ("q8_0", GGMLQuantizationType.Q8_0)):
-        blocks = random_gguf_blocks(format, 6, 64)
-        want = torch.from_numpy(dequantize(blocks.numpy(), kind))
-        assert torch.equal(quant.dequantize(quant.from_gguf(format, blocks)), want)
+    blocks = random_gguf_blocks(format, rows, 256 * supers, seed)
+    want = torch.from_numpy(dequantize(blocks.numpy(), GGMLQuantizationType[format.upper()]))
+    weight = quant.from_gguf(format, blocks)
+    assert weight.format == ("q8_0" if format in ("q8_0", "q5_0") else "q4_1")
+    assert torch.equal(quant.dequantize(weight), want)
 
 
 @settings(max_examples=25, deadline=None)

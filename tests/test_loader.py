@@ -202,13 +202,9 @@ def test_the_pooling_type_comes_from_a_sentence_transformers_config(tmp_path):
 
 def test_the_start_log_names_the_kernels_and_every_fallback(caplog, monkeypatch, tmp_path):
     """The log says which kernel family, dtypes and instruction set a server runs, and warns when
-    it falls back: to the torch twins when the compiled kernels cannot run, and to fp32 copies for
-    a GGUF file's projections in a format the kernels do not read (K-quants)."""
+    it falls back to the torch twins because the compiled kernels cannot run."""
     import logging
 
-    from gguf import GGMLQuantizationType
-
-    from trillm.model import gguf_weights
     from trillm.kernels import family, quant_cpu
 
     with caplog.at_level(logging.INFO, logger="trillm"):
@@ -222,14 +218,57 @@ def test_the_start_log_names_the_kernels_and_every_fallback(caplog, monkeypatch,
     assert any(r.levelno == logging.WARNING and "torch reference kernels" in r.getMessage() for r in caplog.records)
     assert any("the torch family" in r.getMessage() for r in caplog.records)
 
-    caplog.clear()
-    (tmp_path / "model.gguf").write_bytes(bytes(64))
-    index = [{"name": f"blk.0.{t}.weight", "type": int(GGMLQuantizationType.Q4_K), "offset": 0, "bytes": 0,
-              "shape": [0]} for t in ("attn_q", "ffn_down")]
-    index.append({"name": "output_norm.weight", "type": int(GGMLQuantizationType.F32), "offset": 0, "bytes": 0,
-                  "shape": [0]})
-    (tmp_path / gguf_weights.INDEX_FILE).write_text(json.dumps(index))
+
+
+def test_a_gguf_file_of_other_formats_runs_them_on_the_kernels_layouts(tmp_path, caplog):
+    """A file whose projections are Q4_0, Q5_0, Q4_K (what llama-quantize's Q4_K_M and Q4_0 files
+    of the default model hold) and Q6_K: the first three come out repacked for the kernels, bit for
+    bit what gguf-py dequantizes (q rows reordered as transformers does); Q6_K requantized to 8-bit
+    blocks, each value within half a step of its block's, and the log says so."""
+    import logging
+
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFWriter
+    from gguf.quants import dequantize
+    from test_kernels import random_gguf_blocks
+    from transformers import LlamaConfig
+
+    from trillm.kernels import quant
+    from trillm.model import gguf_weights
+
+    config = LlamaConfig(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, intermediate_size=512)
+    tensors = {"blk.0.attn_q.weight": ("q5_0", "model.layers.0.self_attn.q_proj.weight", 256),
+               "blk.0.ffn_up.weight": ("q4_0", "model.layers.0.mlp.up_proj.weight", 512),
+               "blk.0.ffn_down.weight": ("q4_k", "model.layers.0.mlp.down_proj.weight", 256),
+               "blk.0.ffn_gate.weight": ("q6_k", "model.layers.0.mlp.gate_proj.weight", 512)}
+    path = tmp_path / "model.gguf"
+    writer = GGUFWriter(str(path), "llama")
+    raw = {}
+    g = torch.Generator().manual_seed(0)
+    for seed, (name, (format, _, rows)) in enumerate(tensors.items()):
+        if format == "q6_k":  # 210 bytes a super-block of 256, its fp16 d last
+            blocks = torch.randint(0, 256, (rows, 210), generator=g, dtype=torch.uint8)
+            blocks[:, 208:] = (torch.rand(rows, 1, generator=g) * 0.002).half().view(torch.uint8)
+        else:
+            blocks = random_gguf_blocks(format, rows, 256, seed)
+        raw[name] = blocks.numpy()
+        writer.add_tensor(name, raw[name], raw_dtype=GGMLQuantizationType[format.upper()])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
     with caplog.at_level(logging.INFO, logger="trillm"):
-        assert list(gguf_weights.quantized_weights(str(tmp_path / "model.gguf"), None, str(tmp_path))) == []
-    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert "2 Q4_K projections run on dequantized fp32 copies" in warning
+        got = dict(gguf_weights.quantized_weights(str(path), config, str(tmp_path)))
+    assert set(got) == {hf for _, hf, _ in tensors.values()}
+    assert any("1 Q6_K projections requantized to 8-bit blocks" in r.getMessage() for r in caplog.records)
+    for name, (format, hf, _) in tensors.items():
+        want = torch.from_numpy(np.ascontiguousarray(dequantize(raw[name], GGMLQuantizationType[format.upper()])))
+        if "attn_q" in name:
+            want = want[gguf_weights._unpermute(want.shape[0], config.num_attention_heads)]
+        if format != "q6_k":
+            assert torch.equal(quant.dequantize(got[hf]), want), name
+            continue
+        assert got[hf].format == "q8_0"
+        step = got[hf].scales.repeat_interleave(quant.BLOCK, dim=1)
+        assert ((quant.dequantize(got[hf]) - want).abs() <= step * 0.5001).all()

@@ -1,10 +1,12 @@
 """The quantized projections of a GGUF file, under their HF names, for the kernels that run them.
 
-The loader hands over the file's Q4_1 / Q8_0 blocks as they are, so that the CPU kernels multiply
-by them instead of by fp32 copies, and then fills everything else from the fp32 HF directory it
+The loader hands over the file's quantized blocks in the kernels' two layouts (Q4_0 / Q4_1 / Q5_0 /
+Q8_0 / Q4_K repacked exactly, other formats requantized to 8 bits), so that the CPU kernels
+multiply by them instead of by fp32 copies, and then fills everything else from the fp32 HF directory it
 converts the file into (trillm/model/loader.py). Only Llama-family tensor names are mapped, and
 q/k rows get the reordering transformers applies (llama.cpp stores them permuted for its RoPE
-layout); a dequantized result equals the fp32 tensor the directory holds, which the tests check.
+layout); a repacked weight dequantizes to the fp32 tensor the directory holds, which the tests
+check.
 
 Where each tensor lies in the file is read once, by gguf-py's GGUFReader, and kept in the
 converted directory (`gguf_tensors.json`): the reader parses every metadata field, the whole
@@ -21,6 +23,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize
 from transformers import PretrainedConfig
 
 from trillm.kernels import quant
@@ -29,7 +32,9 @@ log = logging.getLogger(__name__)
 # Formats a file may hold that are stored as they are, not quantized: their fp32 copies are exact.
 _UNQUANTIZED = frozenset({GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16})
 
-FORMATS = {GGMLQuantizationType.Q4_1: "q4_1", GGMLQuantizationType.Q8_0: "q8_0"}
+# the formats the kernels run, repacked into their layouts (trillm/kernels/quant.py)
+FORMATS = {GGMLQuantizationType.Q4_0: "q4_0", GGMLQuantizationType.Q4_1: "q4_1", GGMLQuantizationType.Q5_0: "q5_0",
+           GGMLQuantizationType.Q8_0: "q8_0", GGMLQuantizationType.Q4_K: "q4_k"}
 
 LAYER_TENSORS = {
     "attn_q": "self_attn.q_proj",
@@ -82,29 +87,33 @@ def tensor_index(gguf_path: str, cache_dir: str) -> list[dict]:
 def quantized_weights(
     gguf_path: str, config: PretrainedConfig, cache_dir: str
 ) -> Iterator[tuple[str, quant.QuantizedWeight]]:
-    """(HF name, weight) for every projection stored in a format the kernels run; others (F32,
-    K-quants) are not listed, and stay on their fp32 copies. cache_dir: the file's converted
-    directory, which keeps the tensor index."""
+    """(HF name, weight) for every quantized projection of the file: repacked exactly when its
+    format is one of FORMATS, else requantized to 8-bit blocks from gguf-py's dequantization
+    (quant.requantize), which an INFO line counts. Unquantized tensors (F32, F16, BF16) are not
+    listed: their fp32 copies are exact. cache_dir: the file's converted directory, which keeps
+    the tensor index."""
     data = np.memmap(gguf_path, dtype=np.uint8, mode="r")
-    others: dict[str, int] = {}  # quantized formats the kernels do not read: projections on fp32 copies
+    requantized: dict[str, int] = {}
     for tensor in tensor_index(gguf_path, cache_dir):
         name, kind = hf_name(tensor["name"]), GGMLQuantizationType(tensor["type"])
-        if name is not None and kind not in FORMATS and kind not in _UNQUANTIZED:
-            others[kind.name] = others.get(kind.name, 0) + 1
-        if name is None or kind not in FORMATS:
+        if name is None or kind in _UNQUANTIZED:
             continue
         blocks = np.array(data[tensor["offset"] : tensor["offset"] + tensor["bytes"]]).reshape(tensor["shape"])
-        weight = quant.from_gguf(FORMATS[kind], torch.from_numpy(blocks))
+        if kind in FORMATS:
+            weight = quant.from_gguf(FORMATS[kind], torch.from_numpy(blocks))
+        else:
+            weight = quant.requantize(torch.from_numpy(np.ascontiguousarray(dequantize(blocks, kind))))
+            requantized[kind.name] = requantized.get(kind.name, 0) + 1
         if ".q_proj." in name:
             weight = weight.rows(_unpermute(weight.out_features, config.num_attention_heads))
         elif ".k_proj." in name:
             weight = weight.rows(_unpermute(weight.out_features, config.num_key_value_heads))
         yield name, weight
-    if others:
-        log.warning("%s: %s projections run on dequantized fp32 copies, ~4-7x the memory traffic of "
-                    "their blocks (the kernels read %s blocks directly)", os.path.basename(gguf_path),
-                    ", ".join(f"{count} {kind}" for kind, count in sorted(others.items())),
-                    " and ".join(k.name for k in FORMATS))
+    if requantized:
+        log.info("%s: %s projections requantized to 8-bit blocks for the integer kernels, which read %s "
+                 "blocks as they are", os.path.basename(gguf_path),
+                 ", ".join(f"{count} {kind}" for kind, count in sorted(requantized.items())),
+                 ", ".join(k.name for k in FORMATS))
 
 
 def _unpermute(rows: int, heads: int) -> torch.Tensor:
