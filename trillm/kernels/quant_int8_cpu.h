@@ -201,9 +201,9 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) static void int8_rows_avx
 }
 
 /* The AVX2 body, once with AVX-VNNI's vpdpbusd and once with vpmaddubsw + vpmaddwd (DOT_NIBBLES:
- * a dot of unsigned values below 16, whose 16-bit pair sums cannot saturate; DOT_BYTES: any u, a
- * Q8_0 byte; BYTES_DOT_Q: 1 when DOT_BYTES sums q v (q = u - 128) rather than u v, which leaves
- * out the -128 d e sum(v) that Q8_0's m s term would otherwise take back off). */
+ * a block's dot of unsigned values below 16; DOT_BYTES: of any u, a Q8_0 byte; BYTES_DOT_Q: 1 when
+ * DOT_BYTES sums q v (q = u - 128) rather than u v, which leaves out the -128 d e sum(v) that
+ * Q8_0's m s term would otherwise take back off). */
 #define INT8_DEFINE_AVX2_BODY(NAME, TARGET, DOT_NIBBLES, DOT_BYTES, BYTES_DOT_Q)                           \
     __attribute__((target(TARGET), always_inline)) static inline void NAME(                                \
         int rows, int nibbles, float *out, int64_t N, const struct int8_rows *x, int64_t r0,                 \
@@ -231,11 +231,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) static void int8_rows_avx
                 }                                                                                          \
                 _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) {                                   \
                     const int8_t *v = x->v + (r0 + r) * x->K + b * INT8_BLOCK;                             \
-                    __m256i dot = _mm256_setzero_si256();                                                  \
-                    for (int g = 0; g < 8; g++) {                                                          \
-                        const __m256i vg = _mm256_set1_epi32(int8_word(v + 4 * g));                        \
-                        dot = nibbles ? DOT_NIBBLES(dot, u[g], vg) : DOT_BYTES(dot, u[g], vg);             \
-                    }                                                                                      \
+                    const __m256i dot = nibbles ? DOT_NIBBLES(u, v) : DOT_BYTES(u, v);                     \
                     const int64_t at = (r0 + r) * x->blocks + b;                                           \
                     acc[r][half] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(x->e[at])),             \
                                                    _mm256_cvtepi32_ps(dot), acc[r][half]);                 \
@@ -250,29 +246,49 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) static void int8_rows_avx
         }                                                                                                  \
     }
 
-__attribute__((target("avx2"), always_inline)) static inline __m256i int8_dot_maddubs(__m256i acc, __m256i u, __m256i v)
+/* A block's sum u v per 32-bit lane (one output row), for the eight groups of four inputs u[g]
+ * against the block's 32 activations v. */
+__attribute__((target("avx2"), always_inline)) static inline __m256i int8_group(const int8_t *v, int g)
 {
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, v), _mm256_set1_epi16(1)));
+    return _mm256_set1_epi32(int8_word(v + 4 * g));
 }
 
-/* sum q v for a Q8_0 byte u = q + 128, by the sign trick: |q| (0x80 reads as 128 unsigned)
- * against v with q's sign; |q| <= 128 and |v| <= 127, so a 16-bit pair sum cannot saturate. One
- * vpmaddubsw a group. */
-__attribute__((target("avx2"), always_inline)) static inline __m256i int8_dot_maddubs_q8(__m256i acc, __m256i u,
-                                                                                           __m256i v)
+/* Nibbles: a vpmaddubsw pair sum is at most 2 * 15 * 127 = 3810 in magnitude, so the eight groups'
+ * pair sums add up in 16 bits (at most 30480) and one vpmaddwd a block widens them: one multiply
+ * a group instead of two, where the multiplies are what bounds the kernel. */
+__attribute__((target("avx2"), always_inline)) static inline __m256i int8_block_nibbles_maddubs(const __m256i u[8],
+                                                                                                 const int8_t *v)
 {
-    const __m256i q = _mm256_xor_si256(u, _mm256_set1_epi8((char)0x80));
-    return int8_dot_maddubs(acc, _mm256_sign_epi8(q, q), _mm256_sign_epi8(v, q));
+    __m256i pairs = _mm256_maddubs_epi16(u[0], int8_group(v, 0));
+    for (int g = 1; g < 8; g++) pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(u[g], int8_group(v, g)));
+    return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
 }
 
-__attribute__((target("avx2,avxvnni"), always_inline)) static inline __m256i int8_dot_avxvnni(__m256i acc, __m256i u,
-                                                                                                __m256i v)
+/* sum q v for Q8_0 bytes u = q + 128, by the sign trick: |q| (0x80 reads as 128 unsigned) against
+ * v with q's sign; |q| <= 128 and |v| <= 127, so a 16-bit pair sum cannot saturate, but two of
+ * them could: each group is widened on its own. */
+__attribute__((target("avx2"), always_inline)) static inline __m256i int8_block_bytes_maddubs(const __m256i u[8],
+                                                                                               const int8_t *v)
 {
-    return _mm256_dpbusd_avx_epi32(acc, u, v);
+    __m256i dot = _mm256_setzero_si256();
+    for (int g = 0; g < 8; g++) {
+        const __m256i q = _mm256_xor_si256(u[g], _mm256_set1_epi8((char)0x80));
+        const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(int8_group(v, g), q));
+        dot = _mm256_add_epi32(dot, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+    }
+    return dot;
 }
 
-INT8_DEFINE_AVX2_BODY(int8_rows_avx2_body, "avx2,fma", int8_dot_maddubs, int8_dot_maddubs_q8, 1)
-INT8_DEFINE_AVX2_BODY(int8_rows_avxvnni_body, "avx2,fma,avxvnni", int8_dot_avxvnni, int8_dot_avxvnni, 0)
+__attribute__((target("avx2,avxvnni"), always_inline)) static inline __m256i int8_block_avxvnni(const __m256i u[8],
+                                                                                                 const int8_t *v)
+{
+    __m256i dot = _mm256_setzero_si256();
+    for (int g = 0; g < 8; g++) dot = _mm256_dpbusd_avx_epi32(dot, u[g], int8_group(v, g));
+    return dot;
+}
+
+INT8_DEFINE_AVX2_BODY(int8_rows_avx2_body, "avx2,fma", int8_block_nibbles_maddubs, int8_block_bytes_maddubs, 1)
+INT8_DEFINE_AVX2_BODY(int8_rows_avxvnni_body, "avx2,fma,avxvnni", int8_block_avxvnni, int8_block_avxvnni, 0)
 
 __attribute__((target("avx2,fma"))) static void int8_rows_avx2(
     int rows, float *out, int64_t N, const struct int8_rows *x, int64_t r0, const struct int8_weight *w, int64_t t)
