@@ -23,8 +23,8 @@
  * Loops: x is cut into tiles of M_TILE rows, which stay in cache while every tile of W passes;
  * a tile of W stays in cache while every ROWS rows of the x tile pass (shared_cpu.h's tile loop,
  * whose chunks of tiles are shared among the pool's threads). GCC's vector extensions
- * widen bytes to ints one element at a time, hence AVX-512 intrinsics; without AVX-512 a plain C
- * loop gives the same sums.
+ * widen bytes to ints one element at a time, hence intrinsics: AVX-512, AVX2 with FMA, and a
+ * plain C loop for the rest.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -153,9 +153,82 @@ __attribute__((target("avx512f"))) static void rows_avx512(
 #undef ROWS_CASE
 }
 
+/* AVX2: 16 outputs are two registers, so a row's accumulators take four (inputs j and j + 16
+ * in chains of their own, whatever the number of rows: a row's sums never depend on its
+ * neighbours) and rows go two at a time, each pair dequantizing the block again. */
+__attribute__((target("avx2,fma"), always_inline)) static inline void rows_avx2_body(
+    int rows, int format, float *out, const float *xt, int64_t N, const struct quantized_weight *w, int64_t t)
+{
+    const int64_t blocks_per_row = w->blocks_per_row;
+    __m256 acc[2][2][2]; /* [row][half of the 16 outputs][chain: inputs j, j + 16] */
+    _Pragma("GCC unroll 2") for (int r = 0; r < rows; r++) acc[r][0][0] = acc[r][0][1] = acc[r][1][0] =
+        acc[r][1][1] = _mm256_setzero_ps();
+    const int prefetch = t + PREFETCH_TILES < w->tiles;
+    for (int64_t b = 0; b < blocks_per_row; b++) {
+        const int64_t block = t * blocks_per_row + b;
+        const __m256 d0 = _mm256_loadu_ps(w->scales + block * TILE_N), d1 = _mm256_loadu_ps(w->scales + block * TILE_N + 8);
+        const float *xb = xt + b * BLOCK * ROWS;
+        if (prefetch) { /* as in the AVX-512 body */
+            const int64_t next = block + PREFETCH_TILES * blocks_per_row;
+            const int64_t quant_bytes = (format == QUANT_Q4_1 ? BLOCK / 2 : BLOCK) * TILE_N;
+            for (int64_t off = 0; off < quant_bytes; off += 64)
+                __builtin_prefetch((const uint8_t *)w->quants + next * quant_bytes + off);
+            __builtin_prefetch(w->scales + next * TILE_N);
+            if (format == QUANT_Q4_1) __builtin_prefetch(w->mins + next * TILE_N);
+        }
+        for (int j = 0; j < BLOCK / 2; j++) {
+            __m256 lo0, lo1, hi0, hi1;
+            if (format == QUANT_Q4_1) {
+                const uint8_t *q = (const uint8_t *)w->quants + (block * (BLOCK / 2) + j) * TILE_N;
+                const __m256 m0 = _mm256_loadu_ps(w->mins + block * TILE_N), m1 = _mm256_loadu_ps(w->mins + block * TILE_N + 8);
+                const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)q));
+                const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8)));
+                const __m256i low = _mm256_set1_epi32(15);
+                lo0 = _mm256_fmadd_ps(d0, _mm256_cvtepi32_ps(_mm256_and_si256(b0, low)), m0);
+                lo1 = _mm256_fmadd_ps(d1, _mm256_cvtepi32_ps(_mm256_and_si256(b1, low)), m1);
+                hi0 = _mm256_fmadd_ps(d0, _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)), m0);
+                hi1 = _mm256_fmadd_ps(d1, _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4)), m1);
+            } else {
+                const int8_t *q = (const int8_t *)w->quants + block * BLOCK * TILE_N;
+                lo0 = _mm256_mul_ps(d0, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + j * TILE_N)))));
+                lo1 = _mm256_mul_ps(d1, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + j * TILE_N + 8)))));
+                hi0 = _mm256_mul_ps(d0, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + (j + 16) * TILE_N)))));
+                hi1 = _mm256_mul_ps(d1, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + (j + 16) * TILE_N + 8)))));
+            }
+            _Pragma("GCC unroll 2") for (int r = 0; r < rows; r++) {
+                const __m256 xl = _mm256_set1_ps(xb[j * ROWS + r]), xh = _mm256_set1_ps(xb[(j + 16) * ROWS + r]);
+                acc[r][0][0] = _mm256_fmadd_ps(lo0, xl, acc[r][0][0]);
+                acc[r][1][0] = _mm256_fmadd_ps(lo1, xl, acc[r][1][0]);
+                acc[r][0][1] = _mm256_fmadd_ps(hi0, xh, acc[r][0][1]);
+                acc[r][1][1] = _mm256_fmadd_ps(hi1, xh, acc[r][1][1]);
+            }
+        }
+    }
+    _Pragma("GCC unroll 2") for (int r = 0; r < rows; r++) {
+        _mm256_storeu_ps(out + r * N + t * TILE_N, _mm256_add_ps(acc[r][0][0], acc[r][0][1]));
+        _mm256_storeu_ps(out + r * N + t * TILE_N + 8, _mm256_add_ps(acc[r][1][0], acc[r][1][1]));
+    }
+}
+
+__attribute__((target("avx2,fma"))) static void rows_avx2(
+    int rows, float *out, const float *xt, int64_t N, const struct quantized_weight *w, int64_t t)
+{
+    for (int r = 0; r < rows; r += 2) {
+        const int pair = rows - r >= 2;
+        if (w->format == QUANT_Q4_1) {
+            if (pair) rows_avx2_body(2, QUANT_Q4_1, out + r * N, xt + r, N, w, t);
+            else rows_avx2_body(1, QUANT_Q4_1, out + r * N, xt + r, N, w, t);
+        } else {
+            if (pair) rows_avx2_body(2, QUANT_Q8_0, out + r * N, xt + r, N, w, t);
+            else rows_avx2_body(1, QUANT_Q8_0, out + r * N, xt + r, N, w, t);
+        }
+    }
+}
+
 static rows_kernel *pick_rows_kernel(void)
 {
-    return __builtin_cpu_supports("avx512f") ? rows_avx512 : rows_generic;
+    if (__builtin_cpu_supports("avx512f")) return rows_avx512;
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? rows_avx2 : rows_generic;
 }
 #else
 static rows_kernel *pick_rows_kernel(void) { return rows_generic; }
