@@ -144,6 +144,40 @@ __attribute__((target("avx512f,avx512bw"))) static void int8_quantize_rows_avx51
         }
 }
 
+/* As int8_quantize_rows_generic, a block in four registers (vcvtps2dq rounds half to even). */
+__attribute__((target("avx2"))) static void int8_quantize_rows_avx2(const float *x, int64_t M, int64_t K, int8_t *v,
+                                                                    float *e, float *s)
+{
+    const int64_t blocks = K / INT8_BLOCK;
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    for (int64_t r = 0; r < M; r++)
+        for (int64_t b = 0; b < blocks; b++) {
+            const float *xb = x + r * K + b * INT8_BLOCK;
+            __m256 xs[4];
+            for (int i = 0; i < 4; i++) xs[i] = _mm256_loadu_ps(xb + 8 * i);
+            __m256 top = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(xs[0], magnitude), _mm256_and_ps(xs[1], magnitude)),
+                                       _mm256_max_ps(_mm256_and_ps(xs[2], magnitude), _mm256_and_ps(xs[3], magnitude)));
+            __m128 half = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+            half = _mm_max_ps(half, _mm_movehl_ps(half, half));
+            half = _mm_max_ss(half, _mm_shuffle_ps(half, half, 1));
+            const float eb = _mm_cvtss_f32(half) / 127.0f;
+            const __m256 inv = _mm256_set1_ps(eb != 0.0f ? 1.0f / eb : 0.0f);
+            __m256i q[4];
+            for (int i = 0; i < 4; i++) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(xs[i], inv));
+            /* int32 -> int8 in order: the packs work within 128-bit lanes, the permute restores it */
+            const __m256i words = _mm256_packs_epi32(q[0], q[1]), words2 = _mm256_packs_epi32(q[2], q[3]);
+            const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(words, words2),
+                                                              _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            _mm256_storeu_si256((__m256i *)(v + r * K + b * INT8_BLOCK), bytes);
+            const __m256i total = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+            __m128i sum = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+            sum = _mm_add_epi32(sum, _mm_shuffle_epi32(sum, 0x4E));
+            sum = _mm_add_epi32(sum, _mm_shuffle_epi32(sum, 0xB1));
+            e[r * blocks + b] = eb;
+            s[r * blocks + b] = eb * (float)_mm_cvtsi128_si32(sum);
+        }
+}
+
 /* `rows` and `nibbles` are constants at each call site, so each pair compiles to its own loop
  * with the accumulators in registers. */
 __attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline)) static inline void int8_rows_avx512_body(
@@ -330,6 +364,8 @@ static void int8_quantize_rows(int isa, const float *x, int64_t M, int64_t K, in
 {
     if (isa == INT8_AVX512VNNI)
         int8_quantize_rows_avx512(x, M, K, v, e, s);
+    else if (isa == INT8_AVX2 || isa == INT8_AVXVNNI)
+        int8_quantize_rows_avx2(x, M, K, v, e, s);
     else
         int8_quantize_rows_generic(x, M, K, v, e, s);
 }
