@@ -82,6 +82,19 @@ static void rows_generic(int rows, float *out, const float *xt, int64_t N, const
 #if defined(__GNUC__) && defined(__x86_64__)
 #include <immintrin.h>
 
+/* Block `block` (counted across tiles) requested from memory: the bodies ask for the block of a
+ * tile ahead while this one computes, since a decode step reads every weight once and with the
+ * hardware prefetcher alone the stream and the multiply-adds took turns. */
+static inline __attribute__((always_inline)) void prefetch_block(const struct quantized_weight *w, int format,
+                                                                 int64_t block)
+{
+    const int64_t quant_bytes = (format == QUANT_Q4_1 ? BLOCK / 2 : BLOCK) * TILE_N;
+    for (int64_t off = 0; off < quant_bytes; off += 64)
+        __builtin_prefetch((const uint8_t *)w->quants + block * quant_bytes + off);
+    __builtin_prefetch(w->scales + block * TILE_N);
+    if (format == QUANT_Q4_1) __builtin_prefetch(w->mins + block * TILE_N);
+}
+
 /* `rows` and `format` are constants at every call site, so each pair compiles to its own loop
  * with the accumulators in registers. */
 __attribute__((target("avx512f"), always_inline)) static inline void rows_avx512_body(
@@ -96,17 +109,7 @@ __attribute__((target("avx512f"), always_inline)) static inline void rows_avx512
         const int64_t block = t * blocks_per_row + b;
         const __m512 d = _mm512_loadu_ps(w->scales + block * TILE_N);
         const float *xb = xt + b * BLOCK * ROWS;
-        if (prefetch) {
-            /* block b of a tile ahead, requested from memory while this one computes: a decode
-             * step reads every weight once, and with the hardware prefetcher alone the stream and
-             * the multiply-adds took turns */
-            const int64_t next = block + PREFETCH_TILES * blocks_per_row;
-            const int64_t quant_bytes = (format == QUANT_Q4_1 ? BLOCK / 2 : BLOCK) * TILE_N;
-            for (int64_t off = 0; off < quant_bytes; off += 64)
-                __builtin_prefetch((const uint8_t *)w->quants + next * quant_bytes + off);
-            __builtin_prefetch(w->scales + next * TILE_N);
-            if (format == QUANT_Q4_1) __builtin_prefetch(w->mins + next * TILE_N);
-        }
+        if (prefetch) prefetch_block(w, format, block + PREFETCH_TILES * blocks_per_row);
         if (format == QUANT_Q4_1) {
             const __m512 m = _mm512_loadu_ps(w->mins + block * TILE_N);
             const uint8_t *q = (const uint8_t *)w->quants + block * (BLOCK / 2) * TILE_N;
@@ -168,14 +171,7 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void rows_avx2_
         const int64_t block = t * blocks_per_row + b;
         const __m256 d0 = _mm256_loadu_ps(w->scales + block * TILE_N), d1 = _mm256_loadu_ps(w->scales + block * TILE_N + 8);
         const float *xb = xt + b * BLOCK * ROWS;
-        if (prefetch) { /* as in the AVX-512 body */
-            const int64_t next = block + PREFETCH_TILES * blocks_per_row;
-            const int64_t quant_bytes = (format == QUANT_Q4_1 ? BLOCK / 2 : BLOCK) * TILE_N;
-            for (int64_t off = 0; off < quant_bytes; off += 64)
-                __builtin_prefetch((const uint8_t *)w->quants + next * quant_bytes + off);
-            __builtin_prefetch(w->scales + next * TILE_N);
-            if (format == QUANT_Q4_1) __builtin_prefetch(w->mins + next * TILE_N);
-        }
+        if (prefetch) prefetch_block(w, format, block + PREFETCH_TILES * blocks_per_row);
         for (int j = 0; j < BLOCK / 2; j++) {
             __m256 lo0, lo1, hi0, hi1;
             if (format == QUANT_Q4_1) {
