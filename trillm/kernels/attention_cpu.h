@@ -113,6 +113,7 @@ static void *thread_scratch(size_t bytes)
  * so what each lane sums, and in which order, is fixed by this source (no reduction the compiler
  * may reorder), and the same for every row whatever tile it is in. */
 typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32))); /* shuffle masks, comparisons, exponent bits */
 
 /* Inlined into each clone of attend_tile, so that they are compiled for its instruction set (an
  * out-of-line copy would be the baseline's: no FMA, two SSE halves per vector). */
@@ -134,7 +135,6 @@ TILE_INLINE float hsum8(v8f a) { return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1]
  * products' lanes added side by side in vector shuffles rather than one scalar chain each. */
 TILE_INLINE void store_sums4(float *s, v8f a0, v8f a1, v8f a2, v8f a3, float scale)
 {
-    typedef int32_t v8i __attribute__((vector_size(32)));
     const v8i low = {0, 1, 2, 3, 8, 9, 10, 11}, high = {4, 5, 6, 7, 12, 13, 14, 15};
     const v8f u = __builtin_shuffle(a0, a1, low) + __builtin_shuffle(a0, a1, high);  /* a[i] + a[i + 4] */
     const v8f w = __builtin_shuffle(a2, a3, low) + __builtin_shuffle(a2, a3, high);
@@ -258,7 +258,6 @@ TILE_INLINE void weigh_values(float *oa, float *ob, const float *pa, const float
  * of shared_cpu.h's exp_clamped, lane by lane), the last len % 8 one by one, in a fixed order. */
 TILE_INLINE float exp_and_sum(float *s, int64_t len, float mx)
 {
-    typedef int32_t v8i __attribute__((vector_size(32)));
     const v8f lo = {-87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f};
     const v8f hi = {88.0f, 88.0f, 88.0f, 88.0f, 88.0f, 88.0f, 88.0f, 88.0f};
     const v8f shifter = {12582912.0f, 12582912.0f, 12582912.0f, 12582912.0f,
