@@ -1,5 +1,6 @@
 """The compiled CPU attention kernel alone (trillm/kernels/attention_cpu.pyx), on the default
-model's shapes (9 query heads, 3 KV heads, head_dim 64, an fp16 cache in blocks of 16):
+model's shapes (9 query heads, 3 KV heads, head_dim 64, a cache in blocks of 16: fp16, or with
+--cache int8, int8 rows and scales as trillm/kernels/cache.py lays them out):
 
 - prefill: one request's chunk of `rows` query rows at the end of a `context`-token prompt, the
   best of three calls; GFLOP/s counts the score and value multiply-adds of every causal pair;
@@ -18,15 +19,18 @@ import torch
 
 from trillm.kernels import pool_cpu
 from trillm.kernels.attention_cpu import paged_attention
+from trillm.kernels.cache import to_cache
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
+CACHE_DTYPE = torch.float16  # --cache
 PREFILL = [(4096, 512), (4096, 64), (1024, 1024)]  # (context, rows)
 DECODE = [(1, 256), (1, 4096), (8, 256), (32, 256), (32, 1024)]  # (batch, context)
 
 
 def cache(num_blocks: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     shape = (num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
-    return torch.randn(shape, generator=generator).half(), torch.randn(shape, generator=generator).half()
+    return (to_cache(torch.randn(shape, generator=generator), CACHE_DTYPE),
+            to_cache(torch.randn(shape, generator=generator), CACHE_DTYPE))
 
 
 def prefill(context: int, rows: int, generator: torch.Generator) -> dict:
@@ -65,19 +69,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="the kernels' pool threads")
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--cache", choices=("float16", "int8"), default="float16", help="the cache's dtype")
+    parser.add_argument("--only", choices=("prefill", "decode"), help="run one kind")
     args = parser.parse_args()
+    global CACHE_DTYPE
+    CACHE_DTYPE = getattr(torch, args.cache)
     torch.set_num_threads(1)
     generator = torch.Generator().manual_seed(0)
     results = []
     for threads in args.threads:
         previous = pool_cpu.set_threads(threads)
         try:
-            for context, rows in PREFILL:
+            for context, rows in PREFILL if args.only != "decode" else []:
                 r = {"threads": threads, "kind": "prefill", **prefill(context, rows, generator)}
                 print(f"threads {threads}  prefill: {rows:5d} rows at context {context:5d}  {r['ms']:8.1f} ms  "
                       f"{r['ns_per_pair']:6.1f} ns/pair  {r['gflops']:5.1f} GFLOP/s", flush=True)
                 results.append(r)
-            for batch, context in DECODE:
+            for batch, context in DECODE if args.only != "prefill" else []:
                 r = {"threads": threads, "kind": "decode", **decode(batch, context, generator)}
                 print(f"threads {threads}  decode: batch {batch:3d} at context {context:5d}  {r['us']:8.1f} us",
                       flush=True)
@@ -87,7 +95,7 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"shapes": {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "block": BLOCK,
-                                  "cache": "float16"}, "results": results}, f, indent=1)
+                                  "cache": args.cache}, "results": results}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -73,13 +73,14 @@ def main() -> None:
     parser.add_argument("--kernel-threads", type=int, default=1, help="threads of the compiled kernels")
     parser.add_argument("--model", help="a model directory or GGUF file (default: the default model)")
     parser.add_argument("--quantized-activations", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--kv-cache-dtype", default="auto", help="EngineArgs.kv_cache_dtype (auto: fp16 here)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.busy_process:
         busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
         atexit.register(busy.kill)
     core = EngineCore(EngineArgs(model=args.model, num_kv_blocks=1024, kernel_threads=args.kernel_threads,
-                                 quantized_activations=args.quantized_activations))
+                                 quantized_activations=args.quantized_activations, kv_cache_dtype=args.kv_cache_dtype))
     for batch in args.batch_sizes:
         ms = decode_step_ms(core, batch, args.rounds, args.prompt_len, args.output_len)
         print(f"batch {batch:3d}: decode step {ms:.2f} ms", flush=True)

@@ -118,6 +118,27 @@ def test_write_kv(dtype, block_size, head_dim):
         torch.testing.assert_close(got, ref, atol=0, rtol=0)  # a copy: bit-exact
 
 
+@CUDA_CHECK
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_write_kv_into_an_int8_cache(dtype):
+    """Rows of any dtype quantized exactly as the twin quantizes them: the same int8 values
+    (rounded to nearest even: a row with scale 1 below holds the halfway cases) and fp16 scales;
+    a row of zeros gets scale 0."""
+    hk, head_dim, block_size, num_blocks = 2, 64, 16, 4
+    k, v = randn(7, hk, head_dim, dtype=dtype), randn(7, hk, head_dim, dtype=dtype, seed=1)
+    k[2, 1] = 0.0
+    v[3, 0, :8] = torch.tensor([127.0, 0.5, 1.5, -2.5, 63.5, -0.5, 3.5, 126.5])
+    slots = torch.tensor([3, -1, block_size + 1, 2 * block_size - 1, -1, 0, 3 * block_size + 5], device=DEVICE)
+    caches = [cache.to_cache(randn(num_blocks, block_size, hk, head_dim, seed=s), torch.int8) for s in (2, 3)]
+    want = [c.clone() for c in caches]
+    cache.write_kv(k, v, *want, slots)
+    cache_triton.write_kv(k, v, *caches, slots)
+    for got, ref in zip(caches, want):
+        assert torch.equal(got, ref)
+    assert torch.equal(cache.from_cache(want[1].view(-1, hk, head_dim + 2)[2 * block_size - 1, 0])[:8],
+                       torch.tensor([127.0, 0.0, 2.0, -2.0, 64.0, 0.0, 4.0, 126.0], device=DEVICE))
+
+
 # --- paged attention -----------------------------------------------------------------------
 
 
@@ -147,10 +168,14 @@ def make_batch(num_queries, seq_lens, block_size, num_kv_heads, head_dim, dtype,
 
 
 def check_attention(num_queries, seq_lens, *, block_size=16, head_dim=64, num_kv_heads=2, group=1,
-                    dtype=torch.float32, sliding_window=None, num_splits=1, seed=0):
+                    dtype=torch.float32, sliding_window=None, num_splits=1, seed=0, cache_dtype=None):
+    """The Triton kernel against the twin; the cache in the queries' dtype, or in cache_dtype."""
     assert all(0 < nq <= n for nq, n in zip(num_queries, seq_lens))
+    made = dtype if cache_dtype is None else torch.float32
     k_cache, v_cache, block_tables, lens, starts = make_batch(
-        num_queries, seq_lens, block_size, num_kv_heads, head_dim, dtype, seed)
+        num_queries, seq_lens, block_size, num_kv_heads, head_dim, made, seed)
+    if cache_dtype is not None:
+        k_cache, v_cache = cache.to_cache(k_cache, cache_dtype), cache.to_cache(v_cache, cache_dtype)
     num_heads = num_kv_heads * group
     q = randn(sum(num_queries), num_heads, head_dim, dtype=dtype, seed=seed + 1)
     args = (q, k_cache, v_cache, block_tables, lens, starts, head_dim**-0.5, sliding_window)
@@ -187,6 +212,18 @@ BATCHES = {  # (queries per request, context length per request)
 def test_paged_attention(batch, block_size, head_dim, group, sliding_window, num_splits, dtype):
     check_attention(*BATCHES[batch], block_size=block_size, head_dim=head_dim, group=group,
                     sliding_window=sliding_window, num_splits=num_splits, dtype=dtype)
+
+
+@CUDA_CHECK
+@pytest.mark.parametrize(
+    "batch,dtype,sliding_window,num_splits",
+    [("decode", torch.float32, None, 3), ("prefill", torch.bfloat16, None, 1), ("mixed", torch.float16, 5, 1),
+     ("mixed", torch.float32, None, 2)],
+)
+def test_paged_attention_on_an_int8_cache(batch, dtype, sliding_window, num_splits):
+    """int8 rows and their scales, dequantized in the kernel, as the twin dequantizes them."""
+    check_attention(*BATCHES[batch], group=3, dtype=dtype, sliding_window=sliding_window, num_splits=num_splits,
+                    cache_dtype=torch.int8)
 
 
 @CUDA_CHECK
@@ -261,16 +298,19 @@ def test_paged_attention_ragged(batch, block_size, group, sliding_window, num_sp
 # --- the cpu family: compiled decode attention, packed linears ------------------------------
 
 
+CPU_CACHE_DTYPES = [torch.float32, torch.float16, torch.int8]  # int8: rows and scales (cache.py)
+
+
 def check_cpu_decode_attention(seq_lens, *, block_size=16, head_dim=64, num_kv_heads=2, group=1,
                                sliding_window=None, seed=0, cache_dtype=torch.float32, threads=1):
-    """The compiled decode kernel against the torch twin, on a cache (fp32 or fp16) whose unowned
+    """The compiled decode kernel against the torch twin, on a cache (fp32, fp16 or int8) whose unowned
     slots are poison, on one thread or shared among the pool's."""
     from trillm.kernels import pool_cpu
     from trillm.kernels.attention_cpu import paged_attention
 
     k_cache, v_cache, block_tables, lens, starts = (t.cpu() for t in make_batch(
         [1] * len(seq_lens), seq_lens, block_size, num_kv_heads, head_dim, torch.float32, seed))
-    k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
+    k_cache, v_cache = cache.to_cache(k_cache, cache_dtype), cache.to_cache(v_cache, cache_dtype)
     q = randn(len(seq_lens), num_kv_heads * group, head_dim, seed=seed + 1).cpu()
     scale = head_dim**-0.5
     want = attention.paged_attention(q, k_cache, v_cache, block_tables, lens, starts, scale, sliding_window)
@@ -283,7 +323,7 @@ def check_cpu_decode_attention(seq_lens, *, block_size=16, head_dim=64, num_kv_h
     assert_close(got, want, torch.float32)
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("cache_dtype", CPU_CACHE_DTYPES)
 @pytest.mark.parametrize(
     "block_size,head_dim,group,num_kv_heads,sliding_window",
     [(16, 64, 1, 2, None), (16, 64, 3, 3, None), (32, 128, 8, 1, None), (16, 64, 3, 2, 9), (32, 64, 1, 4, 1)],
@@ -299,7 +339,7 @@ def test_cpu_decode_attention(block_size, head_dim, group, num_kv_heads, sliding
     block_size=st.sampled_from([16, 32]),
     group=st.sampled_from([1, 3, 8]),
     sliding_window=st.sampled_from([None, 1, 7, 33]),
-    cache_dtype=st.sampled_from([torch.float32, torch.float16]),
+    cache_dtype=st.sampled_from(CPU_CACHE_DTYPES),
     threads=st.sampled_from([1, 2]),
 )
 def test_cpu_decode_attention_ragged(seq_lens, block_size, group, sliding_window, cache_dtype, threads):
@@ -313,7 +353,7 @@ def test_cpu_decode_attention_ragged(seq_lens, block_size, group, sliding_window
     block_size=st.sampled_from([16, 32]),
     group=st.sampled_from([1, 3]),
     sliding_window=st.sampled_from([None, 1, 7, 33]),
-    cache_dtype=st.sampled_from([torch.float32, torch.float16]),
+    cache_dtype=st.sampled_from(CPU_CACHE_DTYPES),
 )
 def test_cpu_row_attention_matches_the_twin_on_mixed_steps(batch, block_size, group, sliding_window, cache_dtype):
     """The cpu family's plan: every row of prefill chunks and decodes through the compiled kernel,
@@ -323,7 +363,7 @@ def test_cpu_row_attention_matches_the_twin_on_mixed_steps(batch, block_size, gr
     num_queries, seq_lens = batch
     k_cache, v_cache, block_tables, lens, starts = (t.cpu() for t in make_batch(
         num_queries, seq_lens, block_size, 2, 64, torch.float32, 0))
-    k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
+    k_cache, v_cache = cache.to_cache(k_cache, cache_dtype), cache.to_cache(v_cache, cache_dtype)
     q = randn(sum(num_queries), 2 * group, 64, seed=1).cpu()
     want = attention.paged_attention(q, k_cache, v_cache, block_tables, lens, starts, 0.125, sliding_window)
     plan = attention.plan_attention(block_tables, lens, starts, block_size, sliding_window, paged_attention)
@@ -356,7 +396,7 @@ def test_cpu_attention_refuses_what_it_cannot_read():
     chunk=st.integers(1, 40),
     group=st.sampled_from([1, 3]),
     sliding_window=st.sampled_from([None, 5, 33]),
-    cache_dtype=st.sampled_from([torch.float32, torch.float16]),
+    cache_dtype=st.sampled_from(CPU_CACHE_DTYPES),
     threads=st.sampled_from([1, 2]),
 )
 def test_cpu_attention_gives_a_prompt_the_same_bits_however_its_rows_are_tiled(
@@ -369,7 +409,7 @@ def test_cpu_attention_gives_a_prompt_the_same_bits_however_its_rows_are_tiled(
 
     cached = min(cached, context - 1)
     k_cache, v_cache, tables, lens, _ = (t.cpu() for t in make_batch([1], [context], 16, 2, 64, torch.float32))
-    k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
+    k_cache, v_cache = cache.to_cache(k_cache, cache_dtype), cache.to_cache(v_cache, cache_dtype)
     q = randn(context, 2 * group, 64, seed=3).cpu()
 
     def attend(rows: slice, neighbour: bool = False):
@@ -450,10 +490,11 @@ def test_cpu_rotary_embedding_matches_its_twin(head_dim, is_neox):
     assert_close(q, q_ref, torch.float32)
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("cache_dtype", CPU_CACHE_DTYPES)
 def test_cpu_write_kv_matches_its_twin(cache_dtype):
-    """fp32 rows copied, or rounded to fp16 exactly as torch's .to() rounds them (to nearest
-    even: the values below include halfway cases and ones past fp16's range)."""
+    """fp32 rows copied, rounded to fp16 exactly as torch's .to() rounds them (to nearest even:
+    the values below include halfway cases and ones past fp16's range), or quantized to int8 rows
+    and scales exactly as cache.quantize_rows makes them (a row of zeros, values on halves)."""
     from trillm.kernels import ops_cpu
 
     block_size, hk, head_dim, num_blocks = 16, 2, 64, 4
@@ -462,8 +503,10 @@ def test_cpu_write_kv_matches_its_twin(cache_dtype):
     k = kv[:, hk * head_dim : 2 * hk * head_dim].view(7, hk, head_dim)
     v = kv[:, 2 * hk * head_dim :].view(7, hk, head_dim)
     k[0, 0, :4] = kv[0, :4]
+    k[2, 1] = 0.0
+    v[3, 0, :8] = torch.tensor([127.0, 0.5, 1.5, -2.5, 63.5, -0.5, 3.5, 126.5])  # scale 1: ties to even
     slots = torch.tensor([3, -1, block_size + 1, 2 * block_size - 1, -1, 0, 3 * block_size + 5])
-    caches = [randn(num_blocks, block_size, hk, head_dim, seed=s).to(cache_dtype) for s in (2, 3)]
+    caches = [cache.to_cache(randn(num_blocks, block_size, hk, head_dim, seed=s), cache_dtype) for s in (2, 3)]
     want = [c.clone() for c in caches]
     cache.write_kv(k, v, *want, slots)
     ops_cpu.write_kv(k, v, *caches, slots)

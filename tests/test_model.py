@@ -232,33 +232,38 @@ def test_dummy_weights_of_the_default_model_in_bf16(default_model_dir):
     assert torch.isfinite(logits).all() and logits.std() > 0
 
 
-@pytest.mark.parametrize("kv_cache_dtype,itemsize", [("auto", 2), ("float32", 4)])
-def test_kv_cache_sized_from_the_memory_budget(tiny_model_dir, kv_cache_dtype, itemsize):
-    """On CPU an fp32 model's cache is fp16 unless asked otherwise: twice the blocks."""
+@pytest.mark.parametrize("kv_cache_dtype,dtype,row_bytes", [
+    ("auto", torch.float16, 64), ("float32", torch.float32, 128), ("int8", torch.int8, 34)])
+def test_kv_cache_sized_from_the_memory_budget(tiny_model_dir, kv_cache_dtype, dtype, row_bytes):
+    """On CPU an fp32 model's cache is fp16 unless asked otherwise: twice the blocks. An int8
+    cache holds a row of head_dim values in head_dim + 2 bytes (its fp16 scale last)."""
     runner = ModelRunner(EngineArgs(model=tiny_model_dir("qwen3"), block_size=8, kv_cache_memory=1 << 20,
                                     kv_cache_dtype=kv_cache_dtype))
     cfg = runner.config.hf_config
-    # 2 (K and V) * 2 layers * 8 tokens * 2 kv heads * head_dim 32 * bytes per element
-    assert runner.block_bytes == 2 * 2 * 8 * 2 * 32 * itemsize
+    # 2 (K and V) * 2 layers * 8 tokens * 2 kv heads * bytes per row of head_dim 32
+    assert runner.block_bytes == 2 * 2 * 8 * 2 * row_bytes
     assert runner.num_kv_blocks == (1 << 20) // runner.block_bytes
     assert len(runner.kv_caches) == cfg.num_hidden_layers
     for k, v in runner.kv_caches:
-        assert k.shape == v.shape == (runner.num_kv_blocks, 8, 2, 32) and k.is_contiguous()
-        assert k.dtype == v.dtype == {2: torch.float16, 4: torch.float32}[itemsize]
+        assert k.shape == v.shape == (runner.num_kv_blocks, 8, 2, row_bytes // dtype.itemsize) and k.is_contiguous()
+        assert k.dtype == v.dtype == dtype
     assert runner.config.max_model_len == cfg.max_position_embeddings == 256
     assert runner.config.eos_token_id == 2
     with pytest.raises(ValueError, match="max_position_embeddings"):
         ModelRunner(EngineArgs(model=tiny_model_dir("qwen3"), num_kv_blocks=4, max_model_len=257))
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["float32", "int8"])
 @pytest.mark.parametrize("backend", ["triton", "cpu"])
-def test_backend_matches_torch(tiny_model_dir, backend):
+def test_backend_matches_torch(tiny_model_dir, backend, kv_cache_dtype):
+    """Each family's kernels give the twins' logits, on an fp32 cache or an int8 one."""
     if backend == "triton":
         pytest.importorskip("triton")
     model_dir = tiny_model_dir("qwen3", sliding_window=6, use_sliding_window=True, max_window_layers=1)
     outputs = []
     for name in ("torch", backend):
-        runner = tiny_runner(model_dir, attention_backend=name)
+        runner = tiny_runner(model_dir, attention_backend=name, kv_cache_dtype=kv_cache_dtype)
+        assert runner.kv_caches[0][0].dtype == getattr(torch, kv_cache_dtype)
         outputs.append(prefill_then_decode(runner, make_sequences(runner, [11, 7], num_decode=2)))
     for got, expected in zip(*outputs):
         torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
@@ -334,22 +339,25 @@ class CountingStack:
 def test_integer_activations_agree_with_the_exact_path_on_the_default_model():
     """The default path (8-bit activations against the GGUF blocks, an fp16 KV cache) predicts, teacher-forced on
     the opening of benchmarks/data/eval_text.txt, the exact path's next token almost everywhere,
-    at almost the same perplexity (the whole text's figures: benchmarks/bench_agreement.py)."""
+    at almost the same perplexity; so does the exact path on an int8 KV cache (the whole text's
+    figures: benchmarks/bench_agreement.py)."""
     text_path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "data", "eval_text.txt")
     with open(text_path) as f:
         text = f.read()[:1500]
     logits = {}
-    for exact in (True, False):
-        runner = ModelRunner(EngineArgs(num_kv_blocks=32, **(EXACT if exact else {})))
+    for path, args in (("exact", EXACT), ("default", {}), ("int8 cache", {**EXACT, "kv_cache_dtype": "int8"})):
+        runner = ModelRunner(EngineArgs(num_kv_blocks=32, **args))
         assert runner.model.lm_head.quantized is not None
         token_ids = runner.tokenizer.encode(text)
-        logits[exact] = runner.teacher_forced_logits(token_ids, chunk=128)
+        logits[path] = runner.teacher_forced_logits(token_ids, chunk=128)
     targets = torch.tensor(token_ids[1:])
-    agreement = (logits[True].argmax(-1) == logits[False].argmax(-1)).float().mean().item()
     perplexity = {k: torch.nn.functional.cross_entropy(v[:-1], targets).exp().item() for k, v in logits.items()}
-    assert len(token_ids) > 250 and agreement > 0.9, agreement
-    assert abs(perplexity[False] / perplexity[True] - 1) < 0.02, perplexity
-    assert not torch.equal(logits[True], logits[False])  # two paths, not one twice
+    assert len(token_ids) > 250
+    for path, least in (("default", 0.9), ("int8 cache", 0.95)):
+        agreement = (logits["exact"].argmax(-1) == logits[path].argmax(-1)).float().mean().item()
+        assert agreement > least, (path, agreement)
+        assert abs(perplexity[path] / perplexity["exact"] - 1) < 0.02, perplexity
+        assert not torch.equal(logits["exact"], logits[path])  # two paths, not one twice
 
 
 def test_kv_cache_memory_becomes_resident_only_as_blocks_are_written(tiny_model_dir):

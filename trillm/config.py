@@ -21,8 +21,9 @@ class EngineArgs:
     quantized_activations: bool = True
     seed: int = 0  # seeds dummy weights and unseeded sampling
     block_size: int = 16
-    # auto | float32 | float16 | bfloat16. auto: fp16 on the cpu family when the model is fp32
-    # (decode attention streams the cache, and fp16 halves it), else the model's dtype
+    # auto | float32 | float16 | bfloat16 | int8. auto: fp16 on the cpu family when the model is
+    # fp32 (decode attention streams the cache, and fp16 halves it), else the model's dtype. int8:
+    # each token's row of each head quantized with its own scale (trillm/kernels/cache.py)
     kv_cache_dtype: str = "auto"
     kv_cache_memory: int = 1 << 30  # bytes of KV cache on CPU
     gpu_memory_utilization: float = 0.9  # share of GPU memory for weights + activations + KV on CUDA

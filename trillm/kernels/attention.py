@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from trillm.kernels.cache import from_cache
+
 
 @dataclass
 class Group:
@@ -45,9 +47,11 @@ class Group:
         """The group's rows of the output, [B * num_queries, H, D]."""
         num_queries = self.num_queries
         batch, length = (1, num_queries) if self.mask is None else (self.mask.shape[0], self.mask.shape[3])
-        num_kv_heads, head_dim = k_cache.shape[2:]
-        k = k_cache.view(-1, num_kv_heads * head_dim).index_select(0, self.slots).view(batch, length, -1, head_dim)
-        v = v_cache.view(-1, num_kv_heads * head_dim).index_select(0, self.slots).view(batch, length, -1, head_dim)
+        num_kv_heads, width = k_cache.shape[2:]
+        head_dim = q.shape[-1]
+        k = from_cache(k_cache.view(-1, num_kv_heads, width).index_select(0, self.slots))
+        v = from_cache(v_cache.view(-1, num_kv_heads, width).index_select(0, self.slots))
+        k, v = k.view(batch, length, -1, head_dim), v.view(batch, length, -1, head_dim)
         qg = q[self.rows].view(batch, num_queries, -1, head_dim)
         out = F.scaled_dot_product_attention(
             qg.transpose(1, 2).float(),
@@ -151,7 +155,8 @@ def _plan_rows(block_tables, seq_lens, query_start_loc, sliding_window, row_kern
 def attend_planned(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: AttentionPlan, scale: float
 ) -> torch.Tensor:
-    """q: [T, H, D]; caches: [num_blocks, block_size, Hk, D]. Returns [T, H, D]."""
+    """q: [T, H, D]; caches: [num_blocks, block_size, Hk, row_width] (trillm/kernels/cache.py).
+    Returns [T, H, D]."""
     assert q.shape[0] == plan.num_tokens, (q.shape, plan.num_tokens)
     if plan.single_group:
         return plan.groups[0].attend(q, k_cache, v_cache, scale)  # no scatter into a new tensor
@@ -171,7 +176,8 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """q: [T, H, D]; caches: [num_blocks, block_size, Hk, D]; block_tables: [B, max_blocks] int32;
-    seq_lens: [B] int32; query_start_loc: [B + 1] int32. Returns [T, H, D]."""
+    """q: [T, H, D]; caches: [num_blocks, block_size, Hk, row_width] (D, or D + 2 for an int8
+    cache: trillm/kernels/cache.py); block_tables: [B, max_blocks] int32; seq_lens: [B] int32;
+    query_start_loc: [B + 1] int32. Returns [T, H, D]."""
     plan = plan_attention(block_tables, seq_lens, query_start_loc, k_cache.shape[1], sliding_window)
     return attend_planned(q, k_cache, v_cache, plan, scale)

@@ -1,6 +1,7 @@
 /* Paged attention over the KV cache on CPU, for a step that mixes prompt chunks and decode rows:
- * fp32 queries and sums, the cache in fp32 or fp16 (half the bytes to stream, which is the
- * kernel's cost once a batch has long contexts).
+ * fp32 queries and sums, the cache in fp32, fp16 or int8 with a scale per token and head (half
+ * and about a quarter of the bytes to stream, which is the kernel's cost once a batch has long
+ * contexts; trillm/kernels/cache.py has the layouts).
  *
  * Request b owns the query rows query_start_loc[b] .. query_start_loc[b + 1] - 1, the last at
  * position seq_lens[b] - 1; each row attends causally (and within the sliding window) to the
@@ -9,14 +10,14 @@
  * with the gather, moving the context cost more than the attention math.
  *
  * A request's rows go in tiles of up to QUERY_TILE consecutive rows. Each key row is read (and
- * widened, from fp16) once per tile and used by every row of the tile that sees it, where row by
- * row a prompt of n tokens read its context n times: at a few thousand tokens that re-reading,
- * not the arithmetic, was the prefill's cost. Per row, two passes: scores for every head, a
- * softmax, then the weighted sum of values. Both passes take four tokens at a time, so the four
- * dot products (or the four value rows added into the output) are independent chains the CPU
- * overlaps, and each q (or output) vector loaded serves four rows. A row's context is padded to a
- * multiple of four with rows whose probability is 0 (the tile's next keys, or copies of the last
- * one), so there is no one-token tail loop.
+ * widened from fp16, or dequantized from int8) once per tile and used by every row of the tile that
+ * sees it, where row by row a prompt of n tokens read its context n times: at a few thousand tokens
+ * that re-reading, not the arithmetic, was the prefill's cost. Per row, two passes: scores for
+ * every head, a softmax, then the weighted sum of values. Both passes take four tokens at a time,
+ * so the four dot products (or the four value rows added into the output) are independent chains
+ * the CPU overlaps, and each q (or output) vector loaded serves four rows. A row's context is
+ * padded to a multiple of four with rows whose probability is 0 (the tile's next keys, or copies of
+ * the last one), so there is no one-token tail loop.
  *
  * What a row computes is the same sequence of operations whatever tile it is in: the same loops
  * over its own keys in the same order, its scores in a 64-byte-aligned stripe of their own. So
@@ -55,7 +56,10 @@ struct attention_job {
     float *out;
     const float *q;
     const void *k_cache, *v_cache;
-    f16_widen_fn *widen; /* NULL: an fp32 cache, read in place; else how an fp16 row is widened */
+    int kind;            /* enum kv_cache_kind */
+    f16_widen_fn *widen;           /* how an fp16 cache's row is widened */
+    kv_dequantize_fn *dequantize; /* how an int8 cache's row is */
+    int64_t token_stride; /* cache elements per token: num_kv_heads * kv_row_width */
     const int32_t *block_tables, *seq_lens;
     const int32_t *query_start_loc; /* NULL: row b is request b's only query */
     int64_t num_heads, num_kv_heads, head_dim, block_size, max_blocks, window;
@@ -148,22 +152,25 @@ TILE_INLINE void store_sums4(float *s, v8f a0, v8f a1, v8f a2, v8f a3, float sca
 /* Key rows per block: read (widened) once into scratch and used by every row of the tile. */
 #define KEY_BLOCK 32
 
-/* Pointers to the fp32 values of cache rows rows[0 .. n-1]: in place, or widened into `buf`
- * ([KEY_BLOCK, num_kv_heads * head_dim]); the next block's rows are requested meanwhile. */
-static inline void load_block(const struct attention_job *job, const void *cache, const int64_t *rows, int64_t n,
-                              float *buf, const float **out)
+/* Pointers to the fp32 values of cache rows rows[0 .. n-1] (offsets in cache elements): in place,
+ * or widened or dequantized into `buf` ([KEY_BLOCK, num_kv_heads * head_dim]); the next block's
+ * rows are requested meanwhile. */
+TILE_INLINE void load_block(const struct attention_job *job, const void *cache, const int64_t *rows, int64_t n,
+                            float *buf, const float **out)
 {
-    const int64_t token_stride = job->num_kv_heads * job->head_dim;
-    const int64_t elem = job->widen == NULL ? (int64_t)sizeof(float) : (int64_t)sizeof(uint16_t);
+    const int64_t values = job->num_kv_heads * job->head_dim, elem = kv_elem_bytes(job->kind);
     for (int64_t j = 0; j < PREFETCH_AHEAD; j++)
-        prefetch_row((const char *)cache + rows[n + j] * elem, token_stride * elem);
+        prefetch_row((const char *)cache + rows[n + j] * elem, job->token_stride * elem);
     for (int64_t j = 0; j < n; j++) {
-        if (job->widen == NULL) {
+        if (job->kind == KV_CACHE_F32) {
             out[j] = (const float *)cache + rows[j];
-        } else {
-            job->widen(buf + j * token_stride, (const uint16_t *)cache + rows[j], token_stride);
-            out[j] = buf + j * token_stride;
+            continue;
         }
+        if (job->kind == KV_CACHE_F16)
+            job->widen(buf + j * values, (const uint16_t *)cache + rows[j], values);
+        else
+            job->dequantize(buf + j * values, (const int8_t *)cache + rows[j], job->num_kv_heads, job->head_dim);
+        out[j] = buf + j * values;
     }
 }
 
@@ -309,7 +316,7 @@ TRILLM_MULTIVERSION static void attend_tile(const struct attention_job *job, con
 {
     const int64_t num_heads = job->num_heads, head_dim = job->head_dim, block_size = job->block_size;
     const int64_t group = num_heads / job->num_kv_heads;
-    const int64_t token_stride = job->num_kv_heads * head_dim, block_stride = block_size * token_stride;
+    const int64_t token_stride = job->token_stride, block_stride = block_size * token_stride;
     const int64_t m = t->num_rows, b = t->seq;
     /* row i of the request sits at position seq_len - (end - i); its context ends there */
     const int64_t last_pos = job->seq_lens[b] - (rows_end(job, b) - t->first_row - m + 1);
@@ -400,13 +407,13 @@ static void attend_chunk(void *ctx, int64_t c)
 }
 
 /* q, out: [num_rows, num_heads, head_dim] fp32; k_cache, v_cache: [num_blocks, block_size,
- * num_kv_heads, head_dim], fp32 or (f16) fp16; block_tables: [num_seqs, max_blocks]; seq_lens:
- * [num_seqs]; query_start_loc: [num_seqs + 1], from 0 to num_rows, or NULL when every request has
- * one row (a decode step: num_rows == num_seqs). window <= 0 means no sliding window. Returns 0;
- * -1 when out of memory; -2 when a request has no rows or more rows than its context (nothing is
- * read then). */
+ * num_kv_heads, kv_row_width(kind, head_dim)] of `kind` (enum kv_cache_kind); block_tables:
+ * [num_seqs, max_blocks]; seq_lens: [num_seqs]; query_start_loc: [num_seqs + 1], from 0 to
+ * num_rows, or NULL when every request has one row (a decode step: num_rows == num_seqs). window <=
+ * 0 means no sliding window. Returns 0; -1 when out of memory; -2 when a request has no rows or
+ * more rows than its context (nothing is read then). */
 static int paged_attention(
-    float *out, const float *q, const void *k_cache, const void *v_cache, int f16, const int32_t *block_tables,
+    float *out, const float *q, const void *k_cache, const void *v_cache, int kind, const int32_t *block_tables,
     const int32_t *seq_lens, const int32_t *query_start_loc, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
     int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale, int64_t window, pool_runner *run)
 {
@@ -427,9 +434,11 @@ static int paged_attention(
         for (int64_t row = start; row < end; row += tile_rows)
             tiles[c++] = (struct attention_tile){b, row, end - row < tile_rows ? end - row : tile_rows};
     }
-    struct attention_job job = {out, q, k_cache, v_cache, f16 ? pick_f16_widen() : NULL, block_tables, seq_lens,
-                                query_start_loc, num_heads, num_kv_heads, head_dim, block_size, max_blocks, window,
-                                tiles, num_tiles, scale, 0};
+    struct attention_job job = {out, q, k_cache, v_cache, kind, kind == KV_CACHE_F16 ? pick_f16_widen() : NULL,
+                                kind == KV_CACHE_I8 ? pick_kv_dequantize() : NULL,
+                                num_kv_heads * kv_row_width(kind, head_dim), block_tables, seq_lens, query_start_loc,
+                                num_heads, num_kv_heads, head_dim, block_size, max_blocks, window, tiles, num_tiles,
+                                scale, 0};
     if (num_tiles > 0) run(attend_chunk, &job, num_tiles);
     free(tiles);
     return atomic_load(&job.failed) ? -1 : 0;

@@ -3,33 +3,44 @@
 
 Same contract as the torch twin's `paged_attention` (trillm/kernels/attention.py), which is its
 reference: a step of prompt chunks and decode rows, each query attending causally (and within
-the sliding window) to its request's context in the paged cache. fp32 queries, an fp32 or fp16
-cache; a request's rows go in tiles shared among the threads of pool_cpu, and the GIL is released
-while the kernel runs, so the server's event loop keeps going.
+the sliding window) to its request's context in the paged cache. fp32 queries, an fp32, fp16 or
+int8 cache (trillm/kernels/cache.py); a request's rows go in tiles shared among the threads of
+pool_cpu, and the GIL is released while the kernel runs, so the server's event loop keeps going.
 """
 from libc.stdint cimport int32_t, int64_t, uintptr_t
 
 import torch
 
 from trillm.kernels cimport pool_cpu
+from trillm.kernels.cache import row_width
 from trillm.kernels.attention_cpu_h cimport paged_attention_c
 
-CACHE_DTYPES = (torch.float32, torch.float16)
+# enum kv_cache_kind (shared_cpu.h) of each cache dtype the compiled kernels read and write
+CACHE_KINDS = {torch.float32: 0, torch.float16: 1, torch.int8: 2}
+CACHE_DTYPES = tuple(CACHE_KINDS)
+
+
+def cache_kind(k_cache, v_cache) -> int:
+    """The enum kv_cache_kind of a pair of caches, which must share dtype and shape."""
+    assert k_cache.dtype in CACHE_KINDS and v_cache.dtype == k_cache.dtype, (k_cache.dtype, v_cache.dtype)
+    assert k_cache.shape == v_cache.shape, (k_cache.shape, v_cache.shape)
+    return CACHE_KINDS[k_cache.dtype]
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, float scale, sliding_window=None):
-    """q: [T, H, D] fp32; caches: [num_blocks, block_size, Hk, D] fp32 or fp16; block_tables:
+    """q: [T, H, D] fp32; caches: [num_blocks, block_size, Hk, row_width] fp32, fp16 or int8
+    (cache.py's layouts); block_tables:
     [B, max_blocks] int32; seq_lens: [B] int32; query_start_loc: [B + 1] int32 from 0 to T, or
     None when each request has one row (T == B). All contiguous, on the CPU. Returns [T, H, D]
     fp32. A request with no rows, or with more rows than its context, is a ValueError."""
-    assert k_cache.dtype in CACHE_DTYPES and v_cache.dtype == k_cache.dtype, (k_cache.dtype, v_cache.dtype)
+    cdef int kind = cache_kind(k_cache, v_cache)
     checked = [(q, torch.float32), (k_cache, k_cache.dtype), (v_cache, k_cache.dtype), (block_tables, torch.int32),
                (seq_lens, torch.int32)]
     if query_start_loc is not None:
         checked.append((query_start_loc, torch.int32))
     for t, dtype in checked:
         assert t.dtype == dtype and t.device.type == "cpu" and t.is_contiguous(), (t.dtype, t.device, t.shape)
-    assert k_cache.shape == v_cache.shape and q.shape[2] == k_cache.shape[3] and q.shape[1] % k_cache.shape[2] == 0
+    assert k_cache.shape[3] == row_width(q.shape[2], k_cache.dtype) and q.shape[1] % k_cache.shape[2] == 0
     assert block_tables.shape[0] == seq_lens.shape[0]
     if query_start_loc is None:
         assert q.shape[0] == seq_lens.shape[0], (q.shape, seq_lens.shape)
@@ -40,7 +51,6 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
     cdef int64_t num_seqs = seq_lens.shape[0], num_heads = q.shape[1], head_dim = q.shape[2]
     cdef int64_t block_size = k_cache.shape[1], num_kv_heads = k_cache.shape[2]
     cdef int64_t max_blocks = block_tables.shape[1], window = sliding_window or 0
-    cdef int f16 = k_cache.dtype == torch.float16
     cdef float *out_ptr = <float *><uintptr_t>out.data_ptr()
     cdef const float *q_ptr = <const float *><uintptr_t>q.data_ptr()
     cdef const void *k_ptr = <const void *><uintptr_t>k_cache.data_ptr()
@@ -52,8 +62,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
         starts_ptr = <const int32_t *><uintptr_t>query_start_loc.data_ptr()
     cdef int rc
     with nogil:
-        rc = paged_attention_c(out_ptr, q_ptr, k_ptr, v_ptr, f16, tables_ptr, lens_ptr, starts_ptr, num_seqs, num_heads,
-                               num_kv_heads, head_dim, block_size, max_blocks, scale, window, pool_cpu.run)
+        rc = paged_attention_c(out_ptr, q_ptr, k_ptr, v_ptr, kind, tables_ptr, lens_ptr, starts_ptr, num_seqs,
+                               num_heads, num_kv_heads, head_dim, block_size, max_blocks, scale, window, pool_cpu.run)
     if rc == -2:
         raise ValueError("paged_attention: a request has no query rows, or more rows than its context")
     if rc != 0:

@@ -35,6 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
+from trillm.kernels.cache import row_width
+
 TILE_N = 32  # keys per inner-loop step
 MIN_TOKENS_PER_SPLIT = 256  # fewer keys per split would hardly repay the merge kernel
 MAX_SPLITS = 16
@@ -65,7 +67,7 @@ def _paged_attention_kernel(
     cache_block_stride, cache_tok_stride, cache_head_stride, block_table_stride,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_DTYPE: tl.constexpr, QUANTIZED: tl.constexpr,
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -116,9 +118,18 @@ def _paged_attention_kernel(
         kv_off = block * cache_block_stride + (kv_pos % BLOCK_SIZE) * cache_tok_stride \
             + kv_head * cache_head_stride
         k = tl.load(k_cache_ptr + kv_off[None, :] + dims[:, None],
-                    mask=kv_ok[None, :] & dim_ok[:, None], other=0.0).to(DOT_DTYPE)
+                    mask=kv_ok[None, :] & dim_ok[:, None], other=0.0)
         v = tl.load(v_cache_ptr + kv_off[:, None] + dims[None, :],
-                    mask=kv_ok[:, None] & dim_ok[None, :], other=0.0).to(DOT_DTYPE)
+                    mask=kv_ok[:, None] & dim_ok[None, :], other=0.0)
+        if QUANTIZED:  # int8 rows, each followed by its fp16 scale (cache.py)
+            k_scale = tl.load((k_cache_ptr + kv_off + HEAD_DIM).to(tl.pointer_type(tl.float16), bitcast=True),
+                              mask=kv_ok, other=0.0).to(tl.float32)
+            v_scale = tl.load((v_cache_ptr + kv_off + HEAD_DIM).to(tl.pointer_type(tl.float16), bitcast=True),
+                              mask=kv_ok, other=0.0).to(tl.float32)
+            k = k.to(tl.float32) * k_scale[None, :]
+            v = v.to(tl.float32) * v_scale[:, None]
+        k = k.to(DOT_DTYPE)
+        v = v.to(DOT_DTYPE)
         s = tl.dot(q, k, input_precision="ieee") * scale_log2
         visible = row_ok[:, None] & kv_ok[None, :] & (kv_pos[None, :] <= q_pos[:, None])
         if USE_WINDOW:
@@ -217,8 +228,9 @@ def paged_attention(
     *,
     num_splits: int | None = None,
 ) -> torch.Tensor:
-    """q: [T, H, D]; caches: [num_blocks, block_size, Hk, D]; block_tables: [B, max_blocks] int32;
-    seq_lens: [B] int32; query_start_loc: [B + 1] int32. Returns [T, H, D].
+    """q: [T, H, D]; caches: [num_blocks, block_size, Hk, row_width] (D, or D + 2 for an int8
+    cache: cache.py); block_tables: [B, max_blocks] int32; seq_lens: [B] int32; query_start_loc:
+    [B + 1] int32. Returns [T, H, D].
 
     num_splits: None picks split-KV by a heuristic; 1 forces the single pass; n > 1 forces
     split-KV with n parts.
@@ -226,7 +238,8 @@ def paged_attention(
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
-    assert k_cache.shape[3] == head_dim and v_cache.stride() == k_cache.stride()
+    assert k_cache.shape[3] == row_width(head_dim, k_cache.dtype) and v_cache.stride() == k_cache.stride()
+    assert v_cache.dtype == k_cache.dtype
     assert v_cache.shape == k_cache.shape and k_cache.stride(-1) == 1 and q.stride(-1) == 1
     assert num_heads % num_kv_heads == 0
     assert query_start_loc.shape == (num_seqs + 1,) and block_tables.shape[0] == num_seqs
@@ -266,7 +279,7 @@ def paged_attention(
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=TILE_N,
         NUM_SPLITS=num_splits, USE_WINDOW=sliding_window is not None, DOT_DTYPE=_dot_dtype(q),
-        num_warps=num_warps,
+        QUANTIZED=k_cache.dtype == torch.int8, num_warps=num_warps,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens,)](

@@ -1,9 +1,51 @@
 """Writing new keys and values into the paged KV cache, torch reference twin.
 
-Layout (per layer): k_cache and v_cache are [num_blocks, block_size, num_kv_heads, head_dim];
+Layout (per layer): k_cache and v_cache are [num_blocks, block_size, num_kv_heads, row_width];
 token t goes to slot = block_id * block_size + offset. A negative slot marks padding.
+
+A cache in fp32, fp16 or bf16 holds the values themselves (row_width = head_dim). An int8 cache
+holds each (token, head) row of head_dim values quantized on its own: head_dim int8 values
+`round(x / scale)` and then the row's scale, `absmax / 127` as an fp16, in the row's last two
+bytes (row_width = head_dim + 2), so a row costs 66 bytes where fp16 took 128. The scale belongs
+to one row, not to a cache block: a block fills over many steps, and a row written once and never
+requantized decodes to the same values however its prompt was chunked (the attention kernels'
+per-row determinism depends on it).
 """
 import torch
+
+INT8_SCALE_BYTES = 2  # the fp16 scale after each row's int8 values
+
+
+def row_width(head_dim: int, dtype: torch.dtype) -> int:
+    """The last dimension of a cache in `dtype` for rows of head_dim values."""
+    return head_dim + INT8_SCALE_BYTES if dtype == torch.int8 else head_dim
+
+
+def quantize_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [..., D] (any float dtype) -> int8 [..., D + 2]: each row's values over its fp16 scale,
+    rounded to nearest even, and the scale's bytes. A row of zeros has scale 0 and values 0."""
+    x = x.float()
+    scale = (x.abs().amax(-1, keepdim=True) / 127).to(torch.float16)
+    s = scale.float()
+    values = torch.where(s > 0, x / torch.where(s > 0, s, 1.0), 0.0).round().clamp(-127, 127).to(torch.int8)
+    return torch.cat([values, scale.view(torch.int8)], -1)
+
+
+def dequantize_rows(rows: torch.Tensor) -> torch.Tensor:
+    """int8 [..., D + 2] -> fp32 [..., D]: each value times its row's scale."""
+    head_dim = rows.shape[-1] - INT8_SCALE_BYTES
+    scale = rows[..., head_dim:].contiguous().view(torch.float16).float()
+    return rows[..., :head_dim].float() * scale
+
+
+def to_cache(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Values [..., D] as a cache in `dtype` stores them."""
+    return quantize_rows(x) if dtype == torch.int8 else x.to(dtype)
+
+
+def from_cache(rows: torch.Tensor) -> torch.Tensor:
+    """What cache rows [..., row_width] hold, as values [..., D] (fp32 from an int8 cache)."""
+    return dequantize_rows(rows) if rows.dtype == torch.int8 else rows
 
 
 def write_kv(
@@ -13,9 +55,10 @@ def write_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """k, v: [T, Hk, D]; slot_mapping: [T] int64 (negative = skip)."""
+    """k, v: [T, Hk, D]; slot_mapping: [T] int64 (negative = skip). Each row is stored as the
+    cache's dtype stores it (to_cache)."""
     keep = slot_mapping >= 0
     if not bool(keep.all()):
         k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, to_cache(k, k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, to_cache(v, v_cache.dtype))

@@ -19,7 +19,9 @@ from libc.string cimport memcpy
 import torch
 
 from trillm.kernels cimport pool_cpu
+from trillm.kernels.attention_cpu import cache_kind
 from trillm.kernels.attention_cpu_h cimport paged_attention_c
+from trillm.kernels.cache import row_width
 from trillm.kernels.ops_cpu_h cimport rms_norm_f32, rotary_embedding_f32, silu_and_mul_f32, write_kv_c
 from trillm.kernels.quant_int8_cpu_h cimport int8_linear
 
@@ -132,7 +134,8 @@ cdef class DecoderStack:
     def run(self, hidden, positions, slot_mapping, block_tables, seq_lens, kv_caches, cos_sin_cache):
         """hidden [T, hidden] fp32 (the embeddings of T decoding requests, one row each);
         positions, slot_mapping [T] int64; block_tables [T, max_blocks] int32; seq_lens [T] int32;
-        kv_caches: per layer (K, V) [num_blocks, block_size, Hk, D], fp32 or fp16. Writes each
+        kv_caches: per layer (K, V) [num_blocks, block_size, Hk, row_width], fp32, fp16 or int8
+        (cache.py's layouts). Writes each
         layer's keys and values to the caches; returns (hidden, residual) after the last layer,
         as the layer-by-layer path hands them to the final norm."""
         cdef int64_t i, T = hidden.shape[0]
@@ -143,14 +146,14 @@ cdef class DecoderStack:
         assert positions.shape[0] == slot_mapping.shape[0] == block_tables.shape[0] == seq_lens.shape[0] == T
         assert cos_sin_cache.shape[1] == self.head_dim and len(kv_caches) == self.num_layers
         k0 = kv_caches[0][0]
-        assert k0.dtype in (torch.float32, torch.float16) and k0.shape[2:] == (self.num_kv_heads, self.head_dim)
+        cdef int kind = cache_kind(k0, kv_caches[0][1])
+        assert k0.shape[2:] == (self.num_kv_heads, row_width(self.head_dim, k0.dtype)), k0.shape
         # Read each call, and never kept: sleep mode frees the caches and makes new ones.
         for i, (k_cache, v_cache) in enumerate(kv_caches):
             assert k_cache.dtype == v_cache.dtype == k0.dtype and k_cache.shape == v_cache.shape == k0.shape
             assert k_cache.is_contiguous() and v_cache.is_contiguous()
             self.layers[i].k_cache = <void *><uintptr_t>k_cache.data_ptr()
             self.layers[i].v_cache = <void *><uintptr_t>v_cache.data_ptr()
-        cdef int f16 = k0.dtype == torch.float16
         cdef int64_t block_size = k0.shape[1], num_slots = k0.shape[0] * k0.shape[1]
         cdef int64_t max_blocks = block_tables.shape[1], max_positions = cos_sin_cache.shape[0]
         # The step's buffers. residual ping-pongs between two: the norm's sum may not alias its input.
@@ -207,16 +210,16 @@ cdef class DecoderStack:
                                                 self.num_kv_heads, self.head_dim, self.qkv_size, 1) != 0):
                     failure = FAILED_POSITION
                     break
-                if write_kv_c(layer.k_cache, layer.v_cache, f16, qkv_p + self.q_size,
-                              qkv_p + self.q_size + self.kv_size, slots_p, T, num_slots, self.kv_size,
-                              self.qkv_size, self.qkv_size) != 0:
+                if write_kv_c(layer.k_cache, layer.v_cache, kind, qkv_p + self.q_size,
+                              qkv_p + self.q_size + self.kv_size, slots_p, T, num_slots, self.num_kv_heads,
+                              self.head_dim, self.qkv_size, self.qkv_size) != 0:
                     failure = FAILED_SLOT
                     break
                 for t in range(T):
                     memcpy(q_p + t * self.q_size, qkv_p + t * self.qkv_size, self.q_size * sizeof(float))
                 # every row its request's only query: a request with none or with more than its context is
                 # impossible here, so a failure is the memory for the scores
-                if paged_attention_c(attn_p, q_p, layer.k_cache, layer.v_cache, f16, tables_p, lens_p, NULL, T,
+                if paged_attention_c(attn_p, q_p, layer.k_cache, layer.v_cache, kind, tables_p, lens_p, NULL, T,
                                      self.num_heads, self.num_kv_heads, self.head_dim, block_size, max_blocks,
                                      self.scale, layer.window, pool_cpu.run) != 0:
                     failure = FAILED_MEMORY

@@ -127,7 +127,8 @@ class CpuKernels(TorchKernels):
     fp32 only for the compiled kernels; other dtypes keep packed weights and the twins. The
     quantized projections multiply 8-bit activations in integers (quant_int8_cpu.h) unless
     `quantized_activations` is off; they and attention share their work among
-    `set_threads` threads. An fp32 model keeps its KV cache in fp16 unless told otherwise."""
+    `set_threads` threads. An fp32 model keeps its KV cache in fp16 unless told otherwise (int8,
+    with a scale per token and head, on request: trillm/kernels/cache.py)."""
 
     name = "cpu"
     packs_linear_weights = True
@@ -138,7 +139,7 @@ class CpuKernels(TorchKernels):
         from trillm.kernels.attention_cpu import CACHE_DTYPES, paged_attention
 
         if dtype == torch.float32:
-            if self.kv_cache_dtype in CACHE_DTYPES:  # fp32 or fp16; a bf16 cache keeps the twins
+            if self.kv_cache_dtype in CACHE_DTYPES:  # fp32, fp16 or int8; a bf16 cache keeps the twins
                 self.row_kernel = paged_attention
                 self.write_kv = ops_cpu.write_kv
                 if quantized_activations:
@@ -176,13 +177,14 @@ class TritonKernels(Kernels):
 
     def __init__(self, dtype: torch.dtype, quantized_activations: bool = True, kv_cache_dtype: str = "auto"):
         super().__init__(dtype, quantized_activations, kv_cache_dtype)
-        if self.kv_cache_dtype != dtype:
-            raise ValueError(f"The triton kernels keep the KV cache in the model's dtype ({dtype}); "
+        if self.kv_cache_dtype not in (dtype, torch.int8):
+            raise ValueError(f"The triton kernels keep the KV cache in the model's dtype ({dtype}) or in int8; "
                              f"--kv-cache-dtype {kv_cache_dtype} is for the torch and cpu families.")
 
 
 FAMILIES = {cls.name: cls for cls in (TorchKernels, CpuKernels, TritonKernels)}
-KV_CACHE_DTYPES = {"auto": None, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+KV_CACHE_DTYPES = {"auto": None, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+                   "int8": torch.int8}
 
 
 def get_kernels(

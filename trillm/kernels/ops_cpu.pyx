@@ -6,6 +6,8 @@ from libc.stdint cimport int64_t, uintptr_t
 
 import torch
 
+from trillm.kernels.attention_cpu import cache_kind
+from trillm.kernels.cache import row_width
 from trillm.kernels.ops_cpu_h cimport rms_norm_f32, rotary_embedding_f32, silu_and_mul_f32, write_kv_c
 
 
@@ -94,24 +96,25 @@ def rotary_embedding(positions, q, k, cos_sin_cache, is_neox=True):
 
 
 def write_kv(k, v, k_cache, v_cache, slot_mapping):
-    """As cache.write_kv: k, v [T, Hk, D] fp32 into their slots of the caches (fp32 or fp16;
-    negative slots: skipped)."""
-    check(k), check(v), check(k_cache, k_cache.dtype), check(v_cache, k_cache.dtype), check(slot_mapping, torch.int64)
-    assert k_cache.dtype in (torch.float32, torch.float16), k_cache.dtype
-    assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
+    """As cache.write_kv: k, v [T, Hk, D] fp32 into their slots of the caches (fp32, fp16 or int8
+    as cache.py lays them out; negative slots: skipped)."""
+    check(k), check(v), check(slot_mapping, torch.int64)
+    cdef int kind = cache_kind(k_cache, v_cache)
+    assert k_cache.is_contiguous() and v_cache.is_contiguous()
     assert slot_mapping.is_contiguous() and slot_mapping.shape == k.shape[:1], (slot_mapping.shape, k.shape)
-    assert k.shape == v.shape and k.shape[1:] == k_cache.shape[2:], (k.shape, v.shape, k_cache.shape)
+    assert k.shape == v.shape and k_cache.shape[2:] == (k.shape[1], row_width(k.shape[2], k_cache.dtype)), (
+        k.shape, v.shape, k_cache.shape)
     assert k.stride(2) == v.stride(2) == 1 and k.stride(1) == v.stride(1) == k.shape[2], (k.stride(), v.stride())
-    cdef int64_t T = k.shape[0], row_size = k.shape[1] * k.shape[2]
+    cdef int64_t T = k.shape[0], num_kv_heads = k.shape[1], head_dim = k.shape[2]
     cdef int64_t num_slots = k_cache.shape[0] * k_cache.shape[1], k_stride = k.stride(0), v_stride = v.stride(0)
     cdef void *kc_ptr = <void *><uintptr_t>k_cache.data_ptr()
     cdef void *vc_ptr = <void *><uintptr_t>v_cache.data_ptr()
-    cdef int f16 = k_cache.dtype == torch.float16
     cdef const float *k_ptr = address(k)
     cdef const float *v_ptr = address(v)
     cdef const int64_t *slots_ptr = <const int64_t *><uintptr_t>slot_mapping.data_ptr()
     cdef int rc
     with nogil:
-        rc = write_kv_c(kc_ptr, vc_ptr, f16, k_ptr, v_ptr, slots_ptr, T, num_slots, row_size, k_stride, v_stride)
+        rc = write_kv_c(kc_ptr, vc_ptr, kind, k_ptr, v_ptr, slots_ptr, T, num_slots, num_kv_heads, head_dim, k_stride,
+                        v_stride)
     if rc != 0:
         raise IndexError("write_kv: a slot is past the end of the cache")

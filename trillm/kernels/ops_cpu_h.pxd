@@ -8,6 +8,6 @@ cdef extern from "ops_cpu.h" nogil:
     void silu_and_mul_f32(float *out, const float *x, int64_t T, int64_t inter)
     int rotary_embedding_f32(float *x, const int64_t *positions, const float *cos_sin, int64_t max_positions,
                              int64_t T, int64_t heads, int64_t head_dim, int64_t row_stride, int neox)
-    int write_kv_c "write_kv"(void *k_cache, void *v_cache, int f16, const float *k, const float *v,
-                              const int64_t *slots, int64_t T, int64_t num_slots, int64_t row_size, int64_t k_stride,
-                              int64_t v_stride)
+    int write_kv_c "write_kv"(void *k_cache, void *v_cache, int kind, const float *k, const float *v,
+                              const int64_t *slots, int64_t T, int64_t num_slots, int64_t num_kv_heads,
+                              int64_t head_dim, int64_t k_stride, int64_t v_stride)

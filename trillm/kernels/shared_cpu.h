@@ -84,6 +84,90 @@ static inline f16_widen_fn *pick_f16_widen(void) { return f16_widen_generic; }
 static inline f16_narrow_fn *pick_f16_narrow(void) { return f16_narrow_generic; }
 #endif
 
+/* What a KV cache row holds (trillm/kernels/cache.py): head_dim fp32 or fp16 values, or head_dim
+ * int8 values and then their fp16 scale (KV_CACHE_I8: one scale per token and head). */
+enum kv_cache_kind { KV_CACHE_F32 = 0, KV_CACHE_F16 = 1, KV_CACHE_I8 = 2 };
+#define KV_I8_SCALE_BYTES 2
+
+/* Cache elements (bytes for KV_CACHE_I8) in the row of one token and head. */
+static inline int64_t kv_row_width(int kind, int64_t head_dim)
+{
+    return kind == KV_CACHE_I8 ? head_dim + KV_I8_SCALE_BYTES : head_dim;
+}
+
+static inline int64_t kv_elem_bytes(int kind) { return kind == KV_CACHE_F32 ? 4 : kind == KV_CACHE_F16 ? 2 : 1; }
+
+/* x[0 .. head_dim-1] as an int8 cache row, as cache.quantize_rows makes it: scale = fp16(absmax /
+ * 127); each value x / scale (a division, as torch's), rounded to nearest even; 0 when scale is 0. */
+static inline void kv_quantize_row(int8_t *dst, const float *x, int64_t head_dim)
+{
+    float amax = 0.0f;
+    for (int64_t d = 0; d < head_dim; d++) {
+        const float a = x[d] < 0 ? -x[d] : x[d];
+        amax = a > amax ? a : amax;
+    }
+    const _Float16 half = (_Float16)(amax / 127.0f);
+    const float scale = (float)half;
+    for (int64_t d = 0; d < head_dim; d++) {
+        float r = scale > 0.0f ? __builtin_nearbyintf(x[d] / scale) : 0.0f;
+        r = r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r;
+        dst[d] = (int8_t)r;
+    }
+    memcpy(dst + head_dim, &half, KV_I8_SCALE_BYTES);
+}
+
+/* An int8 cache's token row (num_kv_heads rows of head_dim values, each followed by its scale) as
+ * fp32 values: each value times its row's scale, one product, as cache.dequantize_rows. GCC
+ * turns the plain loop's int8 widening into scalar loads, so AVX2 gets its own body. */
+typedef void kv_dequantize_fn(float *dst, const int8_t *src, int64_t num_kv_heads, int64_t head_dim);
+
+static inline float kv_row_scale(const int8_t *row, int64_t head_dim)
+{
+    _Float16 half;
+    memcpy(&half, row + head_dim, KV_I8_SCALE_BYTES);
+    return (float)half;
+}
+
+static inline void kv_dequantize_generic(float *dst, const int8_t *src, int64_t num_kv_heads, int64_t head_dim)
+{
+    for (int64_t h = 0; h < num_kv_heads; h++, src += head_dim + KV_I8_SCALE_BYTES, dst += head_dim) {
+        const float scale = kv_row_scale(src, head_dim);
+        for (int64_t d = 0; d < head_dim; d++) dst[d] = (float)src[d] * scale;
+    }
+}
+
+#if defined(__GNUC__) && defined(__x86_64__)
+#include <immintrin.h>
+
+__attribute__((target("avx2,f16c"))) static inline void kv_dequantize_avx2(float *dst, const int8_t *src,
+                                                                           int64_t num_kv_heads, int64_t head_dim)
+{
+    for (int64_t h = 0; h < num_kv_heads; h++, src += head_dim + KV_I8_SCALE_BYTES, dst += head_dim) {
+        uint16_t bits;
+        memcpy(&bits, src + head_dim, sizeof bits);
+        const float scale = _cvtsh_ss(bits);
+        const __m256 s = _mm256_set1_ps(scale);
+        int64_t d = 0;
+        for (; d + 16 <= head_dim; d += 16) {
+            const __m128i b = _mm_loadu_si128((const __m128i *)(src + d));
+            _mm256_storeu_ps(dst + d, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), s));
+            _mm256_storeu_ps(dst + d + 8,
+                             _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8))), s));
+        }
+        for (; d < head_dim; d++) dst[d] = (float)src[d] * scale;
+    }
+}
+
+static inline kv_dequantize_fn *pick_kv_dequantize(void)
+{
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c")) return kv_dequantize_avx2;
+    return kv_dequantize_generic;
+}
+#else
+static inline kv_dequantize_fn *pick_kv_dequantize(void) { return kv_dequantize_generic; }
+#endif
+
 /* A job cut in `chunks` pieces: fn(ctx, c) for each c < chunks, on the caller and the pool's
  * helpers; returns when all are done (pool_cpu.h). */
 typedef void pool_chunk_fn(void *ctx, int64_t chunk);
