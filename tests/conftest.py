@@ -23,9 +23,21 @@ import math  # noqa: E402
 import pytest  # noqa: E402
 
 
+# The files that take longest, longest first. `make test` hands whole files to its workers in
+# collection order (pytest-xdist, --dist loadfile): a long file handed out last runs alone at the
+# end while the other workers idle. The order only schedules; every test runs either way.
+LONGEST_FIRST = ("test_tensor_parallel.py", "test_data_parallel.py", "test_gpu_prepare.py", "test_scheduler.py",
+                 "test_llm.py", "test_lm_eval.py", "test_model.py", "test_http_serve.py", "test_http_weights.py",
+                 "test_lora.py")
+
+
 def pytest_collection_modifyitems(config, items):
-    """`cuda`-marked tests need a CUDA device, except those marked cuda(cpu_too=True), which run
+    """The longest files first (LONGEST_FIRST), each file's tests in their own order.
+
+    `cuda`-marked tests need a CUDA device, except those marked cuda(cpu_too=True), which run
     here as well (Triton kernels in the interpreter, the model on the CPU kernels)."""
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="marker cuda: needs a CUDA device (scripts/gpu_check.py runs these there)")
