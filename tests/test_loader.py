@@ -272,3 +272,29 @@ def test_a_gguf_file_of_other_formats_runs_them_on_the_kernels_layouts(tmp_path,
         assert got[hf].format == "q8_0"
         step = got[hf].scales.repeat_interleave(quant.BLOCK, dim=1)
         assert ((quant.dequantize(got[hf]) - want).abs() <= step * 0.5001).all()
+
+
+@pytest.mark.parametrize("kind", ["Q4_K_M", "Q5_K_M"])
+def test_files_llama_quantize_made_read_as_transformers_reads_them(kind):
+    """tests/data/gguf/tiny-{kind}.gguf, a random two-layer Llama quantized by llama.cpp's own
+    llama-quantize (scripts/make_tiny_gguf.py): its mix of Q4_K or Q5_K with Q6_K. On fp32 copies
+    of the file's weights trillm gives transformers' logits (transformers dequantizes with
+    gguf-py); on the kernels' blocks (Q4_K repacked exactly, Q5_K and Q6_K requantized to 8-bit
+    blocks) it stays within that requantization's error."""
+    from transformers import AutoModelForCausalLM
+
+    from trillm.model.runner import ModelRunner
+
+    path = os.path.join(os.path.dirname(__file__), "data", "gguf", f"tiny-{kind}.gguf")
+    token_ids = list(range(3, 60))
+    exact = dict(quantized_activations=False, kv_cache_dtype="float32")
+    copies = ModelRunner(EngineArgs(model=path, num_kv_blocks=16, quantized_weights=False, **exact))
+    blocks = ModelRunner(EngineArgs(model=path, num_kv_blocks=16, **exact))
+    assert copies.model.lm_head.quantized is None and blocks.model.lm_head.quantized is not None
+    hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                              dtype=torch.float32)
+    with torch.inference_mode():
+        want = hf(torch.tensor([token_ids])).logits[0]
+    torch.testing.assert_close(copies.teacher_forced_logits(token_ids), want, atol=1e-4, rtol=1e-4)
+    got = blocks.teacher_forced_logits(token_ids)
+    assert (got - want).abs().max() < 0.3 and (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.85
