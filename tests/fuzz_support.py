@@ -17,6 +17,25 @@ def assert_openai_error(status: int, body: dict) -> None:
     assert set(error) == {"message", "type", "param", "code"} and error["code"] == status and error["message"]
 
 
+# Anthropic's error types by status, as its API documents them (its SDKs map statuses to classes)
+ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                   404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error"}
+
+
+def assert_anthropic_error(status: int, body: dict) -> None:
+    error = body["error"]
+    assert body["type"] == "error" and set(error) == {"type", "message"} and error["message"]
+    assert error["type"] == ANTHROPIC_TYPES.get(status, "invalid_request_error"), (status, error)
+
+
+def assert_error(path: str, status: int, body: dict) -> None:
+    """An error body in the shape of the API that `path` belongs to."""
+    if path == "/v1/messages" or path.startswith("/v1/messages/"):
+        assert_anthropic_error(status, body)
+    else:
+        assert_openai_error(status, body)
+
+
 def sse_errors(text: str) -> list[dict]:
     """The error events a stream carried (the server reports a mid-stream failure in-band)."""
     events = [line[len("data: "):] for line in text.splitlines() if line.startswith("data: {")]
@@ -24,7 +43,8 @@ def sse_errors(text: str) -> list[dict]:
 
 
 def fuzz(url: str, doc: dict, counts: dict, examples: int) -> None:
-    """Every POST operation, bodies valid and invalid; raises on the first 5xx or malformed error."""
+    """Every POST operation, bodies valid and invalid; raises on the first 5xx or malformed error
+    (OpenAI's shape, Anthropic's on its Messages routes)."""
     schema = from_dict(doc)
     for result in schema.get_all_operations():
         operation = result.ok()
@@ -43,7 +63,7 @@ def fuzz(url: str, doc: dict, counts: dict, examples: int) -> None:
                 counts[response.status_code // 100] = counts.get(response.status_code // 100, 0) + 1
                 assert response.status_code < 500, (case.body, response.text)
                 if response.status_code >= 400:
-                    assert_openai_error(response.status_code, response.json())
+                    assert_error(operation.path, response.status_code, response.json())
                 elif "text/event-stream" in response.headers.get("content-type", [""])[0]:
                     assert not sse_errors(response.text), (case.body, response.text)
 
@@ -70,7 +90,7 @@ def hostile_bodies() -> list[tuple[str, bytes]]:
 
 def send_hostile(url: str, doc: dict, counts: dict) -> None:
     """Every hostile body to every POST route of `doc` (path parameters filled with a made-up id);
-    raises on a 5xx or an error that is not OpenAI's shape."""
+    raises on a 5xx or an error that is not its API's shape."""
     import re
 
     import httpx
@@ -83,7 +103,7 @@ def send_hostile(url: str, doc: dict, counts: dict) -> None:
                 counts[response.status_code // 100] = counts.get(response.status_code // 100, 0) + 1
                 assert response.status_code < 500, (path, content_type, body[:80], response.text[:300])
                 if response.status_code >= 400:
-                    assert_openai_error(response.status_code, response.json())
+                    assert_error(path, response.status_code, response.json())
 
 
 async def probe_health(url: str, probes: list[float]) -> None:

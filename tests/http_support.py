@@ -74,6 +74,14 @@ class LiveServer:
         self.clients.append(client)
         return client
 
+    def anthropic(self, **kwargs):
+        import anthropic
+
+        client = anthropic.AsyncAnthropic(base_url=self.url, api_key=kwargs.pop("api_key", "none"), max_retries=0,
+                                          **kwargs)
+        self.clients.append(client)
+        return client
+
     def http(self, **kwargs) -> httpx.AsyncClient:
         client = httpx.AsyncClient(base_url=self.url, timeout=SETTLE_TIMEOUT, **kwargs)
         self.clients.append(client)
@@ -93,7 +101,7 @@ async def live_server(core: EngineCore, **settings):
             yield server
         finally:
             for client in server.clients:
-                await (client.close() if isinstance(client, openai.AsyncOpenAI) else client.aclose())
+                await (client.aclose() if isinstance(client, httpx.AsyncClient) else client.close())
             stop.set()
 
 

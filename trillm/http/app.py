@@ -25,6 +25,7 @@ from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 from trillm.engine.api import EngineCore, EngineUnavailableError, QueueFullError, WeightsError
 from trillm.http import (
     adapters,
+    anthropic_messages,
     embeddings,
     http1_only,
     info,
@@ -64,8 +65,8 @@ def create_app(settings: ServerSettings | None = None, core: EngineCore | None =
     state = ServerState(settings, core)
     settings = state.settings
     app.extensions[EXTENSION] = state
-    for module in (openai_chat, openai_completions, responses, embeddings, native, info, invocations, openapi,
-                   adapters, weights):
+    for module in (openai_chat, openai_completions, responses, anthropic_messages, embeddings, native, info,
+                   invocations, openapi, adapters, weights):
         app.register_blueprint(module.blueprint)
 
     @app.before_request

@@ -1,5 +1,5 @@
-"""`--api-key`: a Bearer token on every route that does work, changes state or tells more
-than liveness.
+"""`--api-key`: a Bearer token (or, as Anthropic's SDKs send it, an `x-api-key` header) on every
+route that does work, changes state or tells more than liveness.
 
 Open without the key: what probes, scrapers and schema readers call (`OPEN_PATHS`), and
 every CORS preflight (`OPTIONS`), which browsers send without credentials. Everything
@@ -35,10 +35,13 @@ def check_api_key(api_key: str) -> Response | None:
     """A 401 response when the request needs the key and lacks it; None to let it through."""
     if request.method == "OPTIONS" or request.path in OPEN_PATHS:
         return None
-    given = request.headers.get("Authorization", "").encode()
-    if hmac.compare_digest(given, f"Bearer {api_key}".encode()):
+    bearer = request.headers.get("Authorization", "").encode()
+    header = request.headers.get("x-api-key", "").encode()
+    # both compared, whichever is sent, so the time taken does not tell which header was right
+    if hmac.compare_digest(bearer, f"Bearer {api_key}".encode()) | hmac.compare_digest(header, api_key.encode()):
         return None
-    return error_response(401, "Missing or incorrect API key: send the header 'Authorization: Bearer <key>'.")
+    return error_response(401, "Missing or incorrect API key: send the header 'Authorization: Bearer <key>' "
+                               "or 'x-api-key: <key>'.")
 
 
 def check_admin_origin() -> None:

@@ -9,6 +9,12 @@ condition is transient and load-dependent, so the client should back off and ret
 (the `openai` client does so on its own). 503 means the server cannot serve at all
 (its engine died, or it is shutting down); /health answers 503 at the same time,
 so a load balancer can tell overload from failure.
+
+Anthropic's Messages routes (/v1/messages and what lies under it) answer in Anthropic's shape,
+`{"type": "error", "error": {"type", "message"}}`, with its type names, and 529
+`overloaded_error` where other routes say 503: its SDKs pick their exception class from these.
+`error_response` chooses by the request's path, so every handler and the key check speak the
+right one without knowing which API they serve.
 """
 from __future__ import annotations
 
@@ -16,7 +22,7 @@ import json
 import re
 
 import pydantic
-from quart import Response
+from quart import Response, has_request_context, request
 
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -31,6 +37,19 @@ ERROR_TYPES = {
     500: "internal_error",
     503: "service_unavailable_error",
 }
+
+
+ANTHROPIC_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    529: "overloaded_error",
+}
+ANTHROPIC_PATH = "/v1/messages"
 
 
 class APIError(Exception):
@@ -48,8 +67,26 @@ def error_body(status: int, message: str, param: str | None = None) -> dict:
     return {"error": {"message": message, "type": error_type, "param": param, "code": status}}
 
 
+def anthropic_error_body(status: int, message: str) -> dict:
+    """Anthropic's error body for what trillm answers with `status` (a 503 is its 529)."""
+    status = 529 if status == 503 else status
+    return {"type": "error", "error": {"type": ANTHROPIC_ERROR_TYPES.get(status, "invalid_request_error" if status < 500
+                                                                        else "api_error"), "message": message}}
+
+
+def speaks_anthropic() -> bool:
+    """Whether the request being answered is one of Anthropic's Messages routes."""
+    return has_request_context() and (request.path == ANTHROPIC_PATH or request.path.startswith(ANTHROPIC_PATH + "/"))
+
+
 def error_response(status: int, message: str, param: str | None = None) -> Response:
-    return Response(json.dumps(error_body(status, message, param)), status=status, content_type="application/json")
+    """The error in the shape of the API the request called (OpenAI's, or Anthropic's on its routes)."""
+    if speaks_anthropic():
+        body = anthropic_error_body(status, message)
+        status = 529 if status == 503 else status
+    else:
+        body = error_body(status, message, param)
+    return Response(json.dumps(body), status=status, content_type="application/json")
 
 
 # pydantic names the member of a union it tried in the error's location (`stop.list[str]`,

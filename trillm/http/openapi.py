@@ -17,6 +17,7 @@ from quart import Blueprint, current_app
 
 import trillm
 from trillm.http.errors import ERROR_TYPES
+from trillm.http.protocol.anthropic import CountTokensRequest, MessagesRequest
 from trillm.http.protocol.responses import ResponsesRequest
 from trillm.http.protocol.admin import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest, UpdateWeightsRequest
 from trillm.http.protocol.chat import ChatCompletionRequest
@@ -36,6 +37,8 @@ BODIES: dict[str, type[BaseModel] | tuple[type[BaseModel], ...]] = {
     "/tokenize": TokenizeRequest,
     "/detokenize": DetokenizeRequest,
     "/v1/responses": ResponsesRequest,
+    "/v1/messages": MessagesRequest,
+    "/v1/messages/count_tokens": CountTokensRequest,
     "/v1/embeddings": EmbeddingRequest,
     "/pooling": EmbeddingRequest,
     "/score": ScoreRequest,
