@@ -135,6 +135,10 @@ async def test_errors_are_the_sdks_own_exceptions(server, core):
     with pytest.raises(anthropic.BadRequestError, match="temperatur"):
         await client.messages.create(model=server.model, max_tokens=5, messages=QUESTION,
                                      extra_body={"temperatur": 0})
+    async with live_server(core, max_body_bytes=4096) as small:
+        with pytest.raises(anthropic.RequestTooLargeError):  # the SDK picks it by Anthropic's error type
+            await small.anthropic().messages.create(model=small.model, max_tokens=2,
+                                                    messages=[{"role": "user", "content": "x" * 6000}])
     async with live_server(core, api_key="sk-test") as keyed:
         with pytest.raises(anthropic.AuthenticationError):
             await keyed.anthropic(api_key="wrong").messages.create(model=keyed.model, max_tokens=2, messages=QUESTION)
@@ -246,3 +250,39 @@ async def test_the_node_sdk_creates_and_streams(server, node_sdk):
     assert out["created"]["id"].startswith("msg_") and text
     assert out["streamed"] == text == "".join(b["text"] for b in out["final"]["content"] if b["type"] == "text")
     assert out["final"]["stop_reason"] == out["created"]["stop_reason"]
+
+
+async def test_an_assistant_prefill_is_continued(server):
+    """A last assistant turn of text is Anthropic's prefill: the answer continues it, as chat's
+    continue_final_message does, and holds only the new text."""
+    prefill = [*QUESTION, {"role": "assistant", "content": "Red, green"}]
+    message = await server.anthropic().messages.create(model=server.model, max_tokens=8, messages=prefill,
+                                                       extra_body=GREEDY)
+    chat = await server.openai().chat.completions.create(
+        model=server.model, max_tokens=8, temperature=0, messages=prefill,
+        extra_body={"continue_final_message": True, "add_generation_prompt": False},
+    )
+    assert text_of(message) == chat.choices[0].message.content and not text_of(message).startswith("Red, green")
+
+
+async def test_reasoning_becomes_a_signed_thinking_block(core):
+    """With a reasoning parser, the text before </think> opens a thinking block, closed with its
+    signature_delta when the answer's text block opens (the builder fed as a stream feeds it)."""
+    from trillm.engine.api import Delta, FinishReason
+    from trillm.http.anthropic_messages import MessageBuilder
+    from trillm.http.protocol.anthropic import MessagesRequest
+
+    async with live_server(core, reasoning_parser="deepseek_r1") as server:
+        req = MessagesRequest(model=server.model, max_tokens=8, messages=QUESTION)
+        builder = MessageBuilder(server.state, req, "msg_x", req.chat(), "none")
+        events = []
+        for text, finished in (("<think>\nsome ", False), ("thought\n</think>\n\nBlue.", True)):
+            events += builder.feed(Delta(text=text, token_ids=[], logprobs=None, finished=finished,
+                                         finish_reason=FinishReason.STOP if finished else None))
+    kinds = [json.loads(e.split("data: ", 1)[1]) for e in events]
+    thinking, text = builder.message()["content"]
+    assert thinking["type"] == "thinking" and "some thought" in thinking["thinking"] and thinking["signature"]
+    assert text == {"type": "text", "text": "Blue."}
+    deltas = [k["delta"]["type"] for k in kinds if k["type"] == "content_block_delta"]
+    assert deltas[:2] == ["thinking_delta", "thinking_delta"] and "signature_delta" in deltas
+    assert deltas.index("signature_delta") < deltas.index("text_delta")

@@ -7,7 +7,8 @@ string or text blocks) becomes the system message; each turn's content blocks be
 a user's `tool_result` blocks tool messages, in their order, before the turn's text; `thinking`
 the reasoning a template drops); `tools` with `input_schema` become function tools; `tool_choice`
 `auto` / `any` / `tool` / `none` become chat's auto / required / a named function / none, and
-`disable_parallel_tool_use` parallel_tool_calls false; `thinking` becomes the template's thinking
+`disable_parallel_tool_use` parallel_tool_calls false; a last assistant turn of text is a
+prefill, which the answer continues (chat's continue_final_message); `thinking` becomes the template's thinking
 switch; `output_config` its JSON schema (enforced as json_schema is) and reasoning effort. The
 ChatCompletionRequest then takes the chat path's own checks, template, tool handling and params.
 
@@ -246,6 +247,8 @@ class CountTokensRequest(Strict):
             messages.append(ChatMessage(role="system", content=system))
         for message in self.messages:
             messages += message.to_chat()
+        # A last assistant turn of text is a prefill: the answer continues it (Anthropic's).
+        prefill = bool(messages) and messages[-1].role == "assistant" and not messages[-1].tool_calls
         tool_choice, parallel = _tool_choice(self.tool_choice)
         thinking = None if self.thinking is None else self.thinking.type != "disabled"
         effort = self.output_config.effort if self.output_config else None
@@ -260,6 +263,8 @@ class CountTokensRequest(Strict):
             response_format=self._response_format(),
             reasoning_effort=EFFORTS[effort] if effort else None,
             enable_thinking=thinking,
+            continue_final_message=prefill,
+            add_generation_prompt=not prefill,
             stream=stream,
             **chat,
         )
