@@ -286,3 +286,31 @@ async def test_reasoning_becomes_a_signed_thinking_block(core):
     deltas = [k["delta"]["type"] for k in kinds if k["type"] == "content_block_delta"]
     assert deltas[:2] == ["thinking_delta", "thinking_delta"] and "signature_delta" in deltas
     assert deltas.index("signature_delta") < deltas.index("text_delta")
+
+
+async def test_an_engine_that_dies_mid_stream_sends_an_error_event_then_529s(core):
+    """The model failing mid-generation (the runner's fault hook): the stream ends with Anthropic's
+    `error` event, which the SDK raises; new messages are 529 overloaded_error, its OverloadedError."""
+    steps = []
+
+    def fault(sched) -> None:
+        steps.append(1)
+        if len(steps) > 3:
+            raise RuntimeError("injected fault: the device is gone")
+
+    core.runner.fault_hook = fault
+    try:
+        async with live_server(core) as server:
+            client = server.anthropic()
+            with pytest.raises(anthropic.APIStatusError) as failed:
+                async with client.messages.stream(model=server.model, max_tokens=100, messages=QUESTION,
+                                                  extra_body={"temperature": 0, "top_k": 1}) as stream:
+                    async for _ in stream:
+                        pass
+            assert "injected fault" in str(failed.value.body) and failed.value.body["type"] == "error"
+            with pytest.raises(anthropic.OverloadedError) as refused:
+                await client.messages.create(model=server.model, max_tokens=2, messages=QUESTION)
+            assert refused.value.status_code == 529
+            assert core.stats().num_used_blocks == 0 and not core.has_unfinished()
+    finally:
+        core.runner.fault_hook = None
