@@ -20,11 +20,8 @@ import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve as hypercorn_serve
 
-from trillm.engine.api import EngineCore, launcher_init_method, launcher_rank, run_worker
 from trillm.http import logs
-from trillm.http.app import create_app
 from trillm.http.settings import ServerSettings
-from trillm.http.state import EXTENSION
 
 log = logging.getLogger(__name__)
 FLUSH_GRACE = 3.0  # seconds after the drain for aborted streams to send their last chunk
@@ -42,6 +39,10 @@ def hypercorn_config(settings: ServerSettings) -> Config:
 
 async def serve(settings: ServerSettings, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Load the model, then serve until a signal; `task_status` gets the bound URLs."""
+    from trillm.engine.api import EngineCore
+    from trillm.http.app import create_app
+    from trillm.http.state import EXTENSION
+
     log.info("loading %s", settings.engine.model or "the default model")
     core = await trio.to_thread.run_sync(EngineCore, settings.engine)
     app = create_app(settings, core)
@@ -73,12 +74,15 @@ async def serve(settings: ServerSettings, *, task_status=trio.TASK_STATUS_IGNORE
 def run(settings: ServerSettings) -> None:
     """Serve; or supervise data-parallel replicas behind a router (trillm.http.data_parallel); or,
     on a rank other than 0 that a launcher (torchrun) started, be that rank's tensor-parallel
-    worker (rank 0 serves HTTP for all of them)."""
+    worker (rank 0 serves HTTP for all of them). The engine (and torch) is imported only past the
+    supervisor's branch: a supervisor runs no model, and its replicas import their own."""
     logs.configure(settings.log_level)
     if settings.data_parallel_size > 1:  # a supervisor of replicas behind a router
         from trillm.http import data_parallel
 
         raise SystemExit(data_parallel.run(settings))
+    from trillm.engine.api import launcher_init_method, launcher_rank, run_worker
+
     rank = launcher_rank()
     if rank:
         engine = settings.engine
