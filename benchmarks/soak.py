@@ -21,7 +21,7 @@ sys.path.insert(0, str(TESTS))
 
 import conftest  # noqa: E402  (sets the test environment: one torch thread, no hub)
 import trio  # noqa: E402
-from fuzz_support import fuzz, probe_health, send_hostile  # noqa: E402
+from fuzz_support import fuzz_in_a_process, probe_health  # noqa: E402
 from http_support import live_server  # noqa: E402
 from soak_support import check_no_leaks, run_soak  # noqa: E402
 from transformers import AutoConfig  # noqa: E402
@@ -59,13 +59,10 @@ async def main(args) -> None:
                                ("fivexx", report.num_5xx), ("leaked", report.blocks_leaked)):
                 totals[key] += value
         http = server.http()
-        doc = (await http.get("/openapi.json")).json()
-        counts: dict[int, int] = {}
         probes: list[float] = []
         async with trio.open_nursery() as nursery:  # the loop must answer /health throughout
             nursery.start_soon(probe_health, server.url, probes)
-            await trio.to_thread.run_sync(fuzz, server.url, doc, counts, args.fuzz_examples)
-            await trio.to_thread.run_sync(send_hostile, server.url, doc, counts)
+            counts = await fuzz_in_a_process(server.url, args.fuzz_examples)
             nursery.cancel_scope.cancel()
         assert (await http.get("/health")).status_code == 200
     print(f"soak total: {totals}")

@@ -1,11 +1,14 @@
 """The fuzzer of the bad-input test and benchmarks/soak.py (a module, not a test file).
 
 schemathesis reads the server's own /openapi.json and sends, to every POST route, bodies that fit
-the schema (which then reach the engine and run) and bodies that break it. It is synchronous:
-call `fuzz` in a worker thread while the server serves on the Trio loop. Derandomized, so a run
-repeats exactly.
+the schema (which then reach the engine and run) and bodies that break it. It is synchronous;
+`fuzz_in_a_process` runs it (and the hostile bodies) in a process of its own while the server
+serves on the Trio loop: generating cases is pure Python, and in a thread of the server's process
+it held the interpreter lock the server's event loop needs, so a stalled probe could not tell the
+server's fault from the fuzzer's. Derandomized, so a run repeats exactly.
 """
 import json
+import sys
 
 from hypothesis import HealthCheck, Phase, given, settings
 from schemathesis import GenerationMode
@@ -118,3 +121,25 @@ async def probe_health(url: str, probes: list[float]) -> None:
             assert (await client.get("/health")).status_code == 200
             probes.append(trio.current_time() - start)
             await trio.sleep(0.05)
+
+
+async def fuzz_in_a_process(url: str, examples: int) -> dict[int, int]:
+    """`fuzz`, then `send_hostile`, against the server at `url`, in a child process; returns the
+    answers counted by status class. Fails with the child's report on a 5xx or a malformed error."""
+    import trio
+
+    result = await trio.run_process([sys.executable, __file__, url, str(examples)], capture_stdout=True,
+                                    capture_stderr=True, check=False)
+    assert result.returncode == 0, result.stderr.decode(errors="replace")[-4000:]
+    return {int(k): v for k, v in json.loads(result.stdout.decode().splitlines()[-1]).items()}
+
+
+if __name__ == "__main__":  # fuzz_in_a_process's child: python fuzz_support.py URL EXAMPLES
+    import httpx
+
+    target, per_route = sys.argv[1], int(sys.argv[2])
+    document = httpx.get(target + "/openapi.json", timeout=60).json()
+    counted: dict[int, int] = {}
+    fuzz(target, document, counted, per_route)
+    send_hostile(target, document, counted)
+    print(json.dumps(counted))
