@@ -8,12 +8,13 @@ STAMP := $(VENV)/.installed
 
 .PHONY: install build serve test test-fast bench-scheduler
 
-# The suite runs on every core (at most four workers: each holds its own models; a test file stays
+# The suite runs on every core (at most three workers: each collects every module and holds its own
+# models, so a fourth on two cores added more work than it overlapped; a test file stays
 # on one worker, so its module fixtures and cached engines are made once), then the tests
 # marked `quiet` run alone, since they bound the event loop's stalls and a busy machine would
 # stretch them. Exit status 5 is pytest's "nothing selected" (ARGS chose no quiet test).
 PYTEST := $(PY) -m pytest -q
-PARALLEL := -n auto --maxprocesses 4 --dist loadfile
+PARALLEL := -n auto --maxprocesses 3 --dist loadfile
 
 $(STAMP): pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
