@@ -16,7 +16,6 @@ import base64
 import hashlib
 import json
 import logging
-from contextlib import contextmanager
 
 import trio
 from quart import Blueprint, Response
@@ -24,32 +23,22 @@ from quart import Blueprint, Response
 from trillm.engine.api import EngineUnavailableError, FinishReason
 from trillm.http.chat_output import ChatDelta, chat_output
 from trillm.http.errors import anthropic_error_body
-from trillm.http.generation import Generation
+from trillm.http.generation import Generation, in_client_terms
 from trillm.http.prompts import chat_prompt
 from trillm.http.protocol.anthropic import FIELD_NAMES, CountTokensRequest, MessagesRequest, tool_use_id
 from trillm.http.protocol.chat import ChatCompletionRequest
 from trillm.http.state import ServerState, model_request, request_id
 from trillm.http.tools import tool_choice
-from trillm.sampling_params import SamplingParamError
 
 log = logging.getLogger(__name__)
 blueprint = Blueprint("anthropic_messages", __name__)
 PING_INTERVAL_S = 10.0  # a `ping` event after this long without another, as Anthropic's streams keep alive
 
 
-@contextmanager
-def _in_messages_terms():
-    """A refusal from the chat path names the Messages field the client sent."""
-    try:
-        yield
-    except SamplingParamError as exc:
-        raise SamplingParamError(FIELD_NAMES.get(exc.param, exc.param), str(exc), exc.status) from None
-
-
 @blueprint.post("/v1/messages")
 async def create_message():
     state, req = await model_request(MessagesRequest)
-    with _in_messages_terms():
+    with in_client_terms(FIELD_NAMES):
         chat, params, choice, prompt = await state.off_loop(_prepare, state, req)
     msg_id, client_id = request_id("msg", separator="_")
     generation = Generation(state, msg_id, client_id, [prompt], params, field_names=FIELD_NAMES,
@@ -76,7 +65,7 @@ async def create_message():
 async def count_tokens():
     """The prompt's length as the template renders system, tools and messages for /v1/messages."""
     state, req = await model_request(CountTokensRequest)
-    with _in_messages_terms():
+    with in_client_terms(FIELD_NAMES):
         prompt = await state.off_loop(_count, state, req)
     return {"input_tokens": len(prompt)}
 

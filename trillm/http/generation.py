@@ -26,6 +26,16 @@ from trillm.sampling_params import SamplingParamError, SamplingParams
 log = logging.getLogger(__name__)
 
 
+@contextmanager
+def in_client_terms(field_names: dict[str, str]):
+    """A SamplingParamError raised inside names the client's field: `field_names` maps the
+    engine's (or the chat path's) name for a field to the client's, where they differ."""
+    try:
+        yield
+    except SamplingParamError as exc:
+        raise SamplingParamError(field_names.get(exc.param, exc.param), str(exc), exc.status) from None
+
+
 @dataclass(eq=False)
 class Choice:
     """One choice's state on the Trio side: its output processor (text, stop strings, the
@@ -71,7 +81,7 @@ class Generation:
         # Refused before a detokenizer is built for each member: a group too large for the
         # waiting limit costs nothing.
         self._param = "n" if self.n > 1 else "prompt"
-        with self._in_client_terms():
+        with in_client_terms(self._field_names):
             self._engine.check_room(len(prompts) * self.n, self._param)
         self._metrics = state.metrics
         self._requests = RequestGroup.fan_out(request_id, prompts, params, client_id)
@@ -83,7 +93,7 @@ class Generation:
 
     async def start(self) -> None:
         """Wait for the engine to admit every choice; raises what AsyncEngine.add raises."""
-        with self._in_client_terms():
+        with in_client_terms(self._field_names):
             self._stream = await self._engine.add(self._requests, self._param)
         self._metrics.prompt_tokens.inc(sum(map(len, self.prompts)))
 
@@ -158,14 +168,6 @@ class Generation:
             ", ".join(f"{c.completion.finish_reason or 'abort (client gone)'} after {len(c.completion.token_ids)} tokens"
                       for c in self.choices),
         )
-
-    @contextmanager
-    def _in_client_terms(self):
-        """A SamplingParamError raised inside names the client's field (`field_names`)."""
-        try:
-            yield
-        except SamplingParamError as exc:
-            raise SamplingParamError(self._field_names.get(exc.param, exc.param), str(exc), exc.status) from None
 
     def _observe(self, choice: Choice, num_tokens: int, delta: Delta) -> None:
         now = trio.current_time()

@@ -15,14 +15,13 @@ import copy
 import enum
 import json
 import time
-from contextlib import contextmanager
 
 from quart import Blueprint, Response, current_app, request
 
 from trillm.engine.api import EngineUnavailableError, FinishReason
 from trillm.http.chat_output import ChatDelta, chat_output
 from trillm.http.errors import APIError
-from trillm.http.generation import Generation
+from trillm.http.generation import Generation, in_client_terms
 from trillm.http.prompts import chat_prompt
 from trillm.http.protocol.chat import ChatCompletionRequest, ChatMessage, FunctionCall, ToolCallMessage
 from trillm.http.protocol.responses import FIELD_NAMES, ResponsesRequest, item_id, items_to_messages, with_ids
@@ -46,15 +45,6 @@ class ResponseStatus(enum.StrEnum):
 blueprint = Blueprint("responses", __name__)
 
 
-@contextmanager
-def _in_responses_terms():
-    """A refusal from the chat path names the Responses field the client sent."""
-    try:
-        yield
-    except SamplingParamError as exc:
-        raise SamplingParamError(FIELD_NAMES.get(exc.param, exc.param), str(exc), exc.status) from None
-
-
 @blueprint.post("/v1/responses")
 async def create_response():
     state, req = await model_request(ResponsesRequest)
@@ -68,7 +58,7 @@ async def create_response():
         if previous.running:
             raise SamplingParamError("previous_response_id", f"Response {req.previous_response_id!r} is still running.")
         earlier = previous.conversation
-    with _in_responses_terms():
+    with in_client_terms(FIELD_NAMES):
         chat, params, choice, prompt = await state.off_loop(_prepare, state, req, earlier)
     response_id, client_id = request_id("resp", separator="_")
     generation = Generation(state, response_id, client_id, [prompt], params, field_names=FIELD_NAMES,
