@@ -98,7 +98,7 @@ def rotary_embedding(positions, q, k, cos_sin_cache, is_neox=True):
 def write_kv(k, v, k_cache, v_cache, slot_mapping):
     """As cache.write_kv: k, v [T, Hk, D] fp32 into their slots of the caches (fp32, fp16 or int8
     as cache.py lays them out; negative slots: skipped)."""
-    check(k), check(v), check(slot_mapping, torch.int64)
+    check(k), check(v), check(k_cache, k_cache.dtype), check(v_cache, k_cache.dtype), check(slot_mapping, torch.int64)
     cdef int kind = cache_kind(k_cache, v_cache)
     assert k_cache.is_contiguous() and v_cache.is_contiguous()
     assert slot_mapping.is_contiguous() and slot_mapping.shape == k.shape[:1], (slot_mapping.shape, k.shape)
