@@ -40,50 +40,6 @@ static inline void f16_narrow_generic(uint16_t *dst, const float *src, int64_t n
     }
 }
 
-#if defined(__GNUC__) && defined(__x86_64__)
-#include <immintrin.h>
-
-__attribute__((target("avx512f"))) static inline void f16_widen_avx512(float *dst, const uint16_t *src, int64_t n)
-{
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(src + i))));
-    f16_widen_generic(dst + i, src + i, n - i);
-}
-
-__attribute__((target("avx,f16c"))) static inline void f16_widen_f16c(float *dst, const uint16_t *src, int64_t n)
-{
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
-    f16_widen_generic(dst + i, src + i, n - i);
-}
-
-__attribute__((target("avx,f16c"))) static inline void f16_narrow_f16c(uint16_t *dst, const float *src, int64_t n)
-{
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        _mm_storeu_si128((__m128i *)(dst + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
-    f16_narrow_generic(dst + i, src + i, n - i);
-}
-
-static inline f16_widen_fn *pick_f16_widen(void)
-{
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f")) return f16_widen_avx512;
-    if (__builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c")) return f16_widen_f16c;
-    return f16_widen_generic;
-}
-
-static inline f16_narrow_fn *pick_f16_narrow(void)
-{
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c")) return f16_narrow_f16c;
-    return f16_narrow_generic;
-}
-#else
-static inline f16_widen_fn *pick_f16_widen(void) { return f16_widen_generic; }
-static inline f16_narrow_fn *pick_f16_narrow(void) { return f16_narrow_generic; }
-#endif
-
 /* What a KV cache row holds (trillm/kernels/cache.py): head_dim fp32 or fp16 values, or head_dim
  * int8 values and then their fp16 scale (KV_CACHE_I8: one scale per token and head). */
 enum kv_cache_kind { KV_CACHE_F32 = 0, KV_CACHE_F16 = 1, KV_CACHE_I8 = 2 };
@@ -139,13 +95,48 @@ static inline void kv_dequantize_generic(float *dst, const int8_t *src, int64_t 
 #if defined(__GNUC__) && defined(__x86_64__)
 #include <immintrin.h>
 
+__attribute__((target("avx512f"))) static inline void f16_widen_avx512(float *dst, const uint16_t *src, int64_t n)
+{
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(src + i))));
+    f16_widen_generic(dst + i, src + i, n - i);
+}
+
+__attribute__((target("avx,f16c"))) static inline void f16_widen_f16c(float *dst, const uint16_t *src, int64_t n)
+{
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
+    f16_widen_generic(dst + i, src + i, n - i);
+}
+
+__attribute__((target("avx,f16c"))) static inline void f16_narrow_f16c(uint16_t *dst, const float *src, int64_t n)
+{
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(dst + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+    f16_narrow_generic(dst + i, src + i, n - i);
+}
+
+static inline f16_widen_fn *pick_f16_widen(void)
+{
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f")) return f16_widen_avx512;
+    if (__builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c")) return f16_widen_f16c;
+    return f16_widen_generic;
+}
+
+static inline f16_narrow_fn *pick_f16_narrow(void)
+{
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c")) return f16_narrow_f16c;
+    return f16_narrow_generic;
+}
+
 __attribute__((target("avx2,f16c"))) static inline void kv_dequantize_avx2(float *dst, const int8_t *src,
                                                                            int64_t num_kv_heads, int64_t head_dim)
 {
     for (int64_t h = 0; h < num_kv_heads; h++, src += head_dim + KV_I8_SCALE_BYTES, dst += head_dim) {
-        uint16_t bits;
-        memcpy(&bits, src + head_dim, sizeof bits);
-        const float scale = _cvtsh_ss(bits);
+        const float scale = kv_row_scale(src, head_dim);
         const __m256 s = _mm256_set1_ps(scale);
         int64_t d = 0;
         for (; d + 16 <= head_dim; d += 16) {
@@ -165,6 +156,8 @@ static inline kv_dequantize_fn *pick_kv_dequantize(void)
     return kv_dequantize_generic;
 }
 #else
+static inline f16_widen_fn *pick_f16_widen(void) { return f16_widen_generic; }
+static inline f16_narrow_fn *pick_f16_narrow(void) { return f16_narrow_generic; }
 static inline kv_dequantize_fn *pick_kv_dequantize(void) { return kv_dequantize_generic; }
 #endif
 
