@@ -192,23 +192,23 @@ class ModelRunner:
     @property
     def block_bytes(self) -> int:
         """Bytes of one block of K and V over all layers (this rank's heads)."""
+        return math.prod(self._kv_cache_shape(1)) * self.model.kernels.kv_cache_dtype.itemsize
+
+    def _kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """[layers, K and V, num_blocks, block_size, Hk, row_width] (trillm/kernels/cache.py: D, or
+        D + 2 for an int8 cache's scales)."""
         cfg = self.config.hf_config
-        dtype = self.model.kernels.kv_cache_dtype
-        row = row_width(head_dim_of(cfg), dtype)
-        elements = 2 * cfg.num_hidden_layers * self.block_size * self.model.num_kv_heads * row
-        return elements * dtype.itemsize
+        return (cfg.num_hidden_layers, 2, num_blocks, self.block_size, self.model.num_kv_heads,
+                row_width(head_dim_of(cfg), self.model.kernels.kv_cache_dtype))
 
     def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer (K, V), each [num_blocks, block_size, Hk, row_width] (trillm/kernels/cache.py:
-        D, or D + 2 for an int8 cache's scales) and contiguous, carved from one
-        allocation. Zeroed: attention masks unused slots, but 0 * NaN from stale memory is NaN.
+        """Per layer (K, V), each [num_blocks, block_size, Hk, row_width] and contiguous, carved
+        from one allocation (_kv_cache_shape). Zeroed: attention masks unused slots, but 0 * NaN from stale memory is NaN.
         On CPU the allocation is an anonymous mapping, zero by the kernel's promise, whose pages
         become resident only once a block is written: a server holds the memory its requests
         use, not its whole budget (torch.zeros would write, and so keep, every page)."""
-        cfg = self.config.hf_config
+        shape = self._kv_cache_shape(num_blocks)
         dtype = self.model.kernels.kv_cache_dtype
-        shape = (cfg.num_hidden_layers, 2, num_blocks, self.block_size, self.model.num_kv_heads,
-                 row_width(head_dim_of(cfg), dtype))
         if self.config.device.type == "cpu":
             pages = mmap.mmap(-1, math.prod(shape) * dtype.itemsize)
             cache = torch.frombuffer(pages, dtype=dtype).view(shape)  # the tensor keeps `pages` alive
