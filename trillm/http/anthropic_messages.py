@@ -13,6 +13,7 @@ are Anthropic's shape (trillm.http.errors), so the SDKs raise their own exceptio
 from __future__ import annotations
 
 import base64
+import copy
 import hashlib
 import json
 import logging
@@ -156,7 +157,7 @@ class MessageBuilder:
             "type": "message",
             "role": "assistant",
             "model": self.req.model,
-            "content": json.loads(json.dumps(self.content)),  # a copy: the stream goes on changing them
+            "content": copy.deepcopy(self.content),  # the stream goes on changing the blocks
             "stop_reason": self.stop_reason,
             "stop_sequence": self.stop_sequence,
             "usage": dict(self.usage),

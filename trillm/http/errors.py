@@ -67,11 +67,16 @@ def error_body(status: int, message: str, param: str | None = None) -> dict:
     return {"error": {"message": message, "type": error_type, "param": param, "code": status}}
 
 
+def anthropic_status(status: int) -> int:
+    """The status Anthropic's API uses for what trillm answers with `status` (a 503 is its 529)."""
+    return 529 if status == 503 else status
+
+
 def anthropic_error_body(status: int, message: str) -> dict:
-    """Anthropic's error body for what trillm answers with `status` (a 503 is its 529)."""
-    status = 529 if status == 503 else status
-    return {"type": "error", "error": {"type": ANTHROPIC_ERROR_TYPES.get(status, "invalid_request_error" if status < 500
-                                                                        else "api_error"), "message": message}}
+    """Anthropic's error body for what trillm answers with `status`."""
+    status = anthropic_status(status)
+    error_type = ANTHROPIC_ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+    return {"type": "error", "error": {"type": error_type, "message": message}}
 
 
 def speaks_anthropic() -> bool:
@@ -82,8 +87,7 @@ def speaks_anthropic() -> bool:
 def error_response(status: int, message: str, param: str | None = None) -> Response:
     """The error in the shape of the API the request called (OpenAI's, or Anthropic's on its routes)."""
     if speaks_anthropic():
-        body = anthropic_error_body(status, message)
-        status = 529 if status == 503 else status
+        body, status = anthropic_error_body(status, message), anthropic_status(status)
     else:
         body = error_body(status, message, param)
     return Response(json.dumps(body), status=status, content_type="application/json")
