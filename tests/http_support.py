@@ -139,6 +139,24 @@ async def metric_value(http: httpx.AsyncClient, name: str, **labels) -> float:
 
 
 @contextmanager
+def failing_engine(core, after_steps: int = 3):
+    """The model raising from every step after its first `after_steps` until the block ends (the
+    runner's fault hook): the device gone mid-generation."""
+    steps = []
+
+    def fault(sched) -> None:
+        steps.append(len(sched.scheduled))
+        if len(steps) > after_steps:
+            raise RuntimeError("injected fault: the device is gone")
+
+    core.runner.fault_hook = fault
+    try:
+        yield
+    finally:
+        core.runner.fault_hook = None
+
+
+@contextmanager
 def frozen_engine(core):
     """The engine held inside its next step until the block ends: nothing it holds can progress."""
     gate = threading.Event()

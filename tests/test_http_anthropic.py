@@ -8,7 +8,7 @@ import jsonschema
 import pytest
 import trio
 
-from http_support import live_server, settled_stats
+from http_support import failing_engine, live_server, settled_stats
 
 WEATHER = {"name": "get_weather", "description": "The weather in a city.",
            "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
@@ -291,15 +291,7 @@ async def test_reasoning_becomes_a_signed_thinking_block(core):
 async def test_an_engine_that_dies_mid_stream_sends_an_error_event_then_529s(core):
     """The model failing mid-generation (the runner's fault hook): the stream ends with Anthropic's
     `error` event, which the SDK raises; new messages are 529 overloaded_error, its OverloadedError."""
-    steps = []
-
-    def fault(sched) -> None:
-        steps.append(1)
-        if len(steps) > 3:
-            raise RuntimeError("injected fault: the device is gone")
-
-    core.runner.fault_hook = fault
-    try:
+    with failing_engine(core):
         async with live_server(core) as server:
             client = server.anthropic()
             with pytest.raises(anthropic.APIStatusError) as failed:
@@ -312,5 +304,3 @@ async def test_an_engine_that_dies_mid_stream_sends_an_error_event_then_529s(cor
                 await client.messages.create(model=server.model, max_tokens=2, messages=QUESTION)
             assert refused.value.status_code == 529
             assert core.stats().num_used_blocks == 0 and not core.has_unfinished()
-    finally:
-        core.runner.fault_hook = None

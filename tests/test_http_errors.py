@@ -6,7 +6,7 @@ failure (its engine died) is a 5xx, and it is a 503, never a 500.
 import openai
 import pytest
 import trio
-from http_support import live_server
+from http_support import failing_engine, live_server
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -153,15 +153,7 @@ async def test_engine_death_fails_live_requests_and_health_with_503(core):
     """The model crashing mid-generation, injected through the runner's fault hook: every
     in-flight request (streamed or not) fails with the cause, their blocks go back to the pool,
     /health goes 503, new requests get 503, and the server still shuts down."""
-    steps = []
-
-    def fault(sched) -> None:
-        steps.append(len(sched.scheduled))
-        if len(steps) > 3:
-            raise RuntimeError("injected fault: the device is gone")
-
-    core.runner.fault_hook = fault
-    try:
+    with failing_engine(core):
         async with live_server(core) as server:
             client = server.openai()
             stream = await client.chat.completions.create(
@@ -189,5 +181,3 @@ async def test_engine_death_fails_live_requests_and_health_with_503(core):
                 await client.chat.completions.create(model=server.model, messages=HELLO, max_tokens=2)
             assert refused.value.status_code == 503
             assert core.stats().num_used_blocks == 0 and not core.has_unfinished(), "the dead engine freed them"
-    finally:
-        core.runner.fault_hook = None
