@@ -395,17 +395,21 @@ PREFIXES = [(), (2, 3, 4, 5, 2), (2, 3, 4, 5, 2, 4, 4, 3, 5), (5, 5, 4, 3, 2, 2,
 
 def scheduler_machine(num_blocks: int, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
                       enable_prefix_caching: bool = True, check_hit_rates: bool = False, policy: str = "fcfs",
-                      max_loras: int = 0, max_prefill_pairs: int = 0):
+                      max_loras: int = 0, max_prefill_pairs: int = 0, drafts: bool = False):
     """A state machine class driving one scheduler configuration. `check_hit_rates` (for a pool
     too large to evict from): a follow-up turn must hit at least every full block computed for
     the conversation it extends. `max_loras`: requests name LoRA adapters 0-3 (0: none), and the
-    running ones use at most that many."""
+    running ones use at most that many. `drafts`: decoding requests get random speculative
+    drafts, of which verification keeps a random prefix (a rejected draft's KV must never be
+    read, by its request or through the prefix cache)."""
 
     class SchedulerMachine(RuleBasedStateMachine):
         preemptions = 0  # over all runs of this class
         prefix_hits = 0
         max_adapters = 0  # the most LoRA adapters that ran at once
         max_pairs = 0  # the most attention pairs one step's prompt chunks took
+        accepted_drafts = 0  # drafts kept, over all runs
+        rejected_drafts = 0
 
         def __init__(self):
             super().__init__()
@@ -421,6 +425,7 @@ def scheduler_machine(num_blocks: int, max_num_batched_tokens: int, max_num_seqs
             self.computed_blocks: dict[str, int] = {}  # ended request -> full blocks it computed
             self.min_hits: dict[str, int] = {}  # follow-up -> blocks its first admission must hit
             self.sched_salts: dict[str, str] = {}  # request -> its cache salt
+            self.drafted: dict[str, list[int]] = {}  # request -> the drafts it was given last
 
         def prefix_chain(self, token_ids: list[int], salt: str = "") -> list[int]:
             """Per position, an id of the exact prefix ending there, under a cache salt: KV of one
@@ -493,6 +498,13 @@ def scheduler_machine(num_blocks: int, max_num_batched_tokens: int, max_num_seqs
         @rule(seed=st.integers(0, 2**32 - 1))
         def step(self, seed):
             sched = self.sched
+            rng = random.Random(seed)
+            for rid in sorted(self.live) if drafts else ():
+                r = sched.get(rid)
+                if r.status == RUNNING and r.num_computed_tokens == len(r.token_ids) - 1 and rng.random() < 0.7:
+                    r.draft_token_ids = [rng.randrange(VOCAB) for _ in range(rng.randint(0, 4))]
+                    # Drafts not taken (the request was not scheduled) stay for a later step.
+                    self.drafted[rid] = list(r.draft_token_ids)
             was_waiting = {rid for rid in self.live if sched.get(rid).status == WAITING}
             out = sched.schedule()
             assert out.total_num_tokens == sum(e.num_new_tokens for e in out.scheduled) <= max_num_batched_tokens
@@ -527,9 +539,14 @@ def scheduler_machine(num_blocks: int, max_num_batched_tokens: int, max_num_seqs
             for e in out.scheduled:
                 r, n, computed, needs_sample = e.request, e.num_new_tokens, e.num_computed_tokens, e.needs_sample
                 assert r.status == RUNNING and r.num_computed_tokens == computed and n >= 1
-                assert needs_sample == (r.max_tokens > 0 and computed + n == len(r.token_ids))
+                own = n - len(e.draft_token_ids)
+                assert needs_sample == (r.max_tokens > 0 and computed + own == len(r.token_ids))
+                if e.draft_token_ids:  # a prefix of what it was given, after its one token, within its limits
+                    assert own == 1 and e.draft_token_ids == self.drafted[r.request_id][:len(e.draft_token_ids)]
+                    limit = min(self.max_len, r.num_prompt_tokens + r.max_tokens)
+                    assert len(r.token_ids) + len(e.draft_token_ids) < limit
                 assert len(r.block_table) == cdiv(computed + n, BS)
-                chain = self.prefix_chain(r.token_ids, r.cache_salt)
+                chain = self.prefix_chain(r.token_ids + e.draft_token_ids, r.cache_salt)
                 if r.request_id in was_waiting:
                     assert computed % BS == 0 and computed <= (len(r.token_ids) - 1) // BS * BS
                     assert r.prefix_hit_limit < 0 or computed <= r.prefix_hit_limit
@@ -543,20 +560,31 @@ def scheduler_machine(num_blocks: int, max_num_batched_tokens: int, max_num_seqs
                     block = r.block_table[pos // BS]
                     assert holders[block] == 1, f"{r} writes block {block}, shared"
                     self.kv[block * BS + pos % BS] = chain[pos]
-            rng = random.Random(seed)
-            sampled = [rng.randrange(VOCAB) if e.needs_sample else -1 for e in out.scheduled]
+            sampled = []
+            for e in out.scheduled:
+                if e.draft_token_ids:  # verification kept a prefix of the drafts, then one token
+                    kept = rng.randint(0, len(e.draft_token_ids))
+                    sampled.append(e.draft_token_ids[:kept] + [rng.randrange(VOCAB)])
+                    type(self).accepted_drafts += kept
+                    type(self).rejected_drafts += len(e.draft_token_ids) - kept
+                else:
+                    sampled.append(rng.randrange(VOCAB) if e.needs_sample else -1)
             finished = sched.update(out, sampled)
             finished_ids = {r.request_id for r in finished}
             assert len(finished_ids) == len(finished) and finished_ids <= set(ids)
-            for e, token in zip(out.scheduled, sampled):
+            for e, tokens in zip(out.scheduled, sampled):
                 r, needs_sample = e.request, e.needs_sample
                 rid = r.request_id
-                if needs_sample:
-                    self.expected[rid].append(token)
+                reason, token = None, -1
+                for token in tokens if e.draft_token_ids else [tokens] if needs_sample else []:
+                    self.expected[rid].append(token)  # a stop or the length limit ends a run there
+                    reason = self.expected_finish(r, token, len(self.expected[rid]))
+                    if reason:
+                        break
                 assert r.token_ids == self.expected[rid]
-                if needs_sample:
-                    reason = self.expected_finish(r, token)
-                else:  # a prefill-only request ends with its prompt, every other chunk goes on
+                if e.draft_token_ids and reason is None:  # its token and the kept drafts are computed, no more
+                    assert r.num_computed_tokens == len(r.token_ids) - 1 == e.num_computed_tokens + len(tokens)
+                if not needs_sample:  # a prefill-only request ends with its prompt, every other chunk goes on
                     prompt_done = r.max_tokens == 0 and r.num_computed_tokens == len(r.token_ids)
                     reason = "length" if prompt_done else None
                 if rid in finished_ids:
@@ -568,12 +596,13 @@ def scheduler_machine(num_blocks: int, max_num_batched_tokens: int, max_num_seqs
                     assert reason is None and r.status == RUNNING
             SchedulerMachine.prefix_hits = max(SchedulerMachine.prefix_hits, sched.allocator.prefix_cache_hits)
 
-        def expected_finish(self, r: Request, token: int):
-            num_output = len(r.token_ids) - r.num_prompt_tokens
+        def expected_finish(self, r: Request, token: int, length: int):
+            """Why appending `token`, making the request `length` tokens long, ends it (None: it goes on)."""
+            num_output = length - r.num_prompt_tokens
             stops = token in r.stop_token_ids
             if stops and num_output > r.min_tokens:
                 return "stop"
-            if num_output >= r.max_tokens or len(r.token_ids) >= self.max_len:
+            if num_output >= r.max_tokens or length >= self.max_len:
                 return "length"
             return None
 
@@ -659,6 +688,15 @@ def test_stateful_priority_policy_in_a_tiny_pool():
                                 policy="priority")
     run_state_machine_as_test(machine, settings=STATEFUL)
     assert machine.preemptions > 0
+
+
+@pytest.mark.slow
+def test_stateful_drafts_and_rollbacks_in_a_tiny_pool():
+    machine = scheduler_machine(num_blocks=6, max_num_batched_tokens=8, max_num_seqs=4, max_model_len=24,
+                                drafts=True)
+    run_state_machine_as_test(machine, settings=settings(STATEFUL, max_examples=100))
+    assert machine.accepted_drafts > 0 and machine.rejected_drafts > 0
+    assert machine.preemptions > 0 and machine.prefix_hits > 0
 
 
 @pytest.mark.slow

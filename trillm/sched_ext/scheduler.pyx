@@ -40,6 +40,15 @@ adapters (`Request.lora_id`, 0: the base model), since each needs one of the mod
 slots. A waiting request whose adapter would be one too many does not fit, like one without
 blocks: admission stops there until a running request of another adapter finishes.
 
+Speculative decoding: the engine may give a decoding request draft tokens
+(`Request.draft_token_ids`, set before `schedule()`, consumed by it). A decode with drafts
+computes its last token and the drafts in one chunk (`ScheduledRequest.draft_token_ids`),
+and `update()` takes the tokens its verification emitted: the accepted drafts and one more.
+Only the KV of what was accepted counts as computed; blocks allocated past it go back at
+once, and no block holding a rejected draft ever enters the prefix cache. Drafts ride only
+where they cost nothing else: within the token budget, the request's `max_tokens` and the
+context, and in blocks that are free (a draft never preempts anyone).
+
 The file runs both compiled and as plain Python (Cython's pure-Python mode).
 """
 from collections import deque
@@ -134,6 +143,8 @@ class Request:
     finish_reason = cython.declare(object, visibility="readonly")  # a FinishReason once finished
     stop_token_id = cython.declare(cython.int, visibility="readonly")
     num_preemptions = cython.declare(cython.int, visibility="readonly")
+    # Speculative tokens for the next decode (the engine's drafter sets them; schedule() takes them)
+    draft_token_ids = cython.declare(list, visibility="public")
     _block_hashes: list  # memo of the prefix-cache hash chain over full blocks
     _seq: cython.longlong  # arrival counter, set by Scheduler.add
 
@@ -166,6 +177,7 @@ class Request:
         self.finish_reason = None
         self.stop_token_id = -1
         self.num_preemptions = 0
+        self.draft_token_ids = []
         self._block_hashes = []
         self._seq = -1
 
@@ -184,24 +196,36 @@ class Request:
 
 @cython.cclass
 class ScheduledRequest:
-    """One request's part of a step: compute `num_new_tokens` of its tokens, from position
-    `num_computed_tokens`; `needs_sample`: the step reaches the end of its tokens (a decode, or
-    its prompt's last chunk), so a token is sampled for it."""
+    """One request's part of a step: compute `num_new_tokens` tokens from position
+    `num_computed_tokens`: its own tokens from there on, then `draft_token_ids` (a decode's
+    speculative tokens; empty for most). `needs_sample`: the step reaches the end of its tokens
+    (a decode, or its prompt's last chunk), so a token is sampled for it, and with drafts one
+    at each draft's position too (`num_sample_rows`)."""
 
     request = cython.declare(Request, visibility="readonly")
     num_new_tokens = cython.declare(cython.int, visibility="readonly")
     num_computed_tokens = cython.declare(cython.int, visibility="readonly")
     needs_sample = cython.declare(cython.bint, visibility="readonly")
+    draft_token_ids = cython.declare(list, visibility="readonly")
 
-    def __init__(self, request: Request, num_new_tokens: cython.int):
+    def __init__(self, request: Request, num_new_tokens: cython.int, draft_token_ids: list = None):
         self.request = request
         self.num_new_tokens = num_new_tokens
         self.num_computed_tokens = request.num_computed_tokens
-        self.needs_sample = request.max_tokens > 0 and self.num_computed_tokens + num_new_tokens == len(request.token_ids)
+        self.draft_token_ids = [] if draft_token_ids is None else draft_token_ids
+        own: cython.int = num_new_tokens - len(self.draft_token_ids)
+        self.needs_sample = request.max_tokens > 0 and self.num_computed_tokens + own == len(request.token_ids)
+        assert not self.draft_token_ids or (own == 1 and self.needs_sample), "drafts follow a decode's token"
+
+    @property
+    def num_sample_rows(self) -> int:
+        """The chunk's last rows that get logits: its own last token's, and each draft's."""
+        return len(self.draft_token_ids) + 1 if self.needs_sample else 0
 
     def __repr__(self):
         return (f"ScheduledRequest({self.request.request_id!r}, new={self.num_new_tokens}, "
-                f"computed={self.num_computed_tokens}, sample={bool(self.needs_sample)})")
+                f"computed={self.num_computed_tokens}, sample={bool(self.needs_sample)}, "
+                f"drafts={len(self.draft_token_ids)})")
 
 
 @cython.final
@@ -210,7 +234,7 @@ class SchedulerOutput:
     """One step's plan: a ScheduledRequest per scheduled request.
 
     Entries that compute one token (decodes) come first, `num_decodes` of them,
-    then the prefill chunks, each group in scheduling order.
+    then the prefill chunks and the decodes with drafts, each group in scheduling order.
     """
 
     scheduled = cython.declare(list, visibility="readonly")  # list[ScheduledRequest]
@@ -225,8 +249,8 @@ class SchedulerOutput:
         self.preempted = []
 
     @cython.cfunc
-    def _add(self, request: Request, num_new: cython.int):
-        self.scheduled.append(ScheduledRequest(request, num_new))
+    def _add(self, request: Request, num_new: cython.int, drafts: list = None):
+        self.scheduled.append(ScheduledRequest(request, num_new, drafts))
         self.total_num_tokens += num_new
 
     @cython.cfunc
@@ -353,7 +377,9 @@ class Scheduler:
         num_new: cython.int
         remaining: cython.int
         need: cython.int
+        with_drafts: cython.int
         i: cython.int = 0
+        drafts: list
         while i < len(running) and budget > 0:
             request = running[i]
             computed = request.num_computed_tokens
@@ -364,13 +390,24 @@ class Scheduler:
                 continue
             need = _cdiv(computed + num_new, block_size) - len(request.block_table)
             assert num_new > 0 and need >= 0, "schedule() called twice without update()"
+            drafts = self._take_drafts(request, remaining, budget)
+            if drafts:
+                with_drafts = _cdiv(computed + 1 + len(drafts), block_size) - len(request.block_table)
+                if with_drafts == need or alloc.can_allocate(with_drafts):
+                    need = with_drafts
+                else:
+                    drafts = []  # no free blocks for them: the plain decode
             if need > 0:
                 if not self._make_room(need, request, out):
                     break  # it preempted itself, being the newest
                 alloc.allocate(request.block_table, need)
             self._spend_pairs(computed, num_new, remaining)
-            (out if num_new == 1 else prefills)._add(request, num_new)
-            budget -= num_new
+            if drafts:
+                prefills._add(request, 1 + len(drafts), drafts)
+                budget -= 1 + len(drafts)
+            else:
+                (out if num_new == 1 else prefills)._add(request, num_new)
+                budget -= num_new
             i += 1
         if not out.preempted or self._preempted_for_rank:
             budget = self._admit(budget, out, prefills)
@@ -394,6 +431,21 @@ class Scheduler:
         if fit < num_new:
             num_new = fit if fit > 0 or self._any_prefill else 1
         return num_new
+
+    @cython.cfunc
+    def _take_drafts(self, request: Request, remaining: cython.int, budget: cython.int) -> list:
+        """The drafts a decode may verify this step (its own token first): at most what the token
+        budget leaves after it and what its max_tokens and the context leave after one more
+        token. Takes them off the request either way: a draft is for one step."""
+        drafts: list = request.draft_token_ids
+        if not drafts:
+            return drafts
+        request.draft_token_ids = []
+        if remaining != 1 or request.max_tokens == 0:
+            return []
+        num_output: cython.int = len(request.token_ids) - request.num_prompt_tokens
+        room: cython.int = min(budget - 1, request.max_tokens - num_output - 1, self._max_len - len(request.token_ids) - 1)
+        return drafts[:room] if room > 0 else []
 
     @cython.cfunc
     def _spend_pairs(self, computed: cython.int, num_new: cython.int, remaining: cython.int):
@@ -529,7 +581,9 @@ class Scheduler:
         """Apply one step's results; returns the requests that finished in it.
 
         `sampled[k]` is the token sampled for `output.scheduled[k]` (ignored where
-        it needs no sample). A request aborted since `schedule()` is skipped.
+        it needs no sample); for an entry with drafts, the list of tokens its verification
+        emitted (its accepted drafts, then one more: 1 to len(drafts) + 1 tokens). A request
+        aborted since `schedule()` is skipped.
         """
         count: cython.Py_ssize_t = len(output.scheduled)
         assert len(sampled) == count, f"{len(sampled)} sampled tokens for {count} scheduled requests"
@@ -548,6 +602,10 @@ class Scheduler:
                 continue
             before = request.num_computed_tokens
             assert before == entry.num_computed_tokens, "update() with a stale SchedulerOutput"
+            if entry.draft_token_ids:
+                if self._verified(request, entry, sampled[k]):
+                    finished.append(request)
+                continue
             after = before + entry.num_new_tokens
             request.num_computed_tokens = after
             if after // block_size > before // block_size:
@@ -567,6 +625,33 @@ class Scheduler:
                 del self._requests[request.request_id]
             self._running = [request for request in self._running if request._status == RUNNING]
         return finished
+
+    @cython.cfunc
+    def _verified(self, request: Request, entry: ScheduledRequest, emitted: list) -> cython.bint:
+        """Apply a decode-with-drafts' verification; True if it finishes the request. `emitted`:
+        the accepted drafts, then the token sampled after them. The KV of the decode's token and
+        of the accepted drafts counts as computed; the blocks past it are freed (they held only
+        rejected drafts), and only blocks full of accepted tokens enter the prefix cache."""
+        num: cython.Py_ssize_t = len(emitted)
+        assert 1 <= num <= len(entry.draft_token_ids) + 1, "a verification emits 1 to drafts + 1 tokens"
+        assert list(emitted[:num - 1]) == entry.draft_token_ids[:num - 1], "emitted tokens past a rejected draft"
+        block_size: cython.int = self.block_size
+        before: cython.int = request.num_computed_tokens
+        j: cython.Py_ssize_t
+        for j in range(num):
+            if self._append_token(request, emitted[j]):
+                return True  # a stop token or the length limit inside the run: the rest is dropped
+        after: cython.int = before + num
+        request.num_computed_tokens = after
+        keep: cython.int = _cdiv(after, block_size)
+        if len(request.block_table) > keep:
+            tail: list = request.block_table[keep:]
+            del request.block_table[keep:]
+            self.allocator.free(tail)
+        if after // block_size > before // block_size:
+            self.allocator.cache_full_blocks(request.block_table, request.token_ids, request._block_hashes,
+                                             before // block_size, after // block_size, request.cache_salt)
+        return False
 
     @cython.cfunc
     def _append_token(self, request: Request, token: cython.int) -> cython.bint:
