@@ -100,7 +100,7 @@ def run_model(runner: ModelRunner, batch) -> torch.Tensor:
 
 def decode_step(runner: ModelRunner, token_ids: list[list[int]], tables: list[list[int]]):
     n = len(token_ids)
-    return runner.prepare(StepInputs([t[-1:] for t in token_ids], tables, [len(t) - 1 for t in token_ids], [True] * n))
+    return runner.prepare(StepInputs([t[-1:] for t in token_ids], tables, [len(t) - 1 for t in token_ids], [1] * n))
 
 
 def assert_only_slots_changed(runner: ModelRunner, before: list[torch.Tensor], slots: torch.Tensor):
@@ -136,7 +136,7 @@ def test_padded_decode_batch_gives_the_unpadded_logits(tiny_model_dir, backend):
         tables.append(blocks[:num_blocks])
         blocks = blocks[num_blocks:]
     token_ids = [[rng.randrange(3, 256) for _ in range(n)] for n in lengths]
-    prefill = run_model(runner, runner.prepare(StepInputs([list(t) for t in token_ids], tables, [0, 0, 0], [True] * 3)))
+    prefill = run_model(runner, runner.prepare(StepInputs([list(t) for t in token_ids], tables, [0, 0, 0], [1] * 3)))
     for ids, token in zip(token_ids, prefill.argmax(-1).tolist()):
         ids.append(token)
 

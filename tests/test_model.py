@@ -43,9 +43,15 @@ class Scheduled:
     num_new_tokens: int
     num_computed_tokens: int
 
+    draft_token_ids = ()
+
     @property
     def needs_sample(self) -> bool:
         return self.num_computed_tokens + self.num_new_tokens == len(self.request.token_ids)
+
+    @property
+    def num_sample_rows(self) -> int:
+        return int(self.needs_sample)
 
 
 @dataclass

@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from trillm.config import EngineArgs
+from trillm.engine.drafting import NgramDrafter, SpeculativeConfig
 from trillm.engine.pooler import Pooler
 from trillm.engine.prompt_logprobs import PromptLogprobs, fill_prompt_logprobs
 from trillm.engine.request import EngineRequest
@@ -24,6 +25,7 @@ from trillm.model.tp_worker import Workers, launcher_init_method, launcher_rank
 from trillm.engine.sampler import Sampler, SamplingBatch, TokenLogprobs
 from trillm.engine.stats import EngineStats
 from trillm.engine.structured_output import Grammars, accept
+from trillm.engine.verification import SeededStreams, SpecDecodeCounts, sampling_rows, verified_run
 from trillm.pooling_params import PoolingParams
 from trillm.sampling_params import SamplingParamError, SamplingParams
 from trillm.sched_ext import FinishReason, Request, RequestStatus, Scheduler, SchedulerOutput, SchedulingPolicy
@@ -115,6 +117,8 @@ class EngineCore:
                                  args.grammar_compile_timeout)
         self.requests: dict[str, EngineRequest] = {}  # live requests, from add_request to their end
         self.num_preemptions = 0
+        self.speculative = SpeculativeConfig.parse(args.speculative_config)  # None: no drafts
+        self.spec_decode = SpecDecodeCounts()
 
     def close(self) -> None:
         """Stops the other tensor-parallel ranks (a no-op on one rank) and the grammar compiler
@@ -209,7 +213,9 @@ class EngineCore:
         prompt_logprobs = None
         if params.prompt_logprobs is not None:
             prompt_logprobs = PromptLogprobs(list(prompt_token_ids), params.prompt_logprobs_start, params.prompt_logprobs)
-        self._add(EngineRequest(request, params, generator, matcher, prompt_logprobs=prompt_logprobs, lora=lora))
+        drafter = None if self.speculative is None else NgramDrafter(self.speculative)
+        self._add(EngineRequest(request, params, generator, matcher, prompt_logprobs=prompt_logprobs, lora=lora,
+                                drafter=drafter))
 
     def _adapter(self, name: str | None) -> LoRAAdapter | None:
         """The adapter a request names, checked (not yet held: _add holds it)."""
@@ -327,6 +333,8 @@ class EngineCore:
         return self._output(request, [], None, True)
 
     def step(self) -> list[StepOutput]:
+        if self.speculative is not None:
+            self._propose_drafts()
         sched = self.scheduler.schedule()
         self.num_preemptions += len(sched.preempted)
         if not sched.scheduled:
@@ -337,35 +345,76 @@ class EngineCore:
         out = self.runner.execute(sched, keep_hidden=wants_hidden, lora_slots=lora_slots)
         if wants_hidden:
             self._take_hidden(sched, scheduled, out.hidden)
-        rows = [row for row, entry in zip(scheduled, sched.scheduled) if entry.needs_sample]
-        sampled_ids, sampled_logprobs = [], []
-        constrained = [i for i, row in enumerate(rows) if row.matcher is not None]
-        if rows:
-            logits = out.logits
-            if constrained:
-                self.grammars.mask(logits, constrained, [rows[i].matcher for i in constrained])
-            sampled = self.sampler.sample(logits, SamplingBatch.of(rows))
-            sampled_ids, sampled_logprobs = sampled.token_ids, sampled.logprobs
-        tokens = iter(sampled_ids)
-        finished = self.scheduler.update(sched, [next(tokens) if entry.needs_sample else -1 for entry in sched.scheduled])
+        sampling = [(row, entry) for row, entry in zip(scheduled, sched.scheduled) if entry.needs_sample]
+        rows = [row for row, _ in sampling]
+        entries = [entry for _, entry in sampling]
+        runs, run_logprobs = self._sample(out.logits, rows, entries) if rows else ([], [])
+        num_before = [len(row.token_ids) for row in rows]
+        picks, sampled = iter(runs), []
+        for entry in sched.scheduled:  # the scheduler takes a token, or a verified run for a decode with drafts
+            run = next(picks) if entry.needs_sample else [-1]
+            sampled.append(run if entry.draft_token_ids else run[0])
+        finished = self.scheduler.update(sched, sampled)
         finished_ids = {r.request_id for r in finished}
-        # A grammar that ended without the scheduler's say (its stop token was ignored, or it
-        # refused the token) ends the request too; abort frees its blocks at once.
-        for i in constrained:
-            request_id = rows[i].request_id
-            if not accept(rows[i].matcher, sampled_ids[i]) and request_id not in finished_ids:
-                self.scheduler.abort(request_id, FinishReason.STOP)
-                finished_ids.add(request_id)
         outputs = []
-        for row, token, logprobs in zip(rows, sampled_ids, sampled_logprobs):
-            is_finished = row.request_id in finished_ids
-            outputs.append(self._output(row.seq, [token], None if logprobs is None else [logprobs], is_finished, row))
+        for row, logprobs, before in zip(rows, run_logprobs, num_before):
+            # What the scheduler appended: a stop token or the length limit may cut a verified run.
+            tokens = row.token_ids[before:]
+            if row.matcher is not None:
+                # A grammar that ended without the scheduler's say (its stop token was ignored, or
+                # it refused a token) ends the request there too; abort frees its blocks at once.
+                ended = next((i for i, token in enumerate(tokens) if not accept(row.matcher, token)), None)
+                if ended is not None:
+                    tokens = tokens[:ended + 1]
+                    if row.request_id not in finished_ids:
+                        self.scheduler.abort(row.request_id, FinishReason.STOP)
+                        finished_ids.add(row.request_id)
+            outputs.append(self._output(row.seq, tokens, None if logprobs is None else logprobs[:len(tokens)],
+                                        row.request_id in finished_ids, row))
         for row, entry in zip(scheduled, sched.scheduled):
             if not entry.needs_sample and row.request_id in finished_ids:  # prefill only: its prompt is done
                 outputs.append(self._output(row.seq, [], None, True, row))
         for request_id in finished_ids:
             self._forget(request_id)
         return outputs
+
+    def _propose_drafts(self) -> None:
+        """Give each decoding request its drafts for this step, where the step's policy drafts."""
+        if not self.speculative.drafts_this_step(self.scheduler.num_running):
+            return
+        for row in self.requests.values():
+            seq = row.seq
+            if row.drafter is not None and seq.status is RequestStatus.RUNNING \
+                    and seq.num_computed_tokens == len(seq.token_ids) - 1:
+                seq.draft_token_ids = row.drafter.propose(seq.token_ids)
+
+    def _sample(self, logits: torch.Tensor, rows: list[EngineRequest],
+                entries: list) -> tuple[list[list[int]], list[list[TokenLogprobs] | None]]:
+        """Each sampling request's new tokens and their logprobs (None where none were asked): one
+        token, or a verified run for a decode with drafts (trillm/engine/verification.py)."""
+        positions = sampling_rows(rows, entries)
+        constrained, first = [], 0
+        for row, entry in zip(rows, entries):
+            if row.matcher is not None:
+                constrained.append((first, row.matcher, entry.draft_token_ids))
+            first += 1 + len(entry.draft_token_ids)
+        if constrained:
+            self.grammars.mask(logits, constrained)
+        streams = SeededStreams(rows, entries)
+        sampled = self.sampler.sample(logits, SamplingBatch.of(positions))
+        runs, run_logprobs, first = [], [], 0
+        for row, entry in zip(rows, entries):
+            drafts = entry.draft_token_ids
+            run = verified_run(drafts, sampled.token_ids[first:first + len(drafts) + 1])
+            if drafts:
+                self.spec_decode.count(len(drafts), len(run) - 1)
+                row.drafter.accepted(len(drafts), len(run) - 1)
+                streams.keep(row, len(run), logits.shape[1])
+            logprobs = sampled.logprobs[first:first + len(run)]
+            runs.append(run)
+            run_logprobs.append(None if logprobs[0] is None else logprobs)
+            first += len(drafts) + 1
+        return runs, run_logprobs
 
     def _take_hidden(self, sched: SchedulerOutput, scheduled: list[EngineRequest], hidden: torch.Tensor) -> None:
         """Hand each chunk's hidden states to the requests that gather from them."""
@@ -403,6 +452,10 @@ class EngineCore:
             waiting_lora_adapters=waiting_loras,
             num_lora_adapters=0 if self.loras is None else len(self.loras.adapters),
             lora_memory_bytes=0 if self.loras is None else self.loras.nbytes,
+            spec_decode_num_drafts=self.spec_decode.num_drafts,
+            spec_decode_num_draft_tokens=self.spec_decode.num_draft_tokens,
+            spec_decode_num_accepted_tokens=self.spec_decode.num_accepted_tokens,
+            spec_decode_accepted_per_position=tuple(self.spec_decode.accepted_per_position),
         )
 
     def reset_prefix_cache(self) -> bool:

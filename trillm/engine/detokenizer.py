@@ -52,6 +52,11 @@ class IncrementalDetokenizer:
         self._emitted: list[str] = []
 
     @property
+    def num_tokens_read(self) -> int:
+        """Output tokens `add` has taken: after a stop, none past the one that completed it."""
+        return self._num_output_tokens
+
+    @property
     def output_text(self) -> str:
         return "".join(self._emitted)
 

@@ -56,6 +56,7 @@ class TokenIdsOnly:
 
     stopped = False
     stop_reason = None
+    num_tokens_read = 0  # never stops, so never needs the count
 
     def __init__(self, params: SamplingParams):
         if params.stop:
@@ -96,17 +97,20 @@ class OutputProcessor:
         text_tokens = tokens
         if out.stop_token_id != -1 and tokens and not self.params.include_stop_str_in_output:
             text_tokens = tokens[:-1]  # the EOS / stop token that ended it is not text
+        read_before = self.detokenizer.num_tokens_read
         text = self.detokenizer.add(text_tokens)
         finish_reason, stop_reason = out.finish_reason, None
         if self.detokenizer.stopped:
             finish_reason, stop_reason = FinishReason.STOP, self.detokenizer.stop_reason
+            # A step may bring several tokens (a verified run of drafts): none after the stop string's.
+            tokens = tokens[:self.detokenizer.num_tokens_read - read_before]
         elif out.finished:
             text += self.detokenizer.flush()
             if out.stop_token_id != -1 and out.stop_token_id in self.params.stop_token_ids:
                 stop_reason = out.stop_token_id
         logprobs = None
         if c.logprobs is not None:
-            logprobs = list(out.new_logprobs or [])
+            logprobs = list(out.new_logprobs or [])[:len(tokens)]
             c.logprobs.extend(logprobs)
         c.text += text
         c.token_ids.extend(tokens)

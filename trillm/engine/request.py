@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from trillm.model.lora import LoRAAdapter
+from trillm.engine.drafting import NgramDrafter
 from trillm.engine.pooler import Pooler
 from trillm.engine.prompt_logprobs import PromptLogprobs
 from trillm.pooling_params import PoolingParams
@@ -30,6 +31,7 @@ class EngineRequest:
     prompt_logprobs: PromptLogprobs | None = None
     pooler: Pooler | None = None
     lora: LoRAAdapter | None = None  # its adapter, held (LoRARegistry.acquire) until it ends
+    drafter: NgramDrafter | None = None  # its speculative drafts' source (None: speculative decoding is off)
 
     @property
     def wants_hidden(self) -> bool:

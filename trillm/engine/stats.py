@@ -37,6 +37,14 @@ class EngineStats:
     """LoRA adapters requests may name (loaded, whether their weights are in host memory or not)."""
     lora_memory_bytes: int
     """Host memory held by adapters' weights (the model's adapter slots not counted)."""
+    spec_decode_num_drafts: int
+    """Speculative decoding: decodes that verified drafts, since start."""
+    spec_decode_num_draft_tokens: int
+    """Draft tokens verified, since start."""
+    spec_decode_num_accepted_tokens: int
+    """Of those, the ones kept, since start."""
+    spec_decode_accepted_per_position: tuple[int, ...]
+    """[j]: drafts kept at a verification's position j (0: the first draft), since start."""
 
 
 @dataclass(frozen=True)

@@ -108,15 +108,29 @@ class Grammars:
 
         return xgrammar.GrammarMatcher(self.compile(spec), override_stop_tokens=self._stop_token_ids or None)
 
-    def mask(self, logits: torch.Tensor, rows: list[int], matchers: list) -> None:
-        """Set, in place, the logits of tokens the grammar forbids to -inf, in `rows` only
-        (`matchers[k]` is row `rows[k]`'s)."""
+    def mask(self, logits: torch.Tensor, constrained: list[tuple[int, object, list[int]]]) -> None:
+        """Set, in place, the logits of tokens the grammar forbids to -inf. `constrained`: per
+        constrained request, (its first row, its matcher, its drafts): row first + j gets the mask
+        of the matcher's state after drafts[:j] (drafts in verification, trillm/engine/verification.py).
+        Rows after a draft the grammar refuses or ends on are left as they are: verification
+        never keeps a token past that draft. Each matcher is back in its state after."""
         import xgrammar
 
-        assert rows and len(rows) == len(matchers)
+        assert constrained
         bitmask = xgrammar.allocate_token_bitmask(logits.shape[0], self._vocab_size)
-        for i, matcher in zip(rows, matchers):
-            matcher.fill_next_token_bitmask(bitmask, i)
+        rows = []
+        for first, matcher, drafts in constrained:
+            accepted = 0
+            for j in range(len(drafts) + 1):
+                matcher.fill_next_token_bitmask(bitmask, first + j)
+                rows.append(first + j)
+                if j == len(drafts) or not matcher.accept_token(drafts[j]):  # a refused token changes nothing
+                    break
+                accepted += 1
+                if matcher.is_terminated():
+                    break
+            if accepted:
+                matcher.rollback(accepted)
         with torch.inference_mode():  # the runner made the logits as inference tensors
             xgrammar.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)
 

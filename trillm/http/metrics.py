@@ -44,6 +44,11 @@ ENGINE_METRICS = (
     ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", "prefix_cache_hits", CounterMetricFamily),
     ("num_preemptions", "Requests preempted (their KV cache recomputed later).", "num_preemptions",
      CounterMetricFamily),
+    ("spec_decode_num_drafts", "Speculative decoding: decodes that verified drafts.", "spec_decode_num_drafts",
+     CounterMetricFamily),
+    ("spec_decode_num_draft_tokens", "Draft tokens verified.", "spec_decode_num_draft_tokens", CounterMetricFamily),
+    ("spec_decode_num_accepted_tokens", "Draft tokens accepted.", "spec_decode_num_accepted_tokens",
+     CounterMetricFamily),
 )
 
 
@@ -93,6 +98,12 @@ class _EngineCollector:
             metric = family(f"{self._prefix}:{name}", doc, labels=["model_name"])
             metric.add_metric([self._model_name], getattr(stats, key))
             yield metric
+        per_position = CounterMetricFamily(f"{self._prefix}:spec_decode_num_accepted_tokens_per_pos",
+                                           "Draft tokens accepted, by their position in the draft.",
+                                           labels=["model_name", "position"])
+        for position, accepted in enumerate(stats.spec_decode_accepted_per_position):
+            per_position.add_metric([self._model_name, str(position)], accepted)
+        yield per_position
         if self._max_loras is not None:
             # vLLM's shape: the adapters are in the labels, the value is when they were read
             info = GaugeMetricFamily(f"{self._prefix}:lora_requests_info", "Running and waiting LoRA adapters.",

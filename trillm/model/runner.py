@@ -45,12 +45,13 @@ class StepInputs:
     the tensor-parallel workers each step (each rank lays them out as tensors itself).
 
     Request b computes `chunks[b]` at positions num_computed_tokens[b] onwards; its block table
-    covers them; needs_sample[b]: its last row gets logits."""
+    covers them; the last num_sample_rows[b] rows of its chunk get logits (0: none, 1: its last
+    token's, more: a decode's and its drafts')."""
 
     chunks: list[list[int]]
     block_tables: list[list[int]]
     num_computed_tokens: list[int]
-    needs_sample: list[bool]
+    num_sample_rows: list[int]
     lora_slots: list[int] | None = None  # each request's LoRA slot (-1: none); None: no adapter runs
 
 
@@ -69,15 +70,16 @@ class ModelInput:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
     meta: AttentionMetadata
-    sample_rows: torch.Tensor  # [N] int64: the last row of each chunk that needs a sample
+    sample_rows: torch.Tensor  # [N] int64: the rows that get logits (each sampling chunk's last, and its drafts')
     lora_slots: torch.Tensor | None = None  # [T] int64: each row's LoRA slot (-1: none); None: none at all
 
 
 @dataclass
 class ModelOutput:
-    """One step's results: `logits` fp32 [N, vocab] for the N requests that sample, in schedule
-    order; `hidden` [T, hidden], the final hidden states of every computed row (chunk after
-    chunk, in schedule order) when the step was asked to keep them, else None. Both are valid
+    """One step's results: `logits` fp32 [N, vocab] for the N rows that sample (a row per
+    request, and one per draft of a decode that verifies drafts), in schedule order; `hidden`
+    [T, hidden], the final hidden states of every computed row (chunk after chunk, in schedule
+    order) when the step was asked to keep them, else None. Both are valid
     until the next step (on CUDA graphs, `hidden` is the graph's own output)."""
 
     logits: torch.Tensor
@@ -234,7 +236,7 @@ class ModelRunner:
         starts = [sum(num_blocks[:i]) for i in range(num_seqs)]
         tables = [list(range(start, start + n)) for start, n in zip(starts, num_blocks)]
         kv_caches = self._allocate_kv_cache(sum(num_blocks))
-        batch = self.prepare(StepInputs([[0] * n for n in lengths], tables, [0] * num_seqs, [True] * num_seqs))
+        batch = self.prepare(StepInputs([[0] * n for n in lengths], tables, [0] * num_seqs, [1] * num_seqs))
         torch.cuda.reset_peak_memory_stats(self.config.device)
         self.compute_logits(self._forward(batch, kv_caches)[batch.sample_rows])
         torch.cuda.synchronize(self.config.device)
@@ -253,13 +255,14 @@ class ModelRunner:
             self.fault_hook(sched)
         chunks, block_tables, starts, samples = [], [], [], []
         for entry in sched.scheduled:
-            r, start, n = entry.request, entry.num_computed_tokens, entry.num_new_tokens
-            assert not entry.needs_sample or start + n == len(r.token_ids), \
+            r, start, drafts = entry.request, entry.num_computed_tokens, entry.draft_token_ids
+            own = entry.num_new_tokens - len(drafts)
+            assert not entry.needs_sample or start + own == len(r.token_ids), \
                 "a request samples only when its chunk reaches its last token"
-            chunks.append(r.token_ids[start:start + n])
+            chunks.append(r.token_ids[start:start + own] + drafts if drafts else r.token_ids[start:start + own])
             block_tables.append(r.block_table)
             starts.append(start)
-            samples.append(entry.needs_sample)
+            samples.append(entry.num_sample_rows)
         inputs = StepInputs(chunks, block_tables, starts, samples, lora_slots)
         batch, hidden = self._run(inputs)
         hidden = hidden[: sched.total_num_tokens]
@@ -321,37 +324,45 @@ class ModelRunner:
         for start in range(0, len(token_ids), chunk):
             end = min(start + chunk, len(token_ids))
             # No sampled row: every row's logits, projected as the rows of one LogitRows.
-            _, hidden = self._run(StepInputs([token_ids[start:end]], [table], [start], [False]))
+            _, hidden = self._run(StepInputs([token_ids[start:end]], [table], [start], [0]))
             logits.append(self.logits_of_rows(hidden, list(range(end - start))))
         return torch.cat(logits)
 
     def prepare(self, inputs: StepInputs) -> ModelInput:
         """The step's tensors, on the model's device; block_tables[b] must cover request b's
-        positions up to the end of its chunk."""
+        positions up to the end of its chunk.
+
+        A chunk whose every row samples (a decode and its drafts, in verification) is laid out
+        as one decode query per row, each attending to the context up to its own position: the
+        same attention as one causal chunk, and a step of decodes and verifications stays a
+        decode step, which runs on the fused CPU decoder stack and on CUDA graphs. Within a
+        layer every row's KV is written before any row attends, so row j sees the drafts
+        before it."""
         bs = self.block_size
         input_ids, positions, tables, seq_lens, query_start_loc, sample_rows = [], [], [], [], [0], []
         num_scheduled_tokens = [len(c) for c in inputs.chunks]
-        for chunk, table, start, sample in zip(
-            inputs.chunks, inputs.block_tables, inputs.num_computed_tokens, inputs.needs_sample, strict=True
+        for chunk, table, start, num_samples in zip(
+            inputs.chunks, inputs.block_tables, inputs.num_computed_tokens, inputs.num_sample_rows, strict=True
         ):
             num_new = len(chunk)
             end = start + num_new
             assert num_new > 0, (start, num_new)
             assert end <= len(table) * bs, "the block table must cover the context"
+            assert num_samples <= num_new
             input_ids += chunk
             positions += range(start, end)
-            tables.append(list(table[: _cdiv(end, bs)]))
-            seq_lens.append(end)
-            query_start_loc.append(query_start_loc[-1] + num_new)
-            if sample:
-                sample_rows.append(query_start_loc[-1] - 1)
+            queries = [(start, num_new)] if num_samples < num_new else [(start + j, 1) for j in range(num_new)]
+            for first, count in queries:
+                tables.append(list(table[: _cdiv(first + count, bs)]))
+                seq_lens.append(first + count)
+                query_start_loc.append(query_start_loc[-1] + count)
+            sample_rows += range(query_start_loc[-1] - num_samples, query_start_loc[-1])
         width = max(map(len, tables))
         block_tables_t = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
         positions_t = torch.tensor(positions, dtype=torch.int64)
-        request_of_row = torch.repeat_interleave(
-            torch.arange(len(tables)), torch.tensor(num_scheduled_tokens, dtype=torch.int64)
-        )
-        slot_mapping = block_tables_t[request_of_row, positions_t // bs].long() * bs + positions_t % bs
+        query_lens = [b - a for a, b in zip(query_start_loc, query_start_loc[1:])]
+        query_of_row = torch.repeat_interleave(torch.arange(len(tables)), torch.tensor(query_lens, dtype=torch.int64))
+        slot_mapping = block_tables_t[query_of_row, positions_t // bs].long() * bs + positions_t % bs
 
         def to_device(t: torch.Tensor) -> torch.Tensor:
             return t.to(self.config.device, non_blocking=True)
@@ -362,7 +373,7 @@ class ModelRunner:
             seq_lens=to_device(torch.tensor(seq_lens, dtype=torch.int32)),
             query_start_loc=to_device(torch.tensor(query_start_loc, dtype=torch.int32)),
             max_seq_len=max(seq_lens),
-            max_query_len=max(num_scheduled_tokens),
+            max_query_len=max(query_lens),
         )
         return ModelInput(
             input_ids=to_device(torch.tensor(input_ids, dtype=torch.int64)),

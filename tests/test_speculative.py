@@ -1,0 +1,138 @@
+"""Speculative decoding: prompt-lookup drafts verified in the batched step. The output must be
+exactly what decoding without drafts gives (greedy token for token, seeded sampling too, with
+penalties, grammars, stop strings, logprobs and max_tokens), the drafts must actually run (the
+acceptance counters move), and the server reports them under vLLM's metric names."""
+import json
+
+import pytest
+
+import trillm
+from trillm import SamplingParams, StructuredOutput
+from trillm.engine.drafting import NgramDrafter, SpeculativeConfig
+
+from http_support import live_server, metric_value, settled_stats
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2,
+         "disable_by_batch_size": 8}
+# Prompts whose continuations repeat what came before: drafts get accepted.
+REPETITIVE = [
+    "Copy the list exactly.\nList: apples, pears, plums, cherries, grapes, lemons, limes.\nCopy: apples, pears,",
+    "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3,",
+    'def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):\n',
+    "The cat sat on the mat. The dog sat on the log. The cat sat on the",
+]
+
+
+def test_the_drafter_proposes_what_followed_the_latest_earlier_ngram():
+    drafter = NgramDrafter(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=3, prompt_lookup_min=2))
+    tokens = [1, 2, 3, 4, 5, 9, 2, 3, 7, 8, 6, 2, 3]
+    assert drafter.propose(tokens) == [7, 8, 6]  # [2, 3] last occurred before 7 (not before 4)
+    tokens += [7, 8]
+    assert drafter.propose(tokens) == [6, 2, 3]  # the 3-gram [3, 7, 8] wins over shorter ones
+    drafter.accepted(3, 0)
+    assert drafter.propose(tokens) == [6]  # nothing kept: one draft next
+    drafter.accepted(1, 1)
+    assert drafter.propose(tokens) == [6, 2]
+    assert drafter.propose(tokens + [42]) == []  # [8, 42] never occurred
+
+
+@pytest.mark.parametrize(("text", "words"), [
+    ('{"method": "eagle"}', "unknown method"),
+    ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens"),
+    ('{"method": "ngram", "num_speculative_tokens": "4"}', "num_speculative_tokens must be an integer"),
+    ('{"method": "ngram", "prompt_lookup_min": 5, "prompt_lookup_max": 3}', "prompt_lookup_min"),
+    ('{"method": "ngram", "draft_model": "x"}', "unknown key 'draft_model'"),
+    ('["ngram"]', "JSON object"),
+    ("{method: ngram}", "not JSON"),
+])
+def test_the_config_takes_vllm_keys_and_refuses_the_rest(text, words):
+    assert SpeculativeConfig.parse(json.dumps(NGRAM)) == SpeculativeConfig(**NGRAM)
+    assert SpeculativeConfig.parse(None) is None and SpeculativeConfig.parse("") is None
+    with pytest.raises(ValueError, match=words):
+        SpeculativeConfig.parse(text)
+
+
+@pytest.fixture(scope="module")
+def engines(default_model_dir):
+    plain = trillm.LLM(default_model_dir, num_kv_blocks=256)
+    drafting = trillm.LLM(default_model_dir, num_kv_blocks=256, speculative_config=json.dumps(NGRAM))
+    return plain, drafting
+
+
+def outputs(llm, prompts, params):
+    return [out.outputs[0] for out in llm.generate(prompts, params)]
+
+
+def test_greedy_with_drafts_is_greedy_without_them(engines):
+    plain, drafting = engines
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, logprobs=2)
+    before = drafting.engine.stats()
+    expected = outputs(plain, REPETITIVE, params)
+    got = outputs(drafting, REPETITIVE, params)
+    stats = drafting.engine.stats()
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+    assert [o.text for o in got] == [o.text for o in expected]
+    for g, e in zip(got, expected):  # every emitted token has its logprobs, the same numbers
+        assert len(g.logprobs) == len(g.token_ids) == 48
+        assert [lp.top[0][0] for lp in g.logprobs] == [lp.top[0][0] for lp in e.logprobs]
+        assert max(abs(a.logprob - b.logprob) for a, b in zip(g.logprobs, e.logprobs)) < 0.05
+    accepted = stats.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens
+    drafted = stats.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
+    assert accepted > 48 and drafted >= accepted  # the drafts ran, and most of a copy was free
+    assert sum(stats.spec_decode_accepted_per_position) == stats.spec_decode_num_accepted_tokens
+    assert stats.num_used_blocks == 0
+
+
+def test_seeded_sampling_with_penalties_is_the_same_with_drafts(engines):
+    plain, drafting = engines
+    before = drafting.engine.stats().spec_decode_num_drafts
+    for seed in range(4):
+        params = SamplingParams(temperature=0.7, top_p=0.9, seed=seed, max_tokens=32, ignore_eos=True,
+                                repetition_penalty=1.05, frequency_penalty=0.1)
+        assert [o.token_ids for o in outputs(drafting, REPETITIVE, params)] == \
+            [o.token_ids for o in outputs(plain, REPETITIVE, params)]
+    assert drafting.engine.stats().spec_decode_num_drafts > before
+
+
+def test_stops_max_tokens_and_grammars_hold_inside_accepted_runs(engines):
+    plain, drafting = engines
+    prompt = REPETITIVE[1]
+    full = outputs(plain, [prompt], SamplingParams(temperature=0, max_tokens=40))[0]
+    for params in (SamplingParams(temperature=0, max_tokens=40, stop=["8,"]),
+                   SamplingParams(temperature=0, max_tokens=13),
+                   SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[full.token_ids[9]]),
+                   SamplingParams(temperature=0, max_tokens=40, min_tokens=20, stop_token_ids=[full.token_ids[9]])):
+        got, expected = outputs(drafting, [prompt], params)[0], outputs(plain, [prompt], params)[0]
+        assert (got.token_ids, got.text, got.finish_reason, got.stop_reason) == \
+            (expected.token_ids, expected.text, expected.finish_reason, expected.stop_reason)
+    schema = {"type": "object", "properties": {"fruits": {"type": "array", "items": {"type": "string"}, "maxItems": 4}},
+              "required": ["fruits"], "additionalProperties": False}
+    params = SamplingParams(temperature=0, max_tokens=60,
+                            structured_output=StructuredOutput("json_schema", json.dumps(schema)))
+    prompt = ('Fruits: apples, pears, plums. As JSON: {"fruits": ["apples", "pears", "plums"]}\n'
+              'Fruits: apples, pears, plums. As JSON:')
+    accepted = drafting.engine.stats().spec_decode_num_accepted_tokens
+    got, expected = outputs(drafting, [prompt], params)[0], outputs(plain, [prompt], params)[0]
+    assert got.token_ids == expected.token_ids and got.finish_reason == "stop"
+    assert json.loads(got.text) == {"fruits": ["apples", "pears", "plums"]}
+    assert drafting.engine.stats().spec_decode_num_accepted_tokens > accepted  # drafts ran through the grammar
+    assert drafting.engine.stats().num_used_blocks == 0
+
+
+async def test_the_server_streams_verified_runs_and_reports_vllm_metrics(engines):
+    _, drafting = engines
+    async with live_server(drafting.engine) as server:
+        client, http = server.openai(), server.http()
+        prompt = REPETITIVE[0]
+        whole = await client.completions.create(model=server.model, prompt=prompt, max_tokens=40, temperature=0,
+                                                logprobs=1, extra_body={"ignore_eos": True})
+        chunks = [chunk async for chunk in await client.completions.create(
+            model=server.model, prompt=prompt, max_tokens=40, temperature=0, stream=True,
+            extra_body={"ignore_eos": True})]
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        assert text == whole.choices[0].text and whole.usage.completion_tokens == 40
+        assert len(whole.choices[0].logprobs.tokens) == 40
+        assert await metric_value(http, "trillm:spec_decode_num_accepted_tokens_total") > 0
+        assert await metric_value(http, "trillm:spec_decode_num_drafts_total") > 0
+        assert await metric_value(http, "trillm:spec_decode_num_accepted_tokens_per_pos_total", position="0") > 0
+        assert (await settled_stats(http))["num_used_blocks"] == 0

@@ -1,0 +1,109 @@
+"""Speculative decoding's drafts: `--speculative-config` (vLLM's JSON keys) and the n-gram
+drafter, which proposes tokens by prompt lookup, with no second model.
+
+A decode step on CPU (and at small batches on a GPU) is bound by reading the weights, so a
+request verifying k drafted tokens in the same step costs little more than its one token;
+every draft the model agrees with is a token for free. The verification
+(trillm/engine/verification.py) keeps the output exactly what decoding without drafts gives;
+drafts only change how many steps it takes.
+
+Prompt lookup: the request's own tokens (prompt and output) are indexed by their n-grams as
+they grow; the last n tokens (n from `prompt_lookup_max` down to `prompt_lookup_min`) are
+looked up, and the tokens that followed their latest earlier occurrence are the draft.
+Workloads that repeat themselves (code edits that copy their input, JSON that quotes it, an
+agent's tool calls) draft long runs that the model accepts; free text drafts rarely, and then
+short. A request's draft length follows what it accepted last (one more than its accepted
+run), so a request whose drafts keep failing drafts one token, and the step's policy
+(`disable_by_batch_size`) stops drafting once a batch is large enough that the step is
+compute-bound and rejected drafts would cost the other requests time.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+
+METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """`--speculative-config`'s settings, vLLM's names."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4  # the most drafts a request verifies in one step
+    prompt_lookup_max: int = 4  # the longest n-gram looked up
+    prompt_lookup_min: int = 2  # the shortest
+    # Running requests above which no request drafts in a step (0: always draft)
+    disable_by_batch_size: int = 4
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"--speculative-config: unknown method {self.method!r}; this server drafts by "
+                             f"{', '.join(METHODS)}.")
+        if self.num_speculative_tokens < 1:
+            raise ValueError("--speculative-config: num_speculative_tokens must be at least 1.")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("--speculative-config: need 1 <= prompt_lookup_min <= prompt_lookup_max.")
+        if self.disable_by_batch_size < 0:
+            raise ValueError("--speculative-config: disable_by_batch_size must be non-negative.")
+
+    @classmethod
+    def parse(cls, text: str | None) -> SpeculativeConfig | None:
+        """The config a `--speculative-config` JSON object gives; None for None or "" (off).
+        ValueError, naming the key, for anything else it cannot take."""
+        if not text:
+            return None
+        try:
+            values = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--speculative-config is not JSON: {exc.msg}.") from None
+        if not isinstance(values, dict):
+            raise ValueError("--speculative-config takes a JSON object.")
+        known = {f.name: f.type for f in fields(cls)}
+        for key, value in values.items():
+            if key not in known:
+                raise ValueError(f"--speculative-config: unknown key {key!r}; the keys are {', '.join(known)}.")
+            wanted = str if known[key] == "str" else int
+            if type(value) is not wanted:
+                kind = "a string" if wanted is str else "an integer"
+                raise ValueError(f"--speculative-config: {key} must be {kind}.")
+        return cls(**values)
+
+    def drafts_this_step(self, num_running: int) -> bool:
+        """The step's policy: draft only while the batch is small enough that a step is bound by
+        reading the weights, not by its arithmetic."""
+        return self.disable_by_batch_size == 0 or num_running <= self.disable_by_batch_size
+
+
+class NgramDrafter:
+    """One request's prompt-lookup index: each n-gram (n in [min, max]) of its tokens, mapped to
+    where its latest occurrence ends. Indexed incrementally: each token is indexed once, so a
+    step's draft costs O(max) lookups whatever the context's length. Owned by the request's
+    record; not shared (drafts never cross requests, so never adapters or cache salts)."""
+
+    def __init__(self, config: SpeculativeConfig):
+        self.config = config
+        self._ends: dict[tuple[int, ...], int] = {}
+        self._indexed = 0  # n-grams ending at positions < this are in _ends
+        self.num_to_draft = config.num_speculative_tokens  # this request's current draft length
+
+    def propose(self, token_ids: list[int]) -> list[int]:
+        """Drafts to follow `token_ids` (at most num_to_draft of them; [] when no n-gram of its
+        end occurred before)."""
+        lo, hi = self.config.prompt_lookup_min, self.config.prompt_lookup_max
+        n_tokens = len(token_ids)
+        # Index every n-gram that ends before the last token: the suffix itself must not match.
+        for end in range(max(self._indexed, lo), n_tokens):
+            for n in range(lo, min(hi, end) + 1):
+                self._ends[tuple(token_ids[end - n:end])] = end
+        self._indexed = max(self._indexed, n_tokens)
+        for n in range(min(hi, n_tokens), lo - 1, -1):
+            end = self._ends.get(tuple(token_ids[n_tokens - n:]))
+            if end is not None:
+                return token_ids[end:end + self.num_to_draft]
+        return []
+
+    def accepted(self, num_drafts: int, num_accepted: int) -> None:
+        """Verification's outcome: the next draft is one longer than this accepted run."""
+        if num_drafts:
+            self.num_to_draft = min(num_accepted + 1, self.config.num_speculative_tokens)
