@@ -3,6 +3,8 @@ exactly what decoding without drafts gives (greedy token for token, seeded sampl
 penalties, grammars, stop strings, logprobs and max_tokens), the drafts must actually run (the
 acceptance counters move), and the server reports them under vLLM's metric names."""
 import json
+import math
+from collections import Counter
 
 import pytest
 
@@ -136,3 +138,50 @@ async def test_the_server_streams_verified_runs_and_reports_vllm_metrics(engines
         assert await metric_value(http, "trillm:spec_decode_num_drafts_total") > 0
         assert await metric_value(http, "trillm:spec_decode_num_accepted_tokens_per_pos_total", position="0") > 0
         assert (await settled_stats(http))["num_used_blocks"] == 0
+
+
+def chi_square_critical(df: int, z: float = 3.719) -> float:
+    """The chi-square quantile for `df` degrees of freedom at the normal quantile z (3.719: a
+    1-in-10,000 false alarm), by Wilson and Hilferty's cube-root approximation."""
+    a = 2 / (9 * df)
+    return df * (1 - a + z * math.sqrt(a)) ** 3
+
+
+def test_sampled_output_with_drafts_has_the_target_distribution(tiny_model_dir):
+    """Thousands of 3-token samples from a tiny model (vocabulary 256), top-k 4, a logit bias that
+    makes the prompt's pattern likely so its drafts are often kept: the triples' counts against
+    the exact probabilities computed from the model's own logits (teacher forced, the same
+    bias, top-k and temperature), by a chi-square test."""
+    path = tiny_model_dir("llama")
+    a, b, c = 11, 22, 33
+    prompt = [a, b, c] * 8
+    bias = {a: 4.0, b: 4.0, c: 4.0}
+    llm = trillm.LLM(path, num_kv_blocks=512, max_num_seqs=128,
+                     speculative_config=json.dumps({**NGRAM, "prompt_lookup_min": 1, "disable_by_batch_size": 0}))
+    runner = llm.engine.runner
+
+    def next_probs(tokens: list[int]) -> dict[int, float]:
+        logits = runner.teacher_forced_logits(tokens)[-1].clone()
+        for token, value in bias.items():
+            logits[token] += value
+        top = logits.topk(4)
+        return dict(zip(top.indices.tolist(), top.values.softmax(-1).tolist()))
+
+    exact = {}
+    for t1, p1 in next_probs(prompt).items():
+        for t2, p2 in next_probs(prompt + [t1]).items():
+            for t3, p3 in next_probs(prompt + [t1, t2]).items():
+                exact[(t1, t2, t3)] = p1 * p2 * p3
+    num_samples = 4000
+    params = SamplingParams(temperature=1.0, top_k=4, max_tokens=3, ignore_eos=True, logit_bias=bias)
+    counts = Counter(tuple(out.outputs[0].token_ids) for out in llm.generate([prompt] * num_samples, params))
+    stats = llm.engine.stats()
+    assert stats.spec_decode_num_accepted_tokens > num_samples // 10  # drafts were kept, often
+    assert stats.spec_decode_num_draft_tokens > stats.spec_decode_num_accepted_tokens  # and rejected too
+    assert set(counts) <= set(exact)
+    # Bins expected fewer than 5 times are pooled into one, as the test needs.
+    small = [key for key, p in exact.items() if p * num_samples < 5]
+    bins = [(counts[key], p * num_samples) for key, p in exact.items() if key not in small]
+    bins.append((sum(counts[key] for key in small), sum(exact[key] for key in small) * num_samples))
+    statistic = sum((seen - expected) ** 2 / expected for seen, expected in bins if expected > 0)
+    assert statistic < chi_square_critical(len(bins) - 1), (statistic, len(bins))
