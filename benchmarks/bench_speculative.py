@@ -1,5 +1,5 @@
 """Speculative decoding measured by the neutral load generator: `vllm bench serve` drives trillm
-without drafts and with n-gram drafts, and llama-server without and with its own n-gram drafts
+without drafts and with n-gram or suffix drafts, and llama-server without and with its own n-gram drafts
 (`--spec-type ngram-simple`, its defaults otherwise), one server at a time on a free loopback
 port, on
 
@@ -26,6 +26,9 @@ import os
 import subprocess
 from pathlib import Path
 
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
 from benchmarks.compare_peer import REPO, trillm_command
 from benchmarks.neutral_compare import SERVED_NAME, llama_server_command, served
 
@@ -38,12 +41,17 @@ def trillm_ngram_command(args, model_dir: str, port: int):
     return command + ["--speculative-config", json.dumps(SPEC_CONFIG)], env
 
 
+def trillm_suffix_command(args, model_dir: str, port: int):
+    command, env = trillm_command(args, model_dir, port)
+    return command + ["--speculative-config", json.dumps({**SPEC_CONFIG, "method": "suffix"})], env
+
+
 def llama_ngram_command(args, model_dir: str, port: int):
     command, env = llama_server_command(args, model_dir, port)
     return command + ["--spec-type", "ngram-simple"], env
 
 
-SERVERS = {"trillm": trillm_command, "trillm-ngram": trillm_ngram_command,
+SERVERS = {"trillm": trillm_command, "trillm-ngram": trillm_ngram_command, "trillm-suffix": trillm_suffix_command,
            "llama-server": llama_server_command, "llama-server-ngram": llama_ngram_command}
 
 
@@ -71,6 +79,18 @@ def loads(args) -> list[tuple[str, list[str], int]]:
     return out
 
 
+def spec_counters(base_url: str) -> dict[str, float]:
+    """trillm's speculative-decoding counters from /metrics (per position: `..._per_pos_total{j}`)."""
+    counters = {}
+    for family in text_string_to_metric_families(httpx.get(base_url + "/metrics").text):
+        for sample in family.samples:
+            if sample.name.startswith("trillm:spec_decode_") and sample.name.endswith("_total"):
+                position = sample.labels.get("position")
+                counters[sample.name.removeprefix("trillm:") + ("" if position is None else f"[{position}]")] = \
+                    sample.value
+    return counters
+
+
 def measure(name: str, args, model_dir: str, out_dir: Path) -> dict:
     results = {}
     with served(SERVERS[name], args, model_dir, out_dir / f"{name}.log") as (_, base_url, _):
@@ -78,9 +98,13 @@ def measure(name: str, args, model_dir: str, out_dir: Path) -> dict:
             if name.startswith("llama-server") and load_name.startswith("random"):
                 continue  # the peer's random-load figures are the neutral runs'
             slug = load_name.replace(" ", "-").replace("=", "")
+            before = spec_counters(base_url) if name.startswith("trillm") else {}
             r = bench_serve(args, model_dir, base_url, load, c, out_dir / f"{name}-{slug}.json")
             results[load_name] = {k: r[k] for k in ("output_throughput", "mean_ttft_ms", "mean_tpot_ms",
                                                      "total_output_tokens", "completed")}
+            if name.startswith("trillm"):  # the load's drafts (the warm-up's included)
+                after = spec_counters(base_url)
+                results[load_name]["spec_decode"] = {k: v - before.get(k, 0.0) for k, v in after.items()}
             print(f"{name} {load_name}: {r['output_throughput']:.1f} tok/s, TTFT {r['mean_ttft_ms']:.0f} ms, "
                   f"TPOT {r['mean_tpot_ms']:.1f} ms, {r['total_output_tokens']} tokens", flush=True)
     return results

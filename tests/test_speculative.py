@@ -11,6 +11,7 @@ import pytest
 import trillm
 from trillm import SamplingParams, StructuredOutput
 from trillm.engine.drafting import NgramDrafter, SpeculativeConfig
+from trillm.engine.suffix_drafter import SuffixCache, SuffixDrafter
 
 from http_support import live_server, metric_value, settled_stats
 
@@ -38,12 +39,35 @@ def test_the_drafter_proposes_what_followed_the_latest_earlier_ngram():
     assert drafter.propose(tokens + [42]) == []  # [8, 42] never occurred
 
 
+def test_suffix_drafts_follow_the_longest_match_and_the_most_frequent_continuation():
+    config = SpeculativeConfig(method="suffix", num_speculative_tokens=4, suffix_decoding_min_token_prob=0.5)
+    cache = SuffixCache(max_requests=2)
+    drafter = SuffixDrafter(config, cache, (0, ""))
+    # [5, 6] is followed by 7 twice and by 9 once, but the longer match [4, 5, 6] only by 9.
+    tokens = [1, 5, 6, 7, 8, 2, 5, 6, 7, 8, 3, 4, 5, 6, 9, 9, 4, 5, 6]
+    assert drafter.propose(tokens) == [9, 9, 4]  # three matched tokens earn three drafts
+    two_matched = [1, 5, 6, 7, 8, 2, 5, 6, 7, 8, 3, 5, 6, 9, 0, 5, 6]
+    assert SuffixDrafter(config, cache, (0, "")).propose(two_matched) == [7, 8]  # 7 twice in three
+    # Another request of the same tenant drafts from a finished one's output; another tenant not.
+    drafter.finished([40, 41, 42, 43, 44, 45, 46])
+    again = SuffixDrafter(config, cache, (0, ""))
+    assert again.propose([7, 40, 41, 42]) == [43, 44, 45]
+    assert SuffixDrafter(config, cache, (0, "other-salt")).propose([7, 40, 41, 42]) == []
+    assert SuffixDrafter(config, cache, (3, "")).propose([7, 40, 41, 42]) == []
+    # The cache keeps the last max_requests outputs: the oldest is forgotten.
+    again.finished([50, 51, 52, 53])
+    SuffixDrafter(config, cache, (0, "")).finished([60, 61, 62, 63])
+    assert SuffixDrafter(config, cache, (0, "")).propose([40, 41, 42]) == []
+    assert SuffixDrafter(config, cache, (0, "")).propose([50, 51, 52]) == [53]
+
+
 @pytest.mark.parametrize(("text", "words"), [
     ('{"method": "eagle"}', "unknown method"),
     ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens"),
     ('{"method": "ngram", "num_speculative_tokens": "4"}', "num_speculative_tokens must be an integer"),
     ('{"method": "ngram", "prompt_lookup_min": 5, "prompt_lookup_max": 3}', "prompt_lookup_min"),
     ('{"method": "ngram", "draft_model": "x"}', "unknown key 'draft_model'"),
+    ('{"method": "suffix", "suffix_decoding_min_token_prob": 2}', "suffix_decoding_min_token_prob"),
     ('["ngram"]', "JSON object"),
     ("{method: ngram}", "not JSON"),
 ])
@@ -83,6 +107,24 @@ def test_greedy_with_drafts_is_greedy_without_them(engines):
     assert accepted > 48 and drafted >= accepted  # the drafts ran, and most of a copy was free
     assert sum(stats.spec_decode_accepted_per_position) == stats.spec_decode_num_accepted_tokens
     assert stats.num_used_blocks == 0
+
+
+def test_suffix_drafts_are_exact_and_learn_from_earlier_outputs(engines, default_model_dir):
+    plain, _ = engines
+    suffix = trillm.LLM(default_model_dir, num_kv_blocks=256, speculative_config=json.dumps(
+        {"method": "suffix", "num_speculative_tokens": 6, "disable_by_batch_size": 8}))
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    prompt = "Write ten short, different sentences about the weather in spring."  # free text: few repeats
+    expected = outputs(plain, [prompt], params)[0].token_ids
+    first = outputs(suffix, [prompt], params)[0].token_ids
+    accepted_first = suffix.engine.stats().spec_decode_num_accepted_tokens
+    again = outputs(suffix, [prompt], params)[0].token_ids  # its answer is now in the cache
+    accepted_again = suffix.engine.stats().spec_decode_num_accepted_tokens - accepted_first
+    assert first == again == expected
+    assert accepted_again > accepted_first and accepted_again >= 30
+    assert [o.token_ids for o in outputs(suffix, REPETITIVE, params)] == \
+        [o.token_ids for o in outputs(plain, REPETITIVE, params)]
+    assert suffix.engine.stats().num_used_blocks == 0
 
 
 def test_seeded_sampling_with_penalties_is_the_same_with_drafts(engines):
@@ -185,3 +227,19 @@ def test_sampled_output_with_drafts_has_the_target_distribution(tiny_model_dir):
     bins.append((sum(counts[key] for key in small), sum(exact[key] for key in small) * num_samples))
     statistic = sum((seen - expected) ** 2 / expected for seen, expected in bins if expected > 0)
     assert statistic < chi_square_critical(len(bins) - 1), (statistic, len(bins))
+
+
+@pytest.mark.cuda
+def test_verification_runs_as_decode_rows_on_cuda_graphs(tiny_model_dir):
+    """On a device: verification steps are decode steps (the Triton decode attention, CUDA
+    graphs of the padded row count), and greedy output is greedy decoding's."""
+    prompts = [[11, 22, 33, 44] * 6 + [11, 22], [5, 6, 7] * 9, [9, 8, 7, 6, 5] * 5]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    results = []
+    for config in (None, json.dumps({**NGRAM, "prompt_lookup_min": 1})):
+        llm = trillm.LLM(tiny_model_dir("llama"), device="cuda", dtype="float32", num_kv_blocks=64,
+                         max_num_seqs=16, speculative_config=config)
+        assert llm.engine.runner.decode_graphs is not None
+        results.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
+    assert results[0] == results[1]
+    assert llm.engine.stats().spec_decode_num_accepted_tokens > 0

@@ -2,6 +2,7 @@
 Greedy tokens and logprobs at TP > 1 equal TP = 1 (fp32, the exact path), with KV heads split
 and replicated, on tiny random models and on the default model through a live server; a worker
 killed mid-stream fails the engine like any failed step, and no rank outlives its engine."""
+import json
 import os
 import signal
 
@@ -53,6 +54,23 @@ def assert_same(sharded, whole):
 def test_sharded_greedy_equals_whole(tiny_model_dir, kind, overrides, tp):
     model = tiny_model_dir(kind, **overrides)
     assert_same(greedy(model, tp), greedy(model, 1))
+
+
+def test_drafts_are_verified_on_every_rank(tiny_model_dir):
+    """Speculative decoding under TP: a verification's rows get logits on every rank (the
+    vocabulary's shards are gathered for each), and greedy output is TP = 1's without drafts."""
+    model = tiny_model_dir("llama", num_attention_heads=4, num_key_value_heads=2)
+    drafts = json.dumps({"method": "ngram", "prompt_lookup_min": 1, "disable_by_batch_size": 0})
+    llm = LLM(model, tensor_parallel_size=2, num_kv_blocks=32, speculative_config=drafts, tp_timeout=10,
+              **EXACT)
+    try:
+        outputs = llm.generate(PROMPTS, GREEDY)
+        drafted = llm.engine.stats().spec_decode_num_draft_tokens
+    finally:
+        llm.engine.close()
+    sharded = [(o.outputs[0].token_ids, [lp.logprob for lp in o.outputs[0].logprobs]) for o in outputs]
+    assert drafted > 0
+    assert_same(sharded, greedy(model, 1))
 
 
 def test_prompt_logprobs_and_teacher_forcing_are_sharded_too(tiny_model_dir):

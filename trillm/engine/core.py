@@ -24,6 +24,7 @@ from trillm.model.runner import ModelRunner, SleepTag
 from trillm.model.tp_worker import Workers, launcher_init_method, launcher_rank
 from trillm.engine.sampler import Sampler, SamplingBatch, TokenLogprobs
 from trillm.engine.stats import EngineStats
+from trillm.engine.suffix_drafter import SuffixCache, SuffixDrafter
 from trillm.engine.structured_output import Grammars, accept
 from trillm.engine.verification import SeededStreams, SpecDecodeCounts, sampling_rows, verified_run
 from trillm.pooling_params import PoolingParams
@@ -119,6 +120,9 @@ class EngineCore:
         self.num_preemptions = 0
         self.speculative = SpeculativeConfig.parse(args.speculative_config)  # None: no drafts
         self.spec_decode = SpecDecodeCounts()
+        # "suffix" drafts also come from earlier requests' outputs, kept here per tenant
+        self.suffix_cache = None if self.speculative is None else \
+            SuffixCache(self.speculative.suffix_decoding_max_cached_requests)
 
     def close(self) -> None:
         """Stops the other tensor-parallel ranks (a no-op on one rank) and the grammar compiler
@@ -213,7 +217,11 @@ class EngineCore:
         prompt_logprobs = None
         if params.prompt_logprobs is not None:
             prompt_logprobs = PromptLogprobs(list(prompt_token_ids), params.prompt_logprobs_start, params.prompt_logprobs)
-        drafter = None if self.speculative is None else NgramDrafter(self.speculative)
+        drafter = None
+        if self.speculative is not None and self.speculative.method == "suffix":
+            drafter = SuffixDrafter(self.speculative, self.suffix_cache, (lora_id, request.cache_salt))
+        elif self.speculative is not None:
+            drafter = NgramDrafter(self.speculative)
         self._add(EngineRequest(request, params, generator, matcher, prompt_logprobs=prompt_logprobs, lora=lora,
                                 drafter=drafter))
 
@@ -244,10 +252,12 @@ class EngineCore:
         self.requests[row.request_id] = row
 
     def _forget(self, request_id: str) -> None:
-        """A request ended: its record goes, and its hold on its adapter."""
+        """A request ended: its record goes, and its hold on its adapter; its drafter learns its output."""
         row = self.requests.pop(request_id)
         if row.lora is not None:
             self.loras.release(row.lora)
+        if row.drafter is not None:
+            row.drafter.finished(row.token_ids[row.num_prompt_tokens:])
 
     # --- the weights' life cycle: the engine's owner calls these; sleep and swap need it idle ---
 

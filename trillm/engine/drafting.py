@@ -1,5 +1,6 @@
 """Speculative decoding's drafts: `--speculative-config` (vLLM's JSON keys) and the n-gram
-drafter, which proposes tokens by prompt lookup, with no second model.
+drafter, which proposes tokens by prompt lookup, with no second model ("suffix" drafts, from
+the request's tokens and earlier requests' outputs: trillm/engine/suffix_drafter.py).
 
 A decode step on CPU (and at small batches on a GPU) is bound by reading the weights, so a
 request verifying k drafted tokens in the same step costs little more than its one token;
@@ -22,7 +23,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, fields
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "suffix")
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,13 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2  # the shortest
     # Running requests above which no request drafts in a step (0: always draft)
     disable_by_batch_size: int = 4
+    # "suffix" (trillm/engine/suffix_drafter.py): the longest match looked for, the draft tokens
+    # per matched token, the least share of matches a drafted token needs, and how many finished
+    # requests' outputs later requests draft from (per adapter and cache salt)
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
+    suffix_decoding_max_cached_requests: int = 1000
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -44,8 +52,13 @@ class SpeculativeConfig:
             raise ValueError("--speculative-config: num_speculative_tokens must be at least 1.")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError("--speculative-config: need 1 <= prompt_lookup_min <= prompt_lookup_max.")
-        if self.disable_by_batch_size < 0:
-            raise ValueError("--speculative-config: disable_by_batch_size must be non-negative.")
+        if self.disable_by_batch_size < 0 or self.suffix_decoding_max_cached_requests < 0:
+            raise ValueError("--speculative-config: disable_by_batch_size and suffix_decoding_max_cached_requests "
+                             "must be non-negative.")
+        if self.suffix_decoding_max_tree_depth < 2 or self.suffix_decoding_max_spec_factor <= 0 \
+                or not 0 <= self.suffix_decoding_min_token_prob <= 1:
+            raise ValueError("--speculative-config: need suffix_decoding_max_tree_depth >= 2, "
+                             "suffix_decoding_max_spec_factor > 0 and 0 <= suffix_decoding_min_token_prob <= 1.")
 
     @classmethod
     def parse(cls, text: str | None) -> SpeculativeConfig | None:
@@ -63,9 +76,9 @@ class SpeculativeConfig:
         for key, value in values.items():
             if key not in known:
                 raise ValueError(f"--speculative-config: unknown key {key!r}; the keys are {', '.join(known)}.")
-            wanted = str if known[key] == "str" else int
-            if type(value) is not wanted:
-                kind = "a string" if wanted is str else "an integer"
+            wanted = {"str": (str,), "int": (int,), "float": (int, float)}[known[key]]
+            if type(value) not in wanted:
+                kind = {"str": "a string", "int": "an integer", "float": "a number"}[known[key]]
                 raise ValueError(f"--speculative-config: {key} must be {kind}.")
         return cls(**values)
 
@@ -107,3 +120,6 @@ class NgramDrafter:
         """Verification's outcome: the next draft is one longer than this accepted run."""
         if num_drafts:
             self.num_to_draft = min(num_accepted + 1, self.config.num_speculative_tokens)
+
+    def finished(self, output: list[int]) -> None:
+        """The request ended: prompt lookup keeps nothing of it."""

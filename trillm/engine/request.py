@@ -14,6 +14,7 @@ import torch
 
 from trillm.model.lora import LoRAAdapter
 from trillm.engine.drafting import NgramDrafter
+from trillm.engine.suffix_drafter import SuffixDrafter
 from trillm.engine.pooler import Pooler
 from trillm.engine.prompt_logprobs import PromptLogprobs
 from trillm.pooling_params import PoolingParams
@@ -31,7 +32,7 @@ class EngineRequest:
     prompt_logprobs: PromptLogprobs | None = None
     pooler: Pooler | None = None
     lora: LoRAAdapter | None = None  # its adapter, held (LoRARegistry.acquire) until it ends
-    drafter: NgramDrafter | None = None  # its speculative drafts' source (None: speculative decoding is off)
+    drafter: NgramDrafter | SuffixDrafter | None = None  # where its drafts come from (None: no speculative decoding)
 
     @property
     def wants_hidden(self) -> bool:
