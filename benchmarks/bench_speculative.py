@@ -1,5 +1,5 @@
 """Speculative decoding measured by the neutral load generator: `vllm bench serve` drives trillm
-without drafts and with n-gram or suffix drafts, and llama-server without and with its own n-gram drafts
+without drafts (`--speculative-config ""`) and with n-gram (its default) or suffix drafts, and llama-server without and with its own n-gram drafts
 (`--spec-type ngram-simple`, its defaults otherwise), one server at a time on a free loopback
 port, on
 
@@ -53,7 +53,12 @@ def llama_ngram_command(args, model_dir: str, port: int):
     return command + ["--spec-type", "ngram-simple"], env
 
 
-SERVERS = {"trillm": trillm_command, "trillm-ngram": trillm_ngram_command, "trillm-suffix": trillm_suffix_command,
+def trillm_plain_command(args, model_dir: str, port: int):
+    command, env = trillm_command(args, model_dir, port)
+    return command + ["--speculative-config", ""], env
+
+
+SERVERS = {"trillm": trillm_plain_command, "trillm-ngram": trillm_ngram_command, "trillm-suffix": trillm_suffix_command,
            "llama-server": llama_server_command, "llama-server-ngram": llama_ngram_command}
 
 

@@ -70,10 +70,11 @@ class EngineArgs:
     grammar_compile_timeout: float = 10.0
     # /sleep may free the KV cache (level 1) and the weights (level 2) until /wake_up
     enable_sleep_mode: bool = False
-    # Speculative decoding (trillm/engine/drafting.py), vLLM's JSON: {"method": "ngram",
+    # Speculative decoding (trillm/engine/drafting.py), vLLM's JSON: {"method": "ngram" | "suffix",
     # "num_speculative_tokens": k, "prompt_lookup_max": n, "prompt_lookup_min": n,
-    # "disable_by_batch_size": b}. None: off
-    speculative_config: str | None = None
+    # "disable_by_batch_size": b, ...}; on by default (prompt lookup: benchmarks/README.md has the
+    # figures that chose it). "" or None: off
+    speculative_config: str | None = '{"method": "ngram"}'
 
     def __post_init__(self) -> None:
         self.scheduling_policy = SchedulingPolicy(self.scheduling_policy)  # its name as a string is taken too
