@@ -98,9 +98,11 @@ def test_a_step_mixing_the_base_model_and_two_adapters_gives_each_row_its_own_ou
     a1, a2 = make_adapter(base, seed=1), make_adapter(base, seed=2)
     core = engine(base, max_loras=2, lora_modules=f"one={a1},two={a2}", attention_backend=backend)
     requests = {"base": (PROMPT, None), "one": (PROMPT, "one"), "two": (PROMPT[:5], "two"),
-                "one-b": ([9, 9, 4, 1], "one")}
+                "one-b": ([9, 4, 1, 9, 4, 1, 9, 4], "one")}
     num_tokens = 3 if backend == "triton" else 8  # the Triton interpreter is slow
     together = run(core, requests, num_tokens)
+    if num_tokens == 8:  # outputs long enough to repeat: drafts (on by default) verified in adapter rows
+        assert core.stats().spec_decode_num_drafts > 0
     for rid, request in requests.items():
         alone, = run(core, {rid + "-alone": request}, num_tokens).values()
         assert together[rid][0] == alone[0]
