@@ -88,17 +88,38 @@ class SpeculativeConfig:
         return self.disable_by_batch_size == 0 or num_running <= self.disable_by_batch_size
 
 
-class NgramDrafter:
+class Drafter:
+    """What every method's drafter shares: one request's current draft length, which follows
+    what verification kept, and what it does when the request ends. Owned by the request's
+    record; the engine core calls it between steps."""
+
+    def __init__(self, config: SpeculativeConfig):
+        self.config = config
+        self.num_to_draft = config.num_speculative_tokens  # this request's current draft length
+
+    def propose(self, token_ids: list[int]) -> list[int]:
+        """Drafts to follow `token_ids`: at most num_to_draft, [] when it has none."""
+        raise NotImplementedError
+
+    def accepted(self, num_drafts: int, num_accepted: int) -> None:
+        """Verification's outcome: the next draft is one longer than this accepted run."""
+        if num_drafts:
+            self.num_to_draft = min(num_accepted + 1, self.config.num_speculative_tokens)
+
+    def finished(self, output: list[int]) -> None:
+        """The request ended with `output`; a drafter that keeps nothing of it does nothing."""
+
+
+class NgramDrafter(Drafter):
     """One request's prompt-lookup index: each n-gram (n in [min, max]) of its tokens, mapped to
     where its latest occurrence ends. Indexed incrementally: each token is indexed once, so a
     step's draft costs O(max) lookups whatever the context's length. Owned by the request's
     record; not shared (drafts never cross requests, so never adapters or cache salts)."""
 
     def __init__(self, config: SpeculativeConfig):
-        self.config = config
+        super().__init__(config)
         self._ends: dict[tuple[int, ...], int] = {}
         self._indexed = 0  # n-grams ending at positions < this are in _ends
-        self.num_to_draft = config.num_speculative_tokens  # this request's current draft length
 
     def propose(self, token_ids: list[int]) -> list[int]:
         """Drafts to follow `token_ids` (at most num_to_draft of them; [] when no n-gram of its
@@ -115,11 +136,3 @@ class NgramDrafter:
             if end is not None:
                 return token_ids[end:end + self.num_to_draft]
         return []
-
-    def accepted(self, num_drafts: int, num_accepted: int) -> None:
-        """Verification's outcome: the next draft is one longer than this accepted run."""
-        if num_drafts:
-            self.num_to_draft = min(num_accepted + 1, self.config.num_speculative_tokens)
-
-    def finished(self, output: list[int]) -> None:
-        """The request ended: prompt lookup keeps nothing of it."""

@@ -13,8 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from trillm.model.lora import LoRAAdapter
-from trillm.engine.drafting import NgramDrafter
-from trillm.engine.suffix_drafter import SuffixDrafter
+from trillm.engine.drafting import Drafter
 from trillm.engine.pooler import Pooler
 from trillm.engine.prompt_logprobs import PromptLogprobs
 from trillm.pooling_params import PoolingParams
@@ -32,7 +31,7 @@ class EngineRequest:
     prompt_logprobs: PromptLogprobs | None = None
     pooler: Pooler | None = None
     lora: LoRAAdapter | None = None  # its adapter, held (LoRARegistry.acquire) until it ends
-    drafter: NgramDrafter | SuffixDrafter | None = None  # where its drafts come from (None: no speculative decoding)
+    drafter: Drafter | None = None  # where its drafts come from (None: no speculative decoding)
 
     @property
     def wants_hidden(self) -> bool:

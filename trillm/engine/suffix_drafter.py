@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from trillm.engine.drafting import Drafter, SpeculativeConfig
+
 KEY = 2  # tokens that index a place
 MAX_PLACES = 64  # the most recent places of one pair that a draft looks at
 
@@ -79,12 +81,11 @@ class SuffixCache:
             self._indexes[old].remove(key)
 
 
-class SuffixDrafter:
+class SuffixDrafter(Drafter):
     """One request's suffix drafts: its own tokens, and its tenant's global cache."""
 
-    def __init__(self, config, cache: SuffixCache, tenant: tuple[int, str]):
-        self.config = config
-        self.num_to_draft = config.num_speculative_tokens
+    def __init__(self, config: SpeculativeConfig, cache: SuffixCache, tenant: tuple[int, str]):
+        super().__init__(config)
         self._own = PairIndex()
         self._cache, self._tenant = cache, tenant
         self._global = cache.index(tenant)
@@ -123,10 +124,6 @@ class SuffixDrafter:
                 and tokens[end - length - 1] == token_ids[-length - 1]:
             length += 1
         return length
-
-    def accepted(self, num_drafts: int, num_accepted: int) -> None:
-        if num_drafts:
-            self.num_to_draft = min(num_accepted + 1, self.config.num_speculative_tokens)
 
     def finished(self, output: list[int]) -> None:
         """The request ended with `output`: later requests of its tenant may draft from it."""
