@@ -588,7 +588,6 @@ class Scheduler:
         count: cython.Py_ssize_t = len(output.scheduled)
         assert len(sampled) == count, f"{len(sampled)} sampled tokens for {count} scheduled requests"
         alloc: BlockAllocator = self.allocator
-        block_size: cython.int = self.block_size
         finished: list = []
         request: Request
         entry: ScheduledRequest
@@ -608,9 +607,7 @@ class Scheduler:
                 continue
             after = before + entry.num_new_tokens
             request.num_computed_tokens = after
-            if after // block_size > before // block_size:
-                alloc.cache_full_blocks(request.block_table, request.token_ids, request._block_hashes,
-                                        before // block_size, after // block_size, request.cache_salt)
+            self._cache_new_full_blocks(request, before, after)
             if entry.needs_sample:
                 if self._append_token(request, sampled[k]):
                     finished.append(request)
@@ -648,10 +645,16 @@ class Scheduler:
             tail: list = request.block_table[keep:]
             del request.block_table[keep:]
             self.allocator.free(tail)
+        self._cache_new_full_blocks(request, before, after)
+        return False
+
+    @cython.cfunc
+    def _cache_new_full_blocks(self, request: Request, before: cython.int, after: cython.int):
+        """The blocks that computing tokens before..after filled enter the prefix cache."""
+        block_size: cython.int = self.block_size
         if after // block_size > before // block_size:
             self.allocator.cache_full_blocks(request.block_table, request.token_ids, request._block_hashes,
                                              before // block_size, after // block_size, request.cache_salt)
-        return False
 
     @cython.cfunc
     def _append_token(self, request: Request, token: cython.int) -> cython.bint:
