@@ -80,9 +80,13 @@ def test_the_config_takes_vllm_keys_and_refuses_the_rest(text, words):
 
 @pytest.fixture(scope="module")
 def engines(default_model_dir):
-    plain = trillm.LLM(default_model_dir, num_kv_blocks=256)
+    plain = trillm.LLM(default_model_dir, num_kv_blocks=256, speculative_config="")
     drafting = trillm.LLM(default_model_dir, num_kv_blocks=256, speculative_config=json.dumps(NGRAM))
-    return plain, drafting
+    yield plain, drafting
+    # Their grammar compiler processes stop now, not whenever the engines are collected (a later
+    # module on this worker counts its processes).
+    plain.engine.close()
+    drafting.engine.close()
 
 
 def outputs(llm, prompts, params):

@@ -70,7 +70,7 @@ def test_drafts_are_verified_on_every_rank(tiny_model_dir):
         llm.engine.close()
     sharded = [(o.outputs[0].token_ids, [lp.logprob for lp in o.outputs[0].logprobs]) for o in outputs]
     assert drafted > 0
-    assert_same(sharded, greedy(model, 1))
+    assert_same(sharded, greedy(model, 1, speculative_config=""))
 
 
 def test_prompt_logprobs_and_teacher_forcing_are_sharded_too(tiny_model_dir):
