@@ -23,6 +23,7 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
 from trillm.engine.api import EngineCore, EngineUnavailableError, QueueFullError, WeightsError
+from trillm.heap import freeze_heap
 from trillm.http import (
     adapters,
     anthropic_messages,
@@ -95,6 +96,7 @@ def create_app(settings: ServerSettings | None = None, core: EngineCore | None =
 
     @app.before_serving
     async def start_engine():
+        freeze_heap()  # what the app and its engine loaded stays out of the collector's walks (trillm.heap)
         await app.nursery.start(state.engine.run)
 
     @app.after_serving

@@ -19,6 +19,7 @@ import subprocess
 import sys
 
 from trillm.config import EngineArgs
+from trillm.heap import freeze_heap
 from trillm.model import parallel
 from trillm.subprocesses import free_port, spawn
 
@@ -45,7 +46,9 @@ def run_worker(args: EngineArgs, rank: int) -> None:
 
     tp = parallel.join(rank, args.tensor_parallel_size, args.tp_init_method, resolve_device(args.device), args.tp_timeout)
     try:
-        ModelRunner(args, tp).serve_steps()
+        runner = ModelRunner(args, tp)
+        freeze_heap()  # a collection's stall on one rank would stall every rank's step
+        runner.serve_steps()
     except RuntimeError as exc:  # a collective failed: rank 0 is gone
         log.info("tensor-parallel rank %d stops: %s", rank, exc)
     finally:
