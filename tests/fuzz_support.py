@@ -5,7 +5,8 @@ the schema (which then reach the engine and run) and bodies that break it. It is
 `fuzz_in_a_process` runs it (and the hostile bodies) in a process of its own while the server
 serves on the Trio loop: generating cases is pure Python, and in a thread of the server's process
 it held the interpreter lock the server's event loop needs, so a stalled probe could not tell the
-server's fault from the fuzzer's. Derandomized, so a run repeats exactly.
+server's fault from the fuzzer's. Generating is most of the fuzzer's work, so the routes are dealt
+to several such processes at once. Derandomized, so a run repeats exactly.
 """
 import json
 import sys
@@ -45,14 +46,13 @@ def sse_errors(text: str) -> list[dict]:
     return [e["error"] for e in map(json.loads, events) if "error" in e]
 
 
-def fuzz(url: str, doc: dict, counts: dict, examples: int) -> None:
+def fuzz(url: str, doc: dict, counts: dict, examples: int, share: tuple[int, int] = (0, 1)) -> None:
     """Every POST operation, bodies valid and invalid; raises on the first 5xx or malformed error
-    (OpenAI's shape, Anthropic's on its Messages routes)."""
+    (OpenAI's shape, Anthropic's on its Messages routes). `share` (k, n): only the k-th of every n
+    operations."""
     schema = from_dict(doc)
-    for result in schema.get_all_operations():
-        operation = result.ok()
-        if operation.method.upper() != "POST":
-            continue
+    operations = [result.ok() for result in schema.get_all_operations()]
+    for operation in [op for op in operations if op.method.upper() == "POST"][share[0]::share[1]]:
         modes = [GenerationMode.POSITIVE] + ([GenerationMode.NEGATIVE] if len(operation.body) else [])
         for mode in modes:
 
@@ -91,14 +91,15 @@ def hostile_bodies() -> list[tuple[str, bytes]]:
     ]
 
 
-def send_hostile(url: str, doc: dict, counts: dict) -> None:
+def send_hostile(url: str, doc: dict, counts: dict, share: tuple[int, int] = (0, 1)) -> None:
     """Every hostile body to every POST route of `doc` (path parameters filled with a made-up id);
-    raises on a 5xx or an error that is not its API's shape."""
+    raises on a 5xx or an error that is not its API's shape. `share` as `fuzz`'s."""
     import re
 
     import httpx
 
     paths = [re.sub(r"\{[^}]+\}", "resp_none", path) for path, ops in doc["paths"].items() if "post" in ops]
+    paths = paths[share[0]::share[1]]
     with httpx.Client(base_url=url, timeout=60) as client:
         for path in paths:
             for content_type, body in hostile_bodies():
@@ -123,23 +124,33 @@ async def probe_health(url: str, probes: list[float]) -> None:
             await trio.sleep(0.05)
 
 
-async def fuzz_in_a_process(url: str, examples: int) -> dict[int, int]:
-    """`fuzz`, then `send_hostile`, against the server at `url`, in a child process; returns the
-    answers counted by status class. Fails with the child's report on a 5xx or a malformed error."""
+async def fuzz_in_a_process(url: str, examples: int, processes: int = 2) -> dict[int, int]:
+    """`fuzz`, then `send_hostile`, against the server at `url`, the routes dealt to `processes`
+    child processes running at once; returns the answers counted by status class. Fails with a
+    child's report on a 5xx or a malformed error."""
     import trio
 
-    result = await trio.run_process([sys.executable, __file__, url, str(examples)], capture_stdout=True,
-                                    capture_stderr=True, check=False)
-    assert result.returncode == 0, result.stderr.decode(errors="replace")[-4000:]
-    return {int(k): v for k, v in json.loads(result.stdout.decode().splitlines()[-1]).items()}
+    counts: dict[int, int] = {}
+
+    async def one(share: int) -> None:
+        result = await trio.run_process([sys.executable, __file__, url, str(examples), str(share), str(processes)],
+                                        capture_stdout=True, capture_stderr=True, check=False)
+        assert result.returncode == 0, result.stderr.decode(errors="replace")[-4000:]
+        for status, count in json.loads(result.stdout.decode().splitlines()[-1]).items():
+            counts[int(status)] = counts.get(int(status), 0) + count
+
+    async with trio.open_nursery() as nursery:
+        for share in range(processes):
+            nursery.start_soon(one, share)
+    return counts
 
 
-if __name__ == "__main__":  # fuzz_in_a_process's child: python fuzz_support.py URL EXAMPLES
+if __name__ == "__main__":  # fuzz_in_a_process's child: python fuzz_support.py URL EXAMPLES SHARE PROCESSES
     import httpx
 
-    target, per_route = sys.argv[1], int(sys.argv[2])
+    target, per_route, share = sys.argv[1], int(sys.argv[2]), (int(sys.argv[3]), int(sys.argv[4]))
     document = httpx.get(target + "/openapi.json", timeout=60).json()
     counted: dict[int, int] = {}
-    fuzz(target, document, counted, per_route)
-    send_hostile(target, document, counted)
+    fuzz(target, document, counted, per_route, share)
+    send_hostile(target, document, counted, share)
     print(json.dumps(counted))
