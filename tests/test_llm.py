@@ -1,4 +1,6 @@
-"""The offline engine end to end on the default model, judged against transformers' own generate."""
+"""The offline engine end to end on the default model. Greedy output is judged against transformers:
+every token must be its argmax after the tokens before it (teacher forced, one forward pass per
+sequence), which is what transformers' greedy generate would have produced, stop included."""
 import json
 
 import jsonschema
@@ -10,6 +12,9 @@ import trillm
 from trillm import SamplingParams, StructuredOutput
 
 MAX_TOKENS = 20
+# The default model's GGUF blocks with fp32 activations: the numbers of the fp32 weights they
+# dequantize to (transformers' model below), at the speed of reading the blocks.
+ON_BLOCKS_EXACT = dict(quantized_activations=False)
 PROMPTS = [
     "The capital of France is",
     "Write a haiku about the sea.",
@@ -33,21 +38,22 @@ QUESTIONS = ["How do I fix a flat tire?", "What is a derailleur?", "Are disc bra
 
 @pytest.fixture(scope="module")
 def hf_greedy(default_model_dir):
-    """transformers' greedy continuation of a token-id prompt, one prompt at a time (no padding)."""
-    model = AutoModelForCausalLM.from_pretrained(default_model_dir, torch_dtype=torch.float32).eval()
-    cache = {}
+    """Asserts that a greedy completion is transformers' (fp32): each token its argmax given the
+    prompt and the tokens before it, and the completion ends where greedy generate would end
+    (at the end-of-sequence token, or after MAX_TOKENS)."""
+    model = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
 
-    def generate(ids: list[int]) -> list[int]:
-        key = tuple(ids)
-        if key not in cache:
-            with torch.inference_mode():
-                out = model.generate(
-                    torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=2
-                )
-            cache[key] = out[0, len(ids) :].tolist()
-        return cache[key]
+    def check(prompt_ids: list[int], completion, eos_token_id: int) -> None:
+        tokens = completion.token_ids
+        with torch.inference_mode():
+            logits = model(torch.tensor([prompt_ids + tokens])).logits[0]
+        assert logits[len(prompt_ids) - 1:-1].argmax(-1).tolist() == tokens
+        if completion.finish_reason == "stop":
+            assert tokens[-1] == eos_token_id and eos_token_id not in tokens[:-1]
+        else:
+            assert completion.finish_reason == "length" and len(tokens) == MAX_TOKENS and eos_token_id not in tokens
 
-    return generate
+    return check
 
 
 @pytest.fixture(scope="module")
@@ -55,29 +61,24 @@ def tokenizer(default_model_dir):
     return AutoTokenizer.from_pretrained(default_model_dir)
 
 
-def _expected(hf_greedy, ids, eos_token_id):
-    tokens = hf_greedy(ids)
-    return tokens[: tokens.index(eos_token_id) + 1] if eos_token_id in tokens else tokens
-
-
-def test_greedy_batch_matches_transformers_under_preemption_and_chunked_prefill(default_model_dir, hf_greedy, tokenizer):
+def test_greedy_batch_matches_transformers_under_preemption_and_chunked_prefill(hf_greedy, tokenizer):
     # 16 blocks of 16 tokens cannot hold nine requests at once, so the scheduler must preempt;
     # a 24-token step budget splits every prompt longer than that over several steps.
-    llm = trillm.LLM(default_model_dir, num_kv_blocks=16, max_num_batched_tokens=24, enable_prefix_caching=False)
+    llm = trillm.LLM(num_kv_blocks=16, max_num_batched_tokens=24, enable_prefix_caching=False, **ON_BLOCKS_EXACT)
     prompt_ids = [tokenizer.encode(p) for p in PROMPTS]
     assert sum(len(ids) > 24 for ids in prompt_ids) >= 2, "prompts must be long enough to be chunked"
     outputs = llm.generate(prompt_ids, SamplingParams(temperature=0, max_tokens=MAX_TOKENS))
     assert llm.engine.stats().num_preemptions > 0, "the pool was meant to force preemption"
     for ids, out in zip(prompt_ids, outputs):
         (completion,) = out.outputs
-        assert completion.token_ids == _expected(hf_greedy, ids, llm.engine.config.eos_token_id)
-        assert completion.finish_reason in ("stop", "length")
+        hf_greedy(ids, completion, llm.engine.config.eos_token_id)
     assert llm.engine.stats().num_used_blocks == 0
 
 
-def test_structured_output_holds_under_preemption(default_model_dir, tokenizer):
-    # The pool of the test above: requests are preempted and recompute, their matchers carry on.
-    llm = trillm.LLM(default_model_dir, num_kv_blocks=16, max_num_batched_tokens=24, enable_prefix_caching=False)
+def test_structured_output_holds_under_preemption(tokenizer):
+    # The pool of the test above: requests are preempted and recompute, their matchers carry on
+    # (on the default model's GGUF blocks, as served: no transformers numbers to match here).
+    llm = trillm.LLM(num_kv_blocks=16, max_num_batched_tokens=24, enable_prefix_caching=False)
     schema = {"type": "object", "properties": {"word": {"type": "string", "maxLength": 10},
                                                "n": {"type": "integer", "minimum": 0, "maximum": 999}},
               "required": ["word", "n"]}
@@ -91,8 +92,8 @@ def test_structured_output_holds_under_preemption(default_model_dir, tokenizer):
     assert llm.engine.stats().num_used_blocks == 0
 
 
-def test_greedy_with_prefix_cache_hits_matches_transformers(default_model_dir, hf_greedy):
-    llm = trillm.LLM(default_model_dir, num_kv_blocks=64, max_num_batched_tokens=64)
+def test_greedy_with_prefix_cache_hits_matches_transformers(hf_greedy):
+    llm = trillm.LLM(num_kv_blocks=64, max_num_batched_tokens=64, **ON_BLOCKS_EXACT)
     conversations = [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}] for q in QUESTIONS]
     greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
     llm.chat(conversations[0], greedy)  # warms the cache with the shared system prompt
@@ -100,12 +101,13 @@ def test_greedy_with_prefix_cache_hits_matches_transformers(default_model_dir, h
     assert all(out.num_cached_tokens >= 32 for out in outputs), [o.num_cached_tokens for o in outputs]
     assert llm.engine.stats().prefix_cache_hits > 0
     for out in outputs:
-        assert out.outputs[0].token_ids == _expected(hf_greedy, out.prompt_token_ids, llm.engine.config.eos_token_id)
+        hf_greedy(out.prompt_token_ids, out.outputs[0], llm.engine.config.eos_token_id)
 
 
 @pytest.fixture(scope="module")
-def llm(default_model_dir):
-    return trillm.LLM(default_model_dir, num_kv_blocks=128)
+def llm():
+    """The default model as served (its GGUF blocks): what follows needs no transformers numbers."""
+    return trillm.LLM(num_kv_blocks=128)
 
 
 def test_abort_mid_generation_returns_every_block(llm, tokenizer):

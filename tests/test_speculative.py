@@ -79,9 +79,11 @@ def test_the_config_takes_vllm_keys_and_refuses_the_rest(text, words):
 
 
 @pytest.fixture(scope="module")
-def engines(default_model_dir):
-    plain = trillm.LLM(default_model_dir, num_kv_blocks=256, speculative_config="")
-    drafting = trillm.LLM(default_model_dir, num_kv_blocks=256, speculative_config=json.dumps(NGRAM))
+def engines():
+    """The default model as `trillm serve` runs it (its GGUF blocks, decode steps on the fused
+    stack), without drafts and with them."""
+    plain = trillm.LLM(num_kv_blocks=256, speculative_config="")
+    drafting = trillm.LLM(num_kv_blocks=256, speculative_config=json.dumps(NGRAM))
     yield plain, drafting
     # Their grammar compiler processes stop now, not whenever the engines are collected (a later
     # module on this worker counts its processes).
@@ -113,9 +115,9 @@ def test_greedy_with_drafts_is_greedy_without_them(engines):
     assert stats.num_used_blocks == 0
 
 
-def test_suffix_drafts_are_exact_and_learn_from_earlier_outputs(engines, default_model_dir):
+def test_suffix_drafts_are_exact_and_learn_from_earlier_outputs(engines):
     plain, _ = engines
-    suffix = trillm.LLM(default_model_dir, num_kv_blocks=256, speculative_config=json.dumps(
+    suffix = trillm.LLM(num_kv_blocks=256, speculative_config=json.dumps(
         {"method": "suffix", "num_speculative_tokens": 6, "disable_by_batch_size": 8}))
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     prompt = "Write ten short, different sentences about the weather in spring."  # free text: few repeats
