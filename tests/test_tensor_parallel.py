@@ -46,7 +46,7 @@ def assert_same(sharded, whole):
 
 
 @pytest.mark.parametrize("kind, overrides, tp", [
-    ("llama", dict(num_attention_heads=4, num_key_value_heads=2), 2),  # KV heads split
+    # KV heads split (4 heads, 2 KV heads, TP = 2): the shared engine below, with drafts
     ("llama", dict(num_attention_heads=4, num_key_value_heads=1), 2),  # KV heads replicated (GQA)
     ("qwen2", dict(num_attention_heads=6, num_key_value_heads=2, hidden_size=96, vocab_size=250), 2),  # biases, uneven vocab
     ("llama", dict(num_attention_heads=6, num_key_value_heads=3, hidden_size=96, intermediate_size=96), 3),
@@ -54,44 +54,6 @@ def assert_same(sharded, whole):
 def test_sharded_greedy_equals_whole(tiny_model_dir, kind, overrides, tp):
     model = tiny_model_dir(kind, **overrides)
     assert_same(greedy(model, tp), greedy(model, 1))
-
-
-def test_drafts_are_verified_on_every_rank(tiny_model_dir):
-    """Speculative decoding under TP: a verification's rows get logits on every rank (the
-    vocabulary's shards are gathered for each), and greedy output is TP = 1's without drafts."""
-    model = tiny_model_dir("llama", num_attention_heads=4, num_key_value_heads=2)
-    drafts = json.dumps({"method": "ngram", "prompt_lookup_min": 1, "disable_by_batch_size": 0})
-    llm = LLM(model, tensor_parallel_size=2, num_kv_blocks=32, speculative_config=drafts, tp_timeout=10,
-              **EXACT)
-    try:
-        outputs = llm.generate(PROMPTS, GREEDY)
-        drafted = llm.engine.stats().spec_decode_num_draft_tokens
-    finally:
-        llm.engine.close()
-    sharded = [(o.outputs[0].token_ids, [lp.logprob for lp in o.outputs[0].logprobs]) for o in outputs]
-    assert drafted > 0
-    assert_same(sharded, greedy(model, 1, speculative_config=""))
-
-
-def test_prompt_logprobs_and_teacher_forcing_are_sharded_too(tiny_model_dir):
-    """Logits beyond the sampled rows (prompt logprobs, teacher forcing) are projected on every
-    rank too, as the vocabulary's shards must be: equal to TP = 1's."""
-    model = tiny_model_dir("llama", num_attention_heads=4, num_key_value_heads=2)
-    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3)
-    results = []
-    for tp in (1, 2):
-        llm = LLM(model, tensor_parallel_size=tp, num_kv_blocks=32, tp_timeout=10, **EXACT)
-        try:
-            (out,) = llm.generate([PROMPTS[2]], params)
-            entries = out.outputs[0].prompt_logprobs
-            forced = llm.engine.runner.teacher_forced_logits(PROMPTS[2], chunk=16)
-        finally:
-            llm.engine.close()
-        results.append(([e.logprob for e in entries[1:]], [e.top for e in entries[1:]], forced))
-    (logprobs, tops, forced), (want_logprobs, want_tops, want_forced) = results[1], results[0]
-    torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(want_logprobs), atol=1e-4, rtol=0)
-    assert [[t for t, _ in top] for top in tops] == [[t for t, _ in top] for top in want_tops]
-    torch.testing.assert_close(forced, want_forced, atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -148,3 +110,52 @@ async def test_a_dead_or_hung_worker_fails_the_engine_and_leaves_no_process(tiny
     finally:
         await trio.to_thread.run_sync(core.close)
     assert children() == before
+
+
+@pytest.fixture(scope="module")
+def split_heads_tp2(tiny_model_dir):
+    """(model, an LLM at TP = 2 on it, KV heads split over the ranks, drafting from every n-gram),
+    shared by the tests that need nothing else of it (starting ranks is most of their cost). Its
+    users come last in the module: the engine holds the process's group until the module ends."""
+    model = tiny_model_dir("llama", num_attention_heads=4, num_key_value_heads=2)
+    drafts = json.dumps({"method": "ngram", "prompt_lookup_min": 1, "disable_by_batch_size": 0})
+    before = children()
+    llm = LLM(model, tensor_parallel_size=2, num_kv_blocks=32, speculative_config=drafts, tp_timeout=10, **EXACT)
+    try:
+        assert len(children() - before) == 1, "the engine starts one process per other rank"
+        yield model, llm
+    finally:
+        llm.engine.close()
+    assert children() == before, "no rank outlives its engine"
+
+
+def test_drafts_are_verified_on_every_rank(split_heads_tp2):
+    """Speculative decoding under TP: a verification's rows get logits on every rank (the
+    vocabulary's shards are gathered for each), and greedy output is TP = 1's without drafts."""
+    model, llm = split_heads_tp2
+    drafted = llm.engine.stats().spec_decode_num_draft_tokens
+    outputs = llm.generate(PROMPTS, GREEDY)
+    sharded = [(o.outputs[0].token_ids, [lp.logprob for lp in o.outputs[0].logprobs]) for o in outputs]
+    assert llm.engine.stats().spec_decode_num_draft_tokens > drafted
+    assert_same(sharded, greedy(model, 1, speculative_config=""))
+
+
+def test_prompt_logprobs_and_teacher_forcing_are_sharded_too(split_heads_tp2):
+    """Logits beyond the sampled rows (prompt logprobs, teacher forcing) are projected on every
+    rank too, as the vocabulary's shards must be: equal to TP = 1's."""
+    model, sharded = split_heads_tp2
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3)
+    whole = LLM(model, num_kv_blocks=32, **EXACT)
+    results = []
+    try:
+        for llm in (whole, sharded):
+            (out,) = llm.generate([PROMPTS[2]], params)
+            entries = out.outputs[0].prompt_logprobs
+            forced = llm.engine.runner.teacher_forced_logits(PROMPTS[2], chunk=16)
+            results.append(([e.logprob for e in entries[1:]], [e.top for e in entries[1:]], forced))
+    finally:
+        whole.engine.close()
+    (logprobs, tops, forced), (want_logprobs, want_tops, want_forced) = results[1], results[0]
+    torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(want_logprobs), atol=1e-4, rtol=0)
+    assert [[t for t, _ in top] for top in tops] == [[t for t, _ in top] for top in want_tops]
+    torch.testing.assert_close(forced, want_forced, atol=1e-4, rtol=0)

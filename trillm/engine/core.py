@@ -134,7 +134,8 @@ class EngineCore:
                 told = self.runner.close()
         finally:
             self._stop_workers(wait=told)
-            parallel.leave()
+            if self.tp.size > 1:  # the group is the process's: a one-rank engine beside another leaves it be
+                parallel.leave()
 
     def __enter__(self) -> EngineCore:
         return self
