@@ -14,8 +14,11 @@ import httpx
 import openai
 import pytest
 import trio
-from http_support import live_server, tiny_core
+from http_support import live_server
 from process_support import descendants, live
+
+from trillm.config import EngineArgs
+from trillm.engine.core import EngineCore
 
 pytest.importorskip("sglang_router")
 
@@ -54,6 +57,12 @@ async def start_replicated(nursery, model: str, policy: str, *flags: str):
     return process, router, replicas, log
 
 
+async def requests_served(url: str) -> float:
+    async with httpx.AsyncClient(base_url=url) as http:
+        text = (await http.get("/metrics")).text
+    return sum(float(v) for v in re.findall(r"^trillm:request_success_total\{[^}]*\} (\S+)$", text, re.M))
+
+
 async def ask_with_shared_prefix(router: str, model: str, count: int) -> None:
     client = openai.AsyncOpenAI(base_url=router + "/v1", api_key="none", max_retries=0)
     try:
@@ -64,20 +73,16 @@ async def ask_with_shared_prefix(router: str, model: str, count: int) -> None:
         await client.close()
 
 
-@pytest.mark.parametrize("policy", ["cache_aware", "round_robin"])
-async def test_the_router_spreads_or_keeps_a_shared_prefix(tiny_text_model_dir, policy):
+async def test_cache_aware_routing_keeps_a_shared_prefix_on_one_replica(tiny_text_model_dir):
     model = os.path.basename(tiny_text_model_dir)
     async with trio.open_nursery() as nursery:
-        process, router, replicas, log = await start_replicated(nursery, tiny_text_model_dir, policy)
+        process, router, replicas, log = await start_replicated(nursery, tiny_text_model_dir, "cache_aware")
         try:
             assert len(replicas) == 2
             await ask_with_shared_prefix(router, model, 8)
             hits = [await prefix_hits(url) for url in replicas]
-            if policy == "cache_aware":
-                # All on one replica: it caches the prefix once, then hits it seven times.
-                assert sorted(hits)[0] == 0 and sorted(hits)[1] > 0, hits
-            else:
-                assert all(h > 0 for h in hits), hits  # split: each replica computed the prefix once
+            # All on one replica: it caches the prefix once, then hits it seven times.
+            assert sorted(hits)[0] == 0 and sorted(hits)[1] > 0, hits
         finally:
             process.send_signal(signal.SIGTERM)
             with trio.fail_after(60):
@@ -149,25 +154,28 @@ def _serves(pid: int, url: str) -> bool:
     return b"--port" in args and args[args.index(b"--port") + 1].decode() == url.rsplit(":", 1)[1]
 
 
-async def test_a_replica_elsewhere_joins_the_router(tiny_text_model_dir):
+async def test_a_replica_elsewhere_joins_the_router_and_round_robin_spreads_a_prefix(tiny_text_model_dir):
     """--data-parallel-address: a `trillm serve` the supervisor did not start (here an
-    in-process server, as one on another machine would be) is routed to beside the local two."""
+    in-process server, as one on another machine would be) is routed to beside the local two.
+    Round-robin spreads requests sharing a prefix over all three, so each computes it once."""
     model = os.path.basename(tiny_text_model_dir)
-    async with live_server(tiny_core(tiny_text_model_dir)) as remote, trio.open_nursery() as nursery:
-        process, router, replicas, log = await start_replicated(
-            nursery, tiny_text_model_dir, "round_robin", "--data-parallel-address", remote.url)
-        try:
-            async with httpx.AsyncClient(base_url=router) as http:
-                workers = {w["worker"] for w in (await http.get("/get_loads")).json()["workers"]}
-            assert workers == {*replicas, remote.url}
-            client = openai.AsyncOpenAI(base_url=router + "/v1", api_key="none", max_retries=0)
-            for _ in range(6):
-                await client.completions.create(model=model, prompt="Hello", max_tokens=2)
-            await client.close()
-            text = (await remote.http().get("/metrics")).text
-            served = sum(float(v) for v in re.findall(r"^trillm:request_success_total\{[^}]*\} (\S+)$", text, re.M))
-            assert served >= 1, "round-robin gives the remote replica its turns"
-        finally:
-            process.send_signal(signal.SIGTERM)
-            with trio.fail_after(60):
-                await process.wait()
+    core = await trio.to_thread.run_sync(lambda: EngineCore(EngineArgs(model=tiny_text_model_dir, num_kv_blocks=64)))
+    try:
+        async with live_server(core) as remote, trio.open_nursery() as nursery:
+            process, router, replicas, log = await start_replicated(
+                nursery, tiny_text_model_dir, "round_robin", "--data-parallel-address", remote.url)
+            try:
+                async with httpx.AsyncClient(base_url=router) as http:
+                    workers = {w["worker"] for w in (await http.get("/get_loads")).json()["workers"]}
+                assert workers == {*replicas, remote.url}
+                served_before = await requests_served(remote.url)
+                await ask_with_shared_prefix(router, model, 9)
+                assert await requests_served(remote.url) - served_before == 3, "round-robin gives the remote its turns"
+                hits = [await prefix_hits(url) for url in (*replicas, remote.url)]
+                assert all(h > 0 for h in hits), hits  # split: each replica computed the prefix once
+            finally:
+                process.send_signal(signal.SIGTERM)
+                with trio.fail_after(60):
+                    await process.wait()
+    finally:
+        await trio.to_thread.run_sync(core.close)
