@@ -234,23 +234,29 @@ class BlockAllocator:
     def check_invariants(self, holders: list):
         """Assert the allocator's invariants, given the block tables of all live
         requests: every block in exactly one place, free + used + cached = total,
-        refcounts = number of holding tables, cache index and LRU consistent."""
+        refcounts = number of holding tables, cache index and LRU consistent.
+        O(num_blocks), on typed arrays: the state machine tests call it after every step."""
         block: cython.int
-        n = self.num_blocks
-        held = [0] * n
+        i: cython.int
+        n: cython.int = self.num_blocks
+        held: cython.int[::1] = _int_array(n, 0)
+        place: cython.int[::1] = _int_array(n, 0)
+        FREE: cython.int = 1
+        CACHED: cython.int = 2
+        USED: cython.int = 3
         for table in holders:
             assert len(set(table)) == len(table), f"a block appears twice in one table: {table}"
             for block in table:
                 assert 0 <= block < n, f"block id {block} out of range"
                 held[block] += 1
-        FREE, CACHED, USED = 1, 2, 3
-        place = [0] * n
         for i in range(self.num_free_blocks):
             block = self._free[i]
             assert place[block] == 0, f"block {block} twice on the free stack"
             assert self._tokens[block] is None, f"free block {block} is still cached"
             place[block] = FREE
-        walked, prev, block = 0, -1, self._lru_head
+        walked: cython.int = 0
+        prev: cython.int = -1
+        block = self._lru_head
         while block >= 0:
             assert place[block] == 0, f"block {block} both free and cached, or in a loop"
             assert self._tokens[block] is not None, f"LRU block {block} holds no cached tokens"
@@ -260,18 +266,22 @@ class BlockAllocator:
             prev, block = block, self._lru_next[block]
         assert prev == self._lru_tail, "LRU tail is not the last block"
         assert walked == self.num_cached_blocks, f"LRU holds {walked} blocks, count says {self.num_cached_blocks}"
+        used: cython.int = 0
+        tokened: cython.int = 0
         for block in range(n):
             assert self._ref[block] == held[block], (
                 f"block {block}: refcount {self._ref[block]}, held by {held[block]} tables")
             if held[block]:
                 assert place[block] == 0, f"block {block} is held and also free or cached"
                 place[block] = USED
-        assert 0 not in place, f"block {place.index(0)} is nowhere"
-        assert place.count(FREE) + place.count(USED) + place.count(CACHED) == n
-        assert place.count(USED) == self.num_used_blocks
+                used += 1
+            assert place[block] != 0, f"block {block} is nowhere"
+            if self._tokens[block] is not None:
+                tokened += 1
+        assert used == self.num_used_blocks
         for key, block in self._cache.items():
             assert self._keys[block] == key and self._tokens[block] is not None, f"cache index broken at {block}"
-        assert sum(t is not None for t in self._tokens) == len(self._cache), "a cached block is missing from the index"
+        assert tokened == len(self._cache), "a cached block is missing from the index"
         assert 0 <= self.prefix_cache_hits <= self.prefix_cache_queries
 
     @cython.cfunc
