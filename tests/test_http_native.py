@@ -2,7 +2,7 @@
 models, info, load, metrics), and the X-Request-Id contract, against a live server."""
 import json
 
-from http_support import live_server, settled_stats
+from http_support import live_server, metric_value, settled_stats
 
 from trillm.config import EngineArgs
 from trillm.engine.core import EngineCore
@@ -107,12 +107,16 @@ async def test_metrics_use_vllm_names_with_our_prefix(server):
 
 
 async def test_metrics_can_carry_vllms_own_names(core):
-    """What the Gateway API Inference Extension's endpoint picker reads, by vLLM's names."""
+    """What the Gateway API Inference Extension's endpoint picker reads, by vLLM's names: the
+    queue, the KV cache's use, and its block size and size in blocks (cache_config_info)."""
     async with live_server(core, metrics_prefix="vllm") as server:
         text = (await server.http().get("/metrics")).text
+        cache_info = await metric_value(server.http(), "vllm:cache_config_info", block_size=str(core.args.block_size),
+                                        num_gpu_blocks=str(core.stats().num_kv_blocks), enable_prefix_caching="True")
     for name in ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc",
                  "vllm:prefix_cache_hits_total"):
         assert name in text, name
+    assert cache_info == 1
     assert "trillm:" not in text
 
 

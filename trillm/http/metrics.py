@@ -54,11 +54,14 @@ ENGINE_METRICS = (
 
 class Metrics:
     def __init__(self, model_name: str, engine_stats: Callable[[], ServingStats], prefix: str = "trillm",
-                 max_loras: int | None = None):
+                 max_loras: int | None = None, cache_config: dict[str, str] | None = None):
         """`prefix`: every name's, before its colon (trillm, or vllm). `max_loras`: with LoRA on,
-        the adapters a step may run, for vLLM's lora_requests_info (None: LoRA is off)."""
+        the adapters a step may run, for vLLM's lora_requests_info (None: LoRA is off).
+        `cache_config`: the KV cache's settings as labels of vLLM's cache_config_info, which the
+        Gateway API Inference Extension reads for block_size (num_gpu_blocks, the pool's size in
+        blocks whatever the device, is added from the stats)."""
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(model_name, engine_stats, prefix, max_loras))
+        self.registry.register(_EngineCollector(model_name, engine_stats, prefix, max_loras, cache_config or {}))
         by_model = dict(labelnames=["model_name"], registry=self.registry)
 
         def counter(name: str, doc: str):
@@ -86,14 +89,22 @@ class Metrics:
 
 
 class _EngineCollector:
-    def __init__(self, model_name: str, engine_stats: Callable[[], ServingStats], prefix: str, max_loras: int | None):
+    def __init__(self, model_name: str, engine_stats: Callable[[], ServingStats], prefix: str, max_loras: int | None,
+                 cache_config: dict[str, str]):
         self._model_name = model_name
         self._stats = engine_stats
         self._prefix = prefix
         self._max_loras = max_loras
+        self._cache_config = cache_config
 
     def collect(self):
         stats = self._stats()
+        # vLLM's shape: an info gauge, the settings in its labels and 1 as its value
+        labels = {**self._cache_config, "num_gpu_blocks": str(stats.num_kv_blocks)}
+        cache_info = GaugeMetricFamily(f"{self._prefix}:cache_config_info", "The KV cache's configuration.",
+                                       labels=list(labels))
+        cache_info.add_metric(list(labels.values()), 1)
+        yield cache_info
         for name, doc, key, family in ENGINE_METRICS:
             metric = family(f"{self._prefix}:{name}", doc, labels=["model_name"])
             metric.add_metric([self._model_name], getattr(stats, key))

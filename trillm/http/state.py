@@ -56,8 +56,11 @@ class ServerState:
         self.vocab_size = engine.config.hf_config.vocab_size
         self.max_model_len = engine.config.max_model_len
         self.model_name = settings.served_model_name or engine.config.name
+        args = engine.args
         self.metrics = Metrics(self.model_name, engine.stats, settings.metrics_prefix,
-                               engine.args.max_loras if engine.lora_enabled else None)
+                               args.max_loras if engine.lora_enabled else None,
+                               {"block_size": str(args.block_size), "cache_dtype": args.kv_cache_dtype,
+                                "enable_prefix_caching": str(args.enable_prefix_caching)})
         self.responses = ResponseStore(settings.responses_store_size)
         # A limiter of its own, so a flood of large requests waits here and never takes the
         # threads the engine's step and grammar compiles run on.
