@@ -2,6 +2,7 @@
 Greedy tokens and logprobs at TP > 1 equal TP = 1 (fp32, the exact path), with KV heads split
 and replicated, on tiny random models and on the default model through a live server; a worker
 killed mid-stream fails the engine like any failed step, and no rank outlives its engine."""
+import contextlib
 import json
 import os
 import signal
@@ -25,17 +26,24 @@ def children() -> set[int]:
     return process_support.children(os.getpid())
 
 
-def greedy(model: str, tp: int, **engine_args) -> list[tuple[list[int], list[float]]]:
+@contextlib.contextmanager
+def opened(model: str, tp: int, **engine_args):
+    """An LLM at `tp` ranks on the exact path, closed (twice: idempotent) on leaving; checks that
+    it started one process per other rank and that none outlives it."""
     before = children()
     llm = LLM(model, tensor_parallel_size=tp, num_kv_blocks=32, **EXACT, **engine_args)
     try:
-        if tp > 1:
-            assert len(children() - before) == tp - 1, "the engine starts one process per other rank"
-        outputs = llm.generate(PROMPTS, GREEDY)
+        assert len(children() - before) == tp - 1, "the engine starts one process per other rank"
+        yield llm
     finally:
         llm.engine.close()
-        llm.engine.close()  # idempotent
+        llm.engine.close()
     assert children() == before, "no rank outlives its engine"
+
+
+def greedy(model: str, tp: int, **engine_args) -> list[tuple[list[int], list[float]]]:
+    with opened(model, tp, **engine_args) as llm:
+        outputs = llm.generate(PROMPTS, GREEDY)
     return [(o.outputs[0].token_ids, [lp.logprob for lp in o.outputs[0].logprobs]) for o in outputs]
 
 
@@ -119,14 +127,8 @@ def split_heads_tp2(tiny_model_dir):
     users come last in the module: the engine holds the process's group until the module ends."""
     model = tiny_model_dir("llama", num_attention_heads=4, num_key_value_heads=2)
     drafts = json.dumps({"method": "ngram", "prompt_lookup_min": 1, "disable_by_batch_size": 0})
-    before = children()
-    llm = LLM(model, tensor_parallel_size=2, num_kv_blocks=32, speculative_config=drafts, tp_timeout=10, **EXACT)
-    try:
-        assert len(children() - before) == 1, "the engine starts one process per other rank"
+    with opened(model, 2, speculative_config=drafts, tp_timeout=10) as llm:
         yield model, llm
-    finally:
-        llm.engine.close()
-    assert children() == before, "no rank outlives its engine"
 
 
 def test_drafts_are_verified_on_every_rank(split_heads_tp2):
@@ -145,16 +147,13 @@ def test_prompt_logprobs_and_teacher_forcing_are_sharded_too(split_heads_tp2):
     rank too, as the vocabulary's shards must be: equal to TP = 1's."""
     model, sharded = split_heads_tp2
     params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3)
-    whole = LLM(model, num_kv_blocks=32, **EXACT)
     results = []
-    try:
+    with opened(model, 1) as whole:
         for llm in (whole, sharded):
             (out,) = llm.generate([PROMPTS[2]], params)
             entries = out.outputs[0].prompt_logprobs
             forced = llm.engine.runner.teacher_forced_logits(PROMPTS[2], chunk=16)
             results.append(([e.logprob for e in entries[1:]], [e.top for e in entries[1:]], forced))
-    finally:
-        whole.engine.close()
     (logprobs, tops, forced), (want_logprobs, want_tops, want_forced) = results[1], results[0]
     torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(want_logprobs), atol=1e-4, rtol=0)
     assert [[t for t, _ in top] for top in tops] == [[t for t, _ in top] for top in want_tops]
