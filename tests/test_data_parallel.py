@@ -25,10 +25,22 @@ pytest.importorskip("sglang_router")
 SHARED = "You are a careful assistant. " * 30  # a prefix of many blocks, sent before each question
 
 
-async def prefix_hits(url: str) -> float:
+async def metric_total(url: str, name: str, always_reported: bool = False) -> float:
+    """The sum of a replica's /metrics samples named `name` over all their labels; 0 before any
+    (a labelled counter has no sample until it counts), unless it is `always_reported`."""
     async with httpx.AsyncClient(base_url=url) as http:
         text = (await http.get("/metrics")).text
-    return float(re.search(r"^trillm:prefix_cache_hits_total\{[^}]*\} (\S+)$", text, re.M).group(1))
+    values = re.findall(rf"^{re.escape(name)}\{{[^}}]*\}} (\S+)$", text, re.M)
+    assert values or not always_reported, f"{url} reports no {name}"
+    return sum(map(float, values))
+
+
+async def prefix_hits(url: str) -> float:
+    return await metric_total(url, "trillm:prefix_cache_hits_total", always_reported=True)
+
+
+async def requests_served(url: str) -> float:
+    return await metric_total(url, "trillm:request_success_total")
 
 
 async def start_replicated(nursery, model: str, policy: str, *flags: str):
@@ -55,12 +67,6 @@ async def start_replicated(nursery, model: str, policy: str, *flags: str):
     replicas = [m.group(1) for line in log if (m := re.search(r"replica \d: (http://\S+)", line))]
     (router,) = [m.group(1) for line in log if (m := re.search(r"on (http://\S+)$", line))]
     return process, router, replicas, log
-
-
-async def requests_served(url: str) -> float:
-    async with httpx.AsyncClient(base_url=url) as http:
-        text = (await http.get("/metrics")).text
-    return sum(float(v) for v in re.findall(r"^trillm:request_success_total\{[^}]*\} (\S+)$", text, re.M))
 
 
 async def ask_with_shared_prefix(router: str, model: str, count: int) -> None:
