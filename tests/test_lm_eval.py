@@ -6,7 +6,6 @@ token ids and as text, and each item's loglikelihoods and the accuracy lm-eval r
 checked against transformers' on the same token ids. The server runs the exact path (fp32
 activations and KV cache), on which trillm matches transformers to about 1e-4."""
 import functools
-import glob
 import json
 import os
 import sys
@@ -53,16 +52,14 @@ async def run_lm_eval(url: str, model: str, tokenizer: str, tokenized: bool, out
         f"tokenized_requests={tokenized}", "num_concurrent=1", "max_retries=1",
     ])
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "OPENAI_API_KEY": "none"}
-    command = [sys.executable, "-m", "lm_eval", "--model", "local-completions", "--model_args", model_args,
-               "--tasks", TASK, "--include_path", TASK_DIR, "--output_path", out_dir, "--log_samples"]
+    out_path = os.path.join(out_dir, "evaluated.json")
+    command = [sys.executable, os.path.join(os.path.dirname(__file__), "lm_eval_run.py"), model_args, TASK_DIR, TASK,
+               out_path]
     result = await trio.run_process(command, env=env, capture_stdout=True, capture_stderr=True, check=False)
     assert result.returncode == 0, result.stderr.decode()[-4000:]
-    (results_file,) = glob.glob(os.path.join(out_dir, "**", "results_*.json"), recursive=True)
-    (samples_file,) = glob.glob(os.path.join(out_dir, "**", f"samples_{TASK}_*.jsonl"), recursive=True)
-    with open(results_file) as f:
-        results = json.load(f)["results"][TASK]
-    with open(samples_file) as f:
-        samples = sorted((json.loads(line) for line in f), key=lambda s: s["doc_id"])
+    with open(out_path) as f:
+        evaluated = json.load(f)
+    results, samples = evaluated["results"], sorted(evaluated["samples"], key=lambda s: s["doc_id"])
     return results, samples
 
 
