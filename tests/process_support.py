@@ -27,3 +27,21 @@ def descendants(pid: int) -> set[int]:
         found |= kids
         todo += kids
     return found
+
+
+def multiprocessing_helper(pid: int) -> bool:
+    """Whether `pid` is multiprocessing's fork server (trillm.subprocesses.start_preloaded's) or
+    its resource tracker: each lives as long as the process that started it."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            command = f.read()
+    except FileNotFoundError:
+        return False
+    return b"multiprocessing.forkserver" in command or b"multiprocessing.resource_tracker" in command
+
+
+def started_by(pid: int) -> set[int]:
+    """The live processes `pid` started, directly or through multiprocessing's helpers (its own
+    children, not counted themselves; what the fork server forks shares its command line)."""
+    helpers = {p for p in children(pid) if multiprocessing_helper(p)}
+    return {p for p in descendants(pid) - helpers if live(p)}

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import openai
 import trio
-from process_support import children, live
+from process_support import descendants, live, started_by
 
 REPO = Path(__file__).resolve().parents[1]
 STARTUP_TIMEOUT = 300  # seconds: the model loads first (not a speed check)
@@ -187,8 +187,8 @@ async def test_a_tensor_parallel_server_stops_every_rank_on_sigterm(tiny_text_mo
                "--num-kv-blocks", "64", "--tensor-parallel-size", "2"]
     async with trio.open_nursery() as nursery:
         process, url, log = await start_server(nursery, command)
-        workers = children(process.pid)
-        assert len(workers) == 1, "rank 0 starts the one other rank"
+        assert len(started_by(process.pid)) == 1, "rank 0 starts the one other rank"
+        workers = descendants(process.pid)  # the rank, and multiprocessing's fork server it came from
         client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
         out = await client.completions.create(model=os.path.basename(tiny_text_model_dir), prompt="Hello",
                                               max_tokens=4, extra_body={"ignore_eos": True})

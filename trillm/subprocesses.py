@@ -4,6 +4,7 @@ cores, and a death tied to their parent's, so that no child outlives the server 
 from __future__ import annotations
 
 import ctypes
+import multiprocessing
 import os
 import signal
 import socket
@@ -45,6 +46,30 @@ def spawn(command: list[str], cpus: set[int] | None = None, **popen_args) -> sub
     """Start `command` as a child that dies with this process (die_with_parent), on `cpus` if
     given, whichever thread calls this. `popen_args` go to subprocess.Popen."""
     return _spawner.submit(subprocess.Popen, command, preexec_fn=lambda: die_with_parent(cpus), **popen_args).result()
+
+
+# The modules a preloaded child finds imported (start_preloaded): the model side, torch with it.
+PRELOADED = ["trillm.model.runner"]
+
+
+def start_preloaded(target, *args) -> multiprocessing.Process:
+    """Run `target(*args)` in a child forked from multiprocessing's fork server, which imported
+    PRELOADED once: the child starts in a fork's time rather than an interpreter's imports, and
+    every later child of this process (the ranks of a later engine too) forks from the same one.
+    The fork server is started, single-threaded, by the first call, and sees this process's
+    environment as it was then. It exits when this process does, and its children die with it
+    (die_with_parent); they are daemons, so that this process ending stops them too. `target`
+    and `args` must pickle."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(PRELOADED)
+    process = context.Process(target=_preloaded_child, args=(target, *args), daemon=True)
+    process.start()
+    return process
+
+
+def _preloaded_child(target, *args) -> None:
+    die_with_parent()
+    target(*args)
 
 
 def die_with_parent(cpus: set[int] | None = None) -> None:

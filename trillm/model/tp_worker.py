@@ -1,8 +1,9 @@
 """Tensor-parallel ranks 1..N-1: how they are started and what they run.
 
-On one machine, rank 0's EngineCore starts the others itself (`Workers.start`): each is
-`python -m trillm.model.tp_worker RANK`, given the engine's settings in its environment, and
-dies with its parent (PR_SET_PDEATHSIG), so no rank outlives the server, however it ends.
+On one machine, rank 0's EngineCore starts the others itself (`Workers.start`): each is forked
+from a fork server that imported the model side once (trillm.subprocesses.start_preloaded), is
+handed the engine's settings, and dies with that server, which ends with rank 0's process, so no
+rank outlives the server, however it ends.
 Across machines a launcher (torchrun) starts every rank with RANK, WORLD_SIZE, MASTER_ADDR and
 MASTER_PORT set; `trillm serve` then serves HTTP on rank 0 and runs `run_worker` on the others.
 
@@ -12,19 +13,16 @@ sends its close, or dies: then the worker's next collective raises and it exits.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
+import multiprocessing
 import os
-import subprocess
-import sys
 
 from trillm.config import EngineArgs
 from trillm.heap import freeze_heap
 from trillm.model import parallel
-from trillm.subprocesses import free_port, spawn
+from trillm.subprocesses import free_port, start_preloaded
 
 log = logging.getLogger(__name__)
-ARGS_VARIABLE = "TRILLM_TP_ENGINE_ARGS"
 STOP_TIMEOUT = 10.0  # seconds a worker gets to exit after rank 0's close, before it is killed
 
 
@@ -58,7 +56,7 @@ def run_worker(args: EngineArgs, rank: int) -> None:
 class Workers:
     """The worker processes rank 0 started; `stop()` is idempotent."""
 
-    def __init__(self, processes: list[subprocess.Popen]):
+    def __init__(self, processes: list[multiprocessing.Process]):
         self.processes = processes
 
     @classmethod
@@ -67,30 +65,20 @@ class Workers:
         port when none was given)."""
         if args.tp_init_method is None:
             args = dataclasses.replace(args, tp_init_method=f"tcp://127.0.0.1:{free_port()}")
-        env = {**os.environ, ARGS_VARIABLE: json.dumps(dataclasses.asdict(args))}
-        processes = [
-            spawn([sys.executable, "-m", "trillm.model.tp_worker", str(rank)], env=env)
-            for rank in range(1, args.tensor_parallel_size)
-        ]
-        return cls(processes), args
+        return cls([start_preloaded(_rank_main, args, rank) for rank in range(1, args.tensor_parallel_size)]), args
 
     def stop(self, wait: bool = True) -> None:
         """Reap the workers: after up to STOP_TIMEOUT each when `wait` (they were told to stop),
         at once otherwise; a worker still there then is killed."""
         for process in self.processes:
-            try:
-                process.wait(STOP_TIMEOUT if wait else 0)
-            except subprocess.TimeoutExpired:
+            process.join(STOP_TIMEOUT if wait else 0)
+            if process.exitcode is None:
                 process.kill()
-                process.wait()
+                process.join()
+            process.close()
+        self.processes = []
 
 
-def main(argv: list[str] | None = None) -> None:
-    (rank,) = argv if argv is not None else sys.argv[1:]
-    args = EngineArgs(**json.loads(os.environ[ARGS_VARIABLE]))
+def _rank_main(args: EngineArgs, rank: int) -> None:
     logging.basicConfig(level=logging.INFO, format=f"[tp rank {rank}] %(levelname)s %(message)s")
-    run_worker(args, int(rank))
-
-
-if __name__ == "__main__":
-    main()
+    run_worker(args, rank)
