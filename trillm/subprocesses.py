@@ -48,8 +48,10 @@ def spawn(command: list[str], cpus: set[int] | None = None, **popen_args) -> sub
     return _spawner.submit(subprocess.Popen, command, preexec_fn=lambda: die_with_parent(cpus), **popen_args).result()
 
 
-# The modules a preloaded child finds imported (start_preloaded): the model side, torch with it.
-PRELOADED = ["trillm.model.runner"]
+# The modules a preloaded child finds imported (start_preloaded): the model side, torch with it,
+# and the Llama family's config, whose import brings most of what reading any model's config
+# imports (transformers loads it lazily, on the first AutoConfig, which every rank makes).
+PRELOADED = ["trillm.model.runner", "transformers.models.llama.configuration_llama"]
 
 
 def start_preloaded(target, *args) -> multiprocessing.Process:
