@@ -121,6 +121,18 @@ async def test_a_dead_or_hung_worker_fails_the_engine_and_leaves_no_process(tiny
     assert children() == before
 
 
+def test_closing_an_engine_again_leaves_a_later_engines_group_be(tiny_model_dir):
+    """The process has one group: an engine closed a second time, after another has joined it
+    since, must not take it from that one."""
+    model = tiny_model_dir("llama", num_attention_heads=4, num_key_value_heads=2)
+    with opened(model, 2) as first:
+        pass
+    with opened(model, 2) as second:
+        first.engine.close()
+        (out,) = second.generate(PROMPTS[:1], GREEDY)
+    assert len(out.outputs[0].token_ids) == GREEDY.max_tokens
+
+
 @pytest.fixture(scope="module")
 def split_heads_tp2(tiny_model_dir):
     """(model, an LLM at TP = 2 on it, KV heads split over the ranks, drafting from every n-gram),

@@ -79,6 +79,7 @@ class EngineCore:
         `close()` stops them."""
         self.workers: Workers | None = None
         self.tp = parallel.SINGLE
+        self._in_group = False  # joined the process's group and not yet left it
         if args.tensor_parallel_size > 1:
             if launcher_rank() is None:
                 self.workers, args = Workers.start(args)
@@ -87,6 +88,7 @@ class EngineCore:
             try:
                 self.tp = parallel.join(0, args.tensor_parallel_size, args.tp_init_method,
                                         resolve_device(args.device), args.tp_timeout)
+                self._in_group = True
             except BaseException:
                 self._stop_workers()
                 raise
@@ -134,7 +136,10 @@ class EngineCore:
                 told = self.runner.close()
         finally:
             self._stop_workers(wait=told)
-            if self.tp.size > 1:  # the group is the process's: a one-rank engine beside another leaves it be
+            # The group is the process's: a one-rank engine beside another leaves it be, and a
+            # second close must not leave the group a later engine has joined since.
+            if self._in_group:
+                self._in_group = False
                 parallel.leave()
 
     def __enter__(self) -> EngineCore:
