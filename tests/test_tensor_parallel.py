@@ -133,6 +133,15 @@ def test_closing_an_engine_again_leaves_a_later_engines_group_be(tiny_model_dir)
     assert len(out.outputs[0].token_ids) == GREEDY.max_tokens
 
 
+def test_an_engine_that_fails_to_load_leaves_no_rank_and_no_group():
+    """A model that is not there fails rank 0's load after the ranks joined: the engine stops them
+    and leaves the group, so the process can build the next one."""
+    before = children()
+    with pytest.raises(FileNotFoundError):
+        LLM("/nonexistent-model", tensor_parallel_size=2)
+    assert children() == before and not torch.distributed.is_initialized()
+
+
 @pytest.fixture(scope="module")
 def split_heads_tp2(tiny_model_dir):
     """(model, an LLM at TP = 2 on it, KV heads split over the ranks, drafting from every n-gram),

@@ -80,18 +80,28 @@ class EngineCore:
         self.workers: Workers | None = None
         self.tp = parallel.SINGLE
         self._in_group = False  # joined the process's group and not yet left it
+        try:
+            self._build(self._join_group(args))
+        except BaseException:  # nothing half-made stays behind: neither the ranks nor the group
+            self._stop_workers(wait=False)
+            self._leave_group()
+            raise
+
+    def _join_group(self, args: EngineArgs) -> EngineArgs:
+        """At tensor_parallel_size > 1: the other ranks started (unless a launcher did) and their
+        group joined. The args, with the group's meeting point filled in."""
         if args.tensor_parallel_size > 1:
             if launcher_rank() is None:
                 self.workers, args = Workers.start(args)
             elif args.tp_init_method is None:
                 args = replace(args, tp_init_method=launcher_init_method())
-            try:
-                self.tp = parallel.join(0, args.tensor_parallel_size, args.tp_init_method,
-                                        resolve_device(args.device), args.tp_timeout)
-                self._in_group = True
-            except BaseException:
-                self._stop_workers()
-                raise
+            self.tp = parallel.join(0, args.tensor_parallel_size, args.tp_init_method,
+                                    resolve_device(args.device), args.tp_timeout)
+            self._in_group = True
+        return args
+
+    def _build(self, args: EngineArgs) -> None:
+        """This rank's shard, the scheduler, and what serves requests beside them."""
         self.args = args
         check_lora_args(args)
         self.runner = ModelRunner(args, self.tp)
@@ -136,17 +146,20 @@ class EngineCore:
                 told = self.runner.close()
         finally:
             self._stop_workers(wait=told)
-            # The group is the process's: a one-rank engine beside another leaves it be, and a
-            # second close must not leave the group a later engine has joined since.
-            if self._in_group:
-                self._in_group = False
-                parallel.leave()
+            self._leave_group()
 
     def __enter__(self) -> EngineCore:
         return self
 
     def __exit__(self, *exc_info) -> None:
         self.close()
+
+    def _leave_group(self) -> None:
+        """The group is the process's: a one-rank engine beside another leaves it be, and a
+        second close must not leave the group a later engine has joined since."""
+        if self._in_group:
+            self._in_group = False
+            parallel.leave()
 
     def _stop_workers(self, wait: bool = True) -> None:
         """`wait`: give them time to exit on their own (they were told to); else kill them now."""
