@@ -6,6 +6,8 @@ import contextlib
 import json
 import os
 import signal
+import subprocess
+import sys
 
 import process_support
 import pytest
@@ -140,6 +142,18 @@ def test_an_engine_that_fails_to_load_leaves_no_rank_and_no_group():
     with pytest.raises(FileNotFoundError):
         LLM("/nonexistent-model", tensor_parallel_size=2)
     assert children() == before and not torch.distributed.is_initialized()
+
+
+def test_a_script_without_a_main_guard_fails_at_once_and_says_why(tiny_model_dir, tmp_path):
+    """The ranks fork from multiprocessing's fork server, which imports a script's main module
+    again: a script that builds the engine at its top level gets a clear error, not a rank 0
+    that waits for ranks which never start."""
+    model = tiny_model_dir("llama", num_attention_heads=4, num_key_value_heads=2)
+    script = tmp_path / "unguarded.py"
+    script.write_text(f"from trillm import LLM\nLLM({model!r}, tensor_parallel_size=2)\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0 and "rank 1 exited before it started" in done.stderr, done.stderr[-2000:]
+    assert 'if __name__ == "__main__":' in done.stderr
 
 
 @pytest.fixture(scope="module")

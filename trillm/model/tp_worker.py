@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import multiprocessing
+import multiprocessing.connection
 import os
 
 from trillm.config import EngineArgs
@@ -65,7 +66,27 @@ class Workers:
         port when none was given)."""
         if args.tp_init_method is None:
             args = dataclasses.replace(args, tp_init_method=f"tcp://127.0.0.1:{free_port()}")
-        return cls([start_preloaded(_rank_main, args, rank) for rank in range(1, args.tensor_parallel_size)]), args
+        workers, started = cls([]), []
+        for rank in range(1, args.tensor_parallel_size):
+            reader, writer = multiprocessing.Pipe(duplex=False)
+            workers.processes.append(start_preloaded(_rank_main, args, rank, writer))
+            writer.close()
+            started.append(reader)
+        # A rank that dies before its own code runs (a script re-imported as the main module
+        # without its `if __name__ == "__main__":` guard) would leave rank 0 waiting for it to
+        # meet: each first says it runs, and its end of the pipe closing unsaid fails the start.
+        for rank, reader in enumerate(started, 1):
+            try:
+                reader.recv_bytes()
+            except EOFError:
+                workers.stop(wait=False)
+                raise RuntimeError(
+                    f"Tensor-parallel rank {rank} exited before it started. A script that builds a tensor-parallel "
+                    'engine must do so under `if __name__ == "__main__":`: its ranks import the script again.'
+                ) from None
+            finally:
+                reader.close()
+        return workers, args
 
     def stop(self, wait: bool = True) -> None:
         """Reap the workers: after up to STOP_TIMEOUT each when `wait` (they were told to stop),
@@ -79,6 +100,8 @@ class Workers:
         self.processes = []
 
 
-def _rank_main(args: EngineArgs, rank: int) -> None:
+def _rank_main(args: EngineArgs, rank: int, started: multiprocessing.connection.Connection) -> None:
+    started.send_bytes(b"started")
+    started.close()
     logging.basicConfig(level=logging.INFO, format=f"[tp rank {rank}] %(levelname)s %(message)s")
     run_worker(args, rank)
