@@ -75,8 +75,9 @@ def _preloaded_child(target, *args) -> None:
 
 
 def die_with_parent(cpus: set[int] | None = None) -> None:
-    """For a child's preexec_fn (it runs before exec): the kernel sends the child SIGTERM when
-    its parent exits; `cpus`, if given, are the only cores it runs on."""
+    """For a child, before it runs anything else (a preexec_fn, before exec; or the first call
+    of a forked child): the kernel sends the child SIGTERM when its parent exits; `cpus`, if
+    given, are the only cores it runs on."""
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     if cpus:
         os.sched_setaffinity(0, cpus)

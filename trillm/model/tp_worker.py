@@ -67,24 +67,20 @@ class Workers:
         if args.tp_init_method is None:
             args = dataclasses.replace(args, tp_init_method=f"tcp://127.0.0.1:{free_port()}")
         workers, started = cls([]), []
-        for rank in range(1, args.tensor_parallel_size):
-            reader, writer = multiprocessing.Pipe(duplex=False)
-            workers.processes.append(start_preloaded(_rank_main, args, rank, writer))
-            writer.close()
-            started.append(reader)
-        # A rank that dies before its own code runs (a script re-imported as the main module
-        # without its `if __name__ == "__main__":` guard) would leave rank 0 waiting for it to
-        # meet: each first says it runs, and its end of the pipe closing unsaid fails the start.
-        for rank, reader in enumerate(started, 1):
-            try:
-                reader.recv_bytes()
-            except EOFError:
-                workers.stop(wait=False)
-                raise RuntimeError(
-                    f"Tensor-parallel rank {rank} exited before it started. A script that builds a tensor-parallel "
-                    'engine must do so under `if __name__ == "__main__":`: its ranks import the script again.'
-                ) from None
-            finally:
+        try:
+            for rank in range(1, args.tensor_parallel_size):
+                reader, writer = multiprocessing.Pipe(duplex=False)
+                started.append(reader)
+                try:
+                    workers.processes.append(start_preloaded(_rank_main, args, rank, writer))
+                finally:
+                    writer.close()
+            _await_started(started)
+        except BaseException:  # no rank outlives a start that failed, however far it got
+            workers.stop(wait=False)
+            raise
+        finally:
+            for reader in started:
                 reader.close()
         return workers, args
 
@@ -98,6 +94,20 @@ class Workers:
                 process.join()
             process.close()
         self.processes = []
+
+
+def _await_started(started: list[multiprocessing.connection.Connection]) -> None:
+    """Until each rank (1, 2, ...) says on its pipe that its own code runs. A rank that dies
+    before (a script re-imported as the main module without its `if __name__ == "__main__":`
+    guard) closes its pipe unsaid: RuntimeError, rather than rank 0 waiting for it to meet."""
+    for rank, reader in enumerate(started, 1):
+        try:
+            reader.recv_bytes()
+        except EOFError:
+            raise RuntimeError(
+                f"Tensor-parallel rank {rank} exited before it started. A script that builds a tensor-parallel "
+                'engine must do so under `if __name__ == "__main__":`: its ranks import the script again.'
+            ) from None
 
 
 def _rank_main(args: EngineArgs, rank: int, started: multiprocessing.connection.Connection) -> None:
