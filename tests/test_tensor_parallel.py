@@ -44,10 +44,13 @@ def opened(model: str, tp: int, **engine_args):
     assert children() == before, "no rank outlives its engine"
 
 
+def tokens_and_logprobs(outputs) -> list[tuple[list[int], list[float]]]:
+    return [(o.outputs[0].token_ids, [lp.logprob for lp in o.outputs[0].logprobs]) for o in outputs]
+
+
 def greedy(model: str, tp: int, **engine_args) -> list[tuple[list[int], list[float]]]:
     with opened(model, tp, **engine_args) as llm:
-        outputs = llm.generate(PROMPTS, GREEDY)
-    return [(o.outputs[0].token_ids, [lp.logprob for lp in o.outputs[0].logprobs]) for o in outputs]
+        return tokens_and_logprobs(llm.generate(PROMPTS, GREEDY))
 
 
 def assert_same(sharded, whole):
@@ -172,8 +175,7 @@ def test_drafts_are_verified_on_every_rank(split_heads_tp2):
     vocabulary's shards are gathered for each), and greedy output is TP = 1's without drafts."""
     model, llm = split_heads_tp2
     drafted = llm.engine.stats().spec_decode_num_draft_tokens
-    outputs = llm.generate(PROMPTS, GREEDY)
-    sharded = [(o.outputs[0].token_ids, [lp.logprob for lp in o.outputs[0].logprobs]) for o in outputs]
+    sharded = tokens_and_logprobs(llm.generate(PROMPTS, GREEDY))
     assert llm.engine.stats().spec_decode_num_draft_tokens > drafted
     assert_same(sharded, greedy(model, 1, speculative_config=""))
 
