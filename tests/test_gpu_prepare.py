@@ -21,6 +21,7 @@ REPO = Path(__file__).resolve().parent.parent
 def load_script(name: str):
     spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # as an import would: its dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
@@ -72,3 +73,31 @@ def test_the_cuda_selection_collects_and_skips_without_a_device():
     planned_to_run = {line.split("::")[0].strip() for line in planned.stdout.splitlines() if "::" in line}
     skipped = set(re.findall(r"^SKIPPED \[\d+\] (tests/\w+\.py)", planned.stdout, re.M))
     assert planned_to_run | skipped == set(files)
+
+
+def test_the_wheel_picked_is_the_one_cpython_3_12_on_linux_prefers_and_its_hash_is_checked(tmp_path):
+    prepare = load_script("gpu_prepare")
+    def entry(name: str) -> dict:
+        return {"url": f"https://files.example/{name}", "hashes": {"sha256": "0" * 64}}
+
+    names = ["charset_normalizer-3.5.3-py3-none-any.whl",
+             "charset_normalizer-3.5.3-cp37-abi3-manylinux1_x86_64.manylinux_2_28_x86_64.manylinux_2_5_x86_64.whl",
+             "charset_normalizer-3.5.3-cp312-cp312-manylinux1_x86_64.manylinux_2_28_x86_64.whl",
+             "charset_normalizer-3.5.3-cp313-cp313-manylinux_2_28_x86_64.whl",
+             "charset_normalizer-3.5.3-cp312-cp312-manylinux_2_34_x86_64.whl",
+             "charset_normalizer-3.5.3-cp312-cp312-win_amd64.whl"]
+    for best, offered in ((names[2], names), (names[1], names[:2]), (names[0], names[:1] + names[3:])):
+        assert prepare.best_wheel("charset-normalizer", [entry(n) for n in offered]).name == best
+    with pytest.raises(SystemExit, match="no wheel for CPython 3.12"):
+        prepare.best_wheel("charset-normalizer", [entry(n) for n in names[3:]])
+
+    source = tmp_path / "source.whl"
+    source.write_bytes(b"wheel bytes")
+    digest = hashlib.sha256(b"wheel bytes").hexdigest()
+    fetched = tmp_path / "fetched"
+    fetched.mkdir()
+    good = prepare.Wheel("a-1.0-py3-none-any.whl", source.as_uri(), digest)
+    assert prepare.download(good, fetched).read_bytes() == b"wheel bytes"
+    with pytest.raises(SystemExit, match="sha256"):
+        prepare.download(prepare.Wheel("b-1.0-py3-none-any.whl", source.as_uri(), "0" * 64), fetched)
+    assert sorted(p.name for p in fetched.iterdir()) == [good.name]
