@@ -7,8 +7,6 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
-import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -56,7 +54,22 @@ def test_this_machine_has_every_requirement_the_check_imports():
     load_script("gpu_check").check_imports()
 
 
-def test_the_cuda_selection_collects_and_skips_without_a_device():
+class Plan:
+    """A pytest plugin recording, per test file, what a run set up and what it skipped (and why)."""
+
+    def __init__(self):
+        self.set_up: set[str] = set()
+        self.skipped: dict[str, str] = {}
+
+    def pytest_runtest_logreport(self, report):
+        if report.when == "setup":
+            if report.skipped:
+                self.skipped[report.nodeid] = report.longrepr[2]
+            elif report.passed:
+                self.set_up.add(report.nodeid.split("::")[0])
+
+
+def test_the_cuda_selection_collects_and_skips_without_a_device(monkeypatch):
     pytest.importorskip("torch")
     import torch
 
@@ -64,15 +77,16 @@ def test_the_cuda_selection_collects_and_skips_without_a_device():
         pytest.skip("a device is here: the selection runs for real (scripts/gpu_check.py test)")
     files = ["tests/test_kernels.py", "tests/test_cuda_path.py", "tests/test_cuda_serving.py", "tests/test_model.py",
              "tests/test_lora.py"]
-    # One planning run (--setup-plan: collected and set up on paper, nothing executed): every
-    # file contributes to the selection, and what needs a device is skipped with the reason.
-    planned = subprocess.run([sys.executable, "-m", "pytest", "-m", "cuda", "--setup-plan", "-q", "-rs", *files],
-                             cwd=REPO, capture_output=True, text=True)
-    assert planned.returncode == 0, planned.stdout[-2000:]
-    assert "4 skipped" in planned.stdout and "marker cuda: needs a CUDA device" in planned.stdout
-    planned_to_run = {line.split("::")[0].strip() for line in planned.stdout.splitlines() if "::" in line}
-    skipped = set(re.findall(r"^SKIPPED \[\d+\] (tests/\w+\.py)", planned.stdout, re.M))
-    assert planned_to_run | skipped == set(files)
+    # One planning run (--setup-plan: collected and set up on paper, nothing executed), in this
+    # process, where the modules are imported already: every file contributes to the selection,
+    # and what needs a device is skipped with the reason.
+    monkeypatch.chdir(REPO)
+    plan = Plan()
+    status = pytest.main(["-m", "cuda", "--setup-plan", "-q", "-p", "no:xdist", "-p", "no:cacheprovider", *files],
+                         plugins=[plan])
+    assert status == pytest.ExitCode.OK
+    assert len(plan.skipped) == 4 and all("marker cuda: needs a CUDA device" in why for why in plan.skipped.values())
+    assert plan.set_up | {node.split("::")[0] for node in plan.skipped} == set(files)
 
 
 def test_the_wheel_picked_is_the_one_cpython_3_12_on_linux_prefers_and_its_hash_is_checked(tmp_path):
