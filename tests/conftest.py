@@ -19,6 +19,7 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 
 import math  # noqa: E402
+import re  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -45,6 +46,16 @@ def pytest_collection_modifyitems(config, items):
         marker = item.get_closest_marker("cuda")
         if marker is not None and not marker.kwargs.get("cpu_too", False):
             item.add_marker(skip)
+
+
+def pytest_ignore_collect(collection_path, config):
+    """`-m quiet` (`make test`'s second phase, or with `and ...`) selects only tests marked quiet,
+    so a test file that never names the mark is not imported: the phase starts without
+    importing every other module's dependencies."""
+    if (re.fullmatch(r"quiet( and .+)?", config.getoption("markexpr") or "") and collection_path.suffix == ".py"
+            and collection_path.name.startswith("test_")):
+        return "mark.quiet" not in collection_path.read_text()
+    return None
 
 
 @pytest.fixture(scope="session")
