@@ -46,3 +46,40 @@ def test_a_child_dies_with_its_process():
     while live(child) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not live(child), "the child outlived its process"
+
+
+CHAIN = '''
+import multiprocessing, time
+from trillm.subprocesses import start_preloaded
+
+def grandchild():
+    time.sleep(60)
+
+def child(report):  # a data-parallel replica with tensor parallelism: it starts its ranks
+    report.send(start_preloaded(grandchild, preload=()).pid)
+    time.sleep(60)
+
+if __name__ == "__main__":
+    reader, writer = multiprocessing.Pipe(duplex=False)
+    process = start_preloaded(child, writer, preload=(), daemon=False)
+    print(process.pid, reader.recv(), flush=True)
+    time.sleep(60)
+'''
+
+
+def test_a_preloaded_child_starts_its_own_and_both_die_with_the_process(tmp_path):
+    """A child of the fork server that is no daemon starts preloaded children of its own (a
+    replica its ranks), and the whole chain ends when the process is killed."""
+    script = tmp_path / "chain.py"
+    script.write_text(CHAIN)
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p) for p in parent.stdout.readline().split()]
+        assert len(pids) == 2 and all(map(live, pids)), "the child could not start one of its own"
+    finally:
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait()
+    deadline = time.monotonic() + 10
+    while any(map(live, pids)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(map(live, pids)), "a child outlived its process"

@@ -48,30 +48,50 @@ def spawn(command: list[str], cpus: set[int] | None = None, **popen_args) -> sub
     return _spawner.submit(subprocess.Popen, command, preexec_fn=lambda: die_with_parent(cpus), **popen_args).result()
 
 
-# The modules a preloaded child finds imported (start_preloaded): the model side, torch with it,
-# and the Llama family's config, whose import brings most of what reading any model's config
-# imports (transformers loads it lazily, on the first AutoConfig, which every rank makes).
-PRELOADED = ["trillm.model.runner", "transformers.models.llama.configuration_llama"]
+# What a preloaded child finds imported (start_preloaded): for a tensor-parallel rank, the model
+# side, torch with it, and the Llama family's config, whose import brings most of what reading any
+# model's config imports (transformers loads it lazily, on the first AutoConfig, which every rank
+# makes); for a data-parallel replica, the server around them too.
+MODEL_SIDE = ("trillm.model.runner", "transformers.models.llama.configuration_llama")
+SERVER = (*MODEL_SIDE, "trillm.engine.api", "trillm.http.app", "trillm.http.serve")
 
 
-def start_preloaded(target, *args) -> multiprocessing.Process:
+def start_preloaded(target, *args, preload: tuple[str, ...] = MODEL_SIDE, daemon: bool = True
+                    ) -> multiprocessing.Process:
     """Run `target(*args)` in a child forked from multiprocessing's fork server, which imported
-    PRELOADED once: the child starts in a fork's time rather than an interpreter's imports, and
-    every later child of this process (the ranks of a later engine too) forks from the same one.
-    The fork server is started, single-threaded, by the first call, and sees this process's
-    environment as it was then. It exits when this process does, and its children die with it
-    (die_with_parent); they are daemons, so that this process ending stops them too. `target`
-    and `args` must pickle."""
+    `preload` once: the child starts in a fork's time rather than an interpreter's imports, and
+    every later child of this process forks from the same server. One fork server per process:
+    it is started, single-threaded, by the first call, with that call's `preload` (a process
+    starts one kind of child: ranks, or replicas), and sees this process's environment as it
+    was then. It exits when this process does, and its children die with it (die_with_parent).
+    A daemon child also stops when this process ends; a child that starts processes of its own
+    (a replica's ranks) must not be one. `target` and `args` must pickle."""
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(PRELOADED)
-    process = context.Process(target=_preloaded_child, args=(target, *args), daemon=True)
+    context.set_forkserver_preload(list(preload))
+    process = context.Process(target=_preloaded_child, args=(target, *args), daemon=daemon)
     process.start()
     return process
 
 
 def _preloaded_child(target, *args) -> None:
     die_with_parent()
+    _release_the_fork_server()
     target(*args)
+
+
+def _release_the_fork_server() -> None:
+    """Close, in a child of the fork server, its copy of the pipe end by which the server learns
+    that the process that started it has ended. multiprocessing hands it to every child (so that
+    a child could start siblings through the same server; trillm's start a server of their own
+    if they start any). Held open, it keeps the server waiting for that end while the child
+    lives, and the child, which dies with the server, lives while the server does: killed with
+    SIGKILL, the process would leave both behind."""
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver  # CPython's one client state; the fd is the only handle to that end
+    if server._forkserver_alive_fd is not None:
+        os.close(server._forkserver_alive_fd)
+        server._forkserver_alive_fd = None
 
 
 def die_with_parent(cpus: set[int] | None = None) -> None:
