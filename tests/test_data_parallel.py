@@ -15,7 +15,7 @@ import openai
 import pytest
 import trio
 from http_support import live_server
-from process_support import descendants, live
+from process_support import descendants, live, started_by
 
 from trillm.config import EngineArgs
 from trillm.engine.core import EngineCore
@@ -64,9 +64,15 @@ async def start_replicated(nursery, model: str, policy: str, *flags: str):
     nursery.start_soon(read_log)
     with trio.fail_after(300):
         await ready.wait()
-    replicas = [m.group(1) for line in log if (m := re.search(r"replica \d: (http://\S+)", line))]
+    replicas = [m.group(1) for line in log if (m := re.search(r"replica \d \(pid \d+\): (http://\S+)", line))]
     (router,) = [m.group(1) for line in log if (m := re.search(r"on (http://\S+)$", line))]
     return process, router, replicas, log
+
+
+def replica_pid(log: list[str], url: str) -> int:
+    """The process serving `url`, as the supervisor logged it."""
+    (pid,) = [int(m.group(1)) for line in log if (m := re.search(rf"replica \d \(pid (\d+)\): {url}$", line))]
+    return pid
 
 
 async def ask_with_shared_prefix(router: str, model: str, count: int) -> None:
@@ -104,9 +110,10 @@ async def test_replicas_serve_survive_a_death_free_blocks_and_stop_with_the_serv
     async with trio.open_nursery() as nursery:
         process, router, replicas, log = await start_replicated(nursery, tiny_text_model_dir, "round_robin",
                                                                 "--api-key", key)
-        children = descendants(process.pid)
+        children = started_by(process.pid)
         assert len(children) == 3, "two replicas and the router"
-        for pid in children:
+        everything = descendants(process.pid)  # with the fork server they came from
+        for pid in everything:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 assert key.encode() not in f.read()
         async with httpx.AsyncClient(base_url=router, headers=auth) as http:  # power_of_two's: -1 when unreadable
@@ -139,7 +146,8 @@ async def test_replicas_serve_survive_a_death_free_blocks_and_stop_with_the_serv
                         await trio.sleep(0.05)
 
         # One replica killed: the other serves every request that follows.
-        (first_pid,) = [p for p in children if _serves(p, replicas[0])]
+        first_pid = replica_pid(log, replicas[0])
+        assert first_pid in children
         os.kill(first_pid, signal.SIGKILL)
         for _ in range(4):
             out = await client.completions.create(model=model, prompt="Hello", max_tokens=2)
@@ -150,14 +158,8 @@ async def test_replicas_serve_survive_a_death_free_blocks_and_stop_with_the_serv
         with trio.fail_after(60):
             await process.wait()
         with trio.fail_after(10):
-            while any(map(live, children)):
+            while any(map(live, everything)):
                 await trio.sleep(0.05)
-
-
-def _serves(pid: int, url: str) -> bool:
-    with open(f"/proc/{pid}/cmdline", "rb") as f:
-        args = f.read().split(b"\0")
-    return b"--port" in args and args[args.index(b"--port") + 1].decode() == url.rsplit(":", 1)[1]
 
 
 async def test_a_replica_elsewhere_joins_the_router_and_round_robin_spreads_a_prefix(tiny_text_model_dir):

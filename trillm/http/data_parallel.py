@@ -3,40 +3,41 @@
 This process is a supervisor, not a server. It starts N replicas, each a plain `trillm serve`
 on a loopback port, with its own KV cache and its own even share of the cores. Then it starts
 sglang-router (the Rust load balancer from PyPI, version pinned in pyproject.toml) on the
-public --host / --port. The router routes each request to a replica by --router-policy:
-cache_aware (by the longest prefix it sent there before, unless the load is uneven),
-round_robin, power_of_two or random. URLs in --data-parallel-address, which are `trillm serve`
-processes on other machines, join the router's worker list beside the local ones.
+public --host / --port. Each of them is forked from one fork server that imported the server
+once (trillm.subprocesses.start_preloaded), rather than N + 1 interpreters each importing it;
+the log names each one's process id. The router routes each request to a replica by
+--router-policy: cache_aware (by the longest prefix it sent there before, unless the load is
+uneven), round_robin, power_of_two or random. URLs in --data-parallel-address, which are
+`trillm serve` processes on other machines, join the router's worker list beside the local ones.
 
 Why sglang-router (over vllm-router): its cache-aware policy keeps a prefix tree per worker,
 so requests that share a prefix go to the replica that caches it, which is where trillm's
 prefix cache pays off. It speaks plain OpenAI HTTP to any backend and reads from a worker only
-what trillm serves: /health, /server_info, /model_info. With --api-key, the replicas take the key
-from their environment and the router sends it on its own calls to them (trillm/http/router_main.py);
-no command line carries it. Its gRPC probe speaks HTTP/2, which
-trillm refuses (trillm/http/http1_only.py), so the router falls back to HTTP.
+what trillm serves: /health, /server_info, /model_info. With --api-key, the replicas take the
+key from their environment and the router sends it on its own calls to them; both are handed
+it through the fork server's socket, and no command line carries it. Its gRPC probe speaks
+HTTP/2, which trillm refuses (trillm/http/http1_only.py), so the router falls back to HTTP.
 
-Lifetime: the replicas and the router die with the supervisor (PR_SET_PDEATHSIG), however it
-ends. On SIGTERM or SIGINT the supervisor stops the router first (no new requests), then sends
-SIGTERM to the replicas, which drain as any `trillm serve` does. A replica that dies is logged
-and left out: the router's health checks take it out of rotation and the others serve on. If
-the router dies, or the last replica, the supervisor stops the rest and exits with an error.
+Lifetime: the replicas and the router die with the fork server (PR_SET_PDEATHSIG), which ends
+with the supervisor, however it ends. On SIGTERM or SIGINT the supervisor stops the router
+first (no new requests), then sends SIGTERM to the replicas, which drain as any `trillm serve`
+does. A replica that dies is logged and left out: the router's health checks take it out of
+rotation and the others serve on. If the router dies, or the last replica, the supervisor
+stops the rest and exits with an error.
 """
 from __future__ import annotations
 
 import logging
 import os
 import signal
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
 from dataclasses import replace
+from multiprocessing import Process
 
-from trillm.http.router_main import ROUTER_KEY_VARIABLE
 from trillm.http.settings import API_KEY_VARIABLE, ServerSettings, to_argv
-from trillm.subprocesses import cpu_share, free_port, spawn
+from trillm.subprocesses import SERVER, cpu_share, free_port, start_preloaded
 
 log = logging.getLogger(__name__)
 ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
@@ -44,12 +45,9 @@ READY_TIMEOUT = 600.0  # seconds for a replica to load its model and answer /hea
 STOP_TIMEOUT = 60.0  # seconds the router and the replicas get to exit on a signal, before SIGKILL
 
 
-def router_command(settings: ServerSettings, port: int, worker_urls: list[str]) -> list[str]:
-    return [
-        sys.executable, "-m", "trillm.http.router_main", "--worker-urls", *worker_urls,
-        "--policy", settings.router_policy, "--host", settings.host, "--port", str(port),
-        "--prometheus-port", str(free_port()), "--log-level", "warn",
-    ]
+def router_argv(settings: ServerSettings, port: int, worker_urls: list[str]) -> list[str]:
+    return ["--worker-urls", *worker_urls, "--policy", settings.router_policy, "--host", settings.host,
+            "--port", str(port), "--prometheus-port", str(free_port()), "--log-level", "warn"]
 
 
 def run(settings: ServerSettings) -> int:
@@ -61,25 +59,25 @@ def run(settings: ServerSettings) -> int:
     ports = [free_port() for _ in range(count)]
     replicas = []
     for index, port in enumerate(ports):
-        # the key travels in the environment, which only this user can read, not on the command line
         replica = replace(settings, host="127.0.0.1", port=port, data_parallel_size=1, data_parallel_address=None,
                           api_key=None)
-        cpus = cpu_share(index, count)
-        replicas.append(spawn([sys.executable, "-m", "trillm", "serve", *to_argv(replica)], cpus,
-                              env=_environment(API_KEY_VARIABLE, settings.api_key)))
+        # not daemons: a replica with --tensor-parallel-size starts its ranks
+        replicas.append(start_preloaded(_replica_main, to_argv(replica), settings.api_key, cpu_share(index, count),
+                                        preload=SERVER, daemon=False))
     children = list(replicas)
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
     signal.signal(signal.SIGINT, lambda *_: stopping.append(True))
     try:
         urls = [f"http://127.0.0.1:{port}" for port in ports]
-        for index, url in enumerate(urls):
-            log.info("replica %d: %s", index, url)
+        for index, (url, replica) in enumerate(zip(urls, replicas)):
+            log.info("replica %d (pid %d): %s", index, replica.pid, url)
         if not _wait_ready(urls, replicas, stopping):
             return 0 if stopping else 1
         workers = urls + ServerSettings.as_list(settings.data_parallel_address or "")
         port = settings.port or free_port()  # port 0: any free one, logged below
-        router = spawn(router_command(settings, port, workers), env=_environment(ROUTER_KEY_VARIABLE, settings.api_key))
+        router = start_preloaded(_router_main, router_argv(settings, port, workers), settings.api_key,
+                                 preload=SERVER, daemon=False)
         children.insert(0, router)
         if not _wait_ready([f"http://{_loopback(settings.host)}:{port}"], [router], stopping):
             return 0 if stopping else 1
@@ -87,11 +85,11 @@ def run(settings: ServerSettings) -> int:
                  len(workers), settings.router_policy, settings.host, port)
         alive = dict(zip(replicas, urls))
         while not stopping:
-            if router.poll() is not None:
-                log.error("the router exited (status %s): stopping the replicas", router.returncode)
+            if router.exitcode is not None:
+                log.error("the router exited (status %s): stopping the replicas", router.exitcode)
                 return 1
-            for replica in [r for r in alive if r.poll() is not None]:
-                log.error("replica %s exited (status %s); the others serve on", alive.pop(replica), replica.returncode)
+            for replica in [r for r in alive if r.exitcode is not None]:
+                log.error("replica %s exited (status %s); the others serve on", alive.pop(replica), replica.exitcode)
             if not alive:
                 log.error("every replica exited: stopping the router")
                 return 1
@@ -101,13 +99,26 @@ def run(settings: ServerSettings) -> int:
         _stop(children)
 
 
-def _environment(variable: str, api_key: str | None) -> dict[str, str]:
-    """This process's environment, with `variable` holding the API key if there is one (and
-    neither key variable otherwise: a replica must not inherit a key it was not given)."""
-    env = {k: v for k, v in os.environ.items() if k not in (API_KEY_VARIABLE, ROUTER_KEY_VARIABLE)}
+def _replica_main(argv: list[str], api_key: str | None, cpus: set[int]) -> None:
+    """A replica, in its forked process: `trillm serve` with `argv`, on `cpus`, with the key (if
+    any) where a replica reads it, in its environment (and no key it was not given)."""
+    from trillm.__main__ import main
+
+    os.sched_setaffinity(0, cpus)
+    os.environ.pop(API_KEY_VARIABLE, None)
     if api_key is not None:
-        env[variable] = api_key
-    return env
+        os.environ[API_KEY_VARIABLE] = api_key
+    main(["serve", *argv])
+
+
+def _router_main(argv: list[str], api_key: str | None) -> None:
+    """The router, in its forked process: sglang-router's launcher with `argv`, sending `api_key`
+    (if any) on its own calls to the replicas."""
+    from sglang_router.launch_router import launch_router, parse_router_args
+
+    args = parse_router_args(argv)
+    args.api_key = api_key
+    launch_router(args)
 
 
 def _loopback(host: str) -> str:
@@ -115,14 +126,14 @@ def _loopback(host: str) -> str:
     return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
 
 
-def _wait_ready(urls: list[str], processes: list[subprocess.Popen], stopping: list) -> bool:
+def _wait_ready(urls: list[str], processes: list[Process], stopping: list) -> bool:
     """Until every URL's /health answers 200: False if one of `processes` exits first, a signal
     comes, or READY_TIMEOUT passes."""
     deadline = time.monotonic() + READY_TIMEOUT
     waiting = list(urls)
     while waiting and not stopping and time.monotonic() < deadline:
-        if any(p.poll() is not None for p in processes):
-            log.error("%s exited while starting", " ".join(processes[0].args[:4]))
+        if any(p.exitcode is not None for p in processes):
+            log.error("%s exited while starting", ", ".join(urls))
             return False
         for url in list(waiting):
             try:
@@ -135,15 +146,14 @@ def _wait_ready(urls: list[str], processes: list[subprocess.Popen], stopping: li
     return not waiting and not stopping
 
 
-def _stop(children: list[subprocess.Popen]) -> None:
+def _stop(children: list[Process]) -> None:
     """SIGTERM to each in order (the router first), then wait for all; SIGKILL the late."""
     for child in children:
-        if child.poll() is None:
-            child.send_signal(signal.SIGTERM)
+        if child.exitcode is None:
+            child.terminate()
     deadline = time.monotonic() + STOP_TIMEOUT
     for child in children:
-        try:
-            child.wait(max(deadline - time.monotonic(), 0))
-        except subprocess.TimeoutExpired:
+        child.join(max(deadline - time.monotonic(), 0))
+        if child.exitcode is None:
             child.kill()
-            child.wait()
+            child.join()
