@@ -5,7 +5,6 @@ Its loglikelihood requests are `echo: true, logprobs: 1, max_tokens: 1` completi
 token ids and as text, and each item's loglikelihoods and the accuracy lm-eval reports are
 checked against transformers' on the same token ids. The server runs the exact path (fp32
 activations and KV cache), on which trillm matches transformers to about 1e-4."""
-import functools
 import json
 import os
 import sys
@@ -21,7 +20,6 @@ TASK_DIR = "tests/data/lm_eval_tiny"
 TASK = "trillm_tiny_mc"
 
 
-@functools.cache  # both runs compare against the same numbers
 def transformers_loglikelihoods(model_dir: str) -> list[list[float]]:
     """Per item, per choice: log P(" " + choice | question) as lm-eval tokenizes them (context and
     continuation, with its target delimiter " ", encoded apart, then joined)."""
@@ -43,38 +41,43 @@ def transformers_loglikelihoods(model_dir: str) -> list[list[float]]:
     return out
 
 
-async def run_lm_eval(url: str, model: str, tokenizer: str, tokenized: bool, out_dir: str) -> tuple[dict, list]:
-    """`tokenizer`: a local directory, or "remote" for the server's /tokenizer_info and /tokenize."""
+def model_args(url: str, model: str, tokenizer: str, tokenized: bool) -> str:
+    """lm-eval's `local-completions` arguments; `tokenizer`: a local directory, or "remote" for
+    the server's /tokenizer_info and /tokenize."""
     backend = ["tokenizer_backend=remote"] if tokenizer == "remote" else [
         f"tokenizer={tokenizer}", "tokenizer_backend=huggingface"]
-    model_args = ",".join([
-        f"model={model}", f"base_url={url}/v1/completions", *backend,
-        f"tokenized_requests={tokenized}", "num_concurrent=1", "max_retries=1",
-    ])
+    return ",".join([f"model={model}", f"base_url={url}/v1/completions", *backend,
+                     f"tokenized_requests={tokenized}", "num_concurrent=1", "max_retries=1"])
+
+
+async def run_lm_eval(runs: list[str], out_dir: str) -> list[tuple[dict, list]]:
+    """The task once per model arguments in `runs`: each run's (metrics, samples by item)."""
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "OPENAI_API_KEY": "none"}
     out_path = os.path.join(out_dir, "evaluated.json")
-    command = [sys.executable, os.path.join(os.path.dirname(__file__), "lm_eval_run.py"), model_args, TASK_DIR, TASK,
-               out_path]
+    command = [sys.executable, os.path.join(os.path.dirname(__file__), "lm_eval_run.py"), TASK_DIR, TASK, out_path,
+               *runs]
     result = await trio.run_process(command, env=env, capture_stdout=True, capture_stderr=True, check=False)
     assert result.returncode == 0, result.stderr.decode()[-4000:]
     with open(out_path) as f:
         evaluated = json.load(f)
-    results, samples = evaluated["results"], sorted(evaluated["samples"], key=lambda s: s["doc_id"])
-    return results, samples
+    return [(run["results"], sorted(run["samples"], key=lambda s: s["doc_id"])) for run in evaluated]
 
 
-@pytest.mark.parametrize("tokenized, tokenizer", [(True, "local"), (False, "remote")],
-                         ids=["token_ids_local_tokenizer", "text_server_tokenizer"])
 @pytest.mark.slow
-async def test_lm_eval_multiple_choice_matches_transformers(default_model_dir, tmp_path, tokenized, tokenizer):
+async def test_lm_eval_multiple_choice_matches_transformers_as_token_ids_and_as_text(default_model_dir, tmp_path):
+    """Two runs: token ids, tokenized by lm-eval with the model's own tokenizer; and text,
+    tokenized by the server (lm-eval's remote tokenizer)."""
     expected = transformers_loglikelihoods(default_model_dir)
-    tokenizer = default_model_dir if tokenizer == "local" else tokenizer
-    async with live_server(exact_core(default_model_dir)) as server:
-        results, samples = await run_lm_eval(server.url, server.model, tokenizer, tokenized, str(tmp_path))
-    assert len(samples) == len(expected)
-    for sample, (row, answer) in zip(samples, expected):
-        got = [float(resp[0][0]) for resp in sample["resps"]]  # lm-eval logs them as strings
-        assert got == pytest.approx(row, abs=1e-3), sample["doc"]
     want = sum(max(range(len(row)), key=row.__getitem__) == answer for row, answer in expected) / len(expected)
-    assert results["acc,none"] == pytest.approx(want)
     assert want > 0  # the model gets some right: a broken loglikelihood would not
+    async with live_server(exact_core(default_model_dir)) as server:
+        runs = [model_args(server.url, server.model, default_model_dir, tokenized=True),
+                model_args(server.url, server.model, "remote", tokenized=False)]
+        evaluated = await run_lm_eval(runs, str(tmp_path))
+    assert len(evaluated) == 2
+    for results, samples in evaluated:
+        assert len(samples) == len(expected)
+        for sample, (row, answer) in zip(samples, expected):
+            got = [float(resp[0][0]) for resp in sample["resps"]]  # lm-eval logs them as strings
+            assert got == pytest.approx(row, abs=1e-3), sample["doc"]
+        assert results["acc,none"] == pytest.approx(want)
