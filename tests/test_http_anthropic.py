@@ -3,7 +3,6 @@ count_tokens, a tool round trip, its exception classes) and the Node SDK (`@anth
 create and stream) against a live server on the default model."""
 import json
 
-import anthropic
 import jsonschema
 import pytest
 import trio
@@ -122,6 +121,8 @@ async def test_count_tokens_is_the_prompt_a_message_uses(server):
 
 
 async def test_errors_are_the_sdks_own_exceptions(server, core):
+    import anthropic  # here: every worker collects this module, one runs it, and the SDK is slow to import
+
     client = server.anthropic()
     with pytest.raises(anthropic.NotFoundError) as missing:
         await client.messages.create(model="no-such-model", max_tokens=5, messages=QUESTION)
@@ -291,6 +292,8 @@ async def test_reasoning_becomes_a_signed_thinking_block(core):
 async def test_an_engine_that_dies_mid_stream_sends_an_error_event_then_529s(core):
     """The model failing mid-generation (the runner's fault hook): the stream ends with Anthropic's
     `error` event, which the SDK raises; new messages are 529 overloaded_error, its OverloadedError."""
+    import anthropic  # here: every worker collects this module, one runs it, and the SDK is slow to import
+
     with failing_engine(core):
         async with live_server(core) as server:
             client = server.anthropic()
