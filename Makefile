@@ -10,11 +10,13 @@ STAMP := $(VENV)/.installed
 
 # The suite runs on every core (at most three workers: each collects every module and holds its own
 # models, so a fourth on two cores added more work than it overlapped; a test file stays
-# on one worker, so its module fixtures and cached engines are made once), then the tests
+# on one worker, so its module fixtures and cached engines are made once; files are handed
+# out in collection order, longest first (tests/conftest.py), where pytest-xdist would order
+# them by their number of tests and leave long one-test files to the end), then the tests
 # marked `quiet` run alone, since they bound the event loop's stalls and a busy machine would
 # stretch them. Exit status 5 is pytest's "nothing selected" (ARGS chose no quiet test).
 PYTEST := $(PY) -m pytest -q
-PARALLEL := -n auto --maxprocesses 3 --dist loadfile
+PARALLEL := -n auto --maxprocesses 3 --dist loadfile --no-loadscope-reorder
 
 $(STAMP): pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)

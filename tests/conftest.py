@@ -24,12 +24,15 @@ import re  # noqa: E402
 import pytest  # noqa: E402
 
 
-# The files that take longest, longest first. `make test` hands whole files to its workers in
-# collection order (pytest-xdist, --dist loadfile): a long file handed out last runs alone at the
-# end while the other workers idle. The order only schedules; every test runs either way.
-LONGEST_FIRST = ("test_tensor_parallel.py", "test_data_parallel.py", "test_gpu_prepare.py", "test_scheduler.py",
-                 "test_llm.py", "test_lm_eval.py", "test_model.py", "test_http_serve.py", "test_http_weights.py",
-                 "test_lora.py")
+# The files that take longest, longest first, those that start processes of their own (which
+# use more than one core) between those that run in the worker alone. `make test` hands whole
+# files to its workers in collection order (pytest-xdist, --dist loadfile --no-loadscope-reorder):
+# a long file handed out last runs alone at the end while the other workers idle. The order only
+# schedules; every test runs either way.
+LONGEST_FIRST = ("test_scheduler.py", "test_tensor_parallel.py", "test_model.py", "test_http_serve.py", "test_llm.py",
+                 "test_data_parallel.py", "test_kernels.py", "test_lm_eval.py", "test_speculative.py", "test_lora.py",
+                 "test_http_weights.py", "test_cuda_path.py", "test_http_errors.py", "test_loader.py",
+                 "test_http_soak.py", "test_http_structured_extras.py", "test_http_anthropic.py")
 
 
 def pytest_collection_modifyitems(config, items):
