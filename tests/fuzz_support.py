@@ -1,19 +1,25 @@
 """The fuzzer of the bad-input test and benchmarks/soak.py (a module, not a test file).
 
-schemathesis reads the server's own /openapi.json and sends, to every POST route, bodies that fit
-the schema (which then reach the engine and run) and bodies that break it. It is synchronous;
-`fuzz_in_a_process` runs it (and the hostile bodies) in a process of its own while the server
-serves on the Trio loop: generating cases is pure Python, and in a thread of the server's process
-it held the interpreter lock the server's event loop needs, so a stalled probe could not tell the
-server's fault from the fuzzer's. Generating is most of the fuzzer's work, so the routes are dealt
-to several such processes at once. Derandomized, so a run repeats exactly.
-"""
-import json
-import sys
+schemathesis reads the server's own /openapi.json and makes, for every POST route, bodies that
+fit the schema (which then reach the engine and run) and bodies that break it. It is
+synchronous; `fuzz_in_a_process` runs it (and the hostile bodies) in a process of its own while
+the server serves on the Trio loop: generating cases is pure Python, and in a thread of the
+server's process it held the interpreter lock the server's event loop needs, so a stalled probe
+could not tell the server's fault from the fuzzer's. Generating is most of the fuzzer's work, so
+the routes are dealt to several such processes at once.
 
-from hypothesis import HealthCheck, Phase, given, settings
-from schemathesis import GenerationMode
-from schemathesis.openapi import from_dict
+Derandomized, so a run repeats exactly: the cases are a function of the document, the budget,
+this module and the versions of schemathesis and hypothesis. `fuzz_in_a_process` keeps them
+under that key in the cache (TRILLM_CACHE, else ~/.cache/trillm, in fuzz/), and a later run with
+the same key sends the kept cases rather than making them again; delete the folder to make them
+afresh.
+"""
+import hashlib
+import json
+import os
+import pickle
+import sys
+from importlib.metadata import version
 
 
 def assert_openai_error(status: int, body: dict) -> None:
@@ -46,10 +52,15 @@ def sse_errors(text: str) -> list[dict]:
     return [e["error"] for e in map(json.loads, events) if "error" in e]
 
 
-def fuzz(url: str, doc: dict, counts: dict, examples: int, share: tuple[int, int] = (0, 1)) -> None:
-    """Every POST operation, bodies valid and invalid; raises on the first 5xx or malformed error
-    (OpenAI's shape, Anthropic's on its Messages routes). `share` (k, n): only the k-th of every n
-    operations."""
+def cases(doc: dict, examples: int, share: tuple[int, int] = (0, 1)) -> list[tuple[str, dict]]:
+    """schemathesis's cases for every POST operation of `doc`, bodies valid and invalid, as
+    (the operation's path, the `requests` arguments that send the case, its URL without the
+    server's address). `share` (k, n): only the k-th of every n operations."""
+    from hypothesis import HealthCheck, Phase, given, settings
+    from schemathesis import GenerationMode
+    from schemathesis.openapi import from_dict
+
+    made: list[tuple[str, dict]] = []
     schema = from_dict(doc)
     operations = [result.ok() for result in schema.get_all_operations()]
     for operation in [op for op in operations if op.method.upper() == "POST"][share[0]::share[1]]:
@@ -62,15 +73,33 @@ def fuzz(url: str, doc: dict, counts: dict, examples: int, share: tuple[int, int
             )
             @given(case=operation.as_strategy(generation_mode=mode))
             def one(case):
-                response = case.call(base_url=url, timeout=60)
-                counts[response.status_code // 100] = counts.get(response.status_code // 100, 0) + 1
-                assert response.status_code < 500, (case.body, response.text)
-                if response.status_code >= 400:
-                    assert_error(operation.path, response.status_code, response.json())
-                elif "text/event-stream" in response.headers.get("content-type", [""])[0]:
-                    assert not sse_errors(response.text), (case.body, response.text)
+                arguments = case.as_transport_kwargs(base_url="")
+                arguments["headers"].pop("X-Schemathesis-TestCaseId")  # a random id for its logs: not kept
+                made.append((operation.path, arguments))
 
             one()
+    return made
+
+
+def send(url: str, made: list[tuple[str, dict]], counts: dict) -> None:
+    """Each case of `cases` to the server at `url`; raises on the first 5xx or malformed error
+    (OpenAI's shape, Anthropic's on its Messages routes), or a stream that carried an error."""
+    import requests
+
+    with requests.Session() as session:
+        for path, arguments in made:
+            response = session.request(**{**arguments, "url": url + arguments["url"]}, timeout=60)
+            counts[response.status_code // 100] = counts.get(response.status_code // 100, 0) + 1
+            assert response.status_code < 500, (arguments, response.text)
+            if response.status_code >= 400:
+                assert_error(path, response.status_code, response.json())
+            elif "text/event-stream" in response.headers.get("content-type", ""):
+                assert not sse_errors(response.text), (arguments, response.text)
+
+
+def fuzz(url: str, doc: dict, counts: dict, examples: int, share: tuple[int, int] = (0, 1)) -> None:
+    """`cases`, made now, sent to the server at `url` (see `send`)."""
+    send(url, cases(doc, examples, share), counts)
 
 
 def hostile_bodies() -> list[tuple[str, bytes]]:
@@ -125,16 +154,28 @@ async def probe_health(url: str, probes: list[float]) -> None:
 
 
 async def fuzz_in_a_process(url: str, examples: int, processes: int = 2) -> dict[int, int]:
-    """`fuzz`, then `send_hostile`, against the server at `url`, the routes dealt to `processes`
-    child processes running at once; returns the answers counted by status class. Fails with a
-    child's report on a 5xx or a malformed error."""
+    """The cases (kept ones, or made now and kept: see the module's docstring) and then the
+    hostile bodies, sent to the server at `url`, the routes dealt to `processes` child processes
+    running at once; returns the answers counted by status class. Fails with a child's report on
+    a 5xx or a malformed error."""
+    import httpx
     import trio
 
+    async with httpx.AsyncClient(timeout=60) as client:
+        doc = (await client.get(url + "/openapi.json")).json()
+    with open(__file__, "rb") as f:
+        key = hashlib.sha256(json.dumps([doc, examples, processes, version("schemathesis"), version("hypothesis"),
+                                         f.read().decode()], sort_keys=True).encode()).hexdigest()[:16]
+    folder = os.path.join(os.environ.get("TRILLM_CACHE") or os.path.expanduser("~/.cache/trillm"), "fuzz")
+    os.makedirs(folder, exist_ok=True)
+    for stale in [name for name in os.listdir(folder) if not name.startswith(key)]:  # another key's: no run sends them
+        os.remove(os.path.join(folder, stale))
     counts: dict[int, int] = {}
 
     async def one(share: int) -> None:
-        result = await trio.run_process([sys.executable, __file__, url, str(examples), str(share), str(processes)],
-                                        capture_stdout=True, capture_stderr=True, check=False)
+        kept = os.path.join(folder, f"{key}-{share}.pickle")
+        result = await trio.run_process([sys.executable, __file__, url, str(examples), str(share), str(processes),
+                                         kept], capture_stdout=True, capture_stderr=True, check=False)
         assert result.returncode == 0, result.stderr.decode(errors="replace")[-4000:]
         for status, count in json.loads(result.stdout.decode().splitlines()[-1]).items():
             counts[int(status)] = counts.get(int(status), 0) + count
@@ -145,12 +186,24 @@ async def fuzz_in_a_process(url: str, examples: int, processes: int = 2) -> dict
     return counts
 
 
-if __name__ == "__main__":  # fuzz_in_a_process's child: python fuzz_support.py URL EXAMPLES SHARE PROCESSES
+def kept_cases(path: str, doc: dict, examples: int, share: tuple[int, int]) -> list[tuple[str, dict]]:
+    """The cases kept at `path`, or `cases` made now and kept there."""
+    if os.path.exists(path):
+        with open(path, "rb") as f:
+            return pickle.load(f)
+    made = cases(doc, examples, share)
+    with open(path + ".part", "wb") as f:
+        pickle.dump(made, f)
+    os.replace(path + ".part", path)  # whole or not at all, if two runs make it at once
+    return made
+
+
+if __name__ == "__main__":  # fuzz_in_a_process's child: python fuzz_support.py URL EXAMPLES SHARE PROCESSES KEPT
     import httpx
 
     target, per_route, share = sys.argv[1], int(sys.argv[2]), (int(sys.argv[3]), int(sys.argv[4]))
     document = httpx.get(target + "/openapi.json", timeout=60).json()
     counted: dict[int, int] = {}
-    fuzz(target, document, counted, per_route, share)
+    send(target, kept_cases(sys.argv[5], document, per_route, share), counted)
     send_hostile(target, document, counted, share)
     print(json.dumps(counted))

@@ -8,7 +8,7 @@ import re
 
 import pytest
 import trio
-from fuzz_support import assert_openai_error, fuzz_in_a_process, probe_health
+from fuzz_support import assert_openai_error, cases, fuzz_in_a_process, kept_cases, probe_health
 from http_support import live_server, settled_stats, tiny_core
 from openapi_spec_validator import validate
 
@@ -83,6 +83,17 @@ async def test_fuzzed_bodies_get_4xx_never_5xx(server):
     assert stats["num_used_blocks"] == 0 and stats["alive"]
     ok = await http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 3, "ignore_eos": True})
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+
+
+async def test_the_fuzz_cases_repeat_exactly_so_kept_ones_are_the_ones_a_run_makes(server, tmp_path):
+    """What lets a run send the cases an earlier one kept (fuzz_support's docstring)."""
+    doc = (await server.http().get("/openapi.json")).json()
+    doc["paths"] = {path: ops for path, ops in doc["paths"].items() if path in ("/abort_request", "/detokenize")}
+    made = await trio.to_thread.run_sync(cases, doc, 5)
+    assert len(made) == 20 and {path for path, _ in made} == {"/abort_request", "/detokenize"}
+    kept = str(tmp_path / "kept.pickle")
+    assert await trio.to_thread.run_sync(kept_cases, kept, doc, 5, (0, 1)) == made
+    assert await trio.to_thread.run_sync(kept_cases, kept, {}, 5, (0, 1)) == made  # read back, not made
 
 
 async def test_unknown_names_are_404(server):
