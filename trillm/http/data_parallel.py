@@ -64,6 +64,7 @@ def run(settings: ServerSettings) -> int:
         # not daemons: a replica with --tensor-parallel-size starts its ranks
         replicas.append(start_preloaded(_replica_main, to_argv(replica), settings.api_key, cpu_share(index, count),
                                         preload=SERVER, daemon=False))
+        replicas[-1].name = f"replica {index}"  # what the log calls it
     children = list(replicas)
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
@@ -71,13 +72,14 @@ def run(settings: ServerSettings) -> int:
     try:
         urls = [f"http://127.0.0.1:{port}" for port in ports]
         for index, (url, replica) in enumerate(zip(urls, replicas)):
-            log.info("replica %d (pid %d): %s", index, replica.pid, url)
+            log.info("%s (pid %d): %s", replica.name, replica.pid, url)
         if not _wait_ready(urls, replicas, stopping):
             return 0 if stopping else 1
         workers = urls + ServerSettings.as_list(settings.data_parallel_address or "")
         port = settings.port or free_port()  # port 0: any free one, logged below
         router = start_preloaded(_router_main, router_argv(settings, port, workers), settings.api_key,
                                  preload=SERVER, daemon=False)
+        router.name = "the router"
         children.insert(0, router)
         if not _wait_ready([f"http://{_loopback(settings.host)}:{port}"], [router], stopping):
             return 0 if stopping else 1
@@ -89,7 +91,8 @@ def run(settings: ServerSettings) -> int:
                 log.error("the router exited (status %s): stopping the replicas", router.exitcode)
                 return 1
             for replica in [r for r in alive if r.exitcode is not None]:
-                log.error("replica %s exited (status %s); the others serve on", alive.pop(replica), replica.exitcode)
+                log.error("%s (%s) exited (status %s); the others serve on", replica.name, alive.pop(replica),
+                          replica.exitcode)
             if not alive:
                 log.error("every replica exited: stopping the router")
                 return 1
@@ -132,8 +135,9 @@ def _wait_ready(urls: list[str], processes: list[Process], stopping: list) -> bo
     deadline = time.monotonic() + READY_TIMEOUT
     waiting = list(urls)
     while waiting and not stopping and time.monotonic() < deadline:
-        if any(p.exitcode is not None for p in processes):
-            log.error("%s exited while starting", ", ".join(urls))
+        exited = [p for p in processes if p.exitcode is not None]
+        if exited:
+            log.error("%s exited while starting (status %s)", exited[0].name, exited[0].exitcode)
             return False
         for url in list(waiting):
             try:
