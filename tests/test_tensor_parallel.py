@@ -99,6 +99,33 @@ async def test_default_model_at_tp3_through_a_live_server(default_model_dir):
         await trio.to_thread.run_sync(sharded.close)
 
 
+def test_a_rank_gone_before_the_ranks_meet_fails_rank_0_at_once():
+    """Rank 0 waits for the others at the meeting point while watching that they still run (the
+    engine gives it its workers' liveness): one that has exited (here: never came) ends the
+    wait with an error, where the meeting itself would wait for it for half an hour."""
+    import threading
+
+    import torch.distributed as dist
+
+    from trillm.model import parallel
+    from trillm.subprocesses import free_port
+
+    outcome = []
+
+    def rank_0():
+        try:
+            parallel.join(0, 2, f"tcp://127.0.0.1:{free_port()}", torch.device("cpu"), 30, others_alive=lambda: False)
+        except RuntimeError as exc:
+            outcome.append(exc)
+
+    waiting = threading.Thread(target=rank_0, daemon=True)  # without the check it would wait 30 minutes
+    waiting.start()
+    waiting.join(30)
+    assert not waiting.is_alive(), "rank 0 waited for a rank that is gone"
+    assert "exited before the ranks met" in str(outcome[0])
+    assert not dist.is_initialized()
+
+
 @pytest.mark.parametrize("fault", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "hung"])
 async def test_a_dead_or_hung_worker_fails_the_engine_and_leaves_no_process(tiny_text_model_dir, fault):
     """A killed worker's closed connections fail the next step at once; a stopped one (hung)

@@ -95,8 +95,8 @@ class EngineCore:
                 self.workers, args = Workers.start(args)
             elif args.tp_init_method is None:
                 args = replace(args, tp_init_method=launcher_init_method())
-            self.tp = parallel.join(0, args.tensor_parallel_size, args.tp_init_method,
-                                    resolve_device(args.device), args.tp_timeout)
+            self.tp = parallel.join(0, args.tensor_parallel_size, args.tp_init_method, resolve_device(args.device),
+                                    args.tp_timeout, self.workers.all_alive if self.workers else None)
             self._in_group = True
         return args
 

@@ -20,7 +20,10 @@ from __future__ import annotations
 import datetime
 import glob
 import os
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 import torch
 import torch.distributed as dist
@@ -101,17 +104,46 @@ def _cpu_list(text: str) -> set[int]:
     return cpus
 
 
-def join(rank: int, size: int, init_method: str, device: torch.device, timeout: float) -> TensorParallel:
-    """Joins the group of `size` ranks that meet at `init_method` (tcp://host:port; rank 0 runs
-    the store there). `timeout`: seconds a step's collectives wait for a late rank."""
+def join(rank: int, size: int, init_method: str, device: torch.device, timeout: float,
+         others_alive: Callable[[], bool] | None = None) -> TensorParallel:
+    """Joins the group of `size` ranks that meet at `init_method` (tcp://host:port, where rank 0
+    runs the store; or env://, a launcher's). `timeout`: seconds a step's collectives wait for a
+    late rank. `others_alive`, for rank 0 when it started the other ranks: whether they all still
+    run. A rank that exits before the group has met fails the join at once (RuntimeError),
+    where the meeting alone would wait for it for STARTUP_TIMEOUT."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     step_timeout = datetime.timedelta(seconds=timeout)
-    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size, timeout=STARTUP_TIMEOUT)
+    if init_method.startswith("tcp://"):
+        store = _meet(rank, size, init_method, others_alive)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=size, timeout=STARTUP_TIMEOUT)
+    else:
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size, timeout=STARTUP_TIMEOUT)
     # A timeout is each process's own: the workers wait for steps unboundedly, while rank 0's
     # sends of a step (which gloo completes only when the worker receives) are bounded.
     control = dist.new_group(backend="gloo", timeout=step_timeout if rank == 0 else CONTROL_TIMEOUT)
     compute = dist.new_group(backend=backend, timeout=step_timeout)
     return TensorParallel(rank, size, control, compute)
+
+
+def _meet(rank: int, size: int, init_method: str, others_alive: Callable[[], bool] | None) -> dist.Store:
+    """The group's store at `init_method` (rank 0 serves it), with this rank's arrival marked in
+    it; on rank 0, once every rank has arrived. Rank 0 waits here, watching `others_alive`, and
+    not in the process group's own meeting, whose wait no check can cut short."""
+    address = urlsplit(init_method)
+    store = dist.TCPStore(address.hostname, address.port, size, is_master=rank == 0, timeout=STARTUP_TIMEOUT,
+                          wait_for_workers=False)
+    store.set(f"trillm/arrived/{rank}", "1")
+    if rank == 0:
+        others = [f"trillm/arrived/{other}" for other in range(1, size)]
+        deadline = time.monotonic() + STARTUP_TIMEOUT.total_seconds()
+        while not store.check(others):
+            if others_alive is not None and not others_alive():
+                raise RuntimeError("A tensor-parallel rank exited before the ranks met: its log says why.")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"The tensor-parallel ranks did not all meet at {init_method} "
+                                   f"within {STARTUP_TIMEOUT}.")
+            time.sleep(0.05)
+    return store
 
 
 def leave() -> None:

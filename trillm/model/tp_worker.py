@@ -84,6 +84,9 @@ class Workers:
                 reader.close()
         return workers, args
 
+    def all_alive(self) -> bool:
+        return all(process.exitcode is None for process in self.processes)
+
     def stop(self, wait: bool = True) -> None:
         """Reap the workers: after up to STOP_TIMEOUT each when `wait` (they were told to stop),
         at once otherwise; a worker still there then is killed."""
