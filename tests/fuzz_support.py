@@ -2,11 +2,11 @@
 
 schemathesis reads the server's own /openapi.json and makes, for every POST route, bodies that
 fit the schema (which then reach the engine and run) and bodies that break it. It is
-synchronous; `fuzz_in_a_process` runs it (and the hostile bodies) in a process of its own while
-the server serves on the Trio loop: generating cases is pure Python, and in a thread of the
-server's process it held the interpreter lock the server's event loop needs, so a stalled probe
-could not tell the server's fault from the fuzzer's. Generating is most of the fuzzer's work, so
-the routes are dealt to several such processes at once.
+synchronous; `fuzz_in_a_process` runs it (and sends the hostile bodies, `hostile_cases`) in a
+process of its own while the server serves on the Trio loop: generating cases is pure Python,
+and in a thread of the server's process it held the interpreter lock the server's event loop
+needs, so a stalled probe could not tell the server's fault from the fuzzer's. Generating is
+most of the fuzzer's work, so the routes are dealt to several such processes at once.
 
 Derandomized, so a run repeats exactly: the cases are a function of the document, the budget,
 this module and the versions of schemathesis and hypothesis. `fuzz_in_a_process` keeps them
@@ -82,19 +82,21 @@ def cases(doc: dict, examples: int, share: tuple[int, int] = (0, 1)) -> list[tup
 
 
 def send(url: str, made: list[tuple[str, dict]], counts: dict) -> None:
-    """Each case of `cases` to the server at `url`; raises on the first 5xx or malformed error
-    (OpenAI's shape, Anthropic's on its Messages routes), or a stream that carried an error."""
+    """Each case of `cases` (or `hostile_cases`) to the server at `url`; raises on the first 5xx
+    or malformed error (OpenAI's shape, Anthropic's on its Messages routes), or a stream that
+    carried an error."""
     import requests
 
     with requests.Session() as session:
         for path, arguments in made:
             response = session.request(**{**arguments, "url": url + arguments["url"]}, timeout=60)
             counts[response.status_code // 100] = counts.get(response.status_code // 100, 0) + 1
-            assert response.status_code < 500, (arguments, response.text)
+            case = str(arguments)[:2000]  # a hostile body is megabytes
+            assert response.status_code < 500, (case, response.text[:2000])
             if response.status_code >= 400:
                 assert_error(path, response.status_code, response.json())
             elif "text/event-stream" in response.headers.get("content-type", ""):
-                assert not sse_errors(response.text), (arguments, response.text)
+                assert not sse_errors(response.text), (case, response.text[:2000])
 
 
 def fuzz(url: str, doc: dict, counts: dict, examples: int, share: tuple[int, int] = (0, 1)) -> None:
@@ -120,23 +122,15 @@ def hostile_bodies() -> list[tuple[str, bytes]]:
     ]
 
 
-def send_hostile(url: str, doc: dict, counts: dict, share: tuple[int, int] = (0, 1)) -> None:
-    """Every hostile body to every POST route of `doc` (path parameters filled with a made-up id);
-    raises on a 5xx or an error that is not its API's shape. `share` as `fuzz`'s."""
+def hostile_cases(doc: dict, share: tuple[int, int] = (0, 1)) -> list[tuple[str, dict]]:
+    """Every hostile body to every POST route of `doc` (path parameters filled with a made-up id),
+    as `cases` gives its cases. `share` as `cases`'s."""
     import re
 
-    import httpx
-
     paths = [re.sub(r"\{[^}]+\}", "resp_none", path) for path, ops in doc["paths"].items() if "post" in ops]
-    paths = paths[share[0]::share[1]]
-    with httpx.Client(base_url=url, timeout=60) as client:
-        for path in paths:
-            for content_type, body in hostile_bodies():
-                response = client.post(path, content=body, headers={"Content-Type": content_type})
-                counts[response.status_code // 100] = counts.get(response.status_code // 100, 0) + 1
-                assert response.status_code < 500, (path, content_type, body[:80], response.text[:300])
-                if response.status_code >= 400:
-                    assert_error(path, response.status_code, response.json())
+    bodies = hostile_bodies()
+    return [(path, {"method": "POST", "url": path, "data": body, "headers": {"Content-Type": content_type}})
+            for path in paths[share[0]::share[1]] for content_type, body in bodies]
 
 
 async def probe_health(url: str, probes: list[float]) -> None:
@@ -166,7 +160,9 @@ async def fuzz_in_a_process(url: str, examples: int, processes: int = 2) -> dict
     with open(__file__, "rb") as f:
         key = hashlib.sha256(json.dumps([doc, examples, processes, version("schemathesis"), version("hypothesis"),
                                          f.read().decode()], sort_keys=True).encode()).hexdigest()[:16]
-    folder = os.path.join(os.environ.get("TRILLM_CACHE") or os.path.expanduser("~/.cache/trillm"), "fuzz")
+    from trillm.model.loader import cache_root
+
+    folder = os.path.join(cache_root(), "fuzz")
     os.makedirs(folder, exist_ok=True)
     for stale in [name for name in os.listdir(folder) if not name.startswith(key)]:  # another key's: no run sends them
         os.remove(os.path.join(folder, stale))
@@ -204,6 +200,5 @@ if __name__ == "__main__":  # fuzz_in_a_process's child: python fuzz_support.py 
     target, per_route, share = sys.argv[1], int(sys.argv[2]), (int(sys.argv[3]), int(sys.argv[4]))
     document = httpx.get(target + "/openapi.json", timeout=60).json()
     counted: dict[int, int] = {}
-    send(target, kept_cases(sys.argv[5], document, per_route, share), counted)
-    send_hostile(target, document, counted, share)
+    send(target, kept_cases(sys.argv[5], document, per_route, share) + hostile_cases(document, share), counted)
     print(json.dumps(counted))
