@@ -56,8 +56,8 @@ MODEL_SIDE = ("trillm.model.runner", "transformers.models.llama.configuration_ll
 SERVER = (*MODEL_SIDE, "trillm.engine.api", "trillm.http.app", "trillm.http.serve")
 
 
-def start_preloaded(target, *args, preload: tuple[str, ...] = MODEL_SIDE, daemon: bool = True
-                    ) -> multiprocessing.Process:
+def start_preloaded(target, *args, preload: tuple[str, ...] = MODEL_SIDE, daemon: bool = True,
+                    cpus: set[int] | None = None) -> multiprocessing.Process:
     """Run `target(*args)` in a child forked from multiprocessing's fork server, which imported
     `preload` once: the child starts in a fork's time rather than an interpreter's imports, and
     every later child of this process forks from the same server. One fork server per process:
@@ -65,16 +65,17 @@ def start_preloaded(target, *args, preload: tuple[str, ...] = MODEL_SIDE, daemon
     starts one kind of child: ranks, or replicas), and sees this process's environment as it
     was then. It exits when this process does, and its children die with it (die_with_parent).
     A daemon child also stops when this process ends; a child that starts processes of its own
-    (a replica's ranks) must not be one. `target` and `args` must pickle."""
+    (a replica's ranks) must not be one. `cpus`, if given, are the only cores the child runs on.
+    `target` and `args` must pickle."""
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(list(preload))
-    process = context.Process(target=_preloaded_child, args=(target, *args), daemon=daemon)
+    process = context.Process(target=_preloaded_child, args=(cpus, target, *args), daemon=daemon)
     process.start()
     return process
 
 
-def _preloaded_child(target, *args) -> None:
-    die_with_parent()
+def _preloaded_child(cpus: set[int] | None, target, *args) -> None:
+    die_with_parent(cpus)
     _release_the_fork_server()
     target(*args)
 

@@ -62,8 +62,8 @@ def run(settings: ServerSettings) -> int:
         replica = replace(settings, host="127.0.0.1", port=port, data_parallel_size=1, data_parallel_address=None,
                           api_key=None)
         # not daemons: a replica with --tensor-parallel-size starts its ranks
-        replicas.append(start_preloaded(_replica_main, to_argv(replica), settings.api_key, cpu_share(index, count),
-                                        preload=SERVER, daemon=False))
+        replicas.append(start_preloaded(_replica_main, to_argv(replica), settings.api_key, preload=SERVER,
+                                        daemon=False, cpus=cpu_share(index, count)))
         replicas[-1].name = f"replica {index}"  # what the log calls it
     children = list(replicas)
     stopping = []
@@ -71,7 +71,7 @@ def run(settings: ServerSettings) -> int:
     signal.signal(signal.SIGINT, lambda *_: stopping.append(True))
     try:
         urls = [f"http://127.0.0.1:{port}" for port in ports]
-        for index, (url, replica) in enumerate(zip(urls, replicas)):
+        for url, replica in zip(urls, replicas):
             log.info("%s (pid %d): %s", replica.name, replica.pid, url)
         if not _wait_ready(urls, replicas, stopping):
             return 0 if stopping else 1
@@ -102,12 +102,11 @@ def run(settings: ServerSettings) -> int:
         _stop(children)
 
 
-def _replica_main(argv: list[str], api_key: str | None, cpus: set[int]) -> None:
-    """A replica, in its forked process: `trillm serve` with `argv`, on `cpus`, with the key (if
-    any) where a replica reads it, in its environment (and no key it was not given)."""
+def _replica_main(argv: list[str], api_key: str | None) -> None:
+    """A replica, in its forked process: `trillm serve` with `argv`, with the key (if any) where
+    a replica reads it, in its environment (and no key it was not given)."""
     from trillm.__main__ import main
 
-    os.sched_setaffinity(0, cpus)
     os.environ.pop(API_KEY_VARIABLE, None)
     if api_key is not None:
         os.environ[API_KEY_VARIABLE] = api_key
