@@ -138,12 +138,23 @@ async def server(core):
 
 
 @pytest.fixture(scope="session")
-def tiny_text_model_dir(tiny_model_dir, default_model_dir) -> str:
-    """A tiny random llama with SmolLM2's tokenizer and chat template (so its 49152-token vocabulary):
-    text prompts and chat work, and a step costs milliseconds, so hundreds of requests are cheap."""
-    path = tiny_model_dir("llama", vocab_size=49152)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        source = os.path.join(default_model_dir, name)
-        if os.path.exists(source):
-            shutil.copy(source, path)
-    return path
+def tiny_text_model_factory(tiny_model_dir, default_model_dir):
+    """Factory: tiny_text_model_factory(**config_overrides) -> the path of tiny_model_dir's llama
+    with SmolLM2's tokenizer and chat template (so its 49152-token vocabulary)."""
+
+    def make(**overrides) -> str:
+        path = tiny_model_dir("llama", vocab_size=49152, **overrides)
+        for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+            source = os.path.join(default_model_dir, name)
+            if os.path.exists(source):
+                shutil.copy(source, path)
+        return path
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_text_model_dir(tiny_text_model_factory) -> str:
+    """The tiny random llama with SmolLM2's tokenizer: text prompts and chat work, and a step costs
+    milliseconds, so hundreds of requests are cheap."""
+    return tiny_text_model_factory()

@@ -103,34 +103,40 @@ async def test_a_server_without_sleep_mode_refuses_to_sleep(server):
 
 
 @pytest.fixture(scope="module")
-def second_model_dir(tiny_text_model_dir, tmp_path_factory) -> str:
-    """The tiny text model's architecture with other random weights (and the same tokenizer)."""
+def first_model_dir(tiny_text_model_factory) -> str:
+    """The tiny text model, with room for requests that run for seconds."""
+    return tiny_text_model_factory(max_position_embeddings=4096)
+
+
+@pytest.fixture(scope="module")
+def second_model_dir(first_model_dir, tmp_path_factory) -> str:
+    """The first model's architecture with other random weights (and the same tokenizer)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(tiny_text_model_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(first_model_dir, dtype=torch.float32)
     torch.manual_seed(1)
     with torch.no_grad():
         for param in model.parameters():
             param.add_(torch.randn_like(param) * 0.5)
     path = str(tmp_path_factory.mktemp("second"))
     model.save_pretrained(path)
-    for name in os.listdir(tiny_text_model_dir):
+    for name in os.listdir(first_model_dir):
         if name.startswith("tokenizer") or name.endswith(".jinja"):
-            shutil.copy(os.path.join(tiny_text_model_dir, name), path)
+            shutil.copy(os.path.join(first_model_dir, name), path)
     return path
 
 
 @pytest.fixture
-async def updatable(tiny_text_model_dir, second_model_dir):
-    core = EngineCore(EngineArgs(model=tiny_text_model_dir, num_kv_blocks=64, max_model_len=96, **EXACT))
-    root = os.path.commonpath([tiny_text_model_dir, second_model_dir])  # both under the session's tmp dir
+async def updatable(first_model_dir, second_model_dir):
+    core = EngineCore(EngineArgs(model=first_model_dir, num_kv_blocks=256, max_model_len=4096, **EXACT))
+    root = os.path.commonpath([first_model_dir, second_model_dir])  # both under the session's tmp dir
     async with live_server(core, enable_weight_updates=True, allowed_weights_dir=root) as server:
         yield server
 
 
-async def test_updated_weights_serve_as_that_model_alone(updatable, tiny_text_model_dir, second_model_dir):
+async def test_updated_weights_serve_as_that_model_alone(updatable, first_model_dir, second_model_dir):
     client, http = updatable.openai(), updatable.http()
-    first = reference(tiny_text_model_dir, None, PROMPT, 8)[0]
+    first = reference(first_model_dir, None, PROMPT, 8)[0]
     second = reference(second_model_dir, None, PROMPT, 8)[0]
     assert first != second
     assert await greedy(client, updatable.model, PROMPT) == first
@@ -144,9 +150,9 @@ async def test_updated_weights_serve_as_that_model_alone(updatable, tiny_text_mo
     assert (await client.models.list()).data[0].model_extra["root"] == second_model_dir
 
 
-async def test_bad_updates_are_400s_and_the_old_weights_keep_serving(updatable, tiny_text_model_dir, tiny_model_dir):
+async def test_bad_updates_are_400s_and_the_old_weights_keep_serving(updatable, first_model_dir, tiny_model_dir):
     client, http = updatable.openai(), updatable.http()
-    expected = reference(tiny_text_model_dir, None, PROMPT, 8)[0]
+    expected = reference(first_model_dir, None, PROMPT, 8)[0]
     other = tiny_model_dir("llama", vocab_size=49152, hidden_size=32)
     root = updatable.state.settings.allowed_weights_dir
     for path, words in ((os.path.join(root, "no-such-model"), "no model there"), (other, "hidden_size differs")):
@@ -157,13 +163,17 @@ async def test_bad_updates_are_400s_and_the_old_weights_keep_serving(updatable, 
     assert lmdeploy.status_code == 400
 
 
-@pytest.mark.parametrize("abort_running", [False, True])
-async def test_running_requests_finish_or_are_aborted_before_the_swap(updatable, tiny_text_model_dir,
-                                                                      second_model_dir, abort_running):
+@pytest.mark.parametrize("abort_running, max_tokens", [(False, 400), (True, 4000)])
+async def test_running_requests_finish_or_are_aborted_before_the_swap(updatable, first_model_dir,
+                                                                      second_model_dir, abort_running, max_tokens):
+    """The request is running when the update arrives (its first token is in) and outlasts the new
+    weights' load, so the swap meets it: either it finishes whole on the old weights first, or it
+    is aborted (a request of 4,000 tokens would run for seconds)."""
     client, http = updatable.openai(), updatable.http()
-    stream = await client.completions.create(model=updatable.model, prompt=PROMPT, max_tokens=60, stream=True,
+    stream = await client.completions.create(model=updatable.model, prompt=PROMPT, max_tokens=max_tokens, stream=True,
                                              temperature=0, extra_body={"ignore_eos": True, "return_token_ids": True})
     tokens, reasons = [], []
+    running = trio.Event()
 
     async def read():
         async for chunk in stream:
@@ -171,18 +181,19 @@ async def test_running_requests_finish_or_are_aborted_before_the_swap(updatable,
                 tokens.extend(choice.model_extra.get("token_ids") or [])
                 if choice.finish_reason:
                     reasons.append(choice.finish_reason)
+            running.set()
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(read)
-        await trio.sleep(0.05)
+        await running.wait()
         body = {"model_path": second_model_dir, "abort_running": abort_running}
         response = await http.post("/update_weights", json=body)
         assert response.status_code == 200, response.text
         assert response.json()["num_aborted_requests"] == int(abort_running)
     if abort_running:
-        assert reasons == ["abort"]
+        assert reasons == ["abort"] and len(tokens) < max_tokens
     else:  # it finished on the old weights, whole
-        assert reasons == ["length"] and tokens == reference(tiny_text_model_dir, None, PROMPT, 60)[0]
+        assert reasons == ["length"] and tokens == reference(first_model_dir, None, PROMPT, max_tokens)[0]
     assert await greedy(client, updatable.model, PROMPT) == reference(second_model_dir, None, PROMPT, 8)[0]
 
 
