@@ -6,7 +6,8 @@ bookkeeping), best of three rounds; and the step that prefills one prompt of eac
     PYTHONPATH=. python benchmarks/bench_step.py --batch-sizes 1 32 --prefill-lens 512 1024
 
 One torch thread (and by default one kernel thread), greedy, ignore_eos, 128-token prompts (each request's differs in its last
-token, so none shares its last block), 40 output tokens.
+token, so none shares its last block), 40 output tokens. Drafting is off unless --speculative-config
+names it: verified drafts make a step emit several tokens, and such steps are not counted.
 """
 import argparse
 import atexit
@@ -74,13 +75,15 @@ def main() -> None:
     parser.add_argument("--model", help="a model directory or GGUF file (default: the default model)")
     parser.add_argument("--quantized-activations", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--kv-cache-dtype", default="auto", help="EngineArgs.kv_cache_dtype (auto: fp16 here)")
+    parser.add_argument("--speculative-config", default="", help="EngineArgs.speculative_config (default: off)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.busy_process:
         busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
         atexit.register(busy.kill)
     core = EngineCore(EngineArgs(model=args.model, num_kv_blocks=1024, kernel_threads=args.kernel_threads,
-                                 quantized_activations=args.quantized_activations, kv_cache_dtype=args.kv_cache_dtype))
+                                 quantized_activations=args.quantized_activations, kv_cache_dtype=args.kv_cache_dtype,
+                                 speculative_config=args.speculative_config))
     for batch in args.batch_sizes:
         ms = decode_step_ms(core, batch, args.rounds, args.prompt_len, args.output_len)
         print(f"batch {batch:3d}: decode step {ms:.2f} ms", flush=True)
