@@ -13,11 +13,13 @@
  * widened from fp16, or dequantized from int8) once per tile and used by every row of the tile that
  * sees it, where row by row a prompt of n tokens read its context n times: at a few thousand tokens
  * that re-reading, not the arithmetic, was the prefill's cost. Per row, two passes: scores for
- * every head, a softmax, then the weighted sum of values. Both passes take four tokens at a time,
- * so the four dot products (or the four value rows added into the output) are independent chains
- * the CPU overlaps, and each q (or output) vector loaded serves four rows. A row's context is
- * padded to a multiple of four with rows whose probability is 0 (the tile's next keys, or copies of
- * the last one), so there is no one-token tail loop.
+ * every head, a softmax, then the weighted sum of values. Both passes take the queries that share
+ * a KV head (the tile's rows times the heads of its group) up to QUERY_BLOCK at a time, so that
+ * each key or value vector loaded serves every query of the block, and the scores four keys at a
+ * time, so that each query vector loaded serves four keys: the dot products are independent
+ * chains the CPU overlaps. A row's context is padded to a multiple of four with rows whose
+ * probability is 0 (the tile's next keys, or copies of the last one), so there is no one-token
+ * tail loop.
  *
  * What a row computes is the same sequence of operations whatever tile it is in: the same loops
  * over its own keys in the same order, its scores in a 64-byte-aligned stripe of their own. So
@@ -174,91 +176,87 @@ TILE_INLINE void load_block(const struct attention_job *job, const void *cache, 
     }
 }
 
-/* Query vectors qa and qb (qb may be NULL) against four keys k[0..3], at head offsets oa and ob:
- * sa[j] and sb[j] = the dot products times scale. Each dot product is eight lanes, each summing
- * every eighth element in order, then hsum8: the same for a vector paired or alone. */
-TILE_INLINE void dots4(const float *qa, const float *qb, const float *const k[4], int64_t oa, int64_t ob,
-                         int64_t head_dim, float scale, float *sa, float *sb)
+/* Query vectors sharing one KV head, taken up to QUERY_BLOCK at a time: each key (or value)
+ * vector loaded serves all of them, where a pair of queries left the loads, not the multiply-adds,
+ * the bound. The block functions take their count nq as a constant (FOR_COUNT), so that each
+ * count's loops unroll and its sums stay in registers. */
+#define QUERY_BLOCK 4
+#define FOR_COUNT(nq, call)                \
+    do {                                   \
+        switch (nq) {                      \
+        case 1: { enum { NQ = 1 }; call; break; } \
+        case 2: { enum { NQ = 2 }; call; break; } \
+        case 3: { enum { NQ = 3 }; call; break; } \
+        default: { enum { NQ = 4 }; call; break; } \
+        }                                  \
+    } while (0)
+_Static_assert(QUERY_BLOCK == 4, "FOR_COUNT spells out every count up to QUERY_BLOCK");
+
+/* Queries q[0 .. nq-1] against four keys k[0..3] at head offset off: s[a][at .. at+3] = the dot
+ * products times scale. Each dot product is eight lanes, each summing every eighth element in order, then
+ * hsum8's fixed tree: the same for a query whatever block it is in. */
+TILE_INLINE void dots4(const int nq, const float *const q[QUERY_BLOCK], const float *const k[4], int64_t off,
+                       int64_t head_dim, float scale, float *const s[QUERY_BLOCK], int64_t at)
 {
-    v8f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
+    v8f acc[QUERY_BLOCK][4];
+    for (int a = 0; a < nq; a++) acc[a][0] = acc[a][1] = acc[a][2] = acc[a][3] = (v8f){0};
     int64_t d = 0;
     for (; d + 8 <= head_dim; d += 8) {
-        const v8f x = load8(qa + d);
-        a0 += x * load8(k[0] + oa + d);
-        a1 += x * load8(k[1] + oa + d);
-        a2 += x * load8(k[2] + oa + d);
-        a3 += x * load8(k[3] + oa + d);
-        if (qb != NULL) {
-            const v8f y = load8(qb + d);
-            b0 += y * load8(k[0] + ob + d);
-            b1 += y * load8(k[1] + ob + d);
-            b2 += y * load8(k[2] + ob + d);
-            b3 += y * load8(k[3] + ob + d);
+        const v8f k0 = load8(k[0] + off + d), k1 = load8(k[1] + off + d);
+        const v8f k2 = load8(k[2] + off + d), k3 = load8(k[3] + off + d);
+        for (int a = 0; a < nq; a++) {
+            const v8f x = load8(q[a] + d);
+            acc[a][0] += x * k0;
+            acc[a][1] += x * k1;
+            acc[a][2] += x * k2;
+            acc[a][3] += x * k3;
         }
     }
-    for (int64_t l = 0; d < head_dim; d++, l++) { /* a head_dim that is not a multiple of 8 */
-        a0[l] += qa[d] * k[0][oa + d], a1[l] += qa[d] * k[1][oa + d];
-        a2[l] += qa[d] * k[2][oa + d], a3[l] += qa[d] * k[3][oa + d];
-        if (qb != NULL) {
-            b0[l] += qb[d] * k[0][ob + d], b1[l] += qb[d] * k[1][ob + d];
-            b2[l] += qb[d] * k[2][ob + d], b3[l] += qb[d] * k[3][ob + d];
-        }
-    }
-    store_sums4(sa, a0, a1, a2, a3, scale);
-    if (qb != NULL) store_sums4(sb, b0, b1, b2, b3, scale);
+    for (int64_t l = 0; d < head_dim; d++, l++) /* a head_dim that is not a multiple of 8 */
+        for (int a = 0; a < nq; a++)
+            for (int t = 0; t < 4; t++) acc[a][t][l] += q[a][d] * k[t][off + d];
+    for (int a = 0; a < nq; a++) store_sums4(s[a] + at, acc[a][0], acc[a][1], acc[a][2], acc[a][3], scale);
 }
 
-/* oa[d] += pa[j] * v[j][va + d] for j in 0 .. n-1, in that order, for d in [0, 8 * W); likewise
- * ob from pb at vb when ob is not NULL. The sums stay in registers over the block's keys. */
-#define WEIGH_VALUES(W)                                                                                              \
-    TILE_INLINE void weigh_values##W(float *oa, float *ob, const float *pa, const float *pb, const float *const *v, \
-                                     int64_t va, int64_t vb, int64_t n)                                            \
-    {                                                                                                              \
-        v8f a[W], b[W];                                                                                            \
-        for (int64_t t = 0; t < W; t++) {                                                                          \
-            a[t] = load8(oa + 8 * t);                                                                              \
-            if (ob != NULL) b[t] = load8(ob + 8 * t);                                                              \
-        }                                                                                                          \
-        for (int64_t j = 0; j < n; j++) {                                                                          \
-            const float p = pa[j];                                                                                 \
-            for (int64_t t = 0; t < W; t++) a[t] += p * load8(v[j] + va + 8 * t);                                  \
-            if (ob != NULL) {                                                                                      \
-                const float q = pb[j];                                                                             \
-                for (int64_t t = 0; t < W; t++) b[t] += q * load8(v[j] + vb + 8 * t);                              \
-            }                                                                                                      \
-        }                                                                                                          \
-        for (int64_t t = 0; t < W; t++) {                                                                          \
-            store8(oa + 8 * t, a[t]);                                                                              \
-            if (ob != NULL) store8(ob + 8 * t, b[t]);                                                              \
-        }                                                                                                          \
+/* o[a][d0 + d] += p[a][j] * v[j][off + d0 + d] for j in 0 .. n-1, in that order, for d in [0, 8 * W),
+ * for each query a < nq of a block. The sums stay in registers over the block's keys. */
+#define WEIGH_VALUES(W)                                                                                       \
+    TILE_INLINE void weigh_values##W(const int nq, float *const o[QUERY_BLOCK], const float *const p[QUERY_BLOCK], \
+                                     const float *const *v, int64_t off, int64_t d0, int64_t n)               \
+    {                                                                                                       \
+        v8f acc[QUERY_BLOCK][W];                                                                            \
+        for (int a = 0; a < nq; a++)                                                                        \
+            for (int t = 0; t < W; t++) acc[a][t] = load8(o[a] + d0 + 8 * t);                               \
+        for (int64_t j = 0; j < n; j++)                                                                     \
+            for (int t = 0; t < W; t++) {                                                                   \
+                const v8f x = load8(v[j] + off + d0 + 8 * t);                                               \
+                for (int a = 0; a < nq; a++) acc[a][t] += p[a][j] * x;                                      \
+            }                                                                                               \
+        for (int a = 0; a < nq; a++)                                                                        \
+            for (int t = 0; t < W; t++) store8(o[a] + d0 + 8 * t, acc[a][t]);                               \
     }
 WEIGH_VALUES(4)
 WEIGH_VALUES(1)
 
 /* The same for one lane at d (a head_dim that is not a multiple of 8). */
-TILE_INLINE void weigh_values_lane(float *oa, float *ob, const float *pa, const float *pb, const float *const *v,
-                                   int64_t va, int64_t vb, int64_t n)
+TILE_INLINE void weigh_values_lane(const int nq, float *const o[QUERY_BLOCK], const float *const p[QUERY_BLOCK],
+                                   const float *const *v, int64_t off, int64_t d, int64_t n)
 {
-    float a = *oa, b = ob != NULL ? *ob : 0.0f;
-    for (int64_t j = 0; j < n; j++) {
-        a += pa[j] * v[j][va];
-        if (ob != NULL) b += pb[j] * v[j][vb];
-    }
-    *oa = a;
-    if (ob != NULL) *ob = b;
+    float acc[QUERY_BLOCK];
+    for (int a = 0; a < nq; a++) acc[a] = o[a][d];
+    for (int64_t j = 0; j < n; j++)
+        for (int a = 0; a < nq; a++) acc[a] += p[a][j] * v[j][off + d];
+    for (int a = 0; a < nq; a++) o[a][d] = acc[a];
 }
 
-/* The weighted values of one or two query heads' rows (as weigh_values##W), across head_dim. */
-TILE_INLINE void weigh_values(float *oa, float *ob, const float *pa, const float *pb, const float *const *v,
-                              int64_t va, int64_t vb, int64_t n, int64_t head_dim)
+/* The weighted values of a block's queries (as weigh_values##W), across head_dim. */
+TILE_INLINE void weigh_values(const int nq, float *const o[QUERY_BLOCK], const float *const p[QUERY_BLOCK],
+                              const float *const *v, int64_t off, int64_t n, int64_t head_dim)
 {
     int64_t d = 0;
-    for (; d + 32 <= head_dim; d += 32)
-        weigh_values4(oa + d, ob != NULL ? ob + d : NULL, pa, pb, v, va + d, vb + d, n);
-    for (; d + 8 <= head_dim; d += 8)
-        weigh_values1(oa + d, ob != NULL ? ob + d : NULL, pa, pb, v, va + d, vb + d, n);
-    for (; d < head_dim; d++)
-        weigh_values_lane(oa + d, ob != NULL ? ob + d : NULL, pa, pb, v, va + d, vb + d, n);
+    for (; d + 32 <= head_dim; d += 32) weigh_values4(nq, o, p, v, off, d, n);
+    for (; d + 8 <= head_dim; d += 8) weigh_values1(nq, o, p, v, off, d, n);
+    for (; d < head_dim; d++) weigh_values_lane(nq, o, p, v, off, d, n);
 }
 
 /* s[j] = exp(s[j] - mx) for j < len, returning their sum: eight lanes at a time (the exponential
@@ -306,6 +304,13 @@ static inline int64_t rows_end(const struct attention_job *job, int64_t b)
     return job->query_start_loc == NULL ? b + 1 : job->query_start_loc[b + 1];
 }
 
+/* The index (row * num_heads + head) of the y-th query of KV head g among the tile's rows from
+ * r_lo on: rows ascending, and within a row the group of heads that share g. */
+static inline int64_t query_index(int64_t r_lo, int64_t y, int64_t g, int64_t group, int64_t num_heads)
+{
+    return (r_lo + y / group) * num_heads + g * group + y % group;
+}
+
 /* The tile's output rows from its request's context. Scratch: scores [num_rows, num_heads,
  * stride] (stride a multiple of 16 floats, so each row's and head's stripe is 64-byte aligned),
  * rows [padded + PREFETCH_AHEAD], block [KEY_BLOCK, num_kv_heads * head_dim], pointers
@@ -315,7 +320,7 @@ TRILLM_MULTIVERSION static void attend_tile(const struct attention_job *job, con
                                             const float **ptrs)
 {
     const int64_t num_heads = job->num_heads, head_dim = job->head_dim, block_size = job->block_size;
-    const int64_t group = num_heads / job->num_kv_heads;
+    const int64_t num_kv_heads = job->num_kv_heads, group = num_heads / num_kv_heads;
     const int64_t token_stride = job->token_stride, block_stride = block_size * token_stride;
     const int64_t m = t->num_rows, b = t->seq;
     /* row i of the request sits at position seq_len - (end - i); its context ends there */
@@ -337,23 +342,30 @@ TRILLM_MULTIVERSION static void attend_tile(const struct attention_job *job, con
     float *out = job->out + t->first_row * num_heads * head_dim;
 
     /* scores, four keys at a time (a context padded to a multiple of four: its last keys are the
-     * tile's later ones, or copies of its last, and get probability 0) */
+     * tile's later ones, or copies of its last, and get probability 0). The queries of a KV head
+     * that see the block go in blocks, rows ascending, to the block's longest context (a shorter
+     * row's extra scores land in its stripe beyond its context, and nothing reads them). */
     int64_t r_lo = 0;
     for (int64_t i0 = 0; i0 < padded_max; i0 += KEY_BLOCK) {
         const int64_t nk = padded_max - i0 < KEY_BLOCK ? padded_max - i0 : KEY_BLOCK;
         while (padded[r_lo] <= i0) r_lo++;
         load_block(job, job->k_cache, rows + i0, nk, block, ptrs);
-        for (int64_t x = r_lo * num_heads; x < m * num_heads; x += 2) {
-            const int64_t ra = x / num_heads, ha = x % num_heads;
-            const int64_t rb = (x + 1) / num_heads, hb = (x + 1) % num_heads;
-            const int paired = x + 1 < m * num_heads && rb == ra; /* the same keys for both */
-            float *sa = scores + x * stride, *sb = paired ? scores + (x + 1) * stride : NULL;
-            const int64_t end = (padded[ra] < i0 + nk ? padded[ra] : i0 + nk) - i0;
-            for (int64_t j = 0; j < end; j += 4)
-                dots4(q + x * head_dim, paired ? q + (x + 1) * head_dim : NULL, ptrs + j, (ha / group) * head_dim,
-                      (hb / group) * head_dim, head_dim, job->scale, sa + i0 + j, paired ? sb + i0 + j : NULL);
-            if (!paired && x + 1 < m * num_heads) x--; /* the next row starts at x + 1: take it next */
-        }
+        const int64_t count = (m - r_lo) * group;
+        for (int64_t g = 0; g < num_kv_heads; g++)
+            for (int64_t c = 0; c < count; c += QUERY_BLOCK) {
+                const int nq = count - c < QUERY_BLOCK ? (int)(count - c) : QUERY_BLOCK;
+                const float *qs[QUERY_BLOCK];
+                float *ss[QUERY_BLOCK];
+                for (int a = 0; a < nq; a++) {
+                    const int64_t x = query_index(r_lo, c + a, g, group, num_heads);
+                    qs[a] = q + x * head_dim;
+                    ss[a] = scores + x * stride + i0;
+                }
+                const int64_t r_last = r_lo + (c + nq - 1) / group;
+                const int64_t end = (padded[r_last] < i0 + nk ? padded[r_last] : i0 + nk) - i0;
+                for (int64_t j = 0; j < end; j += 4)
+                    FOR_COUNT(nq, dots4(NQ, qs, ptrs + j, g * head_dim, head_dim, job->scale, ss, j));
+            }
     }
 
     for (int64_t x = 0; x < m * num_heads; x++) {
@@ -366,21 +378,36 @@ TRILLM_MULTIVERSION static void attend_tile(const struct attention_job *job, con
     }
     for (int64_t x = 0; x < m * num_heads * head_dim; x++) out[x] = 0.0f;
 
-    /* the weighted values, over each row's own keys only, 32 output lanes at a time */
+    /* the weighted values, over each row's own keys only, 32 output lanes at a time: a block of
+     * queries together over the keys its first row sees, then the later rows' further keys (at
+     * the diagonal) with the rows that see them */
     r_lo = 0;
     for (int64_t i0 = 0; i0 < n_max; i0 += KEY_BLOCK) {
         const int64_t nk = n_max - i0 < KEY_BLOCK ? n_max - i0 : KEY_BLOCK;
         while (n[r_lo] <= i0) r_lo++;
         load_block(job, job->v_cache, rows + i0, nk, block, ptrs);
-        for (int64_t x = r_lo * num_heads; x < m * num_heads; x += 2) {
-            const int64_t ra = x / num_heads, ha = x % num_heads, hb = (x + 1) % num_heads;
-            const int paired = x + 1 < m * num_heads && (x + 1) / num_heads == ra;
-            const int64_t end = (n[ra] < i0 + nk ? n[ra] : i0 + nk) - i0;
-            const float *pa = scores + x * stride + i0, *pb = scores + (x + 1) * stride + i0;
-            weigh_values(out + x * head_dim, paired ? out + (x + 1) * head_dim : NULL, pa, paired ? pb : NULL, ptrs,
-                         (ha / group) * head_dim, (hb / group) * head_dim, end, head_dim);
-            if (!paired && x + 1 < m * num_heads) x--;
-        }
+        const int64_t count = (m - r_lo) * group;
+        for (int64_t g = 0; g < num_kv_heads; g++)
+            for (int64_t c = 0; c < count; c += QUERY_BLOCK) {
+                const int nq = count - c < QUERY_BLOCK ? (int)(count - c) : QUERY_BLOCK;
+                float *os[QUERY_BLOCK];
+                const float *ps[QUERY_BLOCK];
+                int64_t ends[QUERY_BLOCK];
+                for (int a = 0; a < nq; a++) {
+                    const int64_t x = query_index(r_lo, c + a, g, group, num_heads), r = x / num_heads;
+                    os[a] = out + x * head_dim;
+                    ps[a] = scores + x * stride + i0;
+                    ends[a] = (n[r] < i0 + nk ? n[r] : i0 + nk) - i0;
+                }
+                int64_t done = 0;
+                for (int a = 0; a < nq; a++) { /* ends ascend with the rows */
+                    if (ends[a] <= done) continue;
+                    const float *pa[QUERY_BLOCK];
+                    for (int b = a; b < nq; b++) pa[b - a] = ps[b] + done;
+                    FOR_COUNT(nq - a, weigh_values(NQ, os + a, pa, ptrs + done, g * head_dim, ends[a] - done, head_dim));
+                    done = ends[a];
+                }
+            }
     }
 }
 
