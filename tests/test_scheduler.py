@@ -513,13 +513,15 @@ def scheduler_machine(num_blocks: int, max_num_batched_tokens: int, max_num_seqs
             assert len(set(ids)) == len(ids) and set(ids) <= self.live
             assert all(e.num_new_tokens == 1 for e in out.scheduled[:out.num_decodes])
             assert all(e.num_new_tokens > 1 for e in out.scheduled[out.num_decodes:])
-            # Prompt chunks stay within the attention budget, but for the one-token minimum of a
-            # step's only prompt chunk.
+            # In a step where a running request decodes, prompt chunks stay within the attention
+            # budget, but for the one-token minimum of a step's only prompt chunk.
             chunks = [(e.num_computed_tokens, e.num_new_tokens) for e in out.scheduled
                       if len(e.request.token_ids) - e.num_computed_tokens > 1]
-            pairs = sum(n * c + n * (n + 1) // 2 for c, n in chunks)
-            assert pairs <= sched.max_prefill_pairs or (len(chunks) == 1 and chunks[0][1] == 1), (chunks, pairs)
-            type(self).max_pairs = max(type(self).max_pairs, pairs)
+            if any(len(e.request.token_ids) - e.num_computed_tokens == 1 and e.request.request_id not in was_waiting
+                   for e in out.scheduled):
+                pairs = sum(n * c + n * (n + 1) // 2 for c, n in chunks)
+                assert pairs <= sched.max_prefill_pairs or (len(chunks) == 1 and chunks[0][1] == 1), (chunks, pairs)
+                type(self).max_pairs = max(type(self).max_pairs, pairs)
             for rid in out.preempted:
                 r = sched.get(rid)
                 assert r.status == WAITING and r.block_table == [] and r.num_computed_tokens == 0
@@ -725,6 +727,20 @@ def test_a_long_prompt_is_cut_by_its_attention_while_a_decode_runs_every_step():
         chunks.append(n)
         sched.update(out, [7] * len(out.scheduled))
     assert chunks[0] == 63 and chunks == sorted(chunks, reverse=True) and chunks[-1] < 16, chunks
+
+
+def test_a_prompt_with_no_decode_beside_it_spends_tokens_only():
+    """A step without a decode keeps nobody from a next token, so a lone prompt's chunks take the
+    whole token budget, far past the attention budget that would cut them beside a decode."""
+    sched = Scheduler(128, BS, max_num_batched_tokens=64, max_model_len=1024, max_prefill_pairs=64 * 65 // 2)
+    long = Request("long", list(range(1, 301)), 1)
+    sched.add(long)
+    chunks = []
+    while long.num_computed_tokens < 300:
+        out = sched.schedule()
+        chunks.append(out.scheduled[0].num_new_tokens)
+        sched.update(out, [7] * len(out.scheduled))
+    assert chunks == [64, 64, 64, 64, 44]
 
 
 @pytest.mark.slow

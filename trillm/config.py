@@ -30,9 +30,9 @@ class EngineArgs:
     num_kv_blocks: int | None = None  # overrides both budgets (tests use tiny pools)
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     max_num_batched_tokens: int = 2048
-    # The query-key pairs a step's prompt chunks may attend over (trillm/sched_ext/scheduler.pyx):
-    # a late chunk of a long prompt is cut, so a step's cost stays bounded and decoding requests
-    # beside it wait no longer for their next token. None: on CPU a fresh 512-token chunk's; on
+    # The query-key pairs a step's prompt chunks may attend over while a request decodes
+    # (trillm/sched_ext/scheduler.pyx): a late chunk of a long prompt is cut, so a step's cost
+    # stays bounded and decoding requests beside it wait no longer for their next token. None: on CPU a fresh 512-token chunk's; on
     # CUDA what the projections of max_num_batched_tokens tokens cost
     # (engine.core.prefill_pairs_budget); 0: no limit
     max_prefill_pairs: int | None = None

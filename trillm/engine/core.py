@@ -53,8 +53,9 @@ class StepOutput:
 # attention there costs more per pair than its multiply-adds say (well off the FMA roof), so the
 # budget is set from what a step costs, not from the model's shapes: a step stays a fraction of
 # a second, and a fresh chunk is at most 511 tokens, while short prompts still share a step by
-# the dozen. (A larger budget shortens a long prompt's prefill little: its steps' time is mostly
-# the tokens' projections and the pairs' attention, whatever their number.)
+# the dozen. Only a step beside a decoding request is held to it (the scheduler): a lone long
+# prompt cut into small late chunks would take far longer than its pairs cost, every step
+# reading the weights again.
 CPU_PREFILL_PAIRS = 512 * 513 // 2
 
 

@@ -3,13 +3,15 @@
 Each step spends a token budget (`max_num_batched_tokens`) over at most
 `max_num_seqs` requests. Running requests go first, oldest first: a decode costs
 one token, an unfinished prompt continues with as large a chunk as the budget
-leaves (chunked prefill). A prompt's chunk also spends a second budget,
-`max_prefill_pairs` (0: no such limit), in what its attention costs: the query-key pairs it
-covers (causal: chunk x tokens before it, plus chunk x (chunk + 1) / 2). A chunk late in a long
-prompt attends to everything before it, so at one token budget it would cost many times an
-early chunk, and every decoding request would wait that long for its next token; with both
-budgets a step's cost stays bounded however long the prompt. The oldest prompt in a step
-always gets at least one token, so it progresses. Then waiting requests are admitted in
+leaves (chunked prefill). In a step where some running request decodes, a prompt's chunk
+also spends a second budget, `max_prefill_pairs` (0: no such limit), in what its attention
+costs: the query-key pairs it covers (causal: chunk x tokens before it, plus chunk x (chunk + 1)
+/ 2). A chunk late in a long prompt attends to everything before it, so at one token budget it
+would cost many times an early chunk, and every decoding request would wait that long for its
+next token; with both budgets a step's cost stays bounded however long the prompt. A step with
+no decode has nobody waiting on it for a next token, and its prompts spend tokens only: cutting
+them into small late chunks would only make them slower, each step reading the weights again.
+The oldest prompt in a step always gets at least one token, so it progresses. Then waiting requests are admitted in
 arrival order,
 each starting after the blocks the prefix cache already holds for it, until the
 budget, the sequence limit or the free blocks run out; the first one that does not
@@ -279,7 +281,7 @@ class Scheduler:
     _requests: dict  # request_id -> Request, for every live request
     _next_seq: cython.longlong
     _preempted_for_rank: cython.bint  # this schedule() preempted for a better-ranked waiting request
-    _pairs_left: cython.longlong  # this schedule()'s attention pairs not yet spent on prompt chunks
+    _pairs_left: cython.longlong  # this schedule()'s attention pairs left for prompt chunks (no limit without a decode)
     _any_prefill: cython.bint  # this schedule() gave some prompt a chunk
 
     def __init__(self, num_blocks: cython.int, block_size: cython.int = 16,
@@ -369,7 +371,7 @@ class Scheduler:
             self._preempt_for_better_ranked(out)
         running: list = self._running
         budget: cython.int = self.max_num_batched_tokens
-        self._pairs_left = self.max_prefill_pairs
+        self._pairs_left = self.max_prefill_pairs if self._any_decoding() else NO_PAIRS_LIMIT
         self._any_prefill = False
         block_size: cython.int = self.block_size
         request: Request
@@ -416,6 +418,16 @@ class Scheduler:
         out._extend(prefills)
         assert out.total_num_tokens == self.max_num_batched_tokens - budget
         return out
+
+    @cython.cfunc
+    def _any_decoding(self) -> cython.bint:
+        """Whether a running request decodes (its prompt is computed): the step would keep it
+        waiting for its next token."""
+        request: Request
+        for request in self._running:
+            if len(request.token_ids) - request.num_computed_tokens <= 1:
+                return True
+        return False
 
     @cython.cfunc
     def _chunk(self, computed: cython.int, remaining: cython.int, budget: cython.int) -> cython.int:
