@@ -7,7 +7,7 @@ appears in several combinations, rather than all of it.
 """
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from trillm.kernels import activation, attention, cache, norm, rotary
@@ -302,9 +302,9 @@ CPU_CACHE_DTYPES = [torch.float32, torch.float16, torch.int8]  # int8: rows and 
 
 
 def check_cpu_decode_attention(seq_lens, *, block_size=16, head_dim=64, num_kv_heads=2, group=1,
-                               sliding_window=None, seed=0, cache_dtype=torch.float32, threads=1):
+                               sliding_window=None, seed=0, cache_dtype=torch.float32, threads=1, lanes=0):
     """The compiled decode kernel against the torch twin, on a cache (fp32, fp16 or int8) whose unowned
-    slots are poison, on one thread or shared among the pool's."""
+    slots are poison, on one thread or shared among the pool's, in `lanes` lanes (0: the widest)."""
     from trillm.kernels import pool_cpu
     from trillm.kernels.attention_cpu import paged_attention
 
@@ -316,21 +316,33 @@ def check_cpu_decode_attention(seq_lens, *, block_size=16, head_dim=64, num_kv_h
     want = attention.paged_attention(q, k_cache, v_cache, block_tables, lens, starts, scale, sliding_window)
     previous = pool_cpu.set_threads(threads)
     try:
-        got = paged_attention(q, k_cache, v_cache, block_tables, lens, None, scale, sliding_window)
+        got = paged_attention(q, k_cache, v_cache, block_tables, lens, None, scale, sliding_window, lanes)
     finally:
         pool_cpu.set_threads(previous)
     assert got.shape == q.shape and got.dtype == torch.float32
     assert_close(got, want, torch.float32)
 
 
+def cpu_lane_widths() -> list[int]:
+    """The widths the compiled attention runs in here (an AVX-512 CPU has both)."""
+    from trillm.kernels.attention_cpu import lane_widths
+
+    return lane_widths()
+
+
+@pytest.mark.parametrize("lanes", [16, 8])
 @pytest.mark.parametrize("cache_dtype", CPU_CACHE_DTYPES)
 @pytest.mark.parametrize(
     "block_size,head_dim,group,num_kv_heads,sliding_window",
-    [(16, 64, 1, 2, None), (16, 64, 3, 3, None), (32, 128, 8, 1, None), (16, 64, 3, 2, 9), (32, 64, 1, 4, 1)],
+    [(16, 64, 1, 2, None), (16, 64, 3, 3, None), (32, 128, 8, 1, None), (16, 64, 3, 2, 9), (32, 64, 1, 4, 1),
+     (16, 44, 4, 2, None)],  # 44: a vector body, an 8-lane one and a tail of 4 in each width
 )
-def test_cpu_decode_attention(block_size, head_dim, group, num_kv_heads, sliding_window, cache_dtype):
+def test_cpu_decode_attention(block_size, head_dim, group, num_kv_heads, sliding_window, cache_dtype, lanes):
+    if lanes not in cpu_lane_widths():
+        pytest.skip(f"this CPU has no {lanes}-lane attention")
     check_cpu_decode_attention([1, 17, 40, 33, 64, 200], block_size=block_size, head_dim=head_dim, group=group,
-                               num_kv_heads=num_kv_heads, sliding_window=sliding_window, cache_dtype=cache_dtype)
+                               num_kv_heads=num_kv_heads, sliding_window=sliding_window, cache_dtype=cache_dtype,
+                               lanes=lanes)
 
 
 @settings(max_examples=30, deadline=None)
@@ -341,10 +353,12 @@ def test_cpu_decode_attention(block_size, head_dim, group, num_kv_heads, sliding
     sliding_window=st.sampled_from([None, 1, 7, 33]),
     cache_dtype=st.sampled_from(CPU_CACHE_DTYPES),
     threads=st.sampled_from([1, 2]),
+    lanes=st.sampled_from([16, 8]),
 )
-def test_cpu_decode_attention_ragged(seq_lens, block_size, group, sliding_window, cache_dtype, threads):
+def test_cpu_decode_attention_ragged(seq_lens, block_size, group, sliding_window, cache_dtype, threads, lanes):
+    assume(lanes in cpu_lane_widths())
     check_cpu_decode_attention(seq_lens, block_size=block_size, group=group, num_kv_heads=1,
-                               sliding_window=sliding_window, cache_dtype=cache_dtype, threads=threads)
+                               sliding_window=sliding_window, cache_dtype=cache_dtype, threads=threads, lanes=lanes)
 
 
 @settings(max_examples=25, deadline=None)
@@ -381,6 +395,8 @@ def test_cpu_attention_refuses_what_it_cannot_read():
             paged_attention(bad, k_cache, v_cache, block_tables, lens, None, 0.125)
     with pytest.raises(AssertionError):
         paged_attention(q, k_cache, v_cache, block_tables.long(), lens, None, 0.125)
+    with pytest.raises(AssertionError):  # a vector width no CPU runs it in
+        paged_attention(q, k_cache, v_cache, block_tables, lens, None, 0.125, None, 32)
     with pytest.raises(AssertionError):  # query_start_loc that does not end at the rows given
         paged_attention(q, k_cache, v_cache, block_tables, lens, torch.tensor([0, 2], dtype=torch.int32), 0.125)
     # more query rows than the request's context: positions before 0, which the kernel must not read
@@ -398,12 +414,15 @@ def test_cpu_attention_refuses_what_it_cannot_read():
     sliding_window=st.sampled_from([None, 5, 33]),
     cache_dtype=st.sampled_from(CPU_CACHE_DTYPES),
     threads=st.sampled_from([1, 2]),
+    lanes=st.sampled_from([16, 8]),
 )
 def test_cpu_attention_gives_a_prompt_the_same_bits_however_its_rows_are_tiled(
-        context, cached, chunk, group, sliding_window, cache_dtype, threads):
+        context, cached, chunk, group, sliding_window, cache_dtype, threads, lanes):
     """A prompt's rows computed whole, in chunks after a cached prefix, beside another request,
     and one at a time as decode rows: the same output to the bit (the kernel's rows go in tiles
-    whose makeup changes with each of these, and must not change a row's arithmetic)."""
+    whose makeup changes with each of these, and must not change a row's arithmetic), in each
+    vector width."""
+    assume(lanes in cpu_lane_widths())
     from trillm.kernels import pool_cpu
     from trillm.kernels.attention_cpu import paged_attention
 
@@ -423,7 +442,7 @@ def test_cpu_attention_gives_a_prompt_the_same_bits_however_its_rows_are_tiled(
             seq_lens = torch.tensor([context, rows.stop], dtype=torch.int32)
             starts = torch.tensor([0, context, context + rows.stop - rows.start], dtype=torch.int32)
         out = paged_attention(q_rows.contiguous(), k_cache, v_cache, block_tables, seq_lens, starts, 0.125,
-                              sliding_window)
+                              sliding_window, lanes)
         return out[-(rows.stop - rows.start):]
 
     previous = pool_cpu.set_threads(threads)
@@ -433,7 +452,8 @@ def test_cpu_attention_gives_a_prompt_the_same_bits_however_its_rows_are_tiled(
                              for s in range(cached, context, chunk)])
         beside = attend(slice(cached, context), neighbour=True)
         decoded = torch.cat([paged_attention(q[i:i + 1].contiguous(), k_cache, v_cache, tables,
-                                             torch.tensor([i + 1], dtype=torch.int32), None, 0.125, sliding_window)
+                                             torch.tensor([i + 1], dtype=torch.int32), None, 0.125, sliding_window,
+                                             lanes)
                              for i in range(cached, context)])
     finally:
         pool_cpu.set_threads(previous)

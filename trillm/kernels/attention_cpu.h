@@ -54,7 +54,13 @@ struct attention_tile {
     int64_t seq, first_row, num_rows;
 };
 
+struct attention_job;
+/* A tile's rows from its request's context, with the calling thread's scratch (attend_chunk). */
+typedef void attend_tile_fn(const struct attention_job *job, const struct attention_tile *t, float *scores,
+                            int64_t stride, int64_t *rows, float *block, const float **ptrs);
+
 struct attention_job {
+    attend_tile_fn *attend; /* the instance for this CPU's vector width */
     float *out;
     const float *q;
     const void *k_cache, *v_cache;
@@ -115,41 +121,9 @@ static void *thread_scratch(size_t bytes)
     return s->data;
 }
 
-/* Eight lanes of fp32, as GCC's vector extension: the arithmetic below is written lane by lane,
- * so what each lane sums, and in which order, is fixed by this source (no reduction the compiler
- * may reorder), and the same for every row whatever tile it is in. */
-typedef float v8f __attribute__((vector_size(32)));
-typedef int32_t v8i __attribute__((vector_size(32))); /* shuffle masks, comparisons, exponent bits */
-
-/* Inlined into each clone of attend_tile, so that they are compiled for its instruction set (an
- * out-of-line copy would be the baseline's: no FMA, two SSE halves per vector). */
+/* Inlined into each instance and clone of attend_tile, so that they are compiled for its
+ * instruction set (an out-of-line copy would be the baseline's: no FMA, two SSE halves per vector). */
 #define TILE_INLINE static inline __attribute__((always_inline))
-
-TILE_INLINE v8f load8(const float *p)
-{
-    v8f v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-TILE_INLINE void store8(float *p, v8f v) { memcpy(p, &v, sizeof v); }
-
-/* A dot product's lanes, summed in one fixed order. */
-TILE_INLINE float hsum8(v8f a) { return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7])); }
-
-/* s[0..3] = hsum8(a0) .. hsum8(a3), each times scale: the same additions as hsum8, four dot
- * products' lanes added side by side in vector shuffles rather than one scalar chain each. */
-TILE_INLINE void store_sums4(float *s, v8f a0, v8f a1, v8f a2, v8f a3, float scale)
-{
-    const v8i low = {0, 1, 2, 3, 8, 9, 10, 11}, high = {4, 5, 6, 7, 12, 13, 14, 15};
-    const v8f u = __builtin_shuffle(a0, a1, low) + __builtin_shuffle(a0, a1, high);  /* a[i] + a[i + 4] */
-    const v8f w = __builtin_shuffle(a2, a3, low) + __builtin_shuffle(a2, a3, high);
-    const v8i even = {0, 1, 8, 9, 4, 5, 12, 13}, odd = {2, 3, 10, 11, 6, 7, 14, 15};
-    const v8f e = __builtin_shuffle(u, w, even) + __builtin_shuffle(u, w, odd);      /* (a0 + a4) + (a2 + a6) .. */
-    const v8i first = {0, 4, 2, 6, 0, 4, 2, 6}, second = {1, 5, 3, 7, 1, 5, 3, 7};
-    const v8f sums = (__builtin_shuffle(e, first) + __builtin_shuffle(e, second)) * scale;
-    s[0] = sums[0], s[1] = sums[1], s[2] = sums[2], s[3] = sums[3];
-}
 
 /* Key rows per block: read (widened) once into scratch and used by every row of the tile. */
 #define KEY_BLOCK 32
@@ -192,110 +166,6 @@ TILE_INLINE void load_block(const struct attention_job *job, const void *cache, 
     } while (0)
 _Static_assert(QUERY_BLOCK == 4, "FOR_COUNT spells out every count up to QUERY_BLOCK");
 
-/* Queries q[0 .. nq-1] against four keys k[0..3] at head offset off: s[a][at .. at+3] = the dot
- * products times scale. Each dot product is eight lanes, each summing every eighth element in order, then
- * hsum8's fixed tree: the same for a query whatever block it is in. */
-TILE_INLINE void dots4(const int nq, const float *const q[QUERY_BLOCK], const float *const k[4], int64_t off,
-                       int64_t head_dim, float scale, float *const s[QUERY_BLOCK], int64_t at)
-{
-    v8f acc[QUERY_BLOCK][4];
-    for (int a = 0; a < nq; a++) acc[a][0] = acc[a][1] = acc[a][2] = acc[a][3] = (v8f){0};
-    int64_t d = 0;
-    for (; d + 8 <= head_dim; d += 8) {
-        const v8f k0 = load8(k[0] + off + d), k1 = load8(k[1] + off + d);
-        const v8f k2 = load8(k[2] + off + d), k3 = load8(k[3] + off + d);
-        for (int a = 0; a < nq; a++) {
-            const v8f x = load8(q[a] + d);
-            acc[a][0] += x * k0;
-            acc[a][1] += x * k1;
-            acc[a][2] += x * k2;
-            acc[a][3] += x * k3;
-        }
-    }
-    for (int64_t l = 0; d < head_dim; d++, l++) /* a head_dim that is not a multiple of 8 */
-        for (int a = 0; a < nq; a++)
-            for (int t = 0; t < 4; t++) acc[a][t][l] += q[a][d] * k[t][off + d];
-    for (int a = 0; a < nq; a++) store_sums4(s[a] + at, acc[a][0], acc[a][1], acc[a][2], acc[a][3], scale);
-}
-
-/* o[a][d0 + d] += p[a][j] * v[j][off + d0 + d] for j in 0 .. n-1, in that order, for d in [0, 8 * W),
- * for each query a < nq of a block. The sums stay in registers over the block's keys. */
-#define WEIGH_VALUES(W)                                                                                       \
-    TILE_INLINE void weigh_values##W(const int nq, float *const o[QUERY_BLOCK], const float *const p[QUERY_BLOCK], \
-                                     const float *const *v, int64_t off, int64_t d0, int64_t n)               \
-    {                                                                                                       \
-        v8f acc[QUERY_BLOCK][W];                                                                            \
-        for (int a = 0; a < nq; a++)                                                                        \
-            for (int t = 0; t < W; t++) acc[a][t] = load8(o[a] + d0 + 8 * t);                               \
-        for (int64_t j = 0; j < n; j++)                                                                     \
-            for (int t = 0; t < W; t++) {                                                                   \
-                const v8f x = load8(v[j] + off + d0 + 8 * t);                                               \
-                for (int a = 0; a < nq; a++) acc[a][t] += p[a][j] * x;                                      \
-            }                                                                                               \
-        for (int a = 0; a < nq; a++)                                                                        \
-            for (int t = 0; t < W; t++) store8(o[a] + d0 + 8 * t, acc[a][t]);                               \
-    }
-WEIGH_VALUES(4)
-WEIGH_VALUES(1)
-
-/* The same for one lane at d (a head_dim that is not a multiple of 8). */
-TILE_INLINE void weigh_values_lane(const int nq, float *const o[QUERY_BLOCK], const float *const p[QUERY_BLOCK],
-                                   const float *const *v, int64_t off, int64_t d, int64_t n)
-{
-    float acc[QUERY_BLOCK];
-    for (int a = 0; a < nq; a++) acc[a] = o[a][d];
-    for (int64_t j = 0; j < n; j++)
-        for (int a = 0; a < nq; a++) acc[a] += p[a][j] * v[j][off + d];
-    for (int a = 0; a < nq; a++) o[a][d] = acc[a];
-}
-
-/* The weighted values of a block's queries (as weigh_values##W), across head_dim. */
-TILE_INLINE void weigh_values(const int nq, float *const o[QUERY_BLOCK], const float *const p[QUERY_BLOCK],
-                              const float *const *v, int64_t off, int64_t n, int64_t head_dim)
-{
-    int64_t d = 0;
-    for (; d + 32 <= head_dim; d += 32) weigh_values4(nq, o, p, v, off, d, n);
-    for (; d + 8 <= head_dim; d += 8) weigh_values1(nq, o, p, v, off, d, n);
-    for (; d < head_dim; d++) weigh_values_lane(nq, o, p, v, off, d, n);
-}
-
-/* s[j] = exp(s[j] - mx) for j < len, returning their sum: eight lanes at a time (the exponential
- * of shared_cpu.h's exp_clamped, lane by lane), the last len % 8 one by one, in a fixed order. */
-TILE_INLINE float exp_and_sum(float *s, int64_t len, float mx)
-{
-    const v8f lo = {-87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f};
-    const v8f hi = {88.0f, 88.0f, 88.0f, 88.0f, 88.0f, 88.0f, 88.0f, 88.0f};
-    const v8f shifter = {12582912.0f, 12582912.0f, 12582912.0f, 12582912.0f,
-                         12582912.0f, 12582912.0f, 12582912.0f, 12582912.0f};
-    v8f acc = {0};
-    int64_t j = 0;
-    for (; j + 8 <= len; j += 8) {
-        v8f x = load8(s + j) - mx;
-        v8i m = x < lo;
-        x = (v8f)(((v8i)x & ~m) | ((v8i)lo & m));
-        m = x > hi;
-        x = (v8f)(((v8i)x & ~m) | ((v8i)hi & m));
-        const v8f n = (x * 1.44269504088896341f + shifter) - shifter;
-        const v8f r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-        v8f p = r * 1.9875691500e-4f + 1.3981999507e-3f;
-        p = p * r + 8.3334519073e-3f;
-        p = p * r + 4.1665795894e-2f;
-        p = p * r + 1.6666665459e-1f;
-        p = p * r + 5.0000001201e-1f;
-        const v8f er = p * r * r + r + 1.0f;
-        const v8i bits = (__builtin_convertvector(n, v8i) + 127) << 23;
-        const v8f e = er * (v8f)bits;
-        store8(s + j, e);
-        acc += e;
-    }
-    float sum = hsum8(acc);
-    for (; j < len; j++) {
-        s[j] = exp_clamped(s[j] - mx);
-        sum += s[j];
-    }
-    return sum;
-}
-
 static inline int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
 
 /* One past the last query row of request b. */
@@ -311,104 +181,42 @@ static inline int64_t query_index(int64_t r_lo, int64_t y, int64_t g, int64_t gr
     return (r_lo + y / group) * num_heads + g * group + y % group;
 }
 
-/* The tile's output rows from its request's context. Scratch: scores [num_rows, num_heads,
- * stride] (stride a multiple of 16 floats, so each row's and head's stripe is 64-byte aligned),
- * rows [padded + PREFETCH_AHEAD], block [KEY_BLOCK, num_kv_heads * head_dim], pointers
- * [KEY_BLOCK]. Rows r_lo .. m - 1 of the tile see a block's keys: their contexts ascend. */
-TRILLM_MULTIVERSION static void attend_tile(const struct attention_job *job, const struct attention_tile *t,
-                                            float *scores, int64_t stride, int64_t *rows, float *block,
-                                            const float **ptrs)
+/* The tile's arithmetic in 16 lanes where the CPU has AVX-512, in 8 elsewhere (AVX2 or the
+ * baseline): a wider vector halves the multiply-adds' instructions, and on AVX2 its sums would
+ * not fit the registers. */
+#ifdef TRILLM_X86_LEVELS
+#define LANES 16
+#define TILE_TARGET TRILLM_TARGET_V4
+#include "attention_tile_cpu.h"
+#undef LANES
+#undef TILE_TARGET
+#define TILE_TARGET TRILLM_MULTIVERSION_BELOW_V4
+#else
+#define TILE_TARGET
+#endif
+#define LANES 8
+#include "attention_tile_cpu.h"
+#undef LANES
+#undef TILE_TARGET
+
+/* Whether this CPU runs the tile in `lanes` lanes (8 or 16). */
+static int attention_lanes_supported(int lanes)
 {
-    const int64_t num_heads = job->num_heads, head_dim = job->head_dim, block_size = job->block_size;
-    const int64_t num_kv_heads = job->num_kv_heads, group = num_heads / num_kv_heads;
-    const int64_t token_stride = job->token_stride, block_stride = block_size * token_stride;
-    const int64_t m = t->num_rows, b = t->seq;
-    /* row i of the request sits at position seq_len - (end - i); its context ends there */
-    const int64_t last_pos = job->seq_lens[b] - (rows_end(job, b) - t->first_row - m + 1);
-    const int64_t first = (job->window > 0 && last_pos + 1 > job->window) ? last_pos + 1 - job->window : 0;
-    const int64_t n_max = last_pos + 1 - first, padded_max = round_up(n_max, 4);
-    int64_t n[QUERY_TILE], padded[QUERY_TILE];
-    for (int64_t r = 0; r < m; r++) {
-        n[r] = n_max - (m - 1 - r);
-        padded[r] = round_up(n[r], 4);
-    }
-    const int32_t *table = job->block_tables + b * job->max_blocks;
-    for (int64_t i = 0; i < n_max; i++) {
-        const int64_t pos = first + i;
-        rows[i] = table[pos / block_size] * block_stride + (pos % block_size) * token_stride;
-    }
-    for (int64_t i = n_max; i < padded_max + KEY_BLOCK + PREFETCH_AHEAD; i++) rows[i] = rows[n_max - 1];
-    const float *q = job->q + t->first_row * num_heads * head_dim;
-    float *out = job->out + t->first_row * num_heads * head_dim;
+    if (lanes == 8) return 1;
+#ifdef TRILLM_X86_LEVELS
+    __builtin_cpu_init();
+    if (lanes == 16) return __builtin_cpu_supports("x86-64-v4");
+#endif
+    return 0;
+}
 
-    /* scores, four keys at a time (a context padded to a multiple of four: its last keys are the
-     * tile's later ones, or copies of its last, and get probability 0). The queries of a KV head
-     * that see the block go in blocks, rows ascending, to the block's longest context (a shorter
-     * row's extra scores land in its stripe beyond its context, and nothing reads them). */
-    int64_t r_lo = 0;
-    for (int64_t i0 = 0; i0 < padded_max; i0 += KEY_BLOCK) {
-        const int64_t nk = padded_max - i0 < KEY_BLOCK ? padded_max - i0 : KEY_BLOCK;
-        while (padded[r_lo] <= i0) r_lo++;
-        load_block(job, job->k_cache, rows + i0, nk, block, ptrs);
-        const int64_t count = (m - r_lo) * group;
-        for (int64_t g = 0; g < num_kv_heads; g++)
-            for (int64_t c = 0; c < count; c += QUERY_BLOCK) {
-                const int nq = count - c < QUERY_BLOCK ? (int)(count - c) : QUERY_BLOCK;
-                const float *qs[QUERY_BLOCK];
-                float *ss[QUERY_BLOCK];
-                for (int a = 0; a < nq; a++) {
-                    const int64_t x = query_index(r_lo, c + a, g, group, num_heads);
-                    qs[a] = q + x * head_dim;
-                    ss[a] = scores + x * stride + i0;
-                }
-                const int64_t r_last = r_lo + (c + nq - 1) / group;
-                const int64_t end = (padded[r_last] < i0 + nk ? padded[r_last] : i0 + nk) - i0;
-                for (int64_t j = 0; j < end; j += 4)
-                    FOR_COUNT(nq, dots4(NQ, qs, ptrs + j, g * head_dim, head_dim, job->scale, ss, j));
-            }
-    }
-
-    for (int64_t x = 0; x < m * num_heads; x++) {
-        float *s = scores + x * stride, mx = -INFINITY;
-        const int64_t len = n[x / num_heads];
-#pragma omp simd reduction(max : mx)
-        for (int64_t j = 0; j < len; j++) mx = s[j] > mx ? s[j] : mx;
-        const float inv = 1.0f / exp_and_sum(s, len, mx);
-        for (int64_t j = 0; j < len; j++) s[j] *= inv;
-    }
-    for (int64_t x = 0; x < m * num_heads * head_dim; x++) out[x] = 0.0f;
-
-    /* the weighted values, over each row's own keys only, 32 output lanes at a time: a block of
-     * queries together over the keys its first row sees, then the later rows' further keys (at
-     * the diagonal) with the rows that see them */
-    r_lo = 0;
-    for (int64_t i0 = 0; i0 < n_max; i0 += KEY_BLOCK) {
-        const int64_t nk = n_max - i0 < KEY_BLOCK ? n_max - i0 : KEY_BLOCK;
-        while (n[r_lo] <= i0) r_lo++;
-        load_block(job, job->v_cache, rows + i0, nk, block, ptrs);
-        const int64_t count = (m - r_lo) * group;
-        for (int64_t g = 0; g < num_kv_heads; g++)
-            for (int64_t c = 0; c < count; c += QUERY_BLOCK) {
-                const int nq = count - c < QUERY_BLOCK ? (int)(count - c) : QUERY_BLOCK;
-                float *os[QUERY_BLOCK];
-                const float *ps[QUERY_BLOCK];
-                int64_t ends[QUERY_BLOCK];
-                for (int a = 0; a < nq; a++) {
-                    const int64_t x = query_index(r_lo, c + a, g, group, num_heads), r = x / num_heads;
-                    os[a] = out + x * head_dim;
-                    ps[a] = scores + x * stride + i0;
-                    ends[a] = (n[r] < i0 + nk ? n[r] : i0 + nk) - i0;
-                }
-                int64_t done = 0;
-                for (int a = 0; a < nq; a++) { /* ends ascend with the rows */
-                    if (ends[a] <= done) continue;
-                    const float *pa[QUERY_BLOCK];
-                    for (int b = a; b < nq; b++) pa[b - a] = ps[b] + done;
-                    FOR_COUNT(nq - a, weigh_values(NQ, os + a, pa, ptrs + done, g * head_dim, ends[a] - done, head_dim));
-                    done = ends[a];
-                }
-            }
-    }
+/* The tile in `lanes` lanes; 0: the widest this CPU has. */
+static attend_tile_fn *pick_attend_tile(int lanes)
+{
+#ifdef TRILLM_X86_LEVELS
+    if (lanes == 16 || (lanes == 0 && attention_lanes_supported(16))) return attend_tile_16;
+#endif
+    return attend_tile_8;
 }
 
 /* Tile c of the job, counted from the last: a request's later tiles have the longer contexts,
@@ -429,7 +237,7 @@ static void attend_chunk(void *ctx, int64_t c)
         atomic_store(&job->failed, 1);
         return;
     }
-    attend_tile(job, t, (float *)scratch, stride, (int64_t *)(scratch + score_bytes),
+    job->attend(job, t, (float *)scratch, stride, (int64_t *)(scratch + score_bytes),
                 (float *)(scratch + score_bytes + row_bytes), (const float **)(scratch + score_bytes + row_bytes + block_bytes));
 }
 
@@ -437,13 +245,15 @@ static void attend_chunk(void *ctx, int64_t c)
  * num_kv_heads, kv_row_width(kind, head_dim)] of `kind` (enum kv_cache_kind); block_tables:
  * [num_seqs, max_blocks]; seq_lens: [num_seqs]; query_start_loc: [num_seqs + 1], from 0 to
  * num_rows, or NULL when every request has one row (a decode step: num_rows == num_seqs). window <=
- * 0 means no sliding window. Returns 0; -1 when out of memory; -2 when a request has no rows or
- * more rows than its context (nothing is read then). */
+ * 0 means no sliding window. lanes: the tile's vector width, one attention_lanes_supported() takes
+ * (0: the widest). Returns 0; -1 when out of memory; -2 when a request has no rows or more rows
+ * than its context (nothing is read then); -3 when the CPU has no such width. */
 static int paged_attention(
     float *out, const float *q, const void *k_cache, const void *v_cache, int kind, const int32_t *block_tables,
     const int32_t *seq_lens, const int32_t *query_start_loc, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
-    int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale, int64_t window, pool_runner *run)
+    int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale, int64_t window, int lanes, pool_runner *run)
 {
+    if (lanes != 0 && !attention_lanes_supported(lanes)) return -3;
     const int64_t tile_rows = window > 0 ? 1 : QUERY_TILE;
     int64_t num_tiles = 0;
     for (int64_t b = 0; b < num_seqs; b++) {
@@ -461,7 +271,7 @@ static int paged_attention(
         for (int64_t row = start; row < end; row += tile_rows)
             tiles[c++] = (struct attention_tile){b, row, end - row < tile_rows ? end - row : tile_rows};
     }
-    struct attention_job job = {out, q, k_cache, v_cache, kind, kind == KV_CACHE_F16 ? pick_f16_widen() : NULL,
+    struct attention_job job = {pick_attend_tile(lanes), out, q, k_cache, v_cache, kind, kind == KV_CACHE_F16 ? pick_f16_widen() : NULL,
                                 kind == KV_CACHE_I8 ? pick_kv_dequantize() : NULL,
                                 num_kv_heads * kv_row_width(kind, head_dim), block_tables, seq_lens, query_start_loc,
                                 num_heads, num_kv_heads, head_dim, block_size, max_blocks, window, tiles, num_tiles,

@@ -13,7 +13,7 @@ import torch
 
 from trillm.kernels cimport pool_cpu
 from trillm.kernels.cache import row_width
-from trillm.kernels.attention_cpu_h cimport paged_attention_c
+from trillm.kernels.attention_cpu_h cimport attention_lanes_supported, paged_attention_c
 
 # enum kv_cache_kind (shared_cpu.h) of each cache dtype the compiled kernels read and write
 CACHE_KINDS = {torch.float32: 0, torch.float16: 1, torch.int8: 2}
@@ -27,12 +27,21 @@ def cache_kind(k_cache, v_cache) -> int:
     return CACHE_KINDS[k_cache.dtype]
 
 
-def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, float scale, sliding_window=None):
+def lane_widths() -> list[int]:
+    """The vector widths (fp32 lanes) this CPU runs the kernel in, the widest first: a width sums
+    in its own order, so each gives its own bits."""
+    return [lanes for lanes in (16, 8) if attention_lanes_supported(lanes)]
+
+
+def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, float scale, sliding_window=None,
+                    int lanes=0):
     """q: [T, H, D] fp32; caches: [num_blocks, block_size, Hk, row_width] fp32, fp16 or int8
     (cache.py's layouts); block_tables:
     [B, max_blocks] int32; seq_lens: [B] int32; query_start_loc: [B + 1] int32 from 0 to T, or
     None when each request has one row (T == B). All contiguous, on the CPU. Returns [T, H, D]
-    fp32. A request with no rows, or with more rows than its context, is a ValueError."""
+    fp32. A request with no rows, or with more rows than its context, is a ValueError. `lanes`:
+    one of lane_widths() (0: the widest, which the engine runs)."""
+    assert lanes == 0 or lanes in lane_widths(), (lanes, lane_widths())
     cdef int kind = cache_kind(k_cache, v_cache)
     checked = [(q, torch.float32), (k_cache, k_cache.dtype), (v_cache, k_cache.dtype), (block_tables, torch.int32),
                (seq_lens, torch.int32)]
@@ -63,7 +72,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
     cdef int rc
     with nogil:
         rc = paged_attention_c(out_ptr, q_ptr, k_ptr, v_ptr, kind, tables_ptr, lens_ptr, starts_ptr, num_seqs,
-                               num_heads, num_kv_heads, head_dim, block_size, max_blocks, scale, window, pool_cpu.run)
+                               num_heads, num_kv_heads, head_dim, block_size, max_blocks, scale, window, lanes,
+                               pool_cpu.run)
     if rc == -2:
         raise ValueError("paged_attention: a request has no query rows, or more rows than its context")
     if rc != 0:

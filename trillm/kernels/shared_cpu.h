@@ -13,6 +13,10 @@
 /* One build runs on any x86-64; the loader picks the widest level this CPU has (x86-64-v3 and
  * v4 bring F16C, which the fp16 KV cache needs: without it each fp16 load is a library call). */
 #define TRILLM_MULTIVERSION __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+/* For code written once per vector width: the AVX-512 level alone, and the levels below it. */
+#define TRILLM_X86_LEVELS 1
+#define TRILLM_TARGET_V4 __attribute__((target("arch=x86-64-v4")))
+#define TRILLM_MULTIVERSION_BELOW_V4 __attribute__((target_clones("arch=x86-64-v3", "default")))
 #else
 #define TRILLM_MULTIVERSION
 #endif

@@ -1,0 +1,294 @@
+/* The arithmetic of an attention tile (attention_cpu.h), written once for a vector width: the
+ * includer defines LANES (8 or 16) and TILE_TARGET (the instruction sets it is compiled for), and
+ * gets attend_tile_<LANES>. Every lane's sums, and their order, are fixed by this source (GCC's
+ * vector extension, no reduction the compiler may reorder), and the same for every row whatever
+ * tile it is in; the two widths sum in different orders, so one CPU always runs the same one.
+ */
+#define TILE_NAME2(name, lanes) name##_##lanes
+#define TILE_NAME(name, lanes) TILE_NAME2(name, lanes)
+#define vf TILE_NAME(vf, LANES)
+#define vi TILE_NAME(vi, LANES)
+#define load_lanes TILE_NAME(load_lanes, LANES)
+#define store_lanes TILE_NAME(store_lanes, LANES)
+#define hsum TILE_NAME(hsum, LANES)
+#define store_sums4 TILE_NAME(store_sums4, LANES)
+#define dots4 TILE_NAME(dots4, LANES)
+#define weigh_values4 TILE_NAME(weigh_values4, LANES)
+#define weigh_values1 TILE_NAME(weigh_values1, LANES)
+#define weigh_values_lane TILE_NAME(weigh_values_lane, LANES)
+#define weigh_values TILE_NAME(weigh_values, LANES)
+#define exp_and_sum TILE_NAME(exp_and_sum, LANES)
+#define attend_tile TILE_NAME(attend_tile, LANES)
+
+typedef float vf __attribute__((vector_size(4 * LANES)));
+typedef int32_t vi __attribute__((vector_size(4 * LANES))); /* shuffle masks, comparisons, exponent bits */
+
+TILE_INLINE vf load_lanes(const float *p)
+{
+    vf v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+TILE_INLINE void store_lanes(float *p, vf v) { memcpy(p, &v, sizeof v); }
+
+/* A dot product's lanes, summed in one fixed order (16 lanes: first folded onto 8). */
+#if LANES == 16
+TILE_INLINE float hsum(vf a)
+{
+    float h[8];
+    for (int i = 0; i < 8; i++) h[i] = a[i] + a[i + 8];
+    return ((h[0] + h[4]) + (h[2] + h[6])) + ((h[1] + h[5]) + (h[3] + h[7]));
+}
+#else
+TILE_INLINE float hsum(vf a) { return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7])); }
+#endif
+
+/* s[0..3] = hsum(a0) .. hsum(a3), each times scale: the same additions as hsum, four dot
+ * products' lanes added side by side in vector shuffles rather than one scalar chain each. */
+#if LANES == 16
+TILE_INLINE void store_sums4(float *s, vf a0, vf a1, vf a2, vf a3, float scale)
+{
+    const vi low = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+    const vi high = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+    const vf u = __builtin_shuffle(a0, a1, low) + __builtin_shuffle(a0, a1, high); /* h of a0 | h of a1 */
+    const vf w = __builtin_shuffle(a2, a3, low) + __builtin_shuffle(a2, a3, high);
+    const vi low4 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+    const vi high4 = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
+    const vf e = __builtin_shuffle(u, w, low4) + __builtin_shuffle(u, w, high4); /* h[i] + h[i + 4], four each */
+    const vi i0 = {0, 4, 8, 12}, i1 = {1, 5, 9, 13}, i2 = {2, 6, 10, 14}, i3 = {3, 7, 11, 15}; /* the rest 0 */
+    const vf sums = ((__builtin_shuffle(e, i0) + __builtin_shuffle(e, i2)) +
+                     (__builtin_shuffle(e, i1) + __builtin_shuffle(e, i3))) * scale;
+    s[0] = sums[0], s[1] = sums[1], s[2] = sums[2], s[3] = sums[3];
+}
+#else
+TILE_INLINE void store_sums4(float *s, vf a0, vf a1, vf a2, vf a3, float scale)
+{
+    const vi low = {0, 1, 2, 3, 8, 9, 10, 11}, high = {4, 5, 6, 7, 12, 13, 14, 15};
+    const vf u = __builtin_shuffle(a0, a1, low) + __builtin_shuffle(a0, a1, high);  /* a[i] + a[i + 4] */
+    const vf w = __builtin_shuffle(a2, a3, low) + __builtin_shuffle(a2, a3, high);
+    const vi even = {0, 1, 8, 9, 4, 5, 12, 13}, odd = {2, 3, 10, 11, 6, 7, 14, 15};
+    const vf e = __builtin_shuffle(u, w, even) + __builtin_shuffle(u, w, odd);      /* (a0 + a4) + (a2 + a6) .. */
+    const vi first = {0, 4, 2, 6, 0, 4, 2, 6}, second = {1, 5, 3, 7, 1, 5, 3, 7};
+    const vf sums = (__builtin_shuffle(e, first) + __builtin_shuffle(e, second)) * scale;
+    s[0] = sums[0], s[1] = sums[1], s[2] = sums[2], s[3] = sums[3];
+}
+#endif
+
+/* Queries q[0 .. nq-1] against four keys k[0..3] at head offset off: s[a][at .. at+3] = the dot
+ * products times scale. Each dot product is eight lanes, each summing every eighth element in order, then
+ * hsum's fixed tree: the same for a query whatever block it is in. */
+TILE_INLINE void dots4(const int nq, const float *const q[QUERY_BLOCK], const float *const k[4], int64_t off,
+                       int64_t head_dim, float scale, float *const s[QUERY_BLOCK], int64_t at)
+{
+    vf acc[QUERY_BLOCK][4];
+    for (int a = 0; a < nq; a++) acc[a][0] = acc[a][1] = acc[a][2] = acc[a][3] = (vf){0};
+    int64_t d = 0;
+    for (; d + LANES <= head_dim; d += LANES) {
+        const vf k0 = load_lanes(k[0] + off + d), k1 = load_lanes(k[1] + off + d);
+        const vf k2 = load_lanes(k[2] + off + d), k3 = load_lanes(k[3] + off + d);
+        for (int a = 0; a < nq; a++) {
+            const vf x = load_lanes(q[a] + d);
+            acc[a][0] += x * k0;
+            acc[a][1] += x * k1;
+            acc[a][2] += x * k2;
+            acc[a][3] += x * k3;
+        }
+    }
+    for (int64_t l = 0; d < head_dim; d++, l++) /* a head_dim that is not a multiple of LANES */
+        for (int a = 0; a < nq; a++)
+            for (int t = 0; t < 4; t++) acc[a][t][l] += q[a][d] * k[t][off + d];
+    for (int a = 0; a < nq; a++) store_sums4(s[a] + at, acc[a][0], acc[a][1], acc[a][2], acc[a][3], scale);
+}
+
+/* o[a][d0 + d] += p[a][j] * v[j][off + d0 + d] for j in 0 .. n-1, in that order, for d in [0, LANES * W),
+ * for each query a < nq of a block. The sums stay in registers over the block's keys. */
+#define WEIGH_VALUES(W)                                                                                       \
+    TILE_INLINE void weigh_values##W(const int nq, float *const o[QUERY_BLOCK], const float *const p[QUERY_BLOCK], \
+                                     const float *const *v, int64_t off, int64_t d0, int64_t n)               \
+    {                                                                                                       \
+        vf acc[QUERY_BLOCK][W];                                                                            \
+        for (int a = 0; a < nq; a++)                                                                        \
+            for (int t = 0; t < W; t++) acc[a][t] = load_lanes(o[a] + d0 + LANES * t);                               \
+        for (int64_t j = 0; j < n; j++)                                                                     \
+            for (int t = 0; t < W; t++) {                                                                   \
+                const vf x = load_lanes(v[j] + off + d0 + LANES * t);                                               \
+                for (int a = 0; a < nq; a++) acc[a][t] += p[a][j] * x;                                      \
+            }                                                                                               \
+        for (int a = 0; a < nq; a++)                                                                        \
+            for (int t = 0; t < W; t++) store_lanes(o[a] + d0 + LANES * t, acc[a][t]);                               \
+    }
+WEIGH_VALUES(4)
+WEIGH_VALUES(1)
+
+/* The same for one lane at d (a head_dim that is not a multiple of LANES). */
+TILE_INLINE void weigh_values_lane(const int nq, float *const o[QUERY_BLOCK], const float *const p[QUERY_BLOCK],
+                                   const float *const *v, int64_t off, int64_t d, int64_t n)
+{
+    float acc[QUERY_BLOCK];
+    for (int a = 0; a < nq; a++) acc[a] = o[a][d];
+    for (int64_t j = 0; j < n; j++)
+        for (int a = 0; a < nq; a++) acc[a] += p[a][j] * v[j][off + d];
+    for (int a = 0; a < nq; a++) o[a][d] = acc[a];
+}
+
+/* The weighted values of a block's queries (as weigh_values##W), across head_dim. */
+TILE_INLINE void weigh_values(const int nq, float *const o[QUERY_BLOCK], const float *const p[QUERY_BLOCK],
+                              const float *const *v, int64_t off, int64_t n, int64_t head_dim)
+{
+    int64_t d = 0;
+    for (; d + 4 * LANES <= head_dim; d += 4 * LANES) weigh_values4(nq, o, p, v, off, d, n);
+    for (; d + LANES <= head_dim; d += LANES) weigh_values1(nq, o, p, v, off, d, n);
+    for (; d < head_dim; d++) weigh_values_lane(nq, o, p, v, off, d, n);
+}
+
+/* s[j] = exp(s[j] - mx) for j < len, returning their sum: LANES at a time (the exponential of
+ * shared_cpu.h's exp_clamped, lane by lane), the last len % LANES one by one, in a fixed order. */
+TILE_INLINE float exp_and_sum(float *s, int64_t len, float mx)
+{
+    const vf lo = (vf){0} - 87.0f, hi = (vf){0} + 88.0f, shifter = (vf){0} + 12582912.0f;
+    vf acc = {0};
+    int64_t j = 0;
+    for (; j + LANES <= len; j += LANES) {
+        vf x = load_lanes(s + j) - mx;
+        vi m = x < lo;
+        x = (vf)(((vi)x & ~m) | ((vi)lo & m));
+        m = x > hi;
+        x = (vf)(((vi)x & ~m) | ((vi)hi & m));
+        const vf n = (x * 1.44269504088896341f + shifter) - shifter;
+        const vf r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+        vf p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+        p = p * r + 8.3334519073e-3f;
+        p = p * r + 4.1665795894e-2f;
+        p = p * r + 1.6666665459e-1f;
+        p = p * r + 5.0000001201e-1f;
+        const vf er = p * r * r + r + 1.0f;
+        const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
+        const vf e = er * (vf)bits;
+        store_lanes(s + j, e);
+        acc += e;
+    }
+    float sum = hsum(acc);
+    for (; j < len; j++) {
+        s[j] = exp_clamped(s[j] - mx);
+        sum += s[j];
+    }
+    return sum;
+}
+
+/* The tile's output rows from its request's context. Scratch: scores [num_rows, num_heads,
+ * stride] (stride a multiple of 16 floats, so each row's and head's stripe is 64-byte aligned),
+ * rows [padded + PREFETCH_AHEAD], block [KEY_BLOCK, num_kv_heads * head_dim], pointers
+ * [KEY_BLOCK]. Rows r_lo .. m - 1 of the tile see a block's keys: their contexts ascend. */
+TILE_TARGET static void attend_tile(const struct attention_job *job, const struct attention_tile *t,
+                                            float *scores, int64_t stride, int64_t *rows, float *block,
+                                            const float **ptrs)
+{
+    const int64_t num_heads = job->num_heads, head_dim = job->head_dim, block_size = job->block_size;
+    const int64_t num_kv_heads = job->num_kv_heads, group = num_heads / num_kv_heads;
+    const int64_t token_stride = job->token_stride, block_stride = block_size * token_stride;
+    const int64_t m = t->num_rows, b = t->seq;
+    /* row i of the request sits at position seq_len - (end - i); its context ends there */
+    const int64_t last_pos = job->seq_lens[b] - (rows_end(job, b) - t->first_row - m + 1);
+    const int64_t first = (job->window > 0 && last_pos + 1 > job->window) ? last_pos + 1 - job->window : 0;
+    const int64_t n_max = last_pos + 1 - first, padded_max = round_up(n_max, 4);
+    int64_t n[QUERY_TILE], padded[QUERY_TILE];
+    for (int64_t r = 0; r < m; r++) {
+        n[r] = n_max - (m - 1 - r);
+        padded[r] = round_up(n[r], 4);
+    }
+    const int32_t *table = job->block_tables + b * job->max_blocks;
+    for (int64_t i = 0; i < n_max; i++) {
+        const int64_t pos = first + i;
+        rows[i] = table[pos / block_size] * block_stride + (pos % block_size) * token_stride;
+    }
+    for (int64_t i = n_max; i < padded_max + KEY_BLOCK + PREFETCH_AHEAD; i++) rows[i] = rows[n_max - 1];
+    const float *q = job->q + t->first_row * num_heads * head_dim;
+    float *out = job->out + t->first_row * num_heads * head_dim;
+
+    /* scores, four keys at a time (a context padded to a multiple of four: its last keys are the
+     * tile's later ones, or copies of its last, and get probability 0). The queries of a KV head
+     * that see the block go in blocks, rows ascending, to the block's longest context (a shorter
+     * row's extra scores land in its stripe beyond its context, and nothing reads them). */
+    int64_t r_lo = 0;
+    for (int64_t i0 = 0; i0 < padded_max; i0 += KEY_BLOCK) {
+        const int64_t nk = padded_max - i0 < KEY_BLOCK ? padded_max - i0 : KEY_BLOCK;
+        while (padded[r_lo] <= i0) r_lo++;
+        load_block(job, job->k_cache, rows + i0, nk, block, ptrs);
+        const int64_t count = (m - r_lo) * group;
+        for (int64_t g = 0; g < num_kv_heads; g++)
+            for (int64_t c = 0; c < count; c += QUERY_BLOCK) {
+                const int nq = count - c < QUERY_BLOCK ? (int)(count - c) : QUERY_BLOCK;
+                const float *qs[QUERY_BLOCK];
+                float *ss[QUERY_BLOCK];
+                for (int a = 0; a < nq; a++) {
+                    const int64_t x = query_index(r_lo, c + a, g, group, num_heads);
+                    qs[a] = q + x * head_dim;
+                    ss[a] = scores + x * stride + i0;
+                }
+                const int64_t r_last = r_lo + (c + nq - 1) / group;
+                const int64_t end = (padded[r_last] < i0 + nk ? padded[r_last] : i0 + nk) - i0;
+                for (int64_t j = 0; j < end; j += 4)
+                    FOR_COUNT(nq, dots4(NQ, qs, ptrs + j, g * head_dim, head_dim, job->scale, ss, j));
+            }
+    }
+
+    for (int64_t x = 0; x < m * num_heads; x++) {
+        float *s = scores + x * stride, mx = -INFINITY;
+        const int64_t len = n[x / num_heads];
+#pragma omp simd reduction(max : mx)
+        for (int64_t j = 0; j < len; j++) mx = s[j] > mx ? s[j] : mx;
+        const float inv = 1.0f / exp_and_sum(s, len, mx);
+        for (int64_t j = 0; j < len; j++) s[j] *= inv;
+    }
+    for (int64_t x = 0; x < m * num_heads * head_dim; x++) out[x] = 0.0f;
+
+    /* the weighted values, over each row's own keys only, 32 output lanes at a time: a block of
+     * queries together over the keys its first row sees, then the later rows' further keys (at
+     * the diagonal) with the rows that see them */
+    r_lo = 0;
+    for (int64_t i0 = 0; i0 < n_max; i0 += KEY_BLOCK) {
+        const int64_t nk = n_max - i0 < KEY_BLOCK ? n_max - i0 : KEY_BLOCK;
+        while (n[r_lo] <= i0) r_lo++;
+        load_block(job, job->v_cache, rows + i0, nk, block, ptrs);
+        const int64_t count = (m - r_lo) * group;
+        for (int64_t g = 0; g < num_kv_heads; g++)
+            for (int64_t c = 0; c < count; c += QUERY_BLOCK) {
+                const int nq = count - c < QUERY_BLOCK ? (int)(count - c) : QUERY_BLOCK;
+                float *os[QUERY_BLOCK];
+                const float *ps[QUERY_BLOCK];
+                int64_t ends[QUERY_BLOCK];
+                for (int a = 0; a < nq; a++) {
+                    const int64_t x = query_index(r_lo, c + a, g, group, num_heads), r = x / num_heads;
+                    os[a] = out + x * head_dim;
+                    ps[a] = scores + x * stride + i0;
+                    ends[a] = (n[r] < i0 + nk ? n[r] : i0 + nk) - i0;
+                }
+                int64_t done = 0;
+                for (int a = 0; a < nq; a++) { /* ends ascend with the rows */
+                    if (ends[a] <= done) continue;
+                    const float *pa[QUERY_BLOCK];
+                    for (int b = a; b < nq; b++) pa[b - a] = ps[b] + done;
+                    FOR_COUNT(nq - a, weigh_values(NQ, os + a, pa, ptrs + done, g * head_dim, ends[a] - done, head_dim));
+                    done = ends[a];
+                }
+            }
+    }
+}
+
+#undef WEIGH_VALUES
+#undef vf
+#undef vi
+#undef load_lanes
+#undef store_lanes
+#undef hsum
+#undef store_sums4
+#undef dots4
+#undef weigh_values4
+#undef weigh_values1
+#undef weigh_values_lane
+#undef weigh_values
+#undef exp_and_sum
+#undef attend_tile
+#undef TILE_NAME
+#undef TILE_NAME2
