@@ -174,12 +174,20 @@ static inline int64_t rows_end(const struct attention_job *job, int64_t b)
     return job->query_start_loc == NULL ? b + 1 : job->query_start_loc[b + 1];
 }
 
-/* The index (row * num_heads + head) of the y-th query of KV head g among the tile's rows from
- * r_lo on: rows ascending, and within a row the group of heads that share g. */
-static inline int64_t query_index(int64_t r_lo, int64_t y, int64_t g, int64_t group, int64_t num_heads)
-{
-    return (r_lo + y / group) * num_heads + g * group + y % group;
-}
+/* What both passes over a tile's keys share (attention_tile_cpu.h's tile_pass): its m rows'
+ * contexts n[] (and padded to four, padded[]), the cache offsets of its keys (rows), the
+ * calling thread's scratch (block, ptrs, scores of `stride` floats a row and head), its queries
+ * and outputs. */
+struct tile_rows {
+    const struct attention_job *job;
+    int64_t m, group, stride;
+    const int64_t *rows;
+    float *block;
+    const float **ptrs;
+    const float *q;
+    float *out, *scores;
+    const int64_t *n, *padded;
+};
 
 /* The tile's arithmetic in 16 lanes where the CPU has AVX-512, in 8 elsewhere (AVX2 or the
  * baseline): a wider vector halves the multiply-adds' instructions, and on AVX2 its sums would

@@ -18,6 +18,9 @@
 #define weigh_values_lane TILE_NAME(weigh_values_lane, LANES)
 #define weigh_values TILE_NAME(weigh_values, LANES)
 #define exp_and_sum TILE_NAME(exp_and_sum, LANES)
+#define score_block TILE_NAME(score_block, LANES)
+#define weigh_block TILE_NAME(weigh_block, LANES)
+#define tile_pass TILE_NAME(tile_pass, LANES)
 #define attend_tile TILE_NAME(attend_tile, LANES)
 
 typedef float vf __attribute__((vector_size(4 * LANES)));
@@ -176,13 +179,89 @@ TILE_INLINE float exp_and_sum(float *s, int64_t len, float mx)
     return sum;
 }
 
+/* Queries x[0 .. nq-1] (of KV head g) against the block's keys up to `end` (the contexts padded
+ * to four: a context's last keys are the tile's later ones, or copies of its last, and get
+ * probability 0), four keys at a time. A shorter row's extra scores land in its stripe beyond
+ * its context, and nothing reads them. */
+TILE_INLINE void score_block(const struct tile_rows *t, int nq, const int64_t x[QUERY_BLOCK], int64_t end, int64_t i0,
+                             int64_t g)
+{
+    const int64_t head_dim = t->job->head_dim, off = g * head_dim;
+    const float scale = t->job->scale;
+    const float *const *keys = t->ptrs;
+    const float *qs[QUERY_BLOCK];
+    float *ss[QUERY_BLOCK];
+    for (int a = 0; a < nq; a++) {
+        qs[a] = t->q + x[a] * head_dim;
+        ss[a] = t->scores + x[a] * t->stride + i0;
+    }
+    FOR_COUNT(nq, for (int64_t j = 0; j < end; j += 4) dots4(NQ, qs, keys + j, off, head_dim, scale, ss, j));
+}
+
+/* The block's values weighed into the outputs of queries x[0 .. nq-1] (of KV head g), each over
+ * the keys its own context holds (ends[a], ascending with the rows): all of them over the keys
+ * the first sees, then the later rows' further keys (at the diagonal) with the rows that see
+ * them. */
+TILE_INLINE void weigh_block(const struct tile_rows *t, int nq, const int64_t x[QUERY_BLOCK],
+                             const int64_t ends[QUERY_BLOCK], int64_t i0, int64_t g)
+{
+    const int64_t head_dim = t->job->head_dim;
+    float *os[QUERY_BLOCK];
+    const float *ps[QUERY_BLOCK];
+    for (int a = 0; a < nq; a++) {
+        os[a] = t->out + x[a] * head_dim;
+        ps[a] = t->scores + x[a] * t->stride + i0;
+    }
+    int64_t done = 0;
+    for (int a = 0; a < nq; a++) {
+        if (ends[a] <= done) continue;
+        const float *pa[QUERY_BLOCK];
+        for (int b = a; b < nq; b++) pa[b - a] = ps[b] + done;
+        FOR_COUNT(nq - a, weigh_values(NQ, os + a, pa, t->ptrs + done, g * head_dim, ends[a] - done, head_dim));
+        done = ends[a];
+    }
+}
+
+/* One pass over the tile's cache rows, KEY_BLOCK at a time, with the queries of each KV head that
+ * see the block QUERY_BLOCK at a time (rows ascending, a row's heads of the group in order): the
+ * scores (values 0, over the contexts padded to four) or the weighted values (values 1, over the
+ * contexts). The rows that see a block are r_lo .. m - 1: their contexts ascend. */
+TILE_INLINE void tile_pass(const struct tile_rows *t, const int values)
+{
+    const struct attention_job *job = t->job;
+    const int64_t *const len = values ? t->n : t->padded; /* each row's keys in this pass */
+    const int64_t total = len[t->m - 1], num_heads = job->num_heads;
+    int64_t r_lo = 0;
+    for (int64_t i0 = 0; i0 < total; i0 += KEY_BLOCK) {
+        const int64_t nk = total - i0 < KEY_BLOCK ? total - i0 : KEY_BLOCK;
+        while (len[r_lo] <= i0) r_lo++;
+        load_block(job, values ? job->v_cache : job->k_cache, t->rows + i0, nk, t->block, t->ptrs);
+        const int64_t count = (t->m - r_lo) * t->group;
+        for (int64_t g = 0; g < job->num_kv_heads; g++) {
+            int64_t row = r_lo, head = 0; /* the next query's row, and its head within g's group */
+            for (int64_t c = 0; c < count; c += QUERY_BLOCK) {
+                const int nq = count - c < QUERY_BLOCK ? (int)(count - c) : QUERY_BLOCK;
+                int64_t x[QUERY_BLOCK], ends[QUERY_BLOCK] = {0}; /* the queries; the keys of the block each sees */
+                for (int a = 0; a < nq; a++) {
+                    x[a] = row * num_heads + g * t->group + head;
+                    ends[a] = (len[row] < i0 + nk ? len[row] : i0 + nk) - i0;
+                    if (++head == t->group) head = 0, row++;
+                }
+                if (values)
+                    weigh_block(t, nq, x, ends, i0, g);
+                else
+                    score_block(t, nq, x, ends[nq - 1], i0, g);
+            }
+        }
+    }
+}
+
 /* The tile's output rows from its request's context. Scratch: scores [num_rows, num_heads,
  * stride] (stride a multiple of 16 floats, so each row's and head's stripe is 64-byte aligned),
  * rows [padded + PREFETCH_AHEAD], block [KEY_BLOCK, num_kv_heads * head_dim], pointers
- * [KEY_BLOCK]. Rows r_lo .. m - 1 of the tile see a block's keys: their contexts ascend. */
-TILE_TARGET static void attend_tile(const struct attention_job *job, const struct attention_tile *t,
-                                            float *scores, int64_t stride, int64_t *rows, float *block,
-                                            const float **ptrs)
+ * [KEY_BLOCK]. The scores (tile_pass), a softmax per row and head, then the weighted values. */
+TILE_TARGET static void attend_tile(const struct attention_job *job, const struct attention_tile *t, float *scores,
+                                    int64_t stride, int64_t *rows, float *block, const float **ptrs)
 {
     const int64_t num_heads = job->num_heads, head_dim = job->head_dim, block_size = job->block_size;
     const int64_t num_kv_heads = job->num_kv_heads, group = num_heads / num_kv_heads;
@@ -206,33 +285,8 @@ TILE_TARGET static void attend_tile(const struct attention_job *job, const struc
     const float *q = job->q + t->first_row * num_heads * head_dim;
     float *out = job->out + t->first_row * num_heads * head_dim;
 
-    /* scores, four keys at a time (a context padded to a multiple of four: its last keys are the
-     * tile's later ones, or copies of its last, and get probability 0). The queries of a KV head
-     * that see the block go in blocks, rows ascending, to the block's longest context (a shorter
-     * row's extra scores land in its stripe beyond its context, and nothing reads them). */
-    int64_t r_lo = 0;
-    for (int64_t i0 = 0; i0 < padded_max; i0 += KEY_BLOCK) {
-        const int64_t nk = padded_max - i0 < KEY_BLOCK ? padded_max - i0 : KEY_BLOCK;
-        while (padded[r_lo] <= i0) r_lo++;
-        load_block(job, job->k_cache, rows + i0, nk, block, ptrs);
-        const int64_t count = (m - r_lo) * group;
-        for (int64_t g = 0; g < num_kv_heads; g++)
-            for (int64_t c = 0; c < count; c += QUERY_BLOCK) {
-                const int nq = count - c < QUERY_BLOCK ? (int)(count - c) : QUERY_BLOCK;
-                const float *qs[QUERY_BLOCK];
-                float *ss[QUERY_BLOCK];
-                for (int a = 0; a < nq; a++) {
-                    const int64_t x = query_index(r_lo, c + a, g, group, num_heads);
-                    qs[a] = q + x * head_dim;
-                    ss[a] = scores + x * stride + i0;
-                }
-                const int64_t r_last = r_lo + (c + nq - 1) / group;
-                const int64_t end = (padded[r_last] < i0 + nk ? padded[r_last] : i0 + nk) - i0;
-                for (int64_t j = 0; j < end; j += 4)
-                    FOR_COUNT(nq, dots4(NQ, qs, ptrs + j, g * head_dim, head_dim, job->scale, ss, j));
-            }
-    }
-
+    const struct tile_rows tile = {job, m, group, stride, rows, block, ptrs, q, out, scores, n, padded};
+    tile_pass(&tile, 0);
     for (int64_t x = 0; x < m * num_heads; x++) {
         float *s = scores + x * stride, mx = -INFINITY;
         const int64_t len = n[x / num_heads];
@@ -242,38 +296,7 @@ TILE_TARGET static void attend_tile(const struct attention_job *job, const struc
         for (int64_t j = 0; j < len; j++) s[j] *= inv;
     }
     for (int64_t x = 0; x < m * num_heads * head_dim; x++) out[x] = 0.0f;
-
-    /* the weighted values, over each row's own keys only, 32 output lanes at a time: a block of
-     * queries together over the keys its first row sees, then the later rows' further keys (at
-     * the diagonal) with the rows that see them */
-    r_lo = 0;
-    for (int64_t i0 = 0; i0 < n_max; i0 += KEY_BLOCK) {
-        const int64_t nk = n_max - i0 < KEY_BLOCK ? n_max - i0 : KEY_BLOCK;
-        while (n[r_lo] <= i0) r_lo++;
-        load_block(job, job->v_cache, rows + i0, nk, block, ptrs);
-        const int64_t count = (m - r_lo) * group;
-        for (int64_t g = 0; g < num_kv_heads; g++)
-            for (int64_t c = 0; c < count; c += QUERY_BLOCK) {
-                const int nq = count - c < QUERY_BLOCK ? (int)(count - c) : QUERY_BLOCK;
-                float *os[QUERY_BLOCK];
-                const float *ps[QUERY_BLOCK];
-                int64_t ends[QUERY_BLOCK];
-                for (int a = 0; a < nq; a++) {
-                    const int64_t x = query_index(r_lo, c + a, g, group, num_heads), r = x / num_heads;
-                    os[a] = out + x * head_dim;
-                    ps[a] = scores + x * stride + i0;
-                    ends[a] = (n[r] < i0 + nk ? n[r] : i0 + nk) - i0;
-                }
-                int64_t done = 0;
-                for (int a = 0; a < nq; a++) { /* ends ascend with the rows */
-                    if (ends[a] <= done) continue;
-                    const float *pa[QUERY_BLOCK];
-                    for (int b = a; b < nq; b++) pa[b - a] = ps[b] + done;
-                    FOR_COUNT(nq - a, weigh_values(NQ, os + a, pa, ptrs + done, g * head_dim, ends[a] - done, head_dim));
-                    done = ends[a];
-                }
-            }
-    }
+    tile_pass(&tile, 1);
 }
 
 #undef WEIGH_VALUES
@@ -289,6 +312,9 @@ TILE_TARGET static void attend_tile(const struct attention_job *job, const struc
 #undef weigh_values_lane
 #undef weigh_values
 #undef exp_and_sum
+#undef score_block
+#undef weigh_block
+#undef tile_pass
 #undef attend_tile
 #undef TILE_NAME
 #undef TILE_NAME2
