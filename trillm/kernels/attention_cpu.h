@@ -130,9 +130,10 @@ static void *thread_scratch(size_t bytes)
 
 /* Pointers to the fp32 values of cache rows rows[0 .. n-1] (offsets in cache elements): in place,
  * or widened or dequantized into `buf` ([KEY_BLOCK, num_kv_heads * head_dim]); the next block's
- * rows are requested meanwhile. */
+ * rows are requested meanwhile. `halves`: an fp16 cache's rows stay in place too (their
+ * pointers are to fp16 values, which the tile converts as it reads them). */
 TILE_INLINE void load_block(const struct attention_job *job, const void *cache, const int64_t *rows, int64_t n,
-                            float *buf, const float **out)
+                            float *buf, const float **out, const int halves)
 {
     const int64_t values = job->num_kv_heads * job->head_dim, elem = kv_elem_bytes(job->kind);
     for (int64_t j = 0; j < PREFETCH_AHEAD; j++)
@@ -140,6 +141,10 @@ TILE_INLINE void load_block(const struct attention_job *job, const void *cache, 
     for (int64_t j = 0; j < n; j++) {
         if (job->kind == KV_CACHE_F32) {
             out[j] = (const float *)cache + rows[j];
+            continue;
+        }
+        if (halves) {
+            out[j] = (const float *)(const void *)((const uint16_t *)cache + rows[j]);
             continue;
         }
         if (job->kind == KV_CACHE_F16)

@@ -21,36 +21,61 @@
 #define score_block TILE_NAME(score_block, LANES)
 #define weigh_block TILE_NAME(weigh_block, LANES)
 #define tile_pass TILE_NAME(tile_pass, LANES)
+#define load_row TILE_NAME(load_row, LANES)
 #define attend_tile TILE_NAME(attend_tile, LANES)
 
 typedef float vf __attribute__((vector_size(4 * LANES)));
 typedef int32_t vi __attribute__((vector_size(4 * LANES))); /* shuffle masks, comparisons, exponent bits */
 
-TILE_INLINE vf load_lanes(const float *p)
+/* The 16-lane instance's helpers are compiled for its instruction set (load_row converts fp16
+ * with AVX-512); the 8-lane instance's are inlined into each of its clones. */
+#if LANES == 16
+#define TILE_FN TILE_INLINE __attribute__((target("arch=x86-64-v4")))
+#else
+#define TILE_FN TILE_INLINE
+#endif
+
+TILE_FN vf load_lanes(const float *p)
 {
     vf v;
     memcpy(&v, p, sizeof v);
     return v;
 }
 
-TILE_INLINE void store_lanes(float *p, vf v) { memcpy(p, &v, sizeof v); }
+TILE_FN void store_lanes(float *p, vf v) { memcpy(p, &v, sizeof v); }
+
+/* LANES values of a cache row from element `off`: fp32, or with `halves` (16 lanes only) fp16
+ * values converted as they are read, the same values a widened copy would hold. */
+TILE_FN vf load_row(const float *row, int64_t off, const int halves)
+{
+#if LANES == 16
+    if (halves) {
+        const __m512 wide = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)(const void *)row + off)));
+        vf v;
+        memcpy(&v, &wide, sizeof v);
+        return v;
+    }
+#endif
+    (void)halves;
+    return load_lanes(row + off);
+}
 
 /* A dot product's lanes, summed in one fixed order (16 lanes: first folded onto 8). */
 #if LANES == 16
-TILE_INLINE float hsum(vf a)
+TILE_FN float hsum(vf a)
 {
     float h[8];
     for (int i = 0; i < 8; i++) h[i] = a[i] + a[i + 8];
     return ((h[0] + h[4]) + (h[2] + h[6])) + ((h[1] + h[5]) + (h[3] + h[7]));
 }
 #else
-TILE_INLINE float hsum(vf a) { return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7])); }
+TILE_FN float hsum(vf a) { return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7])); }
 #endif
 
 /* s[0..3] = hsum(a0) .. hsum(a3), each times scale: the same additions as hsum, four dot
  * products' lanes added side by side in vector shuffles rather than one scalar chain each. */
 #if LANES == 16
-TILE_INLINE void store_sums4(float *s, vf a0, vf a1, vf a2, vf a3, float scale)
+TILE_FN void store_sums4(float *s, vf a0, vf a1, vf a2, vf a3, float scale)
 {
     const vi low = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
     const vi high = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
@@ -65,7 +90,7 @@ TILE_INLINE void store_sums4(float *s, vf a0, vf a1, vf a2, vf a3, float scale)
     s[0] = sums[0], s[1] = sums[1], s[2] = sums[2], s[3] = sums[3];
 }
 #else
-TILE_INLINE void store_sums4(float *s, vf a0, vf a1, vf a2, vf a3, float scale)
+TILE_FN void store_sums4(float *s, vf a0, vf a1, vf a2, vf a3, float scale)
 {
     const vi low = {0, 1, 2, 3, 8, 9, 10, 11}, high = {4, 5, 6, 7, 12, 13, 14, 15};
     const vf u = __builtin_shuffle(a0, a1, low) + __builtin_shuffle(a0, a1, high);  /* a[i] + a[i + 4] */
@@ -81,15 +106,15 @@ TILE_INLINE void store_sums4(float *s, vf a0, vf a1, vf a2, vf a3, float scale)
 /* Queries q[0 .. nq-1] against four keys k[0..3] at head offset off: s[a][at .. at+3] = the dot
  * products times scale. Each dot product is eight lanes, each summing every eighth element in order, then
  * hsum's fixed tree: the same for a query whatever block it is in. */
-TILE_INLINE void dots4(const int nq, const float *const q[QUERY_BLOCK], const float *const k[4], int64_t off,
-                       int64_t head_dim, float scale, float *const s[QUERY_BLOCK], int64_t at)
+TILE_FN void dots4(const int nq, const float *const q[QUERY_BLOCK], const float *const k[4], int64_t off,
+                   int64_t head_dim, float scale, float *const s[QUERY_BLOCK], int64_t at, const int halves)
 {
     vf acc[QUERY_BLOCK][4];
     for (int a = 0; a < nq; a++) acc[a][0] = acc[a][1] = acc[a][2] = acc[a][3] = (vf){0};
     int64_t d = 0;
     for (; d + LANES <= head_dim; d += LANES) {
-        const vf k0 = load_lanes(k[0] + off + d), k1 = load_lanes(k[1] + off + d);
-        const vf k2 = load_lanes(k[2] + off + d), k3 = load_lanes(k[3] + off + d);
+        const vf k0 = load_row(k[0], off + d, halves), k1 = load_row(k[1], off + d, halves);
+        const vf k2 = load_row(k[2], off + d, halves), k3 = load_row(k[3], off + d, halves);
         for (int a = 0; a < nq; a++) {
             const vf x = load_lanes(q[a] + d);
             acc[a][0] += x * k0;
@@ -107,15 +132,15 @@ TILE_INLINE void dots4(const int nq, const float *const q[QUERY_BLOCK], const fl
 /* o[a][d0 + d] += p[a][j] * v[j][off + d0 + d] for j in 0 .. n-1, in that order, for d in [0, LANES * W),
  * for each query a < nq of a block. The sums stay in registers over the block's keys. */
 #define WEIGH_VALUES(W)                                                                                       \
-    TILE_INLINE void weigh_values##W(const int nq, float *const o[QUERY_BLOCK], const float *const p[QUERY_BLOCK], \
-                                     const float *const *v, int64_t off, int64_t d0, int64_t n)               \
+    TILE_FN void weigh_values##W(const int nq, float *const o[QUERY_BLOCK], const float *const p[QUERY_BLOCK], \
+                                     const float *const *v, int64_t off, int64_t d0, int64_t n, const int halves) \
     {                                                                                                       \
         vf acc[QUERY_BLOCK][W];                                                                            \
         for (int a = 0; a < nq; a++)                                                                        \
             for (int t = 0; t < W; t++) acc[a][t] = load_lanes(o[a] + d0 + LANES * t);                               \
         for (int64_t j = 0; j < n; j++)                                                                     \
             for (int t = 0; t < W; t++) {                                                                   \
-                const vf x = load_lanes(v[j] + off + d0 + LANES * t);                                               \
+                const vf x = load_row(v[j], off + d0 + LANES * t, halves);                                   \
                 for (int a = 0; a < nq; a++) acc[a][t] += p[a][j] * x;                                      \
             }                                                                                               \
         for (int a = 0; a < nq; a++)                                                                        \
@@ -125,7 +150,7 @@ WEIGH_VALUES(4)
 WEIGH_VALUES(1)
 
 /* The same for one lane at d (a head_dim that is not a multiple of LANES). */
-TILE_INLINE void weigh_values_lane(const int nq, float *const o[QUERY_BLOCK], const float *const p[QUERY_BLOCK],
+TILE_FN void weigh_values_lane(const int nq, float *const o[QUERY_BLOCK], const float *const p[QUERY_BLOCK],
                                    const float *const *v, int64_t off, int64_t d, int64_t n)
 {
     float acc[QUERY_BLOCK];
@@ -136,18 +161,18 @@ TILE_INLINE void weigh_values_lane(const int nq, float *const o[QUERY_BLOCK], co
 }
 
 /* The weighted values of a block's queries (as weigh_values##W), across head_dim. */
-TILE_INLINE void weigh_values(const int nq, float *const o[QUERY_BLOCK], const float *const p[QUERY_BLOCK],
-                              const float *const *v, int64_t off, int64_t n, int64_t head_dim)
+TILE_FN void weigh_values(const int nq, float *const o[QUERY_BLOCK], const float *const p[QUERY_BLOCK],
+                          const float *const *v, int64_t off, int64_t n, int64_t head_dim, const int halves)
 {
     int64_t d = 0;
-    for (; d + 4 * LANES <= head_dim; d += 4 * LANES) weigh_values4(nq, o, p, v, off, d, n);
-    for (; d + LANES <= head_dim; d += LANES) weigh_values1(nq, o, p, v, off, d, n);
+    for (; d + 4 * LANES <= head_dim; d += 4 * LANES) weigh_values4(nq, o, p, v, off, d, n, halves);
+    for (; d + LANES <= head_dim; d += LANES) weigh_values1(nq, o, p, v, off, d, n, halves);
     for (; d < head_dim; d++) weigh_values_lane(nq, o, p, v, off, d, n);
 }
 
 /* s[j] = exp(s[j] - mx) for j < len, returning their sum: LANES at a time (the exponential of
  * shared_cpu.h's exp_clamped, lane by lane), the last len % LANES one by one, in a fixed order. */
-TILE_INLINE float exp_and_sum(float *s, int64_t len, float mx)
+TILE_FN float exp_and_sum(float *s, int64_t len, float mx)
 {
     const vf lo = (vf){0} - 87.0f, hi = (vf){0} + 88.0f, shifter = (vf){0} + 12582912.0f;
     vf acc = {0};
@@ -183,8 +208,8 @@ TILE_INLINE float exp_and_sum(float *s, int64_t len, float mx)
  * to four: a context's last keys are the tile's later ones, or copies of its last, and get
  * probability 0), four keys at a time. A shorter row's extra scores land in its stripe beyond
  * its context, and nothing reads them. */
-TILE_INLINE void score_block(const struct tile_rows *t, int nq, const int64_t x[QUERY_BLOCK], int64_t end, int64_t i0,
-                             int64_t g)
+TILE_FN void score_block(const struct tile_rows *t, int nq, const int64_t x[QUERY_BLOCK], int64_t end, int64_t i0,
+                         int64_t g, const int halves)
 {
     const int64_t head_dim = t->job->head_dim, off = g * head_dim;
     const float scale = t->job->scale;
@@ -195,15 +220,15 @@ TILE_INLINE void score_block(const struct tile_rows *t, int nq, const int64_t x[
         qs[a] = t->q + x[a] * head_dim;
         ss[a] = t->scores + x[a] * t->stride + i0;
     }
-    FOR_COUNT(nq, for (int64_t j = 0; j < end; j += 4) dots4(NQ, qs, keys + j, off, head_dim, scale, ss, j));
+    FOR_COUNT(nq, for (int64_t j = 0; j < end; j += 4) dots4(NQ, qs, keys + j, off, head_dim, scale, ss, j, halves));
 }
 
 /* The block's values weighed into the outputs of queries x[0 .. nq-1] (of KV head g), each over
  * the keys its own context holds (ends[a], ascending with the rows): all of them over the keys
  * the first sees, then the later rows' further keys (at the diagonal) with the rows that see
  * them. */
-TILE_INLINE void weigh_block(const struct tile_rows *t, int nq, const int64_t x[QUERY_BLOCK],
-                             const int64_t ends[QUERY_BLOCK], int64_t i0, int64_t g)
+TILE_FN void weigh_block(const struct tile_rows *t, int nq, const int64_t x[QUERY_BLOCK],
+                         const int64_t ends[QUERY_BLOCK], int64_t i0, int64_t g, const int halves)
 {
     const int64_t head_dim = t->job->head_dim;
     float *os[QUERY_BLOCK];
@@ -217,7 +242,8 @@ TILE_INLINE void weigh_block(const struct tile_rows *t, int nq, const int64_t x[
         if (ends[a] <= done) continue;
         const float *pa[QUERY_BLOCK];
         for (int b = a; b < nq; b++) pa[b - a] = ps[b] + done;
-        FOR_COUNT(nq - a, weigh_values(NQ, os + a, pa, t->ptrs + done, g * head_dim, ends[a] - done, head_dim));
+        FOR_COUNT(nq - a, weigh_values(NQ, os + a, pa, t->ptrs + done, g * head_dim, ends[a] - done, head_dim,
+                                              halves));
         done = ends[a];
     }
 }
@@ -226,7 +252,7 @@ TILE_INLINE void weigh_block(const struct tile_rows *t, int nq, const int64_t x[
  * see the block QUERY_BLOCK at a time (rows ascending, a row's heads of the group in order): the
  * scores (values 0, over the contexts padded to four) or the weighted values (values 1, over the
  * contexts). The rows that see a block are r_lo .. m - 1: their contexts ascend. */
-TILE_INLINE void tile_pass(const struct tile_rows *t, const int values)
+TILE_FN void tile_pass(const struct tile_rows *t, const int values, const int halves)
 {
     const struct attention_job *job = t->job;
     const int64_t *const len = values ? t->n : t->padded; /* each row's keys in this pass */
@@ -235,7 +261,7 @@ TILE_INLINE void tile_pass(const struct tile_rows *t, const int values)
     for (int64_t i0 = 0; i0 < total; i0 += KEY_BLOCK) {
         const int64_t nk = total - i0 < KEY_BLOCK ? total - i0 : KEY_BLOCK;
         while (len[r_lo] <= i0) r_lo++;
-        load_block(job, values ? job->v_cache : job->k_cache, t->rows + i0, nk, t->block, t->ptrs);
+        load_block(job, values ? job->v_cache : job->k_cache, t->rows + i0, nk, t->block, t->ptrs, halves);
         const int64_t count = (t->m - r_lo) * t->group;
         for (int64_t g = 0; g < job->num_kv_heads; g++) {
             int64_t row = r_lo, head = 0; /* the next query's row, and its head within g's group */
@@ -248,9 +274,9 @@ TILE_INLINE void tile_pass(const struct tile_rows *t, const int values)
                     if (++head == t->group) head = 0, row++;
                 }
                 if (values)
-                    weigh_block(t, nq, x, ends, i0, g);
+                    weigh_block(t, nq, x, ends, i0, g, halves);
                 else
-                    score_block(t, nq, x, ends[nq - 1], i0, g);
+                    score_block(t, nq, x, ends[nq - 1], i0, g, halves);
             }
         }
     }
@@ -286,7 +312,14 @@ TILE_TARGET static void attend_tile(const struct attention_job *job, const struc
     float *out = job->out + t->first_row * num_heads * head_dim;
 
     const struct tile_rows tile = {job, m, group, stride, rows, block, ptrs, q, out, scores, n, padded};
-    tile_pass(&tile, 0);
+    /* A tile whose queries of a KV head make one block reads each key and value once: an fp16
+     * cache's rows are then converted as they are read, not widened into scratch first (a decode
+     * row's whole attention was otherwise half widening); the same values, so the same bits. */
+    const int halves = LANES == 16 && job->kind == KV_CACHE_F16 && m * group <= QUERY_BLOCK && head_dim % LANES == 0;
+    if (halves)
+        tile_pass(&tile, 0, 1);
+    else
+        tile_pass(&tile, 0, 0);
     for (int64_t x = 0; x < m * num_heads; x++) {
         float *s = scores + x * stride, mx = -INFINITY;
         const int64_t len = n[x / num_heads];
@@ -296,7 +329,10 @@ TILE_TARGET static void attend_tile(const struct attention_job *job, const struc
         for (int64_t j = 0; j < len; j++) s[j] *= inv;
     }
     for (int64_t x = 0; x < m * num_heads * head_dim; x++) out[x] = 0.0f;
-    tile_pass(&tile, 1);
+    if (halves)
+        tile_pass(&tile, 1, 1);
+    else
+        tile_pass(&tile, 1, 0);
 }
 
 #undef WEIGH_VALUES
@@ -315,6 +351,8 @@ TILE_TARGET static void attend_tile(const struct attention_job *job, const struc
 #undef score_block
 #undef weigh_block
 #undef tile_pass
+#undef load_row
+#undef TILE_FN
 #undef attend_tile
 #undef TILE_NAME
 #undef TILE_NAME2
