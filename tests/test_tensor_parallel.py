@@ -174,6 +174,21 @@ def test_an_engine_that_fails_to_load_leaves_no_rank_and_no_group():
     assert children() == before and not torch.distributed.is_initialized()
 
 
+def test_a_rank_whose_start_was_given_up_exits_quietly(tiny_model_dir):
+    """Rank 0 stops waiting when one rank fails to start, and closes every rank's pipe; a rank
+    that gets that far only then finds nobody to report to, and exits without a traceback and
+    without trying to meet."""
+    import multiprocessing
+
+    from trillm.model.tp_worker import _rank_main
+
+    reader, writer = multiprocessing.Pipe(duplex=False)
+    reader.close()
+    args = EngineArgs(model=tiny_model_dir("llama"), tensor_parallel_size=2, tp_init_method="tcp://127.0.0.1:1")
+    assert _rank_main(args, 1, writer) is None
+    assert writer.closed
+
+
 def test_a_script_without_a_main_guard_fails_at_once_and_says_why(tiny_model_dir, tmp_path):
     """The ranks fork from multiprocessing's fork server, which imports a script's main module
     again: a script that builds the engine at its top level gets a clear error, not a rank 0

@@ -114,7 +114,11 @@ def _await_started(started: list[multiprocessing.connection.Connection]) -> None
 
 
 def _rank_main(args: EngineArgs, rank: int, started: multiprocessing.connection.Connection) -> None:
-    started.send_bytes(b"started")
-    started.close()
+    try:
+        started.send_bytes(b"started")
+    except BrokenPipeError:  # rank 0 gave up on this start (another rank failed first): nobody to meet
+        return
+    finally:
+        started.close()
     logging.basicConfig(level=logging.INFO, format=f"[tp rank {rank}] %(levelname)s %(message)s")
     run_worker(args, rank)
