@@ -32,9 +32,9 @@ class EngineArgs:
     max_num_batched_tokens: int = 2048
     # The query-key pairs a step's prompt chunks may attend over while a request decodes
     # (trillm/sched_ext/scheduler.pyx): a late chunk of a long prompt is cut, so a step's cost
-    # stays bounded and decoding requests beside it wait no longer for their next token. None: on CPU a fresh 512-token chunk's; on
-    # CUDA what the projections of max_num_batched_tokens tokens cost
-    # (engine.core.prefill_pairs_budget); 0: no limit
+    # stays bounded and decoding requests beside it wait no longer for their next token. None:
+    # on CPU a fresh 512-token chunk's; on CUDA what the projections of max_num_batched_tokens
+    # tokens cost (engine.core.prefill_pairs_budget); 0: no limit
     max_prefill_pairs: int | None = None
     max_num_seqs: int = 256
     enable_prefix_caching: bool = True

@@ -104,8 +104,8 @@ TILE_FN void store_sums4(float *s, vf a0, vf a1, vf a2, vf a3, float scale)
 #endif
 
 /* Queries q[0 .. nq-1] against four keys k[0..3] at head offset off: s[a][at .. at+3] = the dot
- * products times scale. Each dot product is eight lanes, each summing every eighth element in order, then
- * hsum's fixed tree: the same for a query whatever block it is in. */
+ * products times scale. Each dot product is LANES lanes, each summing every LANES-th element in
+ * order, then hsum's fixed tree: the same for a query whatever block it is in. */
 TILE_FN void dots4(const int nq, const float *const q[QUERY_BLOCK], const float *const k[4], int64_t off,
                    int64_t head_dim, float scale, float *const s[QUERY_BLOCK], int64_t at, const int halves)
 {
@@ -129,22 +129,23 @@ TILE_FN void dots4(const int nq, const float *const q[QUERY_BLOCK], const float 
     for (int a = 0; a < nq; a++) store_sums4(s[a] + at, acc[a][0], acc[a][1], acc[a][2], acc[a][3], scale);
 }
 
-/* o[a][d0 + d] += p[a][j] * v[j][off + d0 + d] for j in 0 .. n-1, in that order, for d in [0, LANES * W),
- * for each query a < nq of a block. The sums stay in registers over the block's keys. */
-#define WEIGH_VALUES(W)                                                                                       \
+/* o[a][d0 + d] += p[a][j] * v[j][off + d0 + d] for j in 0 .. n-1, in that order, for d in
+ * [0, LANES * W), for each query a < nq of a block. The sums stay in registers over the block's
+ * keys. */
+#define WEIGH_VALUES(W)                                                                                  \
     TILE_FN void weigh_values##W(const int nq, float *const o[QUERY_BLOCK], const float *const p[QUERY_BLOCK], \
-                                     const float *const *v, int64_t off, int64_t d0, int64_t n, const int halves) \
-    {                                                                                                       \
-        vf acc[QUERY_BLOCK][W];                                                                            \
-        for (int a = 0; a < nq; a++)                                                                        \
-            for (int t = 0; t < W; t++) acc[a][t] = load_lanes(o[a] + d0 + LANES * t);                               \
-        for (int64_t j = 0; j < n; j++)                                                                     \
-            for (int t = 0; t < W; t++) {                                                                   \
-                const vf x = load_row(v[j], off + d0 + LANES * t, halves);                                   \
-                for (int a = 0; a < nq; a++) acc[a][t] += p[a][j] * x;                                      \
-            }                                                                                               \
-        for (int a = 0; a < nq; a++)                                                                        \
-            for (int t = 0; t < W; t++) store_lanes(o[a] + d0 + LANES * t, acc[a][t]);                               \
+                                 const float *const *v, int64_t off, int64_t d0, int64_t n, const int halves) \
+    {                                                                                                  \
+        vf acc[QUERY_BLOCK][W];                                                                        \
+        for (int a = 0; a < nq; a++)                                                                   \
+            for (int t = 0; t < W; t++) acc[a][t] = load_lanes(o[a] + d0 + LANES * t);                 \
+        for (int64_t j = 0; j < n; j++)                                                                \
+            for (int t = 0; t < W; t++) {                                                              \
+                const vf x = load_row(v[j], off + d0 + LANES * t, halves);                             \
+                for (int a = 0; a < nq; a++) acc[a][t] += p[a][j] * x;                                 \
+            }                                                                                          \
+        for (int a = 0; a < nq; a++)                                                                   \
+            for (int t = 0; t < W; t++) store_lanes(o[a] + d0 + LANES * t, acc[a][t]);                 \
     }
 WEIGH_VALUES(4)
 WEIGH_VALUES(1)
@@ -313,8 +314,8 @@ TILE_TARGET static void attend_tile(const struct attention_job *job, const struc
 
     const struct tile_rows tile = {job, m, group, stride, rows, block, ptrs, q, out, scores, n, padded};
     /* A tile whose queries of a KV head make one block reads each key and value once: an fp16
-     * cache's rows are then converted as they are read, not widened into scratch first (a decode
-     * row's whole attention was otherwise half widening); the same values, so the same bits. */
+     * cache's rows are then converted as they are read, not widened into scratch for that single
+     * use; the same values, so the same bits. */
     const int halves = LANES == 16 && job->kind == KV_CACHE_F16 && m * group <= QUERY_BLOCK && head_dim % LANES == 0;
     if (halves)
         tile_pass(&tile, 0, 1);

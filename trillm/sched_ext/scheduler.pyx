@@ -11,11 +11,10 @@ would cost many times an early chunk, and every decoding request would wait that
 next token; with both budgets a step's cost stays bounded however long the prompt. A step with
 no decode has nobody waiting on it for a next token, and its prompts spend tokens only: cutting
 them into small late chunks would only make them slower, each step reading the weights again.
-The oldest prompt in a step always gets at least one token, so it progresses. Then waiting requests are admitted in
-arrival order,
-each starting after the blocks the prefix cache already holds for it, until the
-budget, the sequence limit or the free blocks run out; the first one that does not
-fit stops admission, so nobody overtakes.
+The oldest prompt in a step always gets at least one token, so it progresses. Then waiting
+requests are admitted in arrival order, each starting after the blocks the prefix cache already
+holds for it, until the budget, the sequence limit or the free blocks run out; the first one
+that does not fit stops admission, so nobody overtakes.
 
 Blocks are allocated as tokens are scheduled. When a running request needs a
 block and none is left, the newest running request is preempted by recompute: its
