@@ -565,7 +565,7 @@ def random_gguf_blocks(format: str, rows: int, cols: int, seed: int = 0) -> torc
     from trillm.kernels import quant
 
     values, nbytes = quant.GGUF_BLOCKS[format]
-    halves = 2 if format in ("q4_1", "q4_k") else 1  # fp16 d (and m or dmin) at each block's start
+    halves = 2 if format in ("q4_1", "q5_1", "q4_k", "q5_k") else 1  # fp16 d (and m or dmin) at each block's start
     g = torch.Generator().manual_seed(seed)
     blocks = torch.randint(0, 256, (rows, cols // values, nbytes), generator=g, dtype=torch.uint8)
     fp16 = (torch.rand(rows, cols // values, 2, generator=g) * torch.tensor([0.02, -0.1])).half()
@@ -573,11 +573,24 @@ def random_gguf_blocks(format: str, rows: int, cols: int, seed: int = 0) -> torc
     return blocks.reshape(rows, -1)
 
 
+def kernel_weight(format: str, rows: int, cols: int, seed: int = 0):
+    """A QuantizedWeight in one of the kernels' layouts: "q4_1", "q5_1", "q8_0", or
+    "q5_1_as_bytes", a q5_1 weight promoted to q8_0 with mins (quant.as_bytes)."""
+    from trillm.kernels import quant
+
+    if format == "q5_1_as_bytes":
+        return quant.as_bytes(quant.from_gguf("q5_1", random_gguf_blocks("q5_1", rows, cols, seed)))
+    return quant.from_gguf(format, random_gguf_blocks(format, rows, cols, seed))
+
+
+LAYOUTS = ["q4_1", "q5_1", "q8_0", "q5_1_as_bytes"]
+
+
 @settings(max_examples=20, deadline=None)
-@given(format=st.sampled_from(["q4_0", "q4_1", "q5_0", "q8_0", "q4_k"]), rows=st.integers(1, 5),
+@given(format=st.sampled_from(["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k"]), rows=st.integers(1, 5),
        supers=st.integers(1, 3), seed=st.integers(0, 2**16))
 def test_gguf_blocks_dequantize_as_gguf_py(format, rows, supers, seed):
-    """Every format read from a file, repacked into the kernels' two layouts: the twin's
+    """Every format read from a file, repacked into the kernels' three layouts: the twin's
     dequantization against gguf-py's own of the same bytes, to the bit."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
@@ -587,19 +600,19 @@ def test_gguf_blocks_dequantize_as_gguf_py(format, rows, supers, seed):
     blocks = random_gguf_blocks(format, rows, 256 * supers, seed)
     want = torch.from_numpy(dequantize(blocks.numpy(), GGMLQuantizationType[format.upper()]))
     weight = quant.from_gguf(format, blocks)
-    assert weight.format == ("q8_0" if format in ("q8_0", "q5_0") else "q4_1")
+    assert weight.format == {"q8_0": "q8_0", "q5_0": "q5_1", "q5_1": "q5_1", "q5_k": "q5_1"}.get(format, "q4_1")
     assert torch.equal(quant.dequantize(weight), want)
 
 
 @settings(max_examples=25, deadline=None)
-@given(format=st.sampled_from(["q4_1", "q8_0"]), rows=st.integers(1, 70), tiles=st.integers(1, 5),
+@given(format=st.sampled_from(LAYOUTS), rows=st.integers(1, 70), tiles=st.integers(1, 5),
        blocks=st.integers(1, 6), bias=st.booleans(), seed=st.integers(0, 2**16))
 def test_quantized_linear_matches_its_twin(format, rows, tiles, blocks, bias, seed):
     """Any row count (whole and partial groups of the kernel's 16 rows, several row tiles past
-    64), any number of 16-output tiles and 32-input blocks."""
+    64), any number of 16-output tiles and 32-input blocks, every layout."""
     from trillm.kernels import quant, quant_cpu
 
-    weight = quant.from_gguf(format, random_gguf_blocks(format, 16 * tiles, 32 * blocks, seed))
+    weight = kernel_weight(format, 16 * tiles, 32 * blocks, seed)
     x = torch.randn(rows, 32 * blocks, generator=torch.Generator().manual_seed(seed))
     b = torch.randn(16 * tiles) if bias else None
     assert_close(quant_cpu.QuantizedLinear(weight)(x, b), quant.linear(x, weight, b), torch.float32)
@@ -623,7 +636,7 @@ def test_activation_blocks_as_llama_cpp_makes_them():
 
 
 @settings(max_examples=25, deadline=None)
-@given(format=st.sampled_from(["q4_1", "q8_0"]), rows=st.integers(1, 70), tiles=st.integers(1, 5),
+@given(format=st.sampled_from(LAYOUTS), rows=st.integers(1, 70), tiles=st.integers(1, 5),
        blocks=st.integers(1, 6), bias=st.booleans(), seed=st.integers(0, 2**16))
 def test_integer_linear_matches_its_twin_on_every_path(format, rows, tiles, blocks, bias, seed):
     """Int8QuantizedLinear on each path this CPU runs (the widest, AVX2, plain C) against
@@ -631,7 +644,7 @@ def test_integer_linear_matches_its_twin_on_every_path(format, rows, tiles, bloc
     row tiles past 64), any number of 16-output tiles and 32-input blocks, zero blocks of x."""
     from trillm.kernels import quant, quant_cpu
 
-    weight = quant.from_gguf(format, random_gguf_blocks(format, 16 * tiles, 32 * blocks, seed))
+    weight = kernel_weight(format, 16 * tiles, 32 * blocks, seed)
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, 32 * blocks, generator=g) * torch.rand(rows, 1, generator=g) * 10
     x[0, :32] = 0
@@ -647,13 +660,47 @@ def test_integer_linear_is_the_exact_product_of_its_quantized_operands():
     own to hide behind: it equals the exact path (fp32 activations) on the same x."""
     from trillm.kernels import quant, quant_cpu
 
-    for format in ("q4_1", "q8_0"):
-        weight = quant.from_gguf(format, random_gguf_blocks(format, 32, 128, seed=3))
+    for format in LAYOUTS:
+        weight = kernel_weight(format, 32, 128, seed=3)
         v = torch.randint(-127, 128, (5, 128), generator=torch.Generator().manual_seed(4)).float()
         v[:, ::32] = 127  # each block's largest |v|, so that e = 1 / 4 exactly
         x = v / 4
         assert torch.equal(quant.quantize_rows(x).v.float(), v)
         torch.testing.assert_close(quant_cpu.Int8QuantizedLinear(weight)(x), quant.linear(x, weight), atol=1e-4, rtol=1e-5)
+
+
+def test_layouts_are_sliced_and_stacked_exactly():
+    """Tensor parallelism cuts every layout by rows and by blocks of columns; a fused
+    projection's shards in q5_1, q4_1 and q8_0 (a K-quant file's q, k and v) are stacked by
+    quant.cat as q8_0 with mins. Each dequantizes to the same values, bit for bit, and shards
+    that agree keep their layout."""
+    from trillm.kernels import quant
+
+    for format in LAYOUTS:
+        weight = kernel_weight(format, 32, 128, 4)
+        dense = quant.dequantize(weight)
+        assert torch.equal(quant.dequantize(weight.columns(32, 96)), dense[:, 32:96]), format
+        assert torch.equal(quant.dequantize(weight.rows(slice(16, 32))), dense[16:32]), format
+    shards = [kernel_weight("q5_1", 32, 64, 1), kernel_weight("q4_1", 16, 64, 2), kernel_weight("q8_0", 16, 64, 3)]
+    stacked = quant.cat(shards)
+    assert stacked.format == "q8_0" and stacked.mins is not None
+    assert torch.equal(quant.dequantize(stacked), torch.cat([quant.dequantize(w) for w in shards]))
+    assert quant.cat(shards[:1] * 2).format == "q5_1"
+
+
+def test_integer_linear_sums_the_largest_five_bit_products_on_every_path():
+    """Every quant 31 and every activation 127: the AVX2 path's 16-bit pair sums would overflow
+    if a block's eight groups were added up before widening, as they are for nibbles."""
+    from trillm.kernels import quant, quant_cpu
+
+    base = quant.from_gguf("q5_1", random_gguf_blocks("q5_1", 16, 64, seed=1))
+    q = torch.full((16, 2, 32), 31, dtype=torch.uint8)
+    weight = quant.QuantizedWeight("q5_1", quant._pack_q5(q).reshape(16, -1), base.scales, base.mins)
+    assert torch.equal(quant.block_quants(weight), q)
+    x = torch.ones(3, 64)
+    want = quant.linear_int8(x, weight)
+    for isa in quant_cpu.isas():
+        torch.testing.assert_close(quant_cpu.Int8QuantizedLinear(weight, isa)(x), want, atol=1e-4, rtol=1e-5)
 
 
 def test_kernel_threads_share_the_tiles_without_changing_a_bit():

@@ -221,10 +221,11 @@ def test_the_start_log_names_the_kernels_and_every_fallback(caplog, monkeypatch,
 
 
 def test_a_gguf_file_of_other_formats_runs_them_on_the_kernels_layouts(tmp_path, caplog):
-    """A file whose projections are Q4_0, Q5_0, Q4_K (what llama-quantize's Q4_K_M and Q4_0 files
-    of the default model hold) and Q6_K: the first three come out repacked for the kernels, bit for
-    bit what gguf-py dequantizes (q rows reordered as transformers does); Q6_K requantized to 8-bit
-    blocks, each value within half a step of its block's, and the log says so."""
+    """A file whose projections are Q4_0, Q5_0, Q5_1, Q4_K, Q5_K (what llama-quantize's Q4_0,
+    Q4_K_M and Q5_K_M files of the default model hold) and Q6_K: all but Q6_K come out repacked
+    for the kernels, bit for bit what gguf-py dequantizes (q and k rows reordered as transformers
+    does); Q6_K requantized to 8-bit blocks, each value within half a step of its block's, and the
+    log says so."""
     import logging
 
     import numpy as np
@@ -240,6 +241,8 @@ def test_a_gguf_file_of_other_formats_runs_them_on_the_kernels_layouts(tmp_path,
     tensors = {"blk.0.attn_q.weight": ("q5_0", "model.layers.0.self_attn.q_proj.weight", 256),
                "blk.0.ffn_up.weight": ("q4_0", "model.layers.0.mlp.up_proj.weight", 512),
                "blk.0.ffn_down.weight": ("q4_k", "model.layers.0.mlp.down_proj.weight", 256),
+               "blk.0.attn_k.weight": ("q5_k", "model.layers.0.self_attn.k_proj.weight", 128),
+               "blk.0.attn_v.weight": ("q5_1", "model.layers.0.self_attn.v_proj.weight", 128),
                "blk.0.ffn_gate.weight": ("q6_k", "model.layers.0.mlp.gate_proj.weight", 512)}
     path = tmp_path / "model.gguf"
     writer = GGUFWriter(str(path), "llama")
@@ -266,6 +269,8 @@ def test_a_gguf_file_of_other_formats_runs_them_on_the_kernels_layouts(tmp_path,
         want = torch.from_numpy(np.ascontiguousarray(dequantize(raw[name], GGMLQuantizationType[format.upper()])))
         if "attn_q" in name:
             want = want[gguf_weights._unpermute(want.shape[0], config.num_attention_heads)]
+        if "attn_k" in name:
+            want = want[gguf_weights._unpermute(want.shape[0], config.num_key_value_heads)]
         if format != "q6_k":
             assert torch.equal(quant.dequantize(got[hf]), want), name
             continue
@@ -279,7 +284,7 @@ def test_files_llama_quantize_made_read_as_transformers_reads_them(kind):
     """tests/data/gguf/tiny-{kind}.gguf, a random two-layer Llama quantized by llama.cpp's own
     llama-quantize (scripts/make_tiny_gguf.py): its mix of Q4_K or Q5_K with Q6_K. On fp32 copies
     of the file's weights trillm gives transformers' logits (transformers dequantizes with
-    gguf-py); on the kernels' blocks (Q4_K repacked exactly, Q5_K and Q6_K requantized to 8-bit
+    gguf-py); on the kernels' blocks (Q4_K and Q5_K repacked exactly, Q6_K requantized to 8-bit
     blocks) it stays within that requantization's error."""
     from transformers import AutoModelForCausalLM
 

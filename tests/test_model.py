@@ -313,15 +313,20 @@ def test_default_model_matches_transformers(default_model_dir, source):
         assert got[:-1].argmax(-1).tolist() == seq.token_ids[seq.prompt_len :]
 
 
-@pytest.mark.parametrize("lengths", [[57], [40, 7, 23]], ids=["one", "three"])
-def test_the_fused_decoder_stack_gives_the_layers_logits_to_the_bit(lengths):
+@pytest.mark.parametrize("model_path, lengths", [
+    (None, [57]), (None, [40, 7, 23]), (os.path.join(os.path.dirname(__file__), "data", "gguf", "tiny-Q5_K_M.gguf"), [40, 7])
+], ids=["one", "three", "five_bit_blocks"])
+def test_the_fused_decoder_stack_gives_the_layers_logits_to_the_bit(model_path, lengths):
     """A decode step of the default model runs every layer in one compiled call (DecoderStack);
     its logits are the layer-by-layer path's, bit for bit, alone and beside other requests of
-    other lengths, and steps with prompt rows keep the layers."""
-    runner = ModelRunner(EngineArgs(num_kv_blocks=64))
+    other lengths, and steps with prompt rows keep the layers. So does a file whose projections
+    are Q5_K (the 5-bit layout) and Q6_K (requantized to 8 bits)."""
+    runner = ModelRunner(EngineArgs(model=model_path, num_kv_blocks=64))
     model = runner.model.model
     stack = model.decoder_stack
-    assert stack is not None, "the default model's decode steps should run fused"
+    assert stack is not None, "the model's decode steps should run fused"
+    bits = {m.quantized.bits for m in runner.model.modules() if getattr(m, "quantized", None) is not None}
+    assert bits == ({4, 8} if model_path is None else {5, 8}), bits
     sequences = make_sequences(runner, lengths, num_decode=4)
     calls = []
     model.decoder_stack = CountingStack(stack, calls)
@@ -444,8 +449,9 @@ def test_greedy_under_the_real_scheduler_matches_transformers(tiny_model_dir):
 @pytest.mark.parametrize("tied", [False, True])
 def test_quantized_projections_equal_their_dequantized_weights(tiny_model_dir, tied):
     """GGUF-style weights for every projection: each fused projection stacks its shards in
-    order (q|k|v, gate|up), tied embeddings feed the vocab projection, and a projection whose
-    shards come in two formats stays dense."""
+    order (q|k|v, gate|up), tied embeddings feed the vocab projection, a projection whose
+    shards come in two formats moves onto one layout that holds both exactly, and one with a
+    shard missing stays dense."""
     from test_kernels import random_gguf_blocks
 
     from trillm.model.llama import Linear
@@ -468,14 +474,16 @@ def test_quantized_projections_equal_their_dequantized_weights(tiny_model_dir, t
         format = "q4_1" if ".mlp." in name else "q8_0"
         if name == "model.layers.1.self_attn.v_proj.weight":
             format = "q4_1"  # layer 1's q|k|v mixes formats
-        weights.append((name, quant.from_gguf(format, random_gguf_blocks(format, rows, shapes[fused][1], seed))))
-    mixed = "model.layers.1.self_attn.qkv_proj"
+        if name != "model.layers.1.mlp.up_proj.weight":  # layer 1's gate|up misses a shard
+            weights.append((name, quant.from_gguf(format, random_gguf_blocks(format, rows, shapes[fused][1], seed))))
+    incomplete = "model.layers.1.mlp.gate_up_proj"
     assert load_quantized_weights(quantized, weights) == 2 * 4 + 1 - 1
+    assert quantized.get_submodule("model.layers.1.self_attn.qkv_proj").quantized is not None
     for module_name, module in quantized.named_modules():
         if not isinstance(module, Linear):
             continue
-        if module_name == mixed:
-            assert module.quantized is None and torch.equal(module.weight, dense.get_submodule(mixed).weight)
+        if module_name == incomplete:
+            assert module.quantized is None and torch.equal(module.weight, dense.get_submodule(incomplete).weight)
             continue
         shards = [w for n, w in weights  # in shard order: hf_names lists q, k, v and gate, up
                   if ("lm_head.weight" if n == "model.embed_tokens.weight" else param_shard(n)[0])
@@ -492,8 +500,8 @@ def test_quantized_projections_equal_their_dequantized_weights(tiny_model_dir, t
     with safe_open(os.path.join(model_dir, "model.safetensors"), framework="pt") as f:
         checkpoint = [(name, f.get_tensor(name)) for name in f.keys()]
     skipped = {name for name, _ in checkpoint if on_quantized_blocks(first, name)}
-    moved = {n for n in hf_names if n != "model.embed_tokens.weight" and not n.startswith("model.layers.1.self_attn.")}
-    assert skipped == moved | {"model.layers.1.self_attn.o_proj.weight"}  # the tied table stays: it is the lookup
+    stay = {"model.embed_tokens.weight", "model.layers.1.mlp.gate_proj.weight", "model.layers.1.mlp.up_proj.weight"}
+    assert skipped == set(hf_names) - stay  # the tied table stays: it is the lookup
     load_weights(first, checkpoint)
     for (name, got), want in zip(first.state_dict().items(), quantized.state_dict().values(), strict=True):
         assert torch.equal(got, want), name

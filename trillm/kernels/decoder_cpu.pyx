@@ -28,11 +28,12 @@ from trillm.kernels.quant_int8_cpu_h cimport int8_linear
 
 cdef struct Projection:
     const uint8_t *u
+    const uint8_t *h
     const float *d
     const float *m
     int64_t K
     int64_t N
-    int nibbles
+    int bits
     int isa
 
 
@@ -60,11 +61,12 @@ cdef Projection _projection(linear) except *:
     """The kernel's arguments for one Int8QuantizedLinear (trillm/kernels/quant_cpu.pyx)."""
     cdef Projection p
     p.u = <const uint8_t *><uintptr_t>linear.u.data_ptr()
+    p.h = <const uint8_t *><uintptr_t>(linear.h.data_ptr() if linear.h is not None else 0)
     p.d = <const float *><uintptr_t>linear.d.data_ptr()
-    p.m = <const float *><uintptr_t>linear.m.data_ptr()
+    p.m = <const float *><uintptr_t>(linear.m.data_ptr() if linear.m is not None else 0)
     p.K = linear.in_features
     p.N = linear.out_features
-    p.nibbles = linear.nibbles
+    p.bits = linear.bits
     p.isa = linear.isa
     return p
 
@@ -74,7 +76,7 @@ cdef inline float *_address(t):
 
 
 cdef inline int _linear(float *out, const float *x, int64_t M, const Projection *p, int64_t chunks) noexcept nogil:
-    return int8_linear(out, x, M, p.K, p.N, p.nibbles, p.u, p.d, p.m, p.isa, pool_cpu.run, chunks)
+    return int8_linear(out, x, M, p.K, p.N, p.bits, p.u, p.h, p.d, p.m, p.isa, pool_cpu.run, chunks)
 
 
 cdef class DecoderStack:

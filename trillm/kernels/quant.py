@@ -5,24 +5,27 @@ these formats are 4.5 to 8.5 bits a weight against fp32's 32 (trillm/kernels/qua
 multiplies by them directly). The twin dequantizes exactly as gguf-py does, so a dequantized
 weight equals the one transformers loads from the file.
 
-Two layouts, named after the GGUF formats they come from, hold every format read here: "q4_1",
-blocks of 32 unsigned 4-bit quants with an fp32 scale d and min m each (w = d q + m); "q8_0",
-blocks of 32 signed 8-bit quants with a scale each (w = d q). A file's formats are repacked into
-them at load, exactly (the products of fp16 scales and 6-bit sub-block scales fit fp32's
-mantissa, so w comes out bit for bit as gguf-py computes it):
-- Q4_1 and Q8_0 as they are;
-- Q4_0 (w = d (q - 8)) as q4_1 with m = -8 d;
-- Q5_0 (w = d (q - 16), q of 5 bits) as q8_0 with q - 16;
-- Q4_K (super-blocks of 256: eight sub-blocks of 32, each w = d sc q - dmin mn, sc and mn 6-bit)
-  as q4_1, each sub-block a block with d = d sc and m = -dmin mn.
-Q5_1, Q5_K, Q6_K (16-value sub-blocks with their own scales) and the other formats fit neither
-layout exactly: `requantize` makes q8_0 blocks of their dequantized values, 8 bits a weight where
-the file's were 2 to 6, each within half a step of 1/127 of its block's largest magnitude (a step
-several times finer than the file's own). trillm/model/gguf_weights.py logs which were.
+Three layouts, named after the GGUF formats they come from, hold every format read here: "q4_1",
+blocks of 32 unsigned 4-bit quants with an fp32 scale d and min m each (w = d q + m); "q5_1", the
+same with a fifth bit per quant (q = 0..31); "q8_0", blocks of 32 signed 8-bit quants with a scale
+each (w = d q, or d q + m where it keeps mins: `cat` promotes a fused projection's q4_1 and q5_1
+shards to it, exactly, when another shard is q8_0, so that the whole projection runs on the
+kernels as one). A file's formats are repacked into them at load, exactly (the products of fp16
+scales and 6-bit sub-block scales fit fp32's mantissa, so w comes out bit for bit as gguf-py
+computes it):
+- Q4_1, Q5_1 and Q8_0 as they are;
+- Q4_0 (w = d (q - 8)) as q4_1 with m = -8 d, Q5_0 (w = d (q - 16)) as q5_1 with m = -16 d;
+- Q4_K and Q5_K (super-blocks of 256: eight sub-blocks of 32, each w = d sc q - dmin mn, sc and
+  mn 6-bit) as q4_1 and q5_1, each sub-block a block with d = d sc and m = -dmin mn.
+Q6_K (16-value sub-blocks with their own scales) and the other formats fit none of them exactly:
+`requantize` makes q8_0 blocks of their dequantized values, 8 bits a weight where the file's were
+2 to 6, each within half a step of 1/127 of its block's largest magnitude (a step several times
+finer than the file's own). trillm/model/gguf_weights.py logs which were.
 
 Layout in memory: quants, q4_1 [N, K / 2] uint8 (a block's 16 bytes hold input j in the low
-nibble and j + 16 in the high one) or q8_0 [N, K] int8; scales and mins [N, K / 32] fp32 (the
-kernel converts nothing).
+nibble and j + 16 in the high one), q5_1 [N, K / 32 * 20] uint8 (a block's 16 bytes of nibbles as
+q4_1's, then 4 bytes, a little-endian 32-bit word whose bit j is input j's fifth bit, as GGUF
+keeps them) or q8_0 [N, K] int8; scales and mins [N, K / 32] fp32 (the kernel converts nothing).
 """
 from __future__ import annotations
 
@@ -33,14 +36,17 @@ import torch.nn.functional as F
 
 BLOCK = 32
 # format read from a file -> (values, bytes) of one of its GGUF blocks
-GGUF_BLOCKS = {"q4_0": (32, 18), "q4_1": (32, 20), "q5_0": (32, 22), "q8_0": (32, 34), "q4_k": (256, 144)}
+GGUF_BLOCKS = {"q4_0": (32, 18), "q4_1": (32, 20), "q5_0": (32, 22), "q5_1": (32, 24), "q8_0": (32, 34),
+               "q4_k": (256, 144), "q5_k": (256, 176)}
+# bytes of a block of 32 in each layout's quants
+LAYOUT_BYTES = {"q4_1": BLOCK // 2, "q5_1": BLOCK // 2 + 4, "q8_0": BLOCK}
 
 
 class QuantizedWeight(NamedTuple):
-    format: str  # the layout: "q4_1" | "q8_0"
-    quants: torch.Tensor  # q4_1: [N, K / 2] uint8; q8_0: [N, K] int8
+    format: str  # the layout: "q4_1" | "q5_1" | "q8_0"
+    quants: torch.Tensor  # q4_1: [N, K / 2] uint8; q5_1: [N, K / 32 * 20] uint8; q8_0: [N, K] int8
     scales: torch.Tensor  # [N, K / 32] fp32
-    mins: torch.Tensor | None  # q4_1: [N, K / 32] fp32
+    mins: torch.Tensor | None  # q4_1, q5_1, a promoted q8_0: [N, K / 32] fp32
 
     @property
     def out_features(self) -> int:
@@ -53,7 +59,7 @@ class QuantizedWeight(NamedTuple):
     def columns(self, start: int, end: int) -> QuantizedWeight:
         """Input columns [start, end), which must fall on block boundaries (a row-parallel shard)."""
         assert start % BLOCK == 0 and end % BLOCK == 0, f"columns {start}:{end} split a {BLOCK}-wide block"
-        per_block = self.quants.shape[1] // self.scales.shape[1]  # bytes (q4_1) or values (q8_0) per block
+        per_block = LAYOUT_BYTES[self.format]
         blocks = slice(start // BLOCK, end // BLOCK)
         return QuantizedWeight(
             self.format, self.quants[:, blocks.start * per_block : blocks.stop * per_block].contiguous(),
@@ -85,12 +91,49 @@ def from_gguf(format: str, blocks: torch.Tensor) -> QuantizedWeight:
         return QuantizedWeight("q8_0", blocks[..., 2:].contiguous().view(torch.int8).reshape(rows, -1), fp16_at(0),
                                None)
     if format == "q5_0":
-        high = blocks[..., 2:6].contiguous().view(torch.int32)  # bit j: the fifth bit of value j
-        fifth = ((high >> torch.arange(BLOCK, dtype=torch.int32)) & 1).to(torch.uint8) << 4
-        low = blocks[..., 6:]
-        q = (torch.cat((low & 15, low >> 4), dim=-1) | fifth).to(torch.int8) - 16
-        return QuantizedWeight("q8_0", q.reshape(rows, -1).contiguous(), fp16_at(0), None)
-    return _from_q4_k(blocks, fp16_at(0), fp16_at(2))
+        d = fp16_at(0)
+        return QuantizedWeight("q5_1", _q5_quants(blocks[..., 6:], blocks[..., 2:6], rows), d, d * -16.0)
+    if format == "q5_1":
+        return QuantizedWeight("q5_1", _q5_quants(blocks[..., 8:], blocks[..., 4:8], rows), fp16_at(0), fp16_at(2))
+    scales, mins = _k_scales(blocks, fp16_at(0), fp16_at(2))
+    if format == "q4_k":
+        pairs = blocks[..., 16:].reshape(rows, -1, 4, 1, BLOCK)
+        q = torch.cat((pairs & 15, pairs >> 4), dim=3).reshape(rows, -1, BLOCK)  # sub-blocks in order
+        return QuantizedWeight("q4_1", (q[..., : BLOCK // 2] | (q[..., BLOCK // 2 :] << 4)).reshape(rows, -1).contiguous(),
+                               scales, mins)
+    # q5_k: the low nibbles as Q4_K's, after 32 bytes whose bit s of byte l is the fifth bit of
+    # value l of sub-block s
+    pairs = blocks[..., 48:].reshape(rows, -1, 4, 1, BLOCK)
+    low = torch.cat((pairs & 15, pairs >> 4), dim=3).reshape(rows, -1, 8, BLOCK)
+    fifth = (blocks[..., 16:48].reshape(rows, -1, 1, BLOCK) >> torch.arange(8, dtype=torch.uint8)[:, None]) & 1
+    q = (low | (fifth << 4)).reshape(rows, -1, BLOCK)
+    return QuantizedWeight("q5_1", _pack_q5(q).reshape(rows, -1), scales, mins)
+
+
+def _q5_quants(nibbles: torch.Tensor, high: torch.Tensor, rows: int) -> torch.Tensor:
+    """A q5_1 layout's quants from GGUF's Q5_0 / Q5_1 blocks, whose nibbles and fifth bits are
+    already in it, only in the other order."""
+    return torch.cat((nibbles, high), dim=-1).reshape(rows, -1).contiguous()
+
+
+def _pack_q5(q: torch.Tensor) -> torch.Tensor:
+    """[..., 32] values 0..31 (uint8) -> [..., 20] bytes of the q5_1 layout."""
+    nibbles = (q[..., : BLOCK // 2] & 15) | ((q[..., BLOCK // 2 :] & 15) << 4)
+    fifth = (q >> 4).reshape(*q.shape[:-1], 4, 8) << torch.arange(8, dtype=torch.uint8)
+    return torch.cat((nibbles, fifth.sum(-1, dtype=torch.uint8)), dim=-1)  # distinct bits: the sum is an OR
+
+
+def _k_scales(blocks: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-sub-block scale d sc and min -dmin mn of Q4_K / Q5_K super-blocks [N, K / 256,
+    bytes], both [N, K / 32] fp32 (exact: 11 by 6 bits). The 12 bytes after d and dmin hold eight
+    6-bit scales and eight 6-bit mins."""
+    rows, supers = blocks.shape[:2]
+    packed = blocks[..., 4:16].reshape(rows, supers, 3, 4)
+    low6, mins_low6, high = packed[..., 0, :], packed[..., 1, :], packed[..., 2, :]
+    scales = torch.cat((low6 & 0x3F, (high & 0x0F) | ((low6 >> 2) & 0x30)), dim=-1)
+    mins = torch.cat((mins_low6 & 0x3F, (high >> 4) | ((mins_low6 >> 2) & 0x30)), dim=-1)
+    return ((d[..., None] * scales.float()).reshape(rows, -1),
+            (-(dmin[..., None] * mins.float())).reshape(rows, -1))
 
 
 def requantize(weight: torch.Tensor) -> QuantizedWeight:
@@ -100,42 +143,41 @@ def requantize(weight: torch.Tensor) -> QuantizedWeight:
     return QuantizedWeight("q8_0", rows.v, rows.e, None)
 
 
-def _from_q4_k(blocks: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor) -> QuantizedWeight:
-    """Q4_K super-blocks [N, K / 256, 144] as q4_1 blocks of 32. A super-block: fp16 d and dmin, 12
-    bytes of eight 6-bit scales and eight 6-bit mins, then 128 bytes of quants, 32 a pair of
-    sub-blocks: the low nibbles the first of the pair, the high ones the second."""
-    rows, supers = blocks.shape[:2]
-    packed = blocks[..., 4:16].reshape(rows, supers, 3, 4)
-    low6, mins_low6, high = packed[..., 0, :], packed[..., 1, :], packed[..., 2, :]
-    scales = torch.cat((low6 & 0x3F, (high & 0x0F) | ((low6 >> 2) & 0x30)), dim=-1)
-    mins = torch.cat((mins_low6 & 0x3F, (high >> 4) | ((mins_low6 >> 2) & 0x30)), dim=-1)
-    pairs = blocks[..., 16:].reshape(rows, supers, 4, 1, BLOCK)
-    q = torch.cat((pairs & 15, pairs >> 4), dim=3).reshape(rows, supers * 8, BLOCK)  # sub-blocks in order
-    nibbles = q[..., : BLOCK // 2] | (q[..., BLOCK // 2 :] << 4)
-    return QuantizedWeight(
-        "q4_1", nibbles.reshape(rows, -1).contiguous(), (d[..., None] * scales.float()).reshape(rows, -1),
-        (-(dmin[..., None] * mins.float())).reshape(rows, -1),
-    )
-
-
 def cat(weights: list[QuantizedWeight]) -> QuantizedWeight:
-    """Stacks the rows of weights of one format (a fused projection's shards)."""
-    formats = {w.format for w in weights}
-    assert len(formats) == 1, formats
+    """Stacks the rows of weights (a fused projection's shards); where their layouts differ, all
+    become q8_0 with mins first (`as_bytes`), which holds each exactly. K-quant files mix formats
+    within a projection (llama-quantize gives some layers' v more bits than their q and k)."""
+    if len({w.format for w in weights}) > 1:
+        weights = [as_bytes(w) for w in weights]
+    if any(w.mins is not None for w in weights):
+        weights = [w if w.mins is not None else w._replace(mins=torch.zeros_like(w.scales)) for w in weights]
     mins = None if weights[0].mins is None else torch.cat([w.mins for w in weights])
     return QuantizedWeight(
         weights[0].format, torch.cat([w.quants for w in weights]), torch.cat([w.scales for w in weights]), mins
     )
 
 
+def as_bytes(weight: QuantizedWeight) -> QuantizedWeight:
+    """The same weight in the q8_0 layout, exactly: a q4_1 or q5_1 quant u (0..31) is the byte u,
+    under the same scale and min."""
+    if weight.format == "q8_0":
+        return weight
+    return QuantizedWeight("q8_0", block_quants(weight).to(torch.int8).reshape(weight.out_features, -1),
+                           weight.scales, weight.mins)
+
+
 def block_quants(weight: QuantizedWeight) -> torch.Tensor:
-    """[N, K / 32, 32]: each block's integer quants in input order (Q4_1: 0..15 uint8, its nibbles
-    unpacked; Q8_0: int8)."""
+    """[N, K / 32, 32]: each block's integer quants in input order (q4_1: 0..15 uint8, its nibbles
+    unpacked; q5_1: 0..31 uint8; q8_0: int8)."""
     rows, blocks = weight.scales.shape
-    if weight.format == "q4_1":
-        packed = weight.quants.reshape(rows, blocks, BLOCK // 2)
-        return torch.cat((packed & 15, packed >> 4), dim=-1)
-    return weight.quants.reshape(rows, blocks, BLOCK)
+    if weight.format == "q8_0":
+        return weight.quants.reshape(rows, blocks, BLOCK)
+    packed = weight.quants.reshape(rows, blocks, LAYOUT_BYTES[weight.format])
+    q = torch.cat((packed[..., : BLOCK // 2] & 15, packed[..., : BLOCK // 2] >> 4), dim=-1)
+    if weight.format == "q5_1":
+        high = packed[..., BLOCK // 2 :, None] >> torch.arange(8, dtype=torch.uint8)  # [.., 4 bytes, 8 bits]
+        q |= (high.reshape(rows, blocks, BLOCK) & 1) << 4
+    return q
 
 
 def dequantize(weight: QuantizedWeight) -> torch.Tensor:
@@ -174,7 +216,7 @@ def quantize_rows(x: torch.Tensor) -> QuantizedRows:
 
 def linear_int8(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The twin of quant_cpu.Int8QuantizedLinear: x's rows quantized by `quantize_rows`, then per
-    block of 32 inputs d e sum(q v) + m s (Q8_0: the exact d e sum(q v)), in float64 so that
+    block of 32 inputs d e sum(q v) + m s (q8_0 without mins: the exact d e sum(q v)), in float64 so that
     only the kernel's fp32 sums differ from it."""
     shape = x.shape
     rows = quantize_rows(x.reshape(-1, shape[-1]).float())

@@ -4,7 +4,7 @@ kernel in quant_cpu.h (QuantizedLinear, the exact path) and the integer one in q
 (Int8QuantizedLinear, activations quantized to 8 bits). Their references are trillm/kernels/
 quant.py's `linear` and `linear_int8`. Both share their output tiles among the threads of
 pool_cpu; the GIL is released while a kernel runs."""
-from libc.stdint cimport int64_t, uint8_t, uintptr_t
+from libc.stdint cimport int64_t, uint8_t, uint32_t, uintptr_t
 
 import torch
 
@@ -14,18 +14,19 @@ from trillm.kernels.quant_int8_cpu_h cimport (
     INT8_AVX2, INT8_AVX512VNNI, INT8_AVXVNNI, INT8_GENERIC, int8_best_isa, int8_isa_supported, int8_linear,
 )
 
-from trillm.kernels.quant import BLOCK, QuantizedWeight
+from trillm.kernels.quant import BLOCK, LAYOUT_BYTES, QuantizedWeight
 
 cdef extern from "quant_cpu.h" nogil:
     int QUANT_Q4_1
     int QUANT_Q8_0
+    int QUANT_Q5_1
     int TILE_N
     int quantized_linear_f32(float *out, const float *x, int64_t M, int64_t K, int64_t N, int format,
-                              const void *quants, const float *scales, const float *mins, pool_runner *run,
-                              int64_t chunks)
+                              const void *quants, const float *scales, const float *mins, const uint32_t *highs,
+                              pool_runner *run, int64_t chunks)
 
 
-FORMATS = {"q4_1": QUANT_Q4_1, "q8_0": QUANT_Q8_0}
+FORMATS = {"q4_1": QUANT_Q4_1, "q5_1": QUANT_Q5_1, "q8_0": QUANT_Q8_0}
 # the integer kernel's paths, widest last
 ISAS = {"generic": INT8_GENERIC, "avx2": INT8_AVX2, "avx_vnni": INT8_AVXVNNI, "avx512_vnni": INT8_AVX512VNNI}
 def isas() -> list[str]:
@@ -41,6 +42,16 @@ def runs(weight: QuantizedWeight) -> bool:
 def _tiled(per_row, tiles: int, blocks: int):
     """[N, blocks * c] -> [N / 16, blocks, c, 16]: a tile's 16 rows side by side, block by block."""
     return per_row.reshape(tiles, TILE_N, blocks, -1).permute(0, 2, 3, 1).contiguous()
+
+
+def _split_q5(weight: QuantizedWeight):
+    """A q5_1 weight's quants as ([N, K / 2] nibbles laid out as q4_1's, [N, K / 32, 4] bytes of
+    fifth bits, bit j of a block's little-endian word input j's); for other formats (quants, None)."""
+    if weight.format != "q5_1":
+        return weight.quants, None
+    rows, blocks = weight.scales.shape
+    per_block = weight.quants.reshape(rows, blocks, LAYOUT_BYTES["q5_1"])
+    return per_block[..., : BLOCK // 2].reshape(rows, -1), per_block[..., BLOCK // 2 :]
 
 
 class _TiledLinear:
@@ -71,8 +82,12 @@ class QuantizedLinear(_TiledLinear):
         self.format = FORMATS[weight.format]
         self.out_features, self.in_features = weight.out_features, weight.in_features
         tiles, blocks = weight.out_features // TILE_N, weight.in_features // BLOCK
-        self.quants, self.scales = _tiled(weight.quants, tiles, blocks), _tiled(weight.scales, tiles, blocks)
+        nibbles, fifths = _split_q5(weight)
+        self.quants, self.scales = _tiled(nibbles, tiles, blocks), _tiled(weight.scales, tiles, blocks)
         self.mins = _tiled(weight.mins, tiles, blocks) if weight.mins is not None else None
+        # q5_1: each row's 32-bit word of fifth bits per block, [N / 16, blocks, 1, 16]
+        self.highs = None if fifths is None else _tiled(fifths.contiguous().view(torch.int32).reshape(
+            weight.out_features, blocks), tiles, blocks)
 
     def _multiply(self, out, x2) -> int:
         cdef int64_t M = x2.shape[0], K = self.in_features, N = self.out_features
@@ -82,9 +97,12 @@ class QuantizedLinear(_TiledLinear):
         cdef const void *quants_ptr = <const void *><uintptr_t>self.quants.data_ptr()
         cdef const float *scales_ptr = <const float *><uintptr_t>self.scales.data_ptr()
         cdef const float *mins_ptr = <const float *><uintptr_t>(self.mins.data_ptr() if self.mins is not None else 0)
+        cdef const uint32_t *highs_ptr = <const uint32_t *><uintptr_t>(
+            self.highs.data_ptr() if self.highs is not None else 0)
         cdef int64_t chunks = pool_cpu.chunks()
         with nogil:
-            rc = quantized_linear_f32(out_ptr, x_ptr, M, K, N, fmt, quants_ptr, scales_ptr, mins_ptr, pool_cpu.run, chunks)
+            rc = quantized_linear_f32(out_ptr, x_ptr, M, K, N, fmt, quants_ptr, scales_ptr, mins_ptr, highs_ptr,
+                                      pool_cpu.run, chunks)
         return rc
 
 
@@ -99,27 +117,45 @@ class Int8QuantizedLinear(_TiledLinear):
         self.isa = ISAS[isa] if isa is not None else int8_best_isa()
         self.out_features, self.in_features = weight.out_features, weight.in_features
         tiles, blocks = weight.out_features // TILE_N, weight.in_features // BLOCK
-        self.nibbles = weight.format == "q4_1"
+        self.bits = {"q4_1": 4, "q5_1": 5, "q8_0": 8}[weight.format]
 
         def grouped(u):  # [N, blocks * 4 * c] bytes -> [N / 16, blocks, c, 16, 4]: 4 inputs per 32-bit lane
             return u.reshape(tiles, TILE_N, blocks, -1, 4).permute(0, 2, 3, 1, 4).contiguous()
 
-        if self.nibbles:
-            self.u, self.m = grouped(weight.quants), _tiled(weight.mins, tiles, blocks)
-        else:  # Q8_0's q as u = q + 128 with m = -128 d
+        self.h = None  # q5_1's plane of fifth bits, [N / 16, blocks, 16, 4] (quant_int8_cpu.h)
+        if self.bits != 8:
+            nibbles, fifths = _split_q5(weight)
+            self.u, self.m = grouped(nibbles), _tiled(weight.mins, tiles, blocks)
+            if fifths is not None:
+                self.h = _fifth_bit_plane(fifths, tiles, blocks)
+        else:  # Q8_0's q as u = q + 128 (the kernel takes the 128 back off); its own mins, if any
             self.u = grouped(weight.quants.view(torch.uint8) ^ 0x80)
-            self.m = _tiled(weight.scales * -128.0, tiles, blocks)
+            self.m = None if weight.mins is None else _tiled(weight.mins, tiles, blocks)
         self.d = _tiled(weight.scales, tiles, blocks)
 
     def _multiply(self, out, x2) -> int:
         cdef int64_t M = x2.shape[0], K = self.in_features, N = self.out_features
-        cdef int nibbles = self.nibbles, isa = self.isa, rc = 0
+        cdef int bits = self.bits, isa = self.isa, rc = 0
         cdef float *out_ptr = <float *><uintptr_t>out.data_ptr()
         cdef const float *x_ptr = <const float *><uintptr_t>x2.data_ptr()
         cdef const uint8_t *u_ptr = <const uint8_t *><uintptr_t>self.u.data_ptr()
+        cdef const uint8_t *h_ptr = <const uint8_t *><uintptr_t>(self.h.data_ptr() if self.h is not None else 0)
         cdef const float *d_ptr = <const float *><uintptr_t>self.d.data_ptr()
-        cdef const float *m_ptr = <const float *><uintptr_t>self.m.data_ptr()
+        cdef const float *m_ptr = <const float *><uintptr_t>(self.m.data_ptr() if self.m is not None else 0)
         cdef int64_t chunks = pool_cpu.chunks()
         with nogil:
-            rc = int8_linear(out_ptr, x_ptr, M, K, N, nibbles, u_ptr, d_ptr, m_ptr, isa, pool_cpu.run, chunks)
+            rc = int8_linear(out_ptr, x_ptr, M, K, N, bits, u_ptr, h_ptr, d_ptr, m_ptr, isa, pool_cpu.run, chunks)
         return rc
+
+
+def _fifth_bit_plane(fifths, tiles: int, blocks: int):
+    """[N, blocks, 4] bytes of fifth bits (bit j of a block's word input j's) -> the integer
+    kernel's plane [N / 16, blocks, 16, 4]: bit g of the byte of row i and column c is the fifth
+    bit of input 4 g + c (g < 4) or 16 + 4 (g - 4) + c, the value the g-th register of unpacked
+    nibbles holds in that byte."""
+    rows = fifths.shape[0]
+    bit = (fifths[..., None] >> torch.arange(8, dtype=torch.uint8)) & 1  # [N, blocks, 32]: input j's bit
+    by_group = bit.reshape(rows, blocks, 2, 4, 4)  # [.., low or high nibbles, group within, column c]
+    by_group = by_group.reshape(rows, blocks, 8, 4)  # g = 4 * (j >= 16) + (j % 16) / 4
+    plane = (by_group << torch.arange(8, dtype=torch.uint8)[:, None]).sum(2, dtype=torch.uint8)  # [N, blocks, 4]
+    return plane.reshape(tiles, TILE_N, blocks, 4).permute(0, 2, 1, 3).contiguous()

@@ -1,4 +1,4 @@
-/* Linear layers on CPU as integer dot products: y = x W^T with W in GGUF's Q4_1 or Q8_0 blocks
+/* Linear layers on CPU as integer dot products: y = x W^T with W in the Q4_1, Q5_1 or Q8_0 layout
  * and x quantized, row by row, to 8-bit blocks of 32 inputs (as llama.cpp's Q8_1).
  *
  * Why: once a batch has a few rows, the fp32 kernel (quant_cpu.h) is bound by its multiply-adds,
@@ -6,19 +6,26 @@
  * int32, so the work per block of 32 inputs falls to a few integer instructions and one fp32
  * multiply-add at the block's scales.
  *
- * The arithmetic. Every weight is written unsigned, w = d * u + m: Q4_1 as GGUF stores it
- * (u = 0..15), Q8_0 as u = q + 128 with m = -128 d (exact, a power of two). An activation block is
+ * The arithmetic. Every weight is written unsigned, w = d * u + m: Q4_1 and Q5_1 as GGUF stores
+ * them (u = 0..15, 0..31), Q8_0 as u = q + 128 with m = -128 d (exact, a power of two) plus
+ * whatever mins the weight has of its own (quant.py's promoted shards). An activation block is
  * x ~ e * v, v = round(x / e) in -127..127 with e = max|x| / 127, and carries s = e * sum(v). Then
  *     sum_k w_k x_k ~ d e sum_k u_k v_k + m s,
  * where sum u v is exact in int32 and the only rounding beyond x's is fp32 at the block scales.
- * One form serves both formats, and `vpdpbusd` (unsigned u times signed v) runs it as it is.
+ * One form serves every format, and `vpdpbusd` (unsigned u times signed v) runs it as it is.
+ * Q8_0's -128 d s is taken as d times -128 s (the same product, so the same bits): its m is not
+ * stored, and a decode step, which streams every weight, reads a float less per block.
  *
  * Layout: weights in tiles of 16 output rows, block by block, four inputs of one row in 32 bits,
  * so that one 64-byte register holds four inputs for all 16 rows (one 32-bit lane per row) and
  * meets a row of x as one broadcast 32-bit word of four v's: no horizontal sums. Q4_1: [N / 16,
  * K / 32, 4, 16, 4] bytes, byte c of group g holding GGUF's byte 4g + c (inputs 4g + c in the low
- * nibble, 16 + 4g + c in the high one); Q8_0: [N / 16, K / 32, 8, 16, 4] bytes u, group g inputs
- * 4g..4g + 3. d and m: [N / 16, K / 32, 16] fp32. Activations: v [M, K] int8, e and s [M, K / 32].
+ * nibble, 16 + 4g + c in the high one); Q5_1: Q4_1's nibbles, and h, [N / 16, K / 32, 16, 4]
+ * bytes laid out as one group's register, whose bit g in the byte of row i and column c is the
+ * fifth bit of the value in the same byte of the g-th register the nibbles unpack into (groups
+ * 0-3 the low nibbles, 4-7 the high ones): one load and, per group, a shift and a mask put it
+ * in place, a bit a weight; Q8_0: [N / 16, K / 32, 8, 16, 4] bytes u, group g inputs 4g..4g + 3.
+ * d and m: [N / 16, K / 32, 16] fp32. Activations: v [M, K] int8, e and s [M, K / 32].
  *
  * Three paths, chosen at run time, each checked against quant.py's twin: AVX512-VNNI; AVX2 (each
  * 16-row register split in two 8-row halves, with AVX-VNNI's `vpdpbusd` where the CPU has it,
@@ -43,10 +50,10 @@
 enum int8_isa { INT8_AUTO = 0, INT8_GENERIC = 1, INT8_AVX2 = 2, INT8_AVXVNNI = 3, INT8_AVX512VNNI = 4 };
 
 struct int8_weight {
-    int nibbles; /* 1: Q4_1's packed nibbles; 0: a byte per input (Q8_0) */
+    int bits; /* 4: Q4_1's packed nibbles; 5: those and a plane of fifth bits (Q5_1); 8: a byte per input (Q8_0) */
     int64_t tiles, blocks;
-    const uint8_t *u;
-    const float *d, *m;
+    const uint8_t *u, *h; /* h: the fifth bits, 5 bits only */
+    const float *d, *m;   /* m: NULL for a Q8_0 weight without mins of its own */
 };
 
 struct int8_rows {
@@ -82,16 +89,19 @@ static void int8_quantize_rows_generic(const float *x, int64_t M, int64_t K, int
 typedef void int8_rows_kernel(int rows, float *out, int64_t N, const struct int8_rows *x, int64_t r0,
                               const struct int8_weight *w, int64_t t);
 
-static inline int int8_weight_groups(const struct int8_weight *w) { return w->nibbles ? 4 : 8; }
+static inline int int8_weight_groups(const struct int8_weight *w) { return w->bits == 8 ? 8 : 4; }
 
 /* u of input k of output row i in block `block` (a tile's blocks follow each other). */
 static inline int32_t int8_weight_at(const struct int8_weight *w, int64_t block, int i, int k)
 {
     const int64_t base = block * int8_weight_groups(w) * INT8_TILE_N * 4;
-    if (!w->nibbles) return w->u[base + ((k / 4) * INT8_TILE_N + i) * 4 + k % 4];
+    if (w->bits == 8) return w->u[base + ((k / 4) * INT8_TILE_N + i) * 4 + k % 4];
     const int j = k % 16;
     const uint8_t byte = w->u[base + ((j / 4) * INT8_TILE_N + i) * 4 + j % 4];
-    return k < 16 ? byte & 15 : byte >> 4;
+    const int32_t nibble = k < 16 ? byte & 15 : byte >> 4;
+    if (w->bits == 4) return nibble;
+    const int group = j / 4 + (k < 16 ? 0 : 4); /* the register the nibble unpacks into */
+    return nibble | ((w->h[block * INT8_TILE_N * 4 + i * 4 + k % 4] >> group) & 1) << 4;
 }
 
 static void int8_rows_generic(int rows, float *out, int64_t N, const struct int8_rows *x, int64_t r0,
@@ -107,7 +117,8 @@ static void int8_rows_generic(int rows, float *out, int64_t N, const struct int8
                 int32_t dot = 0;
                 for (int k = 0; k < INT8_BLOCK; k++) dot += int8_weight_at(w, block, i, k) * v[b * INT8_BLOCK + k];
                 acc[i] = fmaf(w->d[block * INT8_TILE_N + i] * e, (float)dot, acc[i]);
-                acc[i] = fmaf(w->m[block * INT8_TILE_N + i], s, acc[i]);
+                if (w->bits == 8) acc[i] = fmaf(w->d[block * INT8_TILE_N + i], -128.0f * s, acc[i]);
+                if (w->m != NULL) acc[i] = fmaf(w->m[block * INT8_TILE_N + i], s, acc[i]);
             }
         }
         memcpy(out + (r0 + r) * N + t * INT8_TILE_N, acc, sizeof(acc));
@@ -178,10 +189,15 @@ __attribute__((target("avx2"))) static void int8_quantize_rows_avx2(const float 
         }
 }
 
-/* `rows` and `nibbles` are constants at each call site, so each pair compiles to its own loop
+/* A fifth-bit plane's bit g (the layout above) moved to bit 4 of every byte, alone: the
+ * 16-bit shifts carry bits across bytes only into places the mask clears. */
+#define INT8_FIFTH_BITS(SLLI, SRLI, AND, plane, g, sixteen)                                               \
+    AND((g) <= 4 ? SLLI(plane, 4 - (g)) : SRLI(plane, (g) - 4), sixteen)
+
+/* `rows` and `bits` are constants at each call site, so each pair compiles to its own loop
  * with the accumulators in registers. */
 __attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline)) static inline void int8_rows_avx512_body(
-    int rows, int nibbles, float *out, int64_t N, const struct int8_rows *x, int64_t r0, const struct int8_weight *w,
+    int rows, int bits, float *out, int64_t N, const struct int8_rows *x, int64_t r0, const struct int8_weight *w,
     int64_t t)
 {
     __m512 acc[INT8_ROWS];
@@ -189,14 +205,20 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline)) static inl
     const __m512i low = _mm512_set1_epi8(15);
     for (int64_t b = 0; b < w->blocks; b++) {
         const int64_t block = t * w->blocks + b;
-        const __m512 d = _mm512_loadu_ps(w->d + block * INT8_TILE_N), m = _mm512_loadu_ps(w->m + block * INT8_TILE_N);
+        const __m512 d = _mm512_loadu_ps(w->d + block * INT8_TILE_N);
+        const __m512 m = bits != 8 || w->m != NULL ? _mm512_loadu_ps(w->m + block * INT8_TILE_N) : _mm512_setzero_ps();
         __m512i u[8];
-        if (nibbles) {
+        if (bits != 8) {
             const uint8_t *q = w->u + block * 4 * 64;
             _Pragma("GCC unroll 4") for (int g = 0; g < 4; g++) {
                 const __m512i packed = _mm512_loadu_si512(q + g * 64);
                 u[g] = _mm512_and_si512(packed, low);
                 u[g + 4] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+            }
+            if (bits == 5) {
+                const __m512i plane = _mm512_loadu_si512(w->h + block * 64), sixteen = _mm512_set1_epi8(16);
+                _Pragma("GCC unroll 8") for (int g = 0; g < 8; g++) u[g] = _mm512_or_si512(
+                    u[g], INT8_FIFTH_BITS(_mm512_slli_epi16, _mm512_srli_epi16, _mm512_and_si512, plane, g, sixteen));
             }
         } else {
             const uint8_t *q = w->u + block * 8 * 64;
@@ -209,7 +231,8 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline)) static inl
                 dot = _mm512_dpbusd_epi32(dot, u[g], _mm512_set1_epi32(int8_word(v + 4 * g)));
             const int64_t at = (r0 + r) * x->blocks + b;
             acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(x->e[at])), _mm512_cvtepi32_ps(dot), acc[r]);
-            acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(x->s[at]), acc[r]);
+            if (bits == 8) acc[r] = _mm512_fmadd_ps(d, _mm512_set1_ps(-128.0f * x->s[at]), acc[r]);
+            if (bits != 8 || w->m != NULL) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(x->s[at]), acc[r]);
         }
     }
     _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) _mm512_storeu_ps(out + (r0 + r) * N + t * INT8_TILE_N, acc[r]);
@@ -222,10 +245,12 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline)) static inl
     }
 #define INT8_ROWS_CASE(BODY, R)                                                                            \
     case R:                                                                                                \
-        if (w->nibbles)                                                                                    \
-            BODY(R, 1, out, N, x, r0, w, t);                                                               \
+        if (w->bits == 4)                                                                                  \
+            BODY(R, 4, out, N, x, r0, w, t);                                                               \
+        else if (w->bits == 5)                                                                             \
+            BODY(R, 5, out, N, x, r0, w, t);                                                               \
         else                                                                                               \
-            BODY(R, 0, out, N, x, r0, w, t);                                                               \
+            BODY(R, 8, out, N, x, r0, w, t);                                                               \
         break;
 
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) static void int8_rows_avx512vnni(
@@ -235,29 +260,36 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) static void int8_rows_avx
 }
 
 /* The AVX2 body, once with AVX-VNNI's vpdpbusd and once with vpmaddubsw + vpmaddwd (DOT_NIBBLES:
- * a block's dot of unsigned values below 16; DOT_BYTES: of any u, a Q8_0 byte; BYTES_DOT_Q: 1 when
- * DOT_BYTES sums q v (q = u - 128) rather than u v, which leaves out the -128 d e sum(v) that
- * Q8_0's m s term would otherwise take back off). */
-#define INT8_DEFINE_AVX2_BODY(NAME, TARGET, DOT_NIBBLES, DOT_BYTES, BYTES_DOT_Q)                           \
+ * a block's dot of unsigned values below 16; DOT_FIVES: below 32; DOT_BYTES: of any u, a Q8_0
+ * byte; BYTES_DOT_Q: 1 when DOT_BYTES sums q v (q = u - 128) rather than u v, which leaves out the
+ * -128 d s that Q8_0's u would otherwise add). */
+#define INT8_DEFINE_AVX2_BODY(NAME, TARGET, DOT_NIBBLES, DOT_FIVES, DOT_BYTES, BYTES_DOT_Q)                \
     __attribute__((target(TARGET), always_inline)) static inline void NAME(                                \
-        int rows, int nibbles, float *out, int64_t N, const struct int8_rows *x, int64_t r0,                 \
+        int rows, int bits, float *out, int64_t N, const struct int8_rows *x, int64_t r0,                    \
         const struct int8_weight *w, int64_t t)                                                            \
     {                                                                                                      \
         __m256 acc[INT8_ROWS][2];                                                                          \
         _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps(); \
-        const __m256i low = _mm256_set1_epi8(15);                                                          \
+        const __m256i low = _mm256_set1_epi8(15), sixteen = _mm256_set1_epi8(16);                          \
         for (int64_t b = 0; b < w->blocks; b++) {                                                          \
             const int64_t block = t * w->blocks + b;                                                       \
             for (int half = 0; half < 2; half++) {                                                         \
                 const __m256 d = _mm256_loadu_ps(w->d + block * INT8_TILE_N + 8 * half);                   \
-                const __m256 m = _mm256_loadu_ps(w->m + block * INT8_TILE_N + 8 * half);                   \
+                const __m256 m = w->m != NULL ? _mm256_loadu_ps(w->m + block * INT8_TILE_N + 8 * half)     \
+                                              : _mm256_setzero_ps();                                       \
                 __m256i u[8];                                                                              \
-                if (nibbles) {                                                                             \
+                if (bits != 8) {                                                                           \
                     const uint8_t *q = w->u + block * 4 * 64 + 32 * half;                                  \
                     for (int g = 0; g < 4; g++) {                                                          \
                         const __m256i packed = _mm256_loadu_si256((const __m256i *)(q + g * 64));          \
                         u[g] = _mm256_and_si256(packed, low);                                              \
                         u[g + 4] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);                    \
+                    }                                                                                      \
+                    if (bits == 5) {                                                                       \
+                        const __m256i plane = _mm256_loadu_si256((const __m256i *)(w->h + block * 64 + 32 * half)); \
+                        _Pragma("GCC unroll 8") for (int g = 0; g < 8; g++) u[g] = _mm256_or_si256(        \
+                            u[g], INT8_FIFTH_BITS(_mm256_slli_epi16, _mm256_srli_epi16, _mm256_and_si256,  \
+                                                  plane, g, sixteen));                                     \
                     }                                                                                      \
                 } else {                                                                                   \
                     const uint8_t *q = w->u + block * 8 * 64 + 32 * half;                                  \
@@ -265,11 +297,14 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) static void int8_rows_avx
                 }                                                                                          \
                 _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) {                                   \
                     const int8_t *v = x->v + (r0 + r) * x->K + b * INT8_BLOCK;                             \
-                    const __m256i dot = nibbles ? DOT_NIBBLES(u, v) : DOT_BYTES(u, v);                     \
+                    const __m256i dot = bits == 4 ? DOT_NIBBLES(u, v) : bits == 5 ? DOT_FIVES(u, v)        \
+                                                                              : DOT_BYTES(u, v);           \
                     const int64_t at = (r0 + r) * x->blocks + b;                                           \
                     acc[r][half] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(x->e[at])),             \
                                                    _mm256_cvtepi32_ps(dot), acc[r][half]);                 \
-                    if (nibbles || !BYTES_DOT_Q)                                                           \
+                    if (bits == 8 && !BYTES_DOT_Q)                                                         \
+                        acc[r][half] = _mm256_fmadd_ps(d, _mm256_set1_ps(-128.0f * x->s[at]), acc[r][half]); \
+                    if (bits != 8 || w->m != NULL)                                                         \
                         acc[r][half] = _mm256_fmadd_ps(m, _mm256_set1_ps(x->s[at]), acc[r][half]);         \
                 }                                                                                          \
             }                                                                                              \
@@ -298,6 +333,21 @@ __attribute__((target("avx2"), always_inline)) static inline __m256i int8_block_
     return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
 }
 
+/* Fifth bits: a pair sum is at most 2 * 31 * 127 = 7874, so four groups still add up in 16 bits
+ * (31496) and two vpmaddwd a block widen them. */
+__attribute__((target("avx2"), always_inline)) static inline __m256i int8_block_fives_maddubs(const __m256i u[8],
+                                                                                               const int8_t *v)
+{
+    __m256i dot = _mm256_setzero_si256();
+    for (int half = 0; half < 2; half++) {
+        __m256i pairs = _mm256_maddubs_epi16(u[4 * half], int8_group(v, 4 * half));
+        for (int g = 4 * half + 1; g < 4 * half + 4; g++)
+            pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(u[g], int8_group(v, g)));
+        dot = _mm256_add_epi32(dot, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+    }
+    return dot;
+}
+
 /* sum q v for Q8_0 bytes u = q + 128, by the sign trick: |q| (0x80 reads as 128 unsigned) against
  * v with q's sign; |q| <= 128 and |v| <= 127, so a 16-bit pair sum cannot saturate, but two of
  * them could: each group is widened on its own. */
@@ -321,8 +371,10 @@ __attribute__((target("avx2,avxvnni"), always_inline)) static inline __m256i int
     return dot;
 }
 
-INT8_DEFINE_AVX2_BODY(int8_rows_avx2_body, "avx2,fma", int8_block_nibbles_maddubs, int8_block_bytes_maddubs, 1)
-INT8_DEFINE_AVX2_BODY(int8_rows_avxvnni_body, "avx2,fma,avxvnni", int8_block_avxvnni, int8_block_avxvnni, 0)
+INT8_DEFINE_AVX2_BODY(int8_rows_avx2_body, "avx2,fma", int8_block_nibbles_maddubs, int8_block_fives_maddubs,
+                      int8_block_bytes_maddubs, 1)
+INT8_DEFINE_AVX2_BODY(int8_rows_avxvnni_body, "avx2,fma,avxvnni", int8_block_avxvnni, int8_block_avxvnni,
+                      int8_block_avxvnni, 0)
 
 __attribute__((target("avx2,fma"))) static void int8_rows_avx2(
     int rows, float *out, int64_t N, const struct int8_rows *x, int64_t r0, const struct int8_weight *w, int64_t t)
@@ -400,11 +452,11 @@ static void int8_rows(const void *ctx, int rows, int64_t r0, int64_t t)
     job->kernel(rows, job->out, job->N, &job->x, r0, &job->w, t);
 }
 
-/* out [M, N] = x [M, K] W^T, fp32, contiguous; K a multiple of 32, N of 16; `isa` one this CPU
- * runs (int8_isa_supported). x is quantized once, then the output tiles are cut in about `chunks`
+/* out [M, N] = x [M, K] W^T, fp32, contiguous; K a multiple of 32, N of 16; W of `bits` 4, 5 or
+ * 8 in the layout above (h NULL unless 5); `isa` one this CPU runs (int8_isa_supported). x is quantized once, then the output tiles are cut in about `chunks`
  * pieces for `run` (shared_cpu.h). Returns 0, or -1 when out of memory. */
-static int int8_linear(float *out, const float *x, int64_t M, int64_t K, int64_t N, int nibbles, const uint8_t *u,
-                       const float *d, const float *m, int isa, pool_runner *run, int64_t chunks)
+static int int8_linear(float *out, const float *x, int64_t M, int64_t K, int64_t N, int bits, const uint8_t *u,
+                       const uint8_t *h, const float *d, const float *m, int isa, pool_runner *run, int64_t chunks)
 {
     const int64_t blocks = K / INT8_BLOCK;
     int8_t *v = malloc((size_t)(M * K) + 2 * sizeof(float) * (size_t)(M * blocks));
@@ -412,7 +464,7 @@ static int int8_linear(float *out, const float *x, int64_t M, int64_t K, int64_t
     float *e = (float *)(v + M * K); /* K is a multiple of 32: aligned for floats */
     float *s = e + M * blocks;
     int8_quantize_rows(isa, x, M, K, v, e, s);
-    struct int8_job job = {int8_kernel_of(isa), out, N, {K, blocks, v, e, s}, {nibbles, N / INT8_TILE_N, blocks, u, d, m}};
+    struct int8_job job = {int8_kernel_of(isa), out, N, {K, blocks, v, e, s}, {bits, N / INT8_TILE_N, blocks, u, h, d, m}};
     struct tile_loop loop = {int8_rows, &job, M, job.w.tiles, 0, INT8_M_TILE, INT8_ROWS};
     tile_loop_run(run, &loop, chunks);
     free(v);

@@ -1,7 +1,7 @@
 """The quantized projections of a GGUF file, under their HF names, for the kernels that run them.
 
-The loader hands over the file's quantized blocks in the kernels' two layouts (Q4_0 / Q4_1 / Q5_0 /
-Q8_0 / Q4_K repacked exactly, other formats requantized to 8 bits), so that the CPU kernels
+The loader hands over the file's quantized blocks in the kernels' three layouts (Q4_0 / Q4_1 / Q5_0 /
+Q5_1 / Q8_0 / Q4_K / Q5_K repacked exactly, other formats requantized to 8 bits), so that the CPU kernels
 multiply by them instead of by fp32 copies, and then fills everything else from the fp32 HF directory it
 converts the file into (trillm/model/loader.py). Only Llama-family tensor names are mapped, and
 q/k rows get the reordering transformers applies (llama.cpp stores them permuted for its RoPE
@@ -34,7 +34,8 @@ _UNQUANTIZED = frozenset({GGMLQuantizationType.F32, GGMLQuantizationType.F16, GG
 
 # the formats the kernels run, repacked into their layouts (trillm/kernels/quant.py)
 FORMATS = {GGMLQuantizationType.Q4_0: "q4_0", GGMLQuantizationType.Q4_1: "q4_1", GGMLQuantizationType.Q5_0: "q5_0",
-           GGMLQuantizationType.Q8_0: "q8_0", GGMLQuantizationType.Q4_K: "q4_k"}
+           GGMLQuantizationType.Q5_1: "q5_1", GGMLQuantizationType.Q8_0: "q8_0", GGMLQuantizationType.Q4_K: "q4_k",
+           GGMLQuantizationType.Q5_K: "q5_k"}
 
 LAYER_TENSORS = {
     "attn_q": "self_attn.q_proj",

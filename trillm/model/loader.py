@@ -283,11 +283,12 @@ def param_shard(hf_name: str) -> tuple[str, int]:
 
 
 def load_quantized_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str, quant.QuantizedWeight]]) -> int:
-    """For kernels with a quantized_linear: puts the projections whose every shard comes in one
-    quantized format onto those blocks, and releases their fp32 weights. Called before
-    load_weights, it spares reading those weights at all (load_weights skips them); a
-    projection with a shard missing here, shards in two formats, or a shape the kernel does not
-    take stays on its fp32 weights, which load_weights fills. Returns how many moved."""
+    """For kernels with a quantized_linear: puts the projections whose every shard comes
+    quantized onto those blocks (shards in different layouts promoted to one, exactly:
+    quant.cat), and releases their fp32 weights. Called before load_weights, it spares reading
+    those weights at all (load_weights skips them); a projection with a shard missing here or a
+    shape the kernel does not take stays on its fp32 weights, which load_weights fills. Returns
+    how many moved."""
     shards: dict[str, dict[int, quant.QuantizedWeight]] = {}
     for hf_name, weight in weights:
         if hf_name == "model.embed_tokens.weight":
@@ -299,7 +300,7 @@ def load_quantized_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str,
     moved = 0
     for module_name, parts in shards.items():
         module = model.get_submodule(module_name)
-        if sorted(parts) != list(range(module.num_shards)) or len({w.format for w in parts.values()}) != 1:
+        if sorted(parts) != list(range(module.num_shards)):
             continue
         weight = quant.cat([parts[i] for i in range(module.num_shards)])
         if model.kernels.quantized_linear.runs(weight):
