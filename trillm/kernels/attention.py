@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from trillm.kernels.cache import from_cache
+from trillm.kernels.cache import from_cache, keys_for
 
 
 @dataclass
@@ -52,7 +52,7 @@ class Group:
         k = from_cache(k_cache.view(-1, num_kv_heads, width).index_select(0, self.slots))
         v = from_cache(v_cache.view(-1, num_kv_heads, width).index_select(0, self.slots))
         k, v = k.view(batch, length, -1, head_dim), v.view(batch, length, -1, head_dim)
-        qg = q[self.rows].view(batch, num_queries, -1, head_dim)
+        qg = keys_for(q[self.rows], k_cache.dtype).view(batch, num_queries, -1, head_dim)
         out = F.scaled_dot_product_attention(
             qg.transpose(1, 2).float(),
             k.transpose(1, 2).float(),

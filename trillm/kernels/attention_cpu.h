@@ -277,6 +277,18 @@ static int paged_attention(
     }
     struct attention_tile *tiles = malloc(sizeof(struct attention_tile) * (size_t)(num_tiles > 0 ? num_tiles : 1));
     if (tiles == NULL) return -1;
+    float *rotated = NULL; /* an int8 cache's keys are rotated (kv_rotate): the queries meet them so */
+    if (kind == KV_CACHE_I8) {
+        const int64_t rows = (query_start_loc == NULL ? num_seqs : query_start_loc[num_seqs]) * num_heads;
+        rotated = malloc(sizeof(float) * (size_t)(rows > 0 ? rows * head_dim : 1));
+        if (rotated == NULL) {
+            free(tiles);
+            return -1;
+        }
+        memcpy(rotated, q, sizeof(float) * (size_t)(rows * head_dim));
+        for (int64_t r = 0; r < rows; r++) kv_rotate(rotated + r * head_dim, head_dim);
+        q = rotated;
+    }
     int64_t c = 0;
     for (int64_t b = 0; b < num_seqs; b++) {
         const int64_t start = query_start_loc == NULL ? b : query_start_loc[b];
@@ -291,5 +303,6 @@ static int paged_attention(
                                 scale, 0};
     if (num_tiles > 0) run(attend_chunk, &job, num_tiles);
     free(tiles);
+    free(rotated);
     return atomic_load(&job.failed) ? -1 : 0;
 }

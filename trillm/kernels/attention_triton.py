@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from trillm.kernels.cache import row_width
+from trillm.kernels.cache import keys_for, row_width
 
 TILE_N = 32  # keys per inner-loop step
 MIN_TOKENS_PER_SPLIT = 256  # fewer keys per split would hardly repay the merge kernel
@@ -247,6 +247,8 @@ def paged_attention(
     out = torch.empty_like(q)
     if num_tokens == 0 or num_seqs == 0:
         return out
+    if k_cache.dtype == torch.int8:  # its keys are rotated (cache.py): the queries meet them so
+        q = keys_for(q, k_cache.dtype).to(q.dtype)
 
     group = num_heads // num_kv_heads
     # Decode-only steps (one query per request) get the smallest tile tl.dot accepts, so a

@@ -10,7 +10,17 @@ bytes (row_width = head_dim + 2), so a row costs 66 bytes where fp16 took 128. T
 to one row, not to a cache block: a block fills over many steps, and a row written once and never
 requantized decodes to the same values however its prompt was chunked (the attention kernels'
 per-row determinism depends on it).
+
+An int8 cache's keys are rotated before they are quantized (`rotate_rows`, a normalized
+Walsh-Hadamard transform of each head's row), and every attention kernel over an int8 cache
+rotates its queries the same way: the rotation is orthogonal, so q.k is unchanged, but a few of a
+key's channels carry most of its magnitude, and one scale per row sized to them left the other
+channels a handful of int8 steps; rotated, every channel carries a share of the outliers
+(benchmarks/README.md has what it did to agreement with the fp16 cache). Values are not rotated:
+their rows have no such outliers, and rotating them would need the output rotated back.
 """
+import math
+
 import torch
 
 INT8_SCALE_BYTES = 2  # the fp16 scale after each row's int8 values
@@ -19,6 +29,30 @@ INT8_SCALE_BYTES = 2  # the fp16 scale after each row's int8 values
 def row_width(head_dim: int, dtype: torch.dtype) -> int:
     """The last dimension of a cache in `dtype` for rows of head_dim values."""
     return head_dim + INT8_SCALE_BYTES if dtype == torch.int8 else head_dim
+
+
+def rotate_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [..., D] -> fp32 [..., D] times the normalized Walsh-Hadamard matrix when D is a power of
+    two (x as fp32 otherwise), computed as the kernels do (shared_cpu.h's kv_rotate), so to the
+    same bits: butterflies of stride 1, 2, 4, ..., then one product with fp32(1 / sqrt(D))."""
+    x = x.float()
+    dim = x.shape[-1]
+    if dim < 2 or dim & (dim - 1):
+        return x
+    lead = x.shape[:-1]
+    h = 1
+    while h < dim:
+        pairs = x.reshape(*lead, dim // (2 * h), 2, h)
+        a, b = pairs[..., 0, :], pairs[..., 1, :]
+        x = torch.stack((a + b, a - b), dim=-2).reshape(*lead, dim)
+        h *= 2
+    return x * torch.tensor(1.0 / math.sqrt(dim), dtype=torch.float32, device=x.device)
+
+
+def keys_for(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Keys (or the queries that meet them) as a cache in `dtype` compares them: rotated for an
+    int8 cache, as they are for the others."""
+    return rotate_rows(x) if dtype == torch.int8 else x
 
 
 def quantize_rows(x: torch.Tensor) -> torch.Tensor:
@@ -56,9 +90,10 @@ def write_kv(
     slot_mapping: torch.Tensor,
 ) -> None:
     """k, v: [T, Hk, D]; slot_mapping: [T] int64 (negative = skip). Each row is stored as the
-    cache's dtype stores it (to_cache)."""
+    cache's dtype stores it (to_cache; keys_for first for the keys)."""
     keep = slot_mapping >= 0
     if not bool(keep.all()):
         k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, to_cache(k, k_cache.dtype))
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, to_cache(keys_for(k, k_cache.dtype),
+                                                                                k_cache.dtype))
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, to_cache(v, v_cache.dtype))

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from trillm.kernels.cache import row_width
+from trillm.kernels.cache import keys_for, row_width
 
 
 @triton.jit
@@ -72,6 +72,7 @@ def write_kv(
     assert k.stride(-1) == 1 and v.stride(-1) == 1, "head_dim must be contiguous"
     if num_tokens == 0:
         return
+    k = keys_for(k, k_cache.dtype)  # an int8 cache's keys are rotated first (cache.py)
     _write_kv_kernel[(num_tokens,)](
         k, v, k_cache, v_cache, slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),

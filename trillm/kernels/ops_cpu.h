@@ -93,7 +93,8 @@ static int rotary_embedding_f32(float *restrict x, const int64_t *restrict posit
 
 /* The rows of token t (num_kv_heads * head_dim floats, at k + t * k_stride and v + t * v_stride)
  * into cache slot slots[t] of each cache ([num_slots, num_kv_heads, kv_row_width] of `kind`
- * (enum kv_cache_kind): fp32 copied, fp16 rounded to nearest even, int8 quantized per head); a
+ * (enum kv_cache_kind): fp32 copied, fp16 rounded to nearest even, int8 quantized per head, the
+ * keys rotated first); a
  * negative slot (padding) is skipped. Returns 0, or -1 (writing nothing) when a slot is past the
  * cache. */
 static int write_kv(void *restrict k_cache, void *restrict v_cache, int kind, const float *restrict k,
@@ -104,12 +105,15 @@ static int write_kv(void *restrict k_cache, void *restrict v_cache, int kind, co
         if (slots[t] >= num_slots) return -1;
     f16_narrow_fn *narrow = kind == KV_CACHE_F16 ? pick_f16_narrow() : NULL;
     const int64_t row_size = num_kv_heads * head_dim, row_width = kv_row_width(kind, head_dim);
+    float key[head_dim]; /* an int8 cache's key row, rotated (kv_rotate) before it is quantized */
     for (int64_t t = 0; t < T; t++) {
         if (slots[t] < 0) continue;
         if (kind == KV_CACHE_I8) {
             for (int64_t h = 0; h < num_kv_heads; h++) {
                 const int64_t row = (slots[t] * num_kv_heads + h) * row_width;
-                kv_quantize_row((int8_t *)k_cache + row, k + t * k_stride + h * head_dim, head_dim);
+                memcpy(key, k + t * k_stride + h * head_dim, sizeof(float) * (size_t)head_dim);
+                kv_rotate(key, head_dim);
+                kv_quantize_row((int8_t *)k_cache + row, key, head_dim);
                 kv_quantize_row((int8_t *)v_cache + row, v + t * v_stride + h * head_dim, head_dim);
             }
         } else if (narrow != NULL) {

@@ -45,7 +45,8 @@ static inline void f16_narrow_generic(uint16_t *dst, const float *src, int64_t n
 }
 
 /* What a KV cache row holds (trillm/kernels/cache.py): head_dim fp32 or fp16 values, or head_dim
- * int8 values and then their fp16 scale (KV_CACHE_I8: one scale per token and head). */
+ * int8 values and then their fp16 scale (KV_CACHE_I8: one scale per token and head; keys rotated
+ * by kv_rotate first, and the queries that meet them too). */
 enum kv_cache_kind { KV_CACHE_F32 = 0, KV_CACHE_F16 = 1, KV_CACHE_I8 = 2 };
 #define KV_I8_SCALE_BYTES 2
 
@@ -56,6 +57,26 @@ static inline int64_t kv_row_width(int kind, int64_t head_dim)
 }
 
 static inline int64_t kv_elem_bytes(int kind) { return kind == KV_CACHE_F32 ? 4 : kind == KV_CACHE_F16 ? 2 : 1; }
+
+/* x[0 .. head_dim-1] times the normalized Walsh-Hadamard matrix, in place, as cache.rotate_rows:
+ * the butterflies of stride 1, 2, 4, ... (x[j], x[j + h] -> their sum, their difference), then
+ * one product with fp32(1 / sqrt(head_dim)); the same operations in the same order, so the same
+ * bits. An orthogonal rotation, so q.k is unchanged, but a key's outlier channels are spread over
+ * the row, whose one int8 scale then fits every value. A head_dim that is not a power of two is
+ * left as it is. */
+static inline void kv_rotate(float *x, int64_t head_dim)
+{
+    if (head_dim < 2 || (head_dim & (head_dim - 1)) != 0) return;
+    for (int64_t h = 1; h < head_dim; h *= 2)
+        for (int64_t i = 0; i < head_dim; i += 2 * h)
+            for (int64_t j = i; j < i + h; j++) {
+                const float a = x[j], b = x[j + h];
+                x[j] = a + b;
+                x[j + h] = a - b;
+            }
+    const float norm = (float)(1.0 / __builtin_sqrt((double)head_dim));
+    for (int64_t d = 0; d < head_dim; d++) x[d] *= norm;
+}
 
 /* x[0 .. head_dim-1] as an int8 cache row, as cache.quantize_rows makes it: scale = fp16(absmax /
  * 127); each value x / scale (a division, as torch's), rounded to nearest even; 0 when scale is 0. */
