@@ -6,7 +6,7 @@ bookkeeping), best of three rounds; and the step that prefills one prompt of eac
     PYTHONPATH=. python benchmarks/bench_step.py --batch-sizes 1 32 --prefill-lens 512 1024
 
 One torch thread (and by default one kernel thread), greedy, ignore_eos, 128-token prompts (each request's differs in its last
-token, so none shares its last block), 40 output tokens. Drafting is off unless --speculative-config
+token, so none shares its last block; with --distinct-prompts in its first, so none shares any), 40 output tokens. Drafting is off unless --speculative-config
 names it: verified drafts make a step emit several tokens, and such steps are not counted.
 """
 import argparse
@@ -28,13 +28,15 @@ from trillm.engine.core import EngineCore  # noqa: E402
 PROMPT = "Once upon a time, in a small village nestled between two mountains, " * 12
 
 
-def decode_step_ms(core: EngineCore, batch: int, rounds: int, prompt_len: int, output_len: int) -> float:
-    prompt = core.tokenizer.encode(PROMPT)[: prompt_len - 1]
+def decode_step_ms(core: EngineCore, batch: int, rounds: int, prompt_len: int, output_len: int,
+                   distinct: bool = False) -> float:
+    prompt = core.tokenizer.encode(PROMPT * (1 + prompt_len // 100))[: prompt_len - 1]
     best = float("inf")
     for r in range(rounds):
         for i in range(batch):
             params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0)
-            core.add_request(f"b{batch}-{r}-{i}", prompt + [100 + i + 37 * r], params)
+            token = 100 + i + 37 * r
+            core.add_request(f"b{batch}-{r}-{i}", [token] + prompt if distinct else prompt + [token], params)
         times = []
         while core.has_unfinished():
             start = time.perf_counter()
@@ -67,6 +69,11 @@ def main() -> None:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--num-kv-blocks", type=int, default=1024,
+                        help="of 16 tokens; a batch whose contexts do not fit is preempted and never all decodes")
+    parser.add_argument("--distinct-prompts", action="store_true",
+                        help="requests differ in their first token, not their last: no two share a cache "
+                             "block, so each step reads every request's whole context")
     parser.add_argument("--output-len", type=int, default=40)
     parser.add_argument("--prefill-lens", type=int, nargs="*", default=[])
     parser.add_argument("--busy-process", action="store_true",
@@ -81,11 +88,11 @@ def main() -> None:
     if args.busy_process:
         busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
         atexit.register(busy.kill)
-    core = EngineCore(EngineArgs(model=args.model, num_kv_blocks=1024, kernel_threads=args.kernel_threads,
+    core = EngineCore(EngineArgs(model=args.model, num_kv_blocks=args.num_kv_blocks, kernel_threads=args.kernel_threads,
                                  quantized_activations=args.quantized_activations, kv_cache_dtype=args.kv_cache_dtype,
                                  speculative_config=args.speculative_config))
     for batch in args.batch_sizes:
-        ms = decode_step_ms(core, batch, args.rounds, args.prompt_len, args.output_len)
+        ms = decode_step_ms(core, batch, args.rounds, args.prompt_len, args.output_len, args.distinct_prompts)
         print(f"batch {batch:3d}: decode step {ms:.2f} ms", flush=True)
     for length in args.prefill_lens:
         ms = prefill_step_ms(core, length, args.rounds)
