@@ -128,12 +128,19 @@ static void *thread_scratch(size_t bytes)
 /* Key rows per block: read (widened) once into scratch and used by every row of the tile. */
 #define KEY_BLOCK 32
 
+/* How a tile reads cache rows (attend_tile): ROWS_FP32 through fp32 pointers (an fp32 cache, or
+ * rows widened or dequantized into scratch); in place, 16 lanes only, ROWS_FP16 converting fp16
+ * values as they are read and ROWS_INT8 int8 values, which the tile then multiplies by their
+ * row's scale: the same values a widened or dequantized copy would hold (int8: one product). */
+enum row_mode { ROWS_FP32 = 0, ROWS_FP16 = 1, ROWS_INT8 = 2 };
+
 /* Pointers to the fp32 values of cache rows rows[0 .. n-1] (offsets in cache elements): in place,
  * or widened or dequantized into `buf` ([KEY_BLOCK, num_kv_heads * head_dim]); the next block's
- * rows are requested meanwhile. `halves`: an fp16 cache's rows stay in place too (their
- * pointers are to fp16 values, which the tile converts as it reads them). */
+ * rows are requested meanwhile. With `mode` ROWS_FP16 or ROWS_INT8 an fp16 or int8 cache's rows stay
+ * in place too (their pointers are to the cache's own values, which the tile converts as it
+ * reads them). */
 TILE_INLINE void load_block(const struct attention_job *job, const void *cache, const int64_t *rows, int64_t n,
-                            float *buf, const float **out, const int halves)
+                            float *buf, const float **out, const int mode)
 {
     const int64_t values = job->num_kv_heads * job->head_dim, elem = kv_elem_bytes(job->kind);
     for (int64_t j = 0; j < PREFETCH_AHEAD; j++)
@@ -143,8 +150,12 @@ TILE_INLINE void load_block(const struct attention_job *job, const void *cache, 
             out[j] = (const float *)cache + rows[j];
             continue;
         }
-        if (halves) {
+        if (mode == ROWS_FP16) {
             out[j] = (const float *)(const void *)((const uint16_t *)cache + rows[j]);
+            continue;
+        }
+        if (mode == ROWS_INT8) {
+            out[j] = (const float *)(const void *)((const int8_t *)cache + rows[j]);
             continue;
         }
         if (job->kind == KV_CACHE_F16)

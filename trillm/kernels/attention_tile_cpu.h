@@ -21,7 +21,10 @@
 #define score_block TILE_NAME(score_block, LANES)
 #define weigh_block TILE_NAME(weigh_block, LANES)
 #define tile_pass TILE_NAME(tile_pass, LANES)
+#define tile_pass_int8 TILE_NAME(tile_pass_int8, LANES)
 #define load_row TILE_NAME(load_row, LANES)
+#define head_offset TILE_NAME(head_offset, LANES)
+#define row_scale TILE_NAME(row_scale, LANES)
 #define attend_tile TILE_NAME(attend_tile, LANES)
 
 typedef float vf __attribute__((vector_size(4 * LANES)));
@@ -44,20 +47,41 @@ TILE_FN vf load_lanes(const float *p)
 
 TILE_FN void store_lanes(float *p, vf v) { memcpy(p, &v, sizeof v); }
 
-/* LANES values of a cache row from element `off`: fp32, or with `halves` (16 lanes only) fp16
- * values converted as they are read, the same values a widened copy would hold. */
-TILE_FN vf load_row(const float *row, int64_t off, const int halves)
+/* LANES values of a cache row from element `off` (a byte for ROWS_INT8), read as `mode` says
+ * (attention_cpu.h's enum row_mode). */
+TILE_FN vf load_row(const float *row, int64_t off, const int mode)
 {
 #if LANES == 16
-    if (halves) {
+    if (mode == ROWS_FP16) {
         const __m512 wide = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)(const void *)row + off)));
         vf v;
         memcpy(&v, &wide, sizeof v);
         return v;
     }
+    if (mode == ROWS_INT8) {
+        const __m512 wide = _mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)(const void *)row + off))));
+        vf v;
+        memcpy(&v, &wide, sizeof v);
+        return v;
+    }
 #endif
-    (void)halves;
+    (void)mode;
     return load_lanes(row + off);
+}
+
+/* The scale of the int8 row of the head at byte `off` of a token's cache row (ROWS_INT8); 1 for
+ * the other modes, whose values need none. */
+TILE_FN float row_scale(const float *row, int64_t off, int64_t head_dim, const int mode)
+{
+    return mode == ROWS_INT8 ? kv_row_scale((const int8_t *)(const void *)row + off, head_dim) : 1.0f;
+}
+
+/* Where KV head g starts in a token's row as `mode` reads it: in values, or in the int8 cache's
+ * bytes, each head's values followed by its scale. */
+TILE_FN int64_t head_offset(const struct attention_job *job, int64_t g, const int mode)
+{
+    return g * (mode == ROWS_INT8 ? kv_row_width(KV_CACHE_I8, job->head_dim) : job->head_dim);
 }
 
 /* A dot product's lanes, summed in one fixed order (16 lanes: first folded onto 8). */
@@ -107,14 +131,29 @@ TILE_FN void store_sums4(float *s, vf a0, vf a1, vf a2, vf a3, float scale)
  * products times scale. Each dot product is LANES lanes, each summing every LANES-th element in
  * order, then hsum's fixed tree: the same for a query whatever block it is in. */
 TILE_FN void dots4(const int nq, const float *const q[QUERY_BLOCK], const float *const k[4], int64_t off,
-                   int64_t head_dim, float scale, float *const s[QUERY_BLOCK], int64_t at, const int halves)
+                   int64_t head_dim, float scale, float *const s[QUERY_BLOCK], int64_t at, const int mode)
 {
     vf acc[QUERY_BLOCK][4];
     for (int a = 0; a < nq; a++) acc[a][0] = acc[a][1] = acc[a][2] = acc[a][3] = (vf){0};
     int64_t d = 0;
+    if (mode == ROWS_INT8) { /* the loop below, each key's values times its row's scale */
+        const float s0 = row_scale(k[0], off, head_dim, mode), s1 = row_scale(k[1], off, head_dim, mode);
+        const float s2 = row_scale(k[2], off, head_dim, mode), s3 = row_scale(k[3], off, head_dim, mode);
+        for (; d + LANES <= head_dim; d += LANES) {
+            const vf k0 = load_row(k[0], off + d, mode) * s0, k1 = load_row(k[1], off + d, mode) * s1;
+            const vf k2 = load_row(k[2], off + d, mode) * s2, k3 = load_row(k[3], off + d, mode) * s3;
+            for (int a = 0; a < nq; a++) {
+                const vf x = load_lanes(q[a] + d);
+                acc[a][0] += x * k0;
+                acc[a][1] += x * k1;
+                acc[a][2] += x * k2;
+                acc[a][3] += x * k3;
+            }
+        }
+    }
     for (; d + LANES <= head_dim; d += LANES) {
-        const vf k0 = load_row(k[0], off + d, halves), k1 = load_row(k[1], off + d, halves);
-        const vf k2 = load_row(k[2], off + d, halves), k3 = load_row(k[3], off + d, halves);
+        const vf k0 = load_row(k[0], off + d, mode), k1 = load_row(k[1], off + d, mode);
+        const vf k2 = load_row(k[2], off + d, mode), k3 = load_row(k[3], off + d, mode);
         for (int a = 0; a < nq; a++) {
             const vf x = load_lanes(q[a] + d);
             acc[a][0] += x * k0;
@@ -134,16 +173,26 @@ TILE_FN void dots4(const int nq, const float *const q[QUERY_BLOCK], const float 
  * keys. */
 #define WEIGH_VALUES(W)                                                                                  \
     TILE_FN void weigh_values##W(const int nq, float *const o[QUERY_BLOCK], const float *const p[QUERY_BLOCK], \
-                                 const float *const *v, int64_t off, int64_t d0, int64_t n, const int halves) \
+                                 const float *const *v, int64_t off, int64_t d0, int64_t n, int64_t head_dim, \
+                                 const int mode)                                                       \
     {                                                                                                  \
         vf acc[QUERY_BLOCK][W];                                                                        \
         for (int a = 0; a < nq; a++)                                                                   \
             for (int t = 0; t < W; t++) acc[a][t] = load_lanes(o[a] + d0 + LANES * t);                 \
-        for (int64_t j = 0; j < n; j++)                                                                \
-            for (int t = 0; t < W; t++) {                                                              \
-                const vf x = load_row(v[j], off + d0 + LANES * t, halves);                             \
-                for (int a = 0; a < nq; a++) acc[a][t] += p[a][j] * x;                                 \
+        if (mode == ROWS_INT8) /* the loop below, each value times its row's scale */                  \
+            for (int64_t j = 0; j < n; j++) {                                                          \
+                const float sj = row_scale(v[j], off, head_dim, mode);                                 \
+                for (int t = 0; t < W; t++) {                                                          \
+                    const vf x = load_row(v[j], off + d0 + LANES * t, mode) * sj;                      \
+                    for (int a = 0; a < nq; a++) acc[a][t] += p[a][j] * x;                             \
+                }                                                                                      \
             }                                                                                          \
+        else                                                                                           \
+            for (int64_t j = 0; j < n; j++)                                                            \
+                for (int t = 0; t < W; t++) {                                                          \
+                    const vf x = load_row(v[j], off + d0 + LANES * t, mode);                           \
+                    for (int a = 0; a < nq; a++) acc[a][t] += p[a][j] * x;                             \
+                }                                                                                      \
         for (int a = 0; a < nq; a++)                                                                   \
             for (int t = 0; t < W; t++) store_lanes(o[a] + d0 + LANES * t, acc[a][t]);                 \
     }
@@ -163,11 +212,11 @@ TILE_FN void weigh_values_lane(const int nq, float *const o[QUERY_BLOCK], const 
 
 /* The weighted values of a block's queries (as weigh_values##W), across head_dim. */
 TILE_FN void weigh_values(const int nq, float *const o[QUERY_BLOCK], const float *const p[QUERY_BLOCK],
-                          const float *const *v, int64_t off, int64_t n, int64_t head_dim, const int halves)
+                          const float *const *v, int64_t off, int64_t n, int64_t head_dim, const int mode)
 {
     int64_t d = 0;
-    for (; d + 4 * LANES <= head_dim; d += 4 * LANES) weigh_values4(nq, o, p, v, off, d, n, halves);
-    for (; d + LANES <= head_dim; d += LANES) weigh_values1(nq, o, p, v, off, d, n, halves);
+    for (; d + 4 * LANES <= head_dim; d += 4 * LANES) weigh_values4(nq, o, p, v, off, d, n, head_dim, mode);
+    for (; d + LANES <= head_dim; d += LANES) weigh_values1(nq, o, p, v, off, d, n, head_dim, mode);
     for (; d < head_dim; d++) weigh_values_lane(nq, o, p, v, off, d, n);
 }
 
@@ -210,9 +259,9 @@ TILE_FN float exp_and_sum(float *s, int64_t len, float mx)
  * probability 0), four keys at a time. A shorter row's extra scores land in its stripe beyond
  * its context, and nothing reads them. */
 TILE_FN void score_block(const struct tile_rows *t, int nq, const int64_t x[QUERY_BLOCK], int64_t end, int64_t i0,
-                         int64_t g, const int halves)
+                         int64_t g, const int mode)
 {
-    const int64_t head_dim = t->job->head_dim, off = g * head_dim;
+    const int64_t head_dim = t->job->head_dim, off = head_offset(t->job, g, mode);
     const float scale = t->job->scale;
     const float *const *keys = t->ptrs;
     const float *qs[QUERY_BLOCK];
@@ -221,7 +270,7 @@ TILE_FN void score_block(const struct tile_rows *t, int nq, const int64_t x[QUER
         qs[a] = t->q + x[a] * head_dim;
         ss[a] = t->scores + x[a] * t->stride + i0;
     }
-    FOR_COUNT(nq, for (int64_t j = 0; j < end; j += 4) dots4(NQ, qs, keys + j, off, head_dim, scale, ss, j, halves));
+    FOR_COUNT(nq, for (int64_t j = 0; j < end; j += 4) dots4(NQ, qs, keys + j, off, head_dim, scale, ss, j, mode));
 }
 
 /* The block's values weighed into the outputs of queries x[0 .. nq-1] (of KV head g), each over
@@ -229,7 +278,7 @@ TILE_FN void score_block(const struct tile_rows *t, int nq, const int64_t x[QUER
  * the first sees, then the later rows' further keys (at the diagonal) with the rows that see
  * them. */
 TILE_FN void weigh_block(const struct tile_rows *t, int nq, const int64_t x[QUERY_BLOCK],
-                         const int64_t ends[QUERY_BLOCK], int64_t i0, int64_t g, const int halves)
+                         const int64_t ends[QUERY_BLOCK], int64_t i0, int64_t g, const int mode)
 {
     const int64_t head_dim = t->job->head_dim;
     float *os[QUERY_BLOCK];
@@ -243,8 +292,8 @@ TILE_FN void weigh_block(const struct tile_rows *t, int nq, const int64_t x[QUER
         if (ends[a] <= done) continue;
         const float *pa[QUERY_BLOCK];
         for (int b = a; b < nq; b++) pa[b - a] = ps[b] + done;
-        FOR_COUNT(nq - a, weigh_values(NQ, os + a, pa, t->ptrs + done, g * head_dim, ends[a] - done, head_dim,
-                                              halves));
+        FOR_COUNT(nq - a, weigh_values(NQ, os + a, pa, t->ptrs + done, head_offset(t->job, g, mode), ends[a] - done,
+                                       head_dim, mode));
         done = ends[a];
     }
 }
@@ -253,7 +302,7 @@ TILE_FN void weigh_block(const struct tile_rows *t, int nq, const int64_t x[QUER
  * see the block QUERY_BLOCK at a time (rows ascending, a row's heads of the group in order): the
  * scores (values 0, over the contexts padded to four) or the weighted values (values 1, over the
  * contexts). The rows that see a block are r_lo .. m - 1: their contexts ascend. */
-TILE_FN void tile_pass(const struct tile_rows *t, const int values, const int halves)
+TILE_FN void tile_pass(const struct tile_rows *t, const int values, const int mode)
 {
     const struct attention_job *job = t->job;
     const int64_t *const len = values ? t->n : t->padded; /* each row's keys in this pass */
@@ -262,7 +311,7 @@ TILE_FN void tile_pass(const struct tile_rows *t, const int values, const int ha
     for (int64_t i0 = 0; i0 < total; i0 += KEY_BLOCK) {
         const int64_t nk = total - i0 < KEY_BLOCK ? total - i0 : KEY_BLOCK;
         while (len[r_lo] <= i0) r_lo++;
-        load_block(job, values ? job->v_cache : job->k_cache, t->rows + i0, nk, t->block, t->ptrs, halves);
+        load_block(job, values ? job->v_cache : job->k_cache, t->rows + i0, nk, t->block, t->ptrs, mode);
         const int64_t count = (t->m - r_lo) * t->group;
         for (int64_t g = 0; g < job->num_kv_heads; g++) {
             int64_t row = r_lo, head = 0; /* the next query's row, and its head within g's group */
@@ -275,12 +324,22 @@ TILE_FN void tile_pass(const struct tile_rows *t, const int values, const int ha
                     if (++head == t->group) head = 0, row++;
                 }
                 if (values)
-                    weigh_block(t, nq, x, ends, i0, g, halves);
+                    weigh_block(t, nq, x, ends, i0, g, mode);
                 else
-                    score_block(t, nq, x, ends[nq - 1], i0, g, halves);
+                    score_block(t, nq, x, ends[nq - 1], i0, g, mode);
             }
         }
     }
+}
+
+/* tile_pass reading an int8 cache in place, a function of its own: inlined beside the other two
+ * modes, it made the fp16 mode's code slower (the same source, 5-8% more time). */
+static __attribute__((noinline)) TILE_TARGET void tile_pass_int8(const struct tile_rows *t, const int values)
+{
+    if (values)
+        tile_pass(t, 1, ROWS_INT8);
+    else
+        tile_pass(t, 0, ROWS_INT8);
 }
 
 /* The tile's output rows from its request's context. Scratch: scores [num_rows, num_heads,
@@ -313,14 +372,16 @@ TILE_TARGET static void attend_tile(const struct attention_job *job, const struc
     float *out = job->out + t->first_row * num_heads * head_dim;
 
     const struct tile_rows tile = {job, m, group, stride, rows, block, ptrs, q, out, scores, n, padded};
-    /* A tile whose queries of a KV head make one block reads each key and value once: an fp16
-     * cache's rows are then converted as they are read, not widened into scratch for that single
-     * use; the same values, so the same bits. */
-    const int halves = LANES == 16 && job->kind == KV_CACHE_F16 && m * group <= QUERY_BLOCK && head_dim % LANES == 0;
-    if (halves)
-        tile_pass(&tile, 0, 1);
+    /* A tile whose queries of a KV head make one block reads each key and value once: an fp16 or
+     * int8 cache's rows are then converted as they are read, not widened or dequantized into
+     * scratch for that single use; the same values, so the same bits. */
+    const int in_place = LANES == 16 && job->kind != KV_CACHE_F32 && m * group <= QUERY_BLOCK && head_dim % LANES == 0;
+    if (in_place && job->kind == KV_CACHE_F16)
+        tile_pass(&tile, 0, ROWS_FP16);
+    else if (in_place)
+        tile_pass_int8(&tile, 0);
     else
-        tile_pass(&tile, 0, 0);
+        tile_pass(&tile, 0, ROWS_FP32);
     for (int64_t x = 0; x < m * num_heads; x++) {
         float *s = scores + x * stride, mx = -INFINITY;
         const int64_t len = n[x / num_heads];
@@ -330,10 +391,12 @@ TILE_TARGET static void attend_tile(const struct attention_job *job, const struc
         for (int64_t j = 0; j < len; j++) s[j] *= inv;
     }
     for (int64_t x = 0; x < m * num_heads * head_dim; x++) out[x] = 0.0f;
-    if (halves)
-        tile_pass(&tile, 1, 1);
+    if (in_place && job->kind == KV_CACHE_F16)
+        tile_pass(&tile, 1, ROWS_FP16);
+    else if (in_place)
+        tile_pass_int8(&tile, 1);
     else
-        tile_pass(&tile, 1, 0);
+        tile_pass(&tile, 1, ROWS_FP32);
 }
 
 #undef WEIGH_VALUES
@@ -352,7 +415,10 @@ TILE_TARGET static void attend_tile(const struct attention_job *job, const struc
 #undef score_block
 #undef weigh_block
 #undef tile_pass
+#undef tile_pass_int8
 #undef load_row
+#undef head_offset
+#undef row_scale
 #undef TILE_FN
 #undef attend_tile
 #undef TILE_NAME
