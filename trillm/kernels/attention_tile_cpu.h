@@ -13,6 +13,7 @@
 #define hsum TILE_NAME(hsum, LANES)
 #define store_sums4 TILE_NAME(store_sums4, LANES)
 #define dots4 TILE_NAME(dots4, LANES)
+#define dots4_lanes TILE_NAME(dots4_lanes, LANES)
 #define weigh_values4 TILE_NAME(weigh_values4, LANES)
 #define weigh_values1 TILE_NAME(weigh_values1, LANES)
 #define weigh_values_lane TILE_NAME(weigh_values_lane, LANES)
@@ -127,6 +128,19 @@ TILE_FN void store_sums4(float *s, vf a0, vf a1, vf a2, vf a3, float scale)
 }
 #endif
 
+/* acc[a][t] += the LANES values of q[a] from d times those of key t, for each query a < nq. */
+TILE_FN void dots4_lanes(const int nq, vf acc[QUERY_BLOCK][4], const float *const q[QUERY_BLOCK], int64_t d,
+                         const vf k0, const vf k1, const vf k2, const vf k3)
+{
+    for (int a = 0; a < nq; a++) {
+        const vf x = load_lanes(q[a] + d);
+        acc[a][0] += x * k0;
+        acc[a][1] += x * k1;
+        acc[a][2] += x * k2;
+        acc[a][3] += x * k3;
+    }
+}
+
 /* Queries q[0 .. nq-1] against four keys k[0..3] at head offset off: s[a][at .. at+3] = the dot
  * products times scale. Each dot product is LANES lanes, each summing every LANES-th element in
  * order, then hsum's fixed tree: the same for a query whatever block it is in. */
@@ -136,31 +150,21 @@ TILE_FN void dots4(const int nq, const float *const q[QUERY_BLOCK], const float 
     vf acc[QUERY_BLOCK][4];
     for (int a = 0; a < nq; a++) acc[a][0] = acc[a][1] = acc[a][2] = acc[a][3] = (vf){0};
     int64_t d = 0;
-    if (mode == ROWS_INT8) { /* the loop below, each key's values times its row's scale */
+    /* int8: the loop below, each key's values times its row's scale. Apart, not one loop with the
+     * product inside a condition: that made the fp16 mode's code 8% slower. */
+    if (mode == ROWS_INT8) {
         const float s0 = row_scale(k[0], off, head_dim, mode), s1 = row_scale(k[1], off, head_dim, mode);
         const float s2 = row_scale(k[2], off, head_dim, mode), s3 = row_scale(k[3], off, head_dim, mode);
         for (; d + LANES <= head_dim; d += LANES) {
             const vf k0 = load_row(k[0], off + d, mode) * s0, k1 = load_row(k[1], off + d, mode) * s1;
             const vf k2 = load_row(k[2], off + d, mode) * s2, k3 = load_row(k[3], off + d, mode) * s3;
-            for (int a = 0; a < nq; a++) {
-                const vf x = load_lanes(q[a] + d);
-                acc[a][0] += x * k0;
-                acc[a][1] += x * k1;
-                acc[a][2] += x * k2;
-                acc[a][3] += x * k3;
-            }
+            dots4_lanes(nq, acc, q, d, k0, k1, k2, k3);
         }
     }
     for (; d + LANES <= head_dim; d += LANES) {
         const vf k0 = load_row(k[0], off + d, mode), k1 = load_row(k[1], off + d, mode);
         const vf k2 = load_row(k[2], off + d, mode), k3 = load_row(k[3], off + d, mode);
-        for (int a = 0; a < nq; a++) {
-            const vf x = load_lanes(q[a] + d);
-            acc[a][0] += x * k0;
-            acc[a][1] += x * k1;
-            acc[a][2] += x * k2;
-            acc[a][3] += x * k3;
-        }
+        dots4_lanes(nq, acc, q, d, k0, k1, k2, k3);
     }
     for (int64_t l = 0; d < head_dim; d++, l++) /* a head_dim that is not a multiple of LANES */
         for (int a = 0; a < nq; a++)
@@ -407,6 +411,7 @@ TILE_TARGET static void attend_tile(const struct attention_job *job, const struc
 #undef hsum
 #undef store_sums4
 #undef dots4
+#undef dots4_lanes
 #undef weigh_values4
 #undef weigh_values1
 #undef weigh_values_lane
