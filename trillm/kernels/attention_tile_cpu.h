@@ -23,6 +23,7 @@
 #define weigh_block TILE_NAME(weigh_block, LANES)
 #define tile_pass TILE_NAME(tile_pass, LANES)
 #define tile_pass_int8 TILE_NAME(tile_pass_int8, LANES)
+#define tile_pass_as TILE_NAME(tile_pass_as, LANES)
 #define load_row TILE_NAME(load_row, LANES)
 #define head_offset TILE_NAME(head_offset, LANES)
 #define row_scale TILE_NAME(row_scale, LANES)
@@ -346,6 +347,18 @@ static __attribute__((noinline)) TILE_TARGET void tile_pass_int8(const struct ti
         tile_pass(t, 0, ROWS_INT8);
 }
 
+/* tile_pass reading rows as the tile can: in place (`in_place`: the queries of a KV head make one
+ * block) as the cache's kind says, else through fp32 pointers. */
+TILE_FN void tile_pass_as(const struct tile_rows *t, const int values, const int in_place)
+{
+    if (in_place && t->job->kind == KV_CACHE_F16)
+        tile_pass(t, values, ROWS_FP16);
+    else if (in_place)
+        tile_pass_int8(t, values);
+    else
+        tile_pass(t, values, ROWS_FP32);
+}
+
 /* The tile's output rows from its request's context. Scratch: scores [num_rows, num_heads,
  * stride] (stride a multiple of 16 floats, so each row's and head's stripe is 64-byte aligned),
  * rows [padded + PREFETCH_AHEAD], block [KEY_BLOCK, num_kv_heads * head_dim], pointers
@@ -380,12 +393,7 @@ TILE_TARGET static void attend_tile(const struct attention_job *job, const struc
      * int8 cache's rows are then converted as they are read, not widened or dequantized into
      * scratch for that single use; the same values, so the same bits. */
     const int in_place = LANES == 16 && job->kind != KV_CACHE_F32 && m * group <= QUERY_BLOCK && head_dim % LANES == 0;
-    if (in_place && job->kind == KV_CACHE_F16)
-        tile_pass(&tile, 0, ROWS_FP16);
-    else if (in_place)
-        tile_pass_int8(&tile, 0);
-    else
-        tile_pass(&tile, 0, ROWS_FP32);
+    tile_pass_as(&tile, 0, in_place);
     for (int64_t x = 0; x < m * num_heads; x++) {
         float *s = scores + x * stride, mx = -INFINITY;
         const int64_t len = n[x / num_heads];
@@ -395,12 +403,7 @@ TILE_TARGET static void attend_tile(const struct attention_job *job, const struc
         for (int64_t j = 0; j < len; j++) s[j] *= inv;
     }
     for (int64_t x = 0; x < m * num_heads * head_dim; x++) out[x] = 0.0f;
-    if (in_place && job->kind == KV_CACHE_F16)
-        tile_pass(&tile, 1, ROWS_FP16);
-    else if (in_place)
-        tile_pass_int8(&tile, 1);
-    else
-        tile_pass(&tile, 1, ROWS_FP32);
+    tile_pass_as(&tile, 1, in_place);
 }
 
 #undef WEIGH_VALUES
@@ -421,6 +424,7 @@ TILE_TARGET static void attend_tile(const struct attention_job *job, const struc
 #undef weigh_block
 #undef tile_pass
 #undef tile_pass_int8
+#undef tile_pass_as
 #undef load_row
 #undef head_offset
 #undef row_scale

@@ -247,8 +247,7 @@ def paged_attention(
     out = torch.empty_like(q)
     if num_tokens == 0 or num_seqs == 0:
         return out
-    if k_cache.dtype == torch.int8:  # its keys are rotated (cache.py): the queries meet them so
-        q = keys_for(q, k_cache.dtype).to(q.dtype)
+    q = keys_for(q, k_cache.dtype).to(q.dtype)  # an int8 cache's keys are rotated (cache.py): so are the queries
 
     group = num_heads // num_kv_heads
     # Decode-only steps (one query per request) get the smallest tile tl.dot accepts, so a
