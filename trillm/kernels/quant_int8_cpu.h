@@ -194,6 +194,20 @@ __attribute__((target("avx2"))) static void int8_quantize_rows_avx2(const float 
 #define INT8_FIFTH_BITS(SLLI, SRLI, AND, plane, g, sixteen)                                               \
     AND((g) <= 4 ? SLLI(plane, 4 - (g)) : SRLI(plane, (g) - 4), sixteen)
 
+/* Asks for the same block of the next tile while this one computes. A step streams every weight
+ * once, and without this the kernel waits for memory at each tile (measured: the hardware's
+ * prefetchers alone leave a batch's pass a quarter slower). A prefetch never faults, so the last
+ * tile's, past the end, is harmless. */
+static inline void int8_prefetch_next_tile(const struct int8_weight *w, int bits, int64_t block)
+{
+    const int64_t ahead = block + w->blocks;
+    const int lines = int8_weight_groups(w);
+    for (int g = 0; g < lines; g++) __builtin_prefetch(w->u + (ahead * lines + g) * 64);
+    if (bits == 5) __builtin_prefetch(w->h + ahead * 64);
+    __builtin_prefetch(w->d + ahead * INT8_TILE_N);
+    if (w->m != NULL) __builtin_prefetch(w->m + ahead * INT8_TILE_N);
+}
+
 /* `rows` and `bits` are constants at each call site, so each pair compiles to its own loop
  * with the accumulators in registers. */
 __attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline)) static inline void int8_rows_avx512_body(
@@ -205,6 +219,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline)) static inl
     const __m512i low = _mm512_set1_epi8(15);
     for (int64_t b = 0; b < w->blocks; b++) {
         const int64_t block = t * w->blocks + b;
+        int8_prefetch_next_tile(w, bits, block);
         const __m512 d = _mm512_loadu_ps(w->d + block * INT8_TILE_N);
         const __m512 m = bits != 8 || w->m != NULL ? _mm512_loadu_ps(w->m + block * INT8_TILE_N) : _mm512_setzero_ps();
         __m512i u[8];
@@ -226,9 +241,13 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline)) static inl
         }
         _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) {
             const int8_t *v = x->v + (r0 + r) * x->K + b * INT8_BLOCK;
-            __m512i dot = _mm512_setzero_si512();
-            _Pragma("GCC unroll 8") for (int g = 0; g < 8; g++)
-                dot = _mm512_dpbusd_epi32(dot, u[g], _mm512_set1_epi32(int8_word(v + 4 * g)));
+            /* two chains of four: each vpdpbusd waits on the one before it in its chain */
+            __m512i dot0 = _mm512_setzero_si512(), dot1 = _mm512_setzero_si512();
+            _Pragma("GCC unroll 4") for (int g = 0; g < 4; g++) {
+                dot0 = _mm512_dpbusd_epi32(dot0, u[g], _mm512_set1_epi32(int8_word(v + 4 * g)));
+                dot1 = _mm512_dpbusd_epi32(dot1, u[g + 4], _mm512_set1_epi32(int8_word(v + 16 + 4 * g)));
+            }
+            const __m512i dot = _mm512_add_epi32(dot0, dot1);
             const int64_t at = (r0 + r) * x->blocks + b;
             acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(x->e[at])), _mm512_cvtepi32_ps(dot), acc[r]);
             if (bits == 8) acc[r] = _mm512_fmadd_ps(d, _mm512_set1_ps(-128.0f * x->s[at]), acc[r]);
@@ -273,6 +292,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) static void int8_rows_avx
         const __m256i low = _mm256_set1_epi8(15), sixteen = _mm256_set1_epi8(16);                          \
         for (int64_t b = 0; b < w->blocks; b++) {                                                          \
             const int64_t block = t * w->blocks + b;                                                       \
+            int8_prefetch_next_tile(w, bits, block);                                                       \
             for (int half = 0; half < 2; half++) {                                                         \
                 const __m256 d = _mm256_loadu_ps(w->d + block * INT8_TILE_N + 8 * half);                   \
                 const __m256 m = w->m != NULL ? _mm256_loadu_ps(w->m + block * INT8_TILE_N + 8 * half)     \
