@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trillm.engine.sampler import Sampler, SamplingBatch, process_logits
+from trillm.engine.sampler import Sampler, SamplingBatch, inverse_cdf, process_logits
 from trillm.sampling_params import SamplingParams
 
 EOS = 3
@@ -77,6 +77,17 @@ def test_random_sampling_follows_the_tempered_distribution():
     out = sample(row.expand(n, -1).clone(), [SamplingParams(temperature=0.7)] * n, eos=())
     expected = torch.softmax(row / 0.7, -1)
     assert torch.allclose(frequencies(out.token_ids, 5), expected, atol=0.015)
+
+
+def test_inverse_cdf_picks_only_tokens_with_probability_at_the_edges():
+    """u = 0 and u just under 1 land on the first and last tokens that have any probability,
+    never on the zeros around them; a probability too small for fp32's running sum still wins
+    its share."""
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0, 0.0], [0.0, 0.0, 1e-30, 0.0, 0.0, 0.0],
+                          [1.0, 1e-9, 0.0, 0.0, 0.0, 0.0]])
+    cases = [(0.0, [1, 2, 0]), (0.5, [3, 2, 0]), (1 - 2.0 ** -53, [3, 2, 1]), (1 - 2e-9, [3, 2, 0])]
+    for u, expected in cases:
+        assert inverse_cdf(probs, torch.full((3,), u, dtype=torch.float64)).tolist() == expected
 
 
 def test_min_p_drops_unlikely_tokens_and_keeps_the_rest_in_proportion():

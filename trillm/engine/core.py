@@ -439,7 +439,7 @@ class EngineCore:
             if drafts:
                 self.spec_decode.count(len(drafts), len(run) - 1)
                 row.drafter.accepted(len(drafts), len(run) - 1)
-                streams.keep(row, len(run), logits.shape[1])
+                streams.keep(row, len(run))
             logprobs = sampled.logprobs[first:first + len(run)]
             runs.append(run)
             run_logprobs.append(None if logprobs[0] is None else logprobs)

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from trillm.engine.request import EngineRequest
+from trillm.engine.sampler import draw_uniform
 from trillm.sampling_params import SamplingParams
 from trillm.sched_ext import ScheduledRequest
 
@@ -87,15 +88,15 @@ class SeededStreams:
         self._saved = {id(row): (row.generator, row.generator.get_state()) for row, entry in zip(rows, entries)
                        if entry.draft_token_ids and row.generator is not None and not row.params.greedy}
 
-    def keep(self, row: EngineRequest, num_kept: int, vocab_size: int) -> None:
+    def keep(self, row: EngineRequest, num_kept: int) -> None:
         """`row` kept `num_kept` positions: its generator is where decoding them would leave it."""
         saved = self._saved.get(id(row))
         if saved is None:
             return
         generator, state = saved
         generator.set_state(state)
-        for _ in range(num_kept):  # the sampler's draw for one row (sampler._pick)
-            torch.rand(vocab_size, device=generator.device, generator=generator)
+        for _ in range(num_kept):
+            draw_uniform(generator)
 
 
 @dataclass
