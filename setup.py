@@ -1,5 +1,5 @@
 """Builds the Cython extensions: the scheduler in trillm/sched_ext and the CPU kernels (decode
-attention, quantized linears, the grouped LoRA multiply, the per-token ops, a decode step's whole layer
+attention, quantized linears, the grouped LoRA multiply, the per-token ops, the sampler's draw, a decode step's whole layer
 stack, their thread pool) in trillm/kernels; everything else is in pyproject.toml."""
 from glob import glob
 
@@ -18,7 +18,7 @@ setup(
             "trillm/sched_ext/*.pyx",
             *(Extension(f"trillm.kernels.{name}", [f"trillm/kernels/{name}.pyx"], extra_compile_args=CPU_KERNEL_FLAGS,
                         depends=KERNEL_HEADERS)
-              for name in ("attention_cpu", "ops_cpu", "quant_cpu", "lora_cpu", "decoder_cpu")),
+              for name in ("attention_cpu", "ops_cpu", "quant_cpu", "lora_cpu", "decoder_cpu", "sampling_cpu")),
             # -pthread: the helper threads of pool_cpu.h
             Extension("trillm.kernels.pool_cpu", ["trillm/kernels/pool_cpu.pyx"],
                       extra_compile_args=[*CPU_KERNEL_FLAGS, "-pthread"], extra_link_args=["-pthread"],

@@ -90,6 +90,43 @@ def test_inverse_cdf_picks_only_tokens_with_probability_at_the_edges():
         assert inverse_cdf(probs, torch.full((3,), u, dtype=torch.float64)).tolist() == expected
 
 
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 6), vocab=st.sampled_from([1, 63, 64, 65, 200, 49152]), seed=st.integers(0, 2**16),
+       masked=st.sampled_from([0.0, 0.5, 0.99]), scale=st.sampled_from([0.1, 3.0, 30.0]))
+def test_compiled_draw_matches_its_twin(rows, vocab, seed, masked, scale):
+    """The CPU kernel draws the twin's token (inverse_cdf of a softmax) wherever u is not within
+    rounding of a boundary between two tokens, and never a masked one."""
+    from trillm.kernels import sampling_cpu
+
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, vocab, generator=g) * scale
+    mask = torch.rand(rows, vocab, generator=g) < masked
+    mask[:, torch.randint(vocab, (1,), generator=g)] = False  # every row keeps a token
+    logits[mask] = -math.inf
+    uniform = torch.rand(rows, generator=g, dtype=torch.float64)
+    uniform[0] = 0.0
+    if rows > 1:
+        uniform[1] = 1 - 2.0 ** -53
+    drawn = sampling_cpu.sample(logits, uniform)
+    twin = inverse_cdf(logits.softmax(-1), uniform)
+    assert not mask.gather(1, drawn.unsqueeze(1)).any()
+    cdf = logits.softmax(-1).double().cumsum(-1)
+    for r in torch.nonzero(drawn != twin).flatten().tolist():
+        boundary = cdf[r, min(drawn[r], twin[r])]
+        assert abs(uniform[r] * cdf[r, -1] - boundary) < 1e-5, (r, drawn[r], twin[r])
+
+
+def test_compiled_argmax_takes_the_first_of_tied_maxima():
+    from trillm.kernels import sampling_cpu
+
+    logits = torch.randn(5, 300)
+    logits[1, [7, 250]] = 10.0
+    logits[2] = -math.inf
+    logits[3, 299] = 10.0
+    assert sampling_cpu.argmax(logits).tolist() == logits.argmax(-1).tolist()
+    assert sampling_cpu.argmax(logits)[1:4].tolist() == [7, 0, 299]
+
+
 def test_min_p_drops_unlikely_tokens_and_keeps_the_rest_in_proportion():
     torch.manual_seed(0)
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])

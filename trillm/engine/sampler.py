@@ -27,6 +27,7 @@ decode step's model at a batch of 32 over a 49k vocabulary.
 """
 from __future__ import annotations
 
+import importlib.util
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -35,6 +36,8 @@ from typing import Protocol
 import torch
 
 from trillm.sampling_params import SamplingParams
+
+_SAMPLING_CPU_BUILT = importlib.util.find_spec("trillm.kernels.sampling_cpu") is not None
 
 
 @dataclass
@@ -190,18 +193,43 @@ def _pick(logits: torch.Tensor, params: list[SamplingParams], generators: list[t
     """One token per row: argmax for greedy rows, inverse-CDF sampling for the others."""
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if not random_rows:
-        return logits.argmax(dim=-1)
+        return argmax(logits)
     tokens = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
     greedy_rows = [i for i, p in enumerate(params) if p.greedy]
     if greedy_rows:
-        tokens[greedy_rows] = logits[greedy_rows].argmax(dim=-1)
-    probs = truncate(logits[random_rows], [params[i] for i in random_rows]).softmax(dim=-1)
+        tokens[greedy_rows] = argmax(logits[greedy_rows])
+    rows = logits if len(random_rows) == len(params) else logits[random_rows]
+    truncated = truncate(rows, [params[i] for i in random_rows])
     uniform = torch.rand(len(random_rows), dtype=torch.float64, device=logits.device)
     for row, i in enumerate(random_rows):
         if generators[i] is not None:
             uniform[row] = draw_uniform(generators[i])  # the copy lands it on the logits' device
-    tokens[random_rows] = inverse_cdf(probs, uniform)
+    tokens[random_rows] = draw_from_softmax(truncated, uniform)
     return tokens
+
+
+def _compiled(logits: torch.Tensor):
+    """trillm/kernels/sampling_cpu, where it runs these logits (fp32 rows on CPU), else None."""
+    if logits.device.type != "cpu" or not _SAMPLING_CPU_BUILT or logits.stride(-1) != 1:
+        return None
+    from trillm.kernels import sampling_cpu
+
+    return sampling_cpu
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Per row of `logits` [R, V], its largest logit's first token: compiled on CPU, else torch's."""
+    compiled = _compiled(logits)
+    return compiled.argmax(logits) if compiled is not None else logits.argmax(dim=-1)
+
+
+def draw_from_softmax(logits: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Per row of `logits` [R, V], the token at uniform[row] of its softmax by inverse CDF:
+    compiled on CPU, elsewhere its twin, inverse_cdf."""
+    compiled = _compiled(logits)
+    if compiled is not None:
+        return compiled.sample(logits, uniform.cpu())
+    return inverse_cdf(logits.softmax(dim=-1), uniform)
 
 
 def draw_uniform(generator: torch.Generator) -> torch.Tensor:
