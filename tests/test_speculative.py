@@ -41,7 +41,7 @@ def test_the_drafter_proposes_what_followed_the_latest_earlier_ngram():
 
 def test_suffix_drafts_follow_the_longest_match_and_the_most_frequent_continuation():
     config = SpeculativeConfig(method="suffix", num_speculative_tokens=4, suffix_decoding_min_token_prob=0.5)
-    cache = SuffixCache(max_requests=2)
+    cache = SuffixCache(max_requests=2, max_tokens=100)
     drafter = SuffixDrafter(config, cache, (0, ""))
     # [5, 6] is followed by 7 twice and by 9 once, but the longer match [4, 5, 6] only by 9.
     tokens = [1, 5, 6, 7, 8, 2, 5, 6, 7, 8, 3, 4, 5, 6, 9, 9, 4, 5, 6]
@@ -59,6 +59,23 @@ def test_suffix_drafts_follow_the_longest_match_and_the_most_frequent_continuati
     SuffixDrafter(config, cache, (0, "")).finished([60, 61, 62, 63])
     assert SuffixDrafter(config, cache, (0, "")).propose([40, 41, 42]) == []
     assert SuffixDrafter(config, cache, (0, "")).propose([50, 51, 52]) == [53]
+
+
+def test_suffix_cache_is_bounded_by_tokens_and_forgets_empty_tenants():
+    """Outputs go oldest first once their tokens pass the budget, whatever the request count; a
+    longer output than the budget keeps its end; a tenant whose outputs are all gone takes no
+    room (a salt per user must not grow the cache forever)."""
+    config = SpeculativeConfig(method="suffix", num_speculative_tokens=3)
+    cache = SuffixCache(max_requests=1000, max_tokens=10)
+    for salt in ("a", "b", "c"):
+        SuffixDrafter(config, cache, (0, salt)).finished([1, 2, 3, 4, 5])
+    assert cache.num_tokens == 10 and cache.num_tenants == 2  # "a" went: 15 tokens > 10
+    assert SuffixDrafter(config, cache, (0, "a")).propose([1, 2, 3]) == []
+    assert SuffixDrafter(config, cache, (0, "c")).propose([1, 2, 3]) == [4, 5]
+    SuffixDrafter(config, cache, (0, "d")).finished(list(range(100, 125)))
+    assert cache.num_tokens == 10 and cache.num_tenants == 1
+    assert SuffixDrafter(config, cache, (0, "d")).propose([115, 116, 117]) == [118, 119, 120]
+    assert SuffixDrafter(config, cache, (0, "d")).propose([9, 113, 114]) == []  # its start was cut
 
 
 @pytest.mark.parametrize(("text", "words"), [

@@ -135,7 +135,8 @@ class EngineCore:
         self.spec_decode = SpecDecodeCounts()
         # "suffix" drafts also come from earlier requests' outputs, kept here per tenant
         self.suffix_cache = None if self.speculative is None else \
-            SuffixCache(self.speculative.suffix_decoding_max_cached_requests)
+            SuffixCache(self.speculative.suffix_decoding_max_cached_requests,
+                        self.speculative.suffix_decoding_max_cached_tokens)
 
     def close(self) -> None:
         """Stops the other tensor-parallel ranks (a no-op on one rank) and the grammar compiler

@@ -38,11 +38,13 @@ class SpeculativeConfig:
     disable_by_batch_size: int = 4
     # "suffix" (trillm/engine/suffix_drafter.py): the longest match looked for, the draft tokens
     # per matched token, the least share of matches a drafted token needs, and how many finished
-    # requests' outputs later requests draft from (per adapter and cache salt)
+    # requests' outputs later requests draft from (per adapter and cache salt), and how many
+    # tokens of them at most (trillm's: outputs may be long, and the memory is the tokens')
     suffix_decoding_max_tree_depth: int = 24
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
     suffix_decoding_max_cached_requests: int = 1000
+    suffix_decoding_max_cached_tokens: int = 200_000
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -52,9 +54,10 @@ class SpeculativeConfig:
             raise ValueError("--speculative-config: num_speculative_tokens must be at least 1.")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError("--speculative-config: need 1 <= prompt_lookup_min <= prompt_lookup_max.")
-        if self.disable_by_batch_size < 0 or self.suffix_decoding_max_cached_requests < 0:
-            raise ValueError("--speculative-config: disable_by_batch_size and suffix_decoding_max_cached_requests "
-                             "must be non-negative.")
+        if min(self.disable_by_batch_size, self.suffix_decoding_max_cached_requests,
+               self.suffix_decoding_max_cached_tokens) < 0:
+            raise ValueError("--speculative-config: disable_by_batch_size, suffix_decoding_max_cached_requests "
+                             "and suffix_decoding_max_cached_tokens must be non-negative.")
         if self.suffix_decoding_max_tree_depth < 2 or self.suffix_decoding_max_spec_factor <= 0 \
                 or not 0 <= self.suffix_decoding_min_token_prob <= 1:
             raise ValueError("--speculative-config: need suffix_decoding_max_tree_depth >= 2, "

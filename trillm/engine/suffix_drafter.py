@@ -11,7 +11,8 @@ agree go on. A longer match earns a longer draft (`suffix_decoding_max_spec_fact
 matched token, up to the request's draft length).
 
 The global cache keeps the outputs of the last `suffix_decoding_max_cached_requests` finished
-requests, one cache per LoRA adapter and cache salt: drafts never cross tenants or adapters.
+requests, at most `suffix_decoding_max_cached_tokens` tokens of them, one cache per LoRA adapter
+and cache salt: drafts never cross tenants or adapters.
 """
 from __future__ import annotations
 
@@ -59,26 +60,43 @@ class PairIndex:
 
 class SuffixCache:
     """The outputs of recently finished requests, per (LoRA adapter, cache salt), the oldest
-    forgotten first. Owned by the engine core; touched only between steps."""
+    forgotten first: at most `max_requests` outputs and `max_tokens` tokens in all, whatever
+    their lengths and however many tenants there are (an output longer than the whole budget
+    keeps its last tokens; a tenant with no output left takes no room). Owned by the engine
+    core; touched only between steps."""
 
-    def __init__(self, max_requests: int):
-        self.max_requests = max_requests
+    def __init__(self, max_requests: int, max_tokens: int):
+        self.max_requests, self.max_tokens = max_requests, max_tokens
+        self.num_tokens = 0
         self._indexes: dict[tuple[int, str], PairIndex] = {}
-        self._order: OrderedDict[int, tuple[int, str]] = OrderedDict()  # id -> its index's key
+        self._order: OrderedDict[int, tuple[tuple[int, str], int]] = OrderedDict()  # id -> (tenant, tokens)
         self._next = 0
 
-    def index(self, tenant: tuple[int, str]) -> PairIndex:
-        return self._indexes.setdefault(tenant, PairIndex())
+    @property
+    def num_tenants(self) -> int:
+        return len(self._indexes)
+
+    def places(self, tenant: tuple[int, str], pair: tuple[int, int]) -> list[tuple[list[int], int]]:
+        """PairIndex.places over the tenant's outputs."""
+        index = self._indexes.get(tenant)
+        return index.places(pair) if index is not None else []
 
     def add(self, tenant: tuple[int, str], output: list[int]) -> None:
-        if self.max_requests == 0 or len(output) <= KEY:
+        if self.max_requests == 0 or len(output) <= KEY or self.max_tokens <= KEY:
             return
-        self.index(tenant).extend(self._next, list(output))
-        self._order[self._next] = tenant
+        output = list(output[-self.max_tokens:])
+        self._indexes.setdefault(tenant, PairIndex()).extend(self._next, output)
+        self._order[self._next] = (tenant, len(output))
         self._next += 1
-        while len(self._order) > self.max_requests:
-            key, old = self._order.popitem(last=False)
-            self._indexes[old].remove(key)
+        self.num_tokens += len(output)
+        while len(self._order) > self.max_requests or self.num_tokens > self.max_tokens:
+            key, (old, length) = self._order.popitem(last=False)
+            index = self._indexes[old]
+            index.remove(key)
+            self.num_tokens -= length
+            if not index.sequences:
+                del self._indexes[old]
+        assert self.num_tokens <= self.max_tokens and len(self._order) <= self.max_requests
 
 
 class SuffixDrafter(Drafter):
@@ -88,14 +106,13 @@ class SuffixDrafter(Drafter):
         super().__init__(config)
         self._own = PairIndex()
         self._cache, self._tenant = cache, tenant
-        self._global = cache.index(tenant)
 
     def propose(self, token_ids: list[int]) -> list[int]:
         if len(token_ids) < KEY:
             return []
         self._own.extend(0, token_ids)
         pair = (token_ids[-2], token_ids[-1])
-        places = [(tokens, end) for tokens, end in self._own.places(pair) + self._global.places(pair)
+        places = [(tokens, end) for tokens, end in self._own.places(pair) + self._cache.places(self._tenant, pair)
                   if end < len(tokens)]
         depth = self.config.suffix_decoding_max_tree_depth
         matched = [(self._match(tokens, end, token_ids, depth), tokens, end) for tokens, end in places]
