@@ -13,11 +13,16 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
+from msgspec.msgpack import Encoder
 
+from trillm.engine.kv_events import event_batch
 from trillm.sampling_params import SamplingParams
 from trillm.sched_ext import FINISHED, RUNNING, WAITING, Request, Scheduler, load_uncompiled
 from trillm.sched_ext import allocator as compiled_allocator
 from trillm.sched_ext import scheduler as compiled_scheduler
+from vllm_kv_events_schema import CacheReplica
+
+ENCODER = Encoder()
 
 BS = 4
 EOS = 0
@@ -414,7 +419,8 @@ def scheduler_machine(num_blocks: int, max_num_batched_tokens: int, max_num_seqs
         def __init__(self):
             super().__init__()
             self.sched = Scheduler(num_blocks, BS, max_num_batched_tokens, max_num_seqs, max_model_len,
-                                   enable_prefix_caching, policy, max_loras, max_prefill_pairs)
+                                   enable_prefix_caching, policy, max_loras, max_prefill_pairs, record_kv_events=True)
+            self.replica = CacheReplica()  # the prefix cache as KV-cache events describe it
             self.max_len = min(max_model_len, num_blocks * BS + 1)
             self.live: set[str] = set()
             self.done: set[str] = set()
@@ -636,6 +642,11 @@ def scheduler_machine(num_blocks: int, max_num_batched_tokens: int, max_num_seqs
             assert all(r is not None and r.status in (WAITING, RUNNING) for r in live), "a request is lost"
             assert sched.num_waiting + sched.num_running == len(live)
             sched.allocator.check_invariants([r.block_table for r in live])
+            # The events are a replicated log: through vLLM's schema they rebuild the cache exactly.
+            raw = sched.allocator.take_events()
+            if raw:
+                self.replica.apply(ENCODER.encode(event_batch(raw, BS, "CPU", 0, {})))
+            assert self.replica.hashes == sched.allocator.cached_keys
             if not live:
                 assert sched.allocator.num_used_blocks == 0 and not sched.has_unfinished()
 

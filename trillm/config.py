@@ -1,6 +1,8 @@
-"""Engine settings: one dataclass shared by the offline API, the server's flags and the benchmarks."""
+"""Engine settings: one dataclass shared by the offline API, the server's flags and the benchmarks;
+and the reading of the flags that take a JSON object (--speculative-config, --kv-events-config)."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, fields
 
 from trillm.sched_ext.status import SchedulingPolicy
@@ -75,6 +77,12 @@ class EngineArgs:
     # "disable_by_batch_size": b, ...}; on by default (prompt lookup: benchmarks/README.md has the
     # figures that chose it). "" or None: off
     speculative_config: str | None = '{"method": "ngram"}'
+    # KV-cache events for cache-aware routers (trillm/engine/kv_events.py), vLLM's JSON:
+    # {"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", ...}. None: off
+    kv_events_config: str | None = None
+    # This replica's rank behind a data-parallel front door: its events carry it, and its event
+    # ports are the configured ones plus it (set by the supervisor)
+    data_parallel_rank: int = 0
 
     def __post_init__(self) -> None:
         self.scheduling_policy = SchedulingPolicy(self.scheduling_policy)  # its name as a string is taken too
@@ -82,3 +90,33 @@ class EngineArgs:
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
+
+
+# A JSON flag's field types (as annotated, a string) -> the JSON values each takes, and their name
+_JSON_KINDS = {
+    "bool": ((bool,), "true or false"),
+    "str": ((str,), "a string"),
+    "str | None": ((str, type(None)), "a string or null"),
+    "int": ((int,), "an integer"),
+    "float": ((int, float), "a number"),
+}
+
+
+def from_json_object(cls, flag: str, text: str):
+    """`cls` (a dataclass of plain fields) made from a flag's JSON object, its keys the fields';
+    ValueError naming the flag and the key for text that is not such an object, an unknown key,
+    or a value of the wrong JSON type (true is not an integer); `cls` checks the values."""
+    try:
+        values = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{flag} is not JSON: {exc.msg}.") from None
+    if not isinstance(values, dict):
+        raise ValueError(f"{flag} takes a JSON object.")
+    kinds = {f.name: f.type for f in fields(cls)}
+    for key, value in values.items():
+        if key not in kinds:
+            raise ValueError(f"{flag}: unknown key {key!r}; the keys are {', '.join(kinds)}.")
+        accepted, name = _JSON_KINDS[kinds[key]]
+        if type(value) not in accepted:
+            raise ValueError(f"{flag}: {key} must be {name}.")
+    return cls(**values)

@@ -13,6 +13,7 @@ import torch
 
 from trillm.config import EngineArgs
 from trillm.engine.drafting import NgramDrafter, SpeculativeConfig
+from trillm.engine.kv_events import KVEventsConfig, ZmqEventPublisher, event_batch
 from trillm.engine.pooler import Pooler
 from trillm.engine.prompt_logprobs import PromptLogprobs, fill_prompt_logprobs
 from trillm.engine.request import EngineRequest
@@ -79,6 +80,7 @@ class EngineCore:
         launcher did, trillm.model.tp_worker) and joins their group before loading its shard.
         `close()` stops them."""
         self.workers: Workers | None = None
+        self.kv_events: ZmqEventPublisher | None = None
         self.tp = parallel.SINGLE
         self._in_group = False  # joined the process's group and not yet left it
         try:
@@ -108,6 +110,7 @@ class EngineCore:
         self.runner = ModelRunner(args, self.tp)
         self.config = self.runner.config  # resolved once, by the loader
         self.tokenizer = self.runner.tokenizer
+        kv_events = KVEventsConfig.parse(args.kv_events_config)
         self.scheduler = Scheduler(
             self.runner.num_kv_blocks,
             args.block_size,
@@ -119,6 +122,7 @@ class EngineCore:
             args.max_loras if args.enable_lora else 0,
             prefill_pairs_budget(self.config.hf_config, args.max_num_batched_tokens, self.config.device)
             if args.max_prefill_pairs is None else args.max_prefill_pairs,
+            kv_events.enabled,
         )
         # The adapters requests may name (None: LoRA is off)
         self.loras: LoRARegistry | None = None
@@ -137,12 +141,18 @@ class EngineCore:
         self.suffix_cache = None if self.speculative is None else \
             SuffixCache(self.speculative.suffix_decoding_max_cached_requests,
                         self.speculative.suffix_decoding_max_cached_tokens)
+        # Each step's prefix-cache changes, published for cache-aware routers (None: off); on
+        # rank 0 only, whose scheduler is the one that decides
+        self.kv_events = ZmqEventPublisher(kv_events, args.data_parallel_rank) \
+            if kv_events.enabled and self.tp.rank == 0 else None
 
     def close(self) -> None:
         """Stops the other tensor-parallel ranks (a no-op on one rank) and the grammar compiler
         processes. Idempotent; the core steps no more after it."""
         told = True
         try:
+            if self.kv_events is not None:
+                self.kv_events.close()
             self.grammars.close()
             if self.tp.size > 1 and not self.runner.closed:
                 told = self.runner.close()
@@ -364,6 +374,22 @@ class EngineCore:
         return self._output(request, [], None, True)
 
     def step(self) -> list[StepOutput]:
+        outputs = self._step()
+        self._publish_kv_events()
+        return outputs
+
+    def _publish_kv_events(self) -> None:
+        """Hand what the prefix cache gained and lost since the last call to the publisher, as
+        one batch (none when nothing changed); never waits on it."""
+        if self.kv_events is None:
+            return
+        raw = self.scheduler.allocator.take_events()
+        if raw:
+            names = {} if self.loras is None else {a.lora_id: name for name, a in self.loras.adapters.items()}
+            medium = "GPU" if self.config.device.type == "cuda" else "CPU"
+            self.kv_events.publish(event_batch(raw, self.args.block_size, medium, self.args.data_parallel_rank, names))
+
+    def _step(self) -> list[StepOutput]:
         if self.speculative is not None:
             self._propose_drafts()
         sched = self.scheduler.schedule()
@@ -487,10 +513,13 @@ class EngineCore:
             spec_decode_num_draft_tokens=self.spec_decode.num_draft_tokens,
             spec_decode_num_accepted_tokens=self.spec_decode.num_accepted_tokens,
             spec_decode_accepted_per_position=tuple(self.spec_decode.accepted_per_position),
+            kv_events_dropped_batches=0 if self.kv_events is None else self.kv_events.dropped,
         )
 
     def reset_prefix_cache(self) -> bool:
-        return self.scheduler.allocator.reset_prefix_cache()
+        reset = self.scheduler.allocator.reset_prefix_cache()
+        self._publish_kv_events()
+        return reset
 
     def _output(self, request: Request, tokens, logprobs, finished: bool, row: EngineRequest | None = None) -> StepOutput:
         """`row`: the request's record, whose finished prompt logprobs or pooled vector go out now."""

@@ -20,8 +20,9 @@ compute-bound and rejected drafts would cost the other requests time.
 """
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
+
+from trillm.config import from_json_object
 
 METHODS = ("ngram", "suffix")
 
@@ -69,21 +70,7 @@ class SpeculativeConfig:
         ValueError, naming the key, for anything else it cannot take."""
         if not text:
             return None
-        try:
-            values = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"--speculative-config is not JSON: {exc.msg}.") from None
-        if not isinstance(values, dict):
-            raise ValueError("--speculative-config takes a JSON object.")
-        known = {f.name: f.type for f in fields(cls)}
-        for key, value in values.items():
-            if key not in known:
-                raise ValueError(f"--speculative-config: unknown key {key!r}; the keys are {', '.join(known)}.")
-            wanted = {"str": (str,), "int": (int,), "float": (int, float)}[known[key]]
-            if type(value) not in wanted:
-                kind = {"str": "a string", "int": "an integer", "float": "a number"}[known[key]]
-                raise ValueError(f"--speculative-config: {key} must be {kind}.")
-        return cls(**values)
+        return from_json_object(cls, "--speculative-config", text)
 
     def drafts_this_step(self, num_running: int) -> bool:
         """The step's policy: draft only while the batch is small enough that a step is bound by

@@ -45,6 +45,8 @@ class EngineStats:
     """Of those, the ones kept, since start."""
     spec_decode_accepted_per_position: tuple[int, ...]
     """[j]: drafts kept at a verification's position j (0: the first draft), since start."""
+    kv_events_dropped_batches: int
+    """KV-cache event batches not sent (the publisher's queue full, or ZeroMQ refusing), since start."""
 
 
 @dataclass(frozen=True)

@@ -60,7 +60,7 @@ def run(settings: ServerSettings) -> int:
     replicas = []
     for index, port in enumerate(ports):
         replica = replace(settings, host="127.0.0.1", port=port, data_parallel_size=1, data_parallel_address=None,
-                          api_key=None)
+                          api_key=None, engine=replace(settings.engine, data_parallel_rank=index))
         # not daemons: a replica with --tensor-parallel-size starts its ranks
         replicas.append(start_preloaded(_replica_main, to_argv(replica), settings.api_key, preload=SERVER,
                                         daemon=False, cpus=cpu_share(index, count)))

@@ -49,6 +49,8 @@ ENGINE_METRICS = (
     ("spec_decode_num_draft_tokens", "Draft tokens verified.", "spec_decode_num_draft_tokens", CounterMetricFamily),
     ("spec_decode_num_accepted_tokens", "Draft tokens accepted.", "spec_decode_num_accepted_tokens",
      CounterMetricFamily),
+    ("kv_events_dropped_batches", "KV-cache event batches not sent (--kv-events-config): the queue was full.",
+     "kv_events_dropped_batches", CounterMetricFamily),
 )
 
 

@@ -23,13 +23,15 @@ cdef class BlockAllocator:
     cdef list _keys             # cached block: its hash-chain key, else None
     cdef list _tokens           # cached block: its token tuple, else None
     cdef dict _cache            # key -> block id
+    cdef list _events           # the event log (KVCacheEventKind tuples), or None when not recorded
 
     cpdef bint can_allocate(self, int num_new, list prefix=*)
     cpdef allocate(self, list table, int num_new)
     cpdef free(self, list table)
     cpdef list match_prefix(self, list token_ids, list block_hashes, int max_blocks, str salt=*)
     cpdef acquire_prefix(self, list table, list prefix, int num_queried)
-    cpdef cache_full_blocks(self, list table, list token_ids, list block_hashes, int start, int end, str salt=*)
+    cpdef cache_full_blocks(self, list table, list token_ids, list block_hashes, int start, int end, str salt=*,
+                            int lora_id=*)
     cdef bint _holds(self, int block, int parent, tuple tokens)
     cdef tuple _block_tokens(self, list token_ids, int index, str salt)
     cdef _extend_hashes(self, list token_ids, list block_hashes, int num_full, str salt)

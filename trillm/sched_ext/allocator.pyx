@@ -22,6 +22,11 @@ A request's cache salt (tenants' isolation, vLLM's `cache_salt`) enters the chai
 and the identity of its first block, so requests with different salts never share a block,
 not even through a hash collision; "" is no salt.
 
+With `record_events`, the allocator logs what enters and leaves the prefix cache (a full block
+cached, a cached block evicted, a flush) for `take_events`, which the engine publishes as vLLM's
+KV-cache events (trillm/engine/kv_events.py): replayed in order, the log rebuilds the set of
+cached keys exactly.
+
 The per-block state lives in typed arrays and the LRU is linked through them, so
 every operation costs O(blocks touched), never O(num_blocks). The same file runs
 as plain Python (Cython's pure-Python mode), which is how the benchmark measures
@@ -30,6 +35,8 @@ what compiling buys; allocator.pxd holds the C-level declarations.
 import array
 
 import cython
+
+from trillm.sched_ext.status import KVCacheEventKind
 
 COMPILED = cython.compiled
 _ROOT_KEY = 0  # the parent key of a prompt's first block
@@ -47,7 +54,8 @@ def _long_array(size: cython.int) -> array.array:
 class BlockAllocator:
     """Hands out KV blocks to block tables; shares and caches full blocks by prefix."""
 
-    def __init__(self, num_blocks: cython.int, block_size: cython.int = 16, enable_prefix_caching: cython.bint = True):
+    def __init__(self, num_blocks: cython.int, block_size: cython.int = 16, enable_prefix_caching: cython.bint = True,
+                 record_events: cython.bint = False):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks} and {block_size}")
         self.num_blocks = num_blocks
@@ -70,6 +78,7 @@ class BlockAllocator:
         self._keys = [None] * num_blocks
         self._tokens = [None] * num_blocks
         self._cache = {}
+        self._events = [] if record_events else None
 
     @property
     def num_used_blocks(self) -> int:
@@ -105,6 +114,8 @@ class BlockAllocator:
                 block = self._lru_head
                 self._lru_remove(block)
                 self.num_cached_blocks -= 1
+                if self._events is not None:
+                    self._events.append((KVCacheEventKind.BLOCK_REMOVED, self._keys[block]))
                 self._uncache(block)
             self._gen[block] += 1
             self._ref[block] = 1
@@ -170,9 +181,9 @@ class BlockAllocator:
 
     @cython.ccall
     def cache_full_blocks(self, table: list, token_ids: list, block_hashes: list, start: cython.int, end: cython.int,
-                          salt: str = ""):
+                          salt: str = "", lora_id: cython.int = 0):
         """Offer blocks `table[start:end]`, now full and computed, to the prefix cache (under
-        the request's `salt`).
+        the request's `salt`; `lora_id`, its adapter's, goes only into the event log).
 
         A block whose prefix is already cached in another block (the same prefix
         computed twice at once: a burst of requests sharing a system prompt) is
@@ -204,6 +215,9 @@ class BlockAllocator:
                 self._tokens[block] = tokens
                 self._parent[block] = parent
                 self._parent_gen[block] = self._gen[parent] if parent >= 0 else 0
+                if self._events is not None:
+                    self._events.append((KVCacheEventKind.BLOCK_STORED, key, block_hashes[i - 1] if i > 0 else None,
+                                         tokens[1] if i == 0 and salt else tokens, salt if i == 0 else "", lora_id))
             elif self._holds(twin, parent, tokens):
                 assert self._ref[block] == 1, "a block not yet cached is held by its one table"
                 if self._ref[twin] == 0:
@@ -229,7 +243,22 @@ class BlockAllocator:
         self._lru_head = -1
         self._lru_tail = -1
         self.num_cached_blocks = 0
+        if self._events is not None:
+            self._events.append((KVCacheEventKind.ALL_BLOCKS_CLEARED,))
         return True
+
+    def take_events(self) -> list:
+        """The events logged since the last call, oldest first (tuples; KVCacheEventKind says
+        their fields), and an empty log; [] when events are not recorded."""
+        if self._events is None:
+            return []
+        events, self._events = self._events, []
+        return events
+
+    @property
+    def cached_keys(self) -> set:
+        """The hash-chain keys of every cached block (held or not): what the event log replays to."""
+        return set(self._cache)
 
     def check_invariants(self, holders: list):
         """Assert the allocator's invariants, given the block tables of all live

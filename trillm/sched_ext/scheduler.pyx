@@ -286,7 +286,8 @@ class Scheduler:
     def __init__(self, num_blocks: cython.int, block_size: cython.int = 16,
                  max_num_batched_tokens: cython.int = 2048, max_num_seqs: cython.int = 256,
                  max_model_len: cython.int = 8192, enable_prefix_caching: cython.bint = True, policy=SchedulingPolicy.FCFS,
-                 max_loras: cython.int = 0, max_prefill_pairs: cython.longlong = 0):
+                 max_loras: cython.int = 0, max_prefill_pairs: cython.longlong = 0,
+                 record_kv_events: cython.bint = False):
         if max_num_batched_tokens < 1 or max_num_seqs < 1 or max_model_len < 2 or max_loras < 0 or max_prefill_pairs < 0:
             raise ValueError("need max_num_batched_tokens >= 1, max_num_seqs >= 1, max_model_len >= 2, max_loras >= 0 "
                              "and max_prefill_pairs >= 0")
@@ -294,7 +295,7 @@ class Scheduler:
             raise ValueError(f"the scheduling policy is fcfs or priority, got {policy!r}")
         self.policy = SchedulingPolicy(policy)
         self._by_priority = self.policy == SchedulingPolicy.PRIORITY
-        self.allocator = BlockAllocator(num_blocks, block_size, enable_prefix_caching)
+        self.allocator = BlockAllocator(num_blocks, block_size, enable_prefix_caching, record_kv_events)
         self.block_size = block_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_prefill_pairs = max_prefill_pairs or NO_PAIRS_LIMIT
@@ -665,7 +666,8 @@ class Scheduler:
         block_size: cython.int = self.block_size
         if after // block_size > before // block_size:
             self.allocator.cache_full_blocks(request.block_table, request.token_ids, request._block_hashes,
-                                             before // block_size, after // block_size, request.cache_salt)
+                                             before // block_size, after // block_size, request.cache_salt,
+                                             request.lora_id)
 
     @cython.cfunc
     def _append_token(self, request: Request, token: cython.int) -> cython.bint:

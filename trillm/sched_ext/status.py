@@ -1,5 +1,5 @@
-"""A request's status and its finish reason, as enums, from the scheduler to the wire; and the
-scheduling policy that ranks requests.
+"""A request's status and its finish reason, as enums, from the scheduler to the wire; the
+scheduling policy that ranks requests; and the kinds of the allocator's KV-cache events.
 
 `FinishReason`'s values are the strings OpenAI's wire format carries, made here and nowhere
 else; being a `StrEnum`, a member is also that string (it compares, hashes, formats and
@@ -26,3 +26,11 @@ class SchedulingPolicy(enum.StrEnum):
 
     FCFS = "fcfs"  # by arrival alone
     PRIORITY = "priority"  # by (priority, arrival): a lower `priority` runs first, and preempts
+
+
+class KVCacheEventKind(enum.IntEnum):
+    """What the allocator's event log records (BlockAllocator.take_events; vLLM's event names)."""
+
+    BLOCK_STORED = 1  # a full block entered the prefix cache: (kind, key, parent key or None, token ids, salt, lora id)
+    BLOCK_REMOVED = 2  # a cached block was evicted: (kind, key)
+    ALL_BLOCKS_CLEARED = 3  # the prefix cache was flushed: (kind,)

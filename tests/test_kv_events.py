@@ -1,0 +1,124 @@
+"""KV-cache events (trillm/engine/kv_events.py): a served engine's events, read by a ZeroMQ
+subscriber and decoded with vLLM's schema, rebuild its prefix cache exactly; the replay socket
+gives back what a late subscriber missed; the config takes vLLM's keys."""
+import json
+
+import pytest
+import trio
+import zmq
+from http_support import live_server, metric_value, settled_stats
+from vllm_kv_events_schema import AllBlocksCleared, BlockRemoved, BlockStored, CacheReplica
+
+from trillm.config import EngineArgs
+from trillm.engine.core import EngineCore
+from trillm.engine.kv_events import KVEventBatch, KVEventsConfig, ZmqEventPublisher, offset_endpoint
+from trillm.subprocesses import free_port
+
+TOPIC = b"kv@test"
+
+
+def replayed(port: int, start: int) -> list[tuple[int, bytes]]:
+    """Every batch the replay socket holds from sequence number `start`: (seq, payload)."""
+    with zmq.Context() as context, context.socket(zmq.DEALER) as dealer:
+        dealer.setsockopt(zmq.RCVTIMEO, 10_000)
+        dealer.connect(f"tcp://127.0.0.1:{port}")
+        dealer.send_multipart((b"", start.to_bytes(8, "big")))
+        batches = []
+        while True:
+            empty, topic, seq, payload = dealer.recv_multipart()
+            assert empty == b""
+            seq = int.from_bytes(seq, "big", signed=True)
+            if seq == -1:
+                return batches
+            assert topic == TOPIC
+            batches.append((seq, payload))
+
+
+def received(subscriber) -> list[tuple[int, bytes]]:
+    batches = []
+    while subscriber.poll(200):
+        topic, seq, payload = subscriber.recv_multipart()
+        assert topic == TOPIC
+        batches.append((int.from_bytes(seq, "big"), payload))
+    return batches
+
+
+async def test_a_subscriber_rebuilds_the_prefix_cache_from_a_served_engines_events():
+    """Requests that share prefixes in a pool small enough to evict, a flush, and more requests:
+    replayed in order through vLLM's schema, the events hold exactly the blocks the allocator
+    caches, with every kind of event among them; the live stream's batches are the replay's."""
+    pub, replay = free_port(), free_port()
+    config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{pub}",
+              "replay_endpoint": f"tcp://*:{replay}", "topic": TOPIC.decode()}
+    core = EngineCore(EngineArgs(num_kv_blocks=24, kv_events_config=json.dumps(config)))
+    with core, zmq.Context() as context, context.socket(zmq.SUB) as subscriber:
+        subscriber.connect(f"tcp://127.0.0.1:{pub}")
+        subscriber.setsockopt(zmq.SUBSCRIBE, TOPIC)
+        await trio.sleep(0.3)  # ZeroMQ drops what is published before the subscription lands
+        async with live_server(core) as server:
+            client, http = server.openai(), server.http()
+            # eight stems of ~100 tokens: twice the pool's 24 blocks, so cached ones are evicted
+            stems = [f"Chapter {n}. " + "The lighthouse keepers of the north coast kept a log. " * 8
+                     for n in ("one", "two", "three", "four", "five", "six", "seven", "eight")]
+            for turn in range(3):
+                for stem in stems:
+                    await client.completions.create(model=server.model, prompt=stem + f" turn {turn}:",
+                                                    max_tokens=4, temperature=0)
+                if turn == 1:
+                    assert (await http.post("/flush_cache")).status_code == 200
+            await settled_stats(http)
+            assert "trillm:kv_events_dropped_batches_total{" in (await http.get("/metrics")).text
+            assert await metric_value(http, "trillm:kv_events_dropped_batches_total") == 0
+        live = await trio.to_thread.run_sync(received, subscriber)
+        log = await trio.to_thread.run_sync(replayed, replay, 0)
+        assert [seq for seq, _ in log] == list(range(len(log)))
+        assert live and set(live) <= set(log)
+        replica = CacheReplica()
+        kinds = set()
+        for _, payload in log:
+            batch = replica.apply(payload)
+            assert batch.data_parallel_rank == 0
+            kinds |= {type(event) for event in batch.events}
+            for event in batch.events:
+                if isinstance(event, BlockStored):
+                    assert (event.block_size, event.medium, event.lora_id) == (16, "CPU", None)
+        assert kinds == {BlockStored, BlockRemoved, AllBlocksCleared}
+        assert replica.hashes == core.scheduler.allocator.cached_keys and replica.hashes
+        assert [seq for seq, _ in await trio.to_thread.run_sync(replayed, replay, len(log) - 2)] == \
+            [len(log) - 2, len(log) - 1]
+
+
+def test_a_closed_publisher_drops_and_counts():
+    port = free_port()
+    config = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=f"tcp://*:{port}")
+    with ZmqEventPublisher(config) as publisher:
+        pass
+    publisher.close()  # idempotent
+    publisher.publish(KVEventBatch(ts=0.0, events=[]))
+    assert publisher.dropped == 1
+
+
+@pytest.mark.parametrize(("text", "words"), [
+    ('{"publisher": "kafka"}', "unknown publisher"),
+    ('{"enable_kv_cache_events": 1}', "enable_kv_cache_events must be true or false"),
+    ('{"replay_endpoint": 5558}', "replay_endpoint must be a string or null"),
+    ('{"buffer_steps": 0}', "at least 1"),
+    ('{"endpoint": "http://x:1"}', "not a tcp://"),
+    ('{"flush_every": 3}', "unknown key 'flush_every'"),
+    ("[1]", "takes a JSON object"),
+])
+def test_kv_events_config_refuses_what_it_cannot_take(text, words):
+    with pytest.raises(ValueError, match=words):
+        KVEventsConfig.parse(text)
+
+
+def test_kv_events_config_takes_vllms_keys_and_a_replicas_ports_follow_its_rank():
+    config = KVEventsConfig.parse('{"enable_kv_cache_events": true, "publisher": "zmq", "replay_endpoint": '
+                                  '"tcp://*:5560", "hwm": 10, "topic": "t"}')
+    assert config.enabled and (config.endpoint, config.replay_endpoint, config.hwm) == ("tcp://*:5557", "tcp://*:5560", 10)
+    assert not KVEventsConfig.parse(None).enabled
+    assert not KVEventsConfig.parse('{"enable_kv_cache_events": true}').enabled  # the null publisher
+    assert offset_endpoint("tcp://*:5557", 2) == "tcp://*:5559"
+    assert offset_endpoint("tcp://*:0", 2) == "tcp://*:0"
+    assert offset_endpoint("ipc:///tmp/kv", 1) == "ipc:///tmp/kv_dp1"
+    assert offset_endpoint("tcp://*:5557", 0) == "tcp://*:5557"
