@@ -74,9 +74,9 @@ class EngineArgs:
     enable_sleep_mode: bool = False
     # Speculative decoding (trillm/engine/drafting.py), vLLM's JSON: {"method": "ngram" | "suffix",
     # "num_speculative_tokens": k, "prompt_lookup_max": n, "prompt_lookup_min": n,
-    # "disable_by_batch_size": b, ...}; on by default (prompt lookup: benchmarks/README.md has the
-    # figures that chose it). "" or None: off
-    speculative_config: str | None = '{"method": "ngram"}'
+    # "disable_by_batch_size": b, ...}; on by default (suffix drafts, 6 at most: benchmarks/README.md
+    # has the figures that chose them). "" or None: off
+    speculative_config: str | None = '{"method": "suffix", "num_speculative_tokens": 6}'
     # KV-cache events for cache-aware routers (trillm/engine/kv_events.py), vLLM's JSON:
     # {"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", ...}. None: off
     kv_events_config: str | None = None
