@@ -1,4 +1,7 @@
 """BlockAllocator: refcounts, the free stack, the prefix cache and its LRU."""
+import json
+from pathlib import Path
+
 import pytest
 
 from trillm.sched_ext import BlockAllocator
@@ -256,3 +259,28 @@ def test_a_cache_salt_isolates_cached_blocks_even_through_a_hash_collision():
     unsalted = computed_table(alloc, prompt)
     assert not set(unsalted) & set(salted) and alloc.match_prefix(prompt, [], 3) == unsalted
     alloc.check_invariants([salted, unsalted])
+
+
+def test_sha256_cbor_keys_equal_vllms(monkeypatch):
+    """vLLM's own hash_block_tokens with sha256_cbor made these chains (tests/data); trillm's keys
+    for the same tokens and cache salt are the same bytes, so a router hashing as vLLM does finds
+    trillm's blocks."""
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    vectors = json.loads((Path(__file__).parent / "data" / "vllm_sha256_cbor_vectors.json").read_text())
+    for case in vectors["cases"]:
+        alloc = BlockAllocator(8, case["block_size"], hash_algo="sha256_cbor")
+        hashes: list = []
+        blocks = len(case["token_ids"]) // case["block_size"]
+        assert alloc.match_prefix(case["token_ids"], hashes, blocks, case["cache_salt"] or "") == []
+        assert [h.hex() for h in hashes] == case["block_hashes"], case["name"]
+    # and the chain's root is vLLM's NONE_HASH, which PYTHONHASHSEED would move, as in vLLM
+    monkeypatch.setenv("PYTHONHASHSEED", "7")
+    alloc = BlockAllocator(8, 16, hash_algo="sha256_cbor")
+    hashes = []
+    alloc.match_prefix(vectors["cases"][0]["token_ids"], hashes, 1)
+    assert hashes[0].hex() != vectors["cases"][0]["block_hashes"][0]
+
+
+def test_an_unknown_hash_algo_is_refused():
+    with pytest.raises(ValueError, match="builtin, sha256_cbor"):
+        BlockAllocator(8, BS, hash_algo="md5")

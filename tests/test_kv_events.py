@@ -43,14 +43,17 @@ def received(subscriber) -> list[tuple[int, bytes]]:
     return batches
 
 
-async def test_a_subscriber_rebuilds_the_prefix_cache_from_a_served_engines_events():
+@pytest.mark.parametrize("hash_algo", ["builtin", "sha256_cbor"])
+async def test_a_subscriber_rebuilds_the_prefix_cache_from_a_served_engines_events(hash_algo):
     """Requests that share prefixes in a pool small enough to evict, a flush, and more requests:
     replayed in order through vLLM's schema, the events hold exactly the blocks the allocator
-    caches, with every kind of event among them; the live stream's batches are the replay's."""
+    caches, with every kind of event among them; the live stream's batches are the replay's.
+    With vLLM's hash the blocks are vLLM's 32-byte digests."""
     pub, replay = free_port(), free_port()
     config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{pub}",
               "replay_endpoint": f"tcp://*:{replay}", "topic": TOPIC.decode()}
-    core = EngineCore(EngineArgs(num_kv_blocks=24, kv_events_config=json.dumps(config)))
+    core = EngineCore(EngineArgs(num_kv_blocks=24, kv_events_config=json.dumps(config),
+                                 prefix_caching_hash_algo=hash_algo))
     with core, zmq.Context() as context, context.socket(zmq.SUB) as subscriber:
         subscriber.connect(f"tcp://127.0.0.1:{pub}")
         subscriber.setsockopt(zmq.SUBSCRIBE, TOPIC)
@@ -82,6 +85,7 @@ async def test_a_subscriber_rebuilds_the_prefix_cache_from_a_served_engines_even
             for event in batch.events:
                 if isinstance(event, BlockStored):
                     assert (event.block_size, event.medium, event.lora_id) == (16, "CPU", None)
+                    assert isinstance(event.block_hashes[0], bytes if hash_algo == "sha256_cbor" else int)
         assert kinds == {BlockStored, BlockRemoved, AllBlocksCleared}
         assert replica.hashes == core.scheduler.allocator.cached_keys and replica.hashes
         assert [seq for seq, _ in await trio.to_thread.run_sync(replayed, replay, len(log) - 2)] == \

@@ -400,7 +400,7 @@ PREFIXES = [(), (2, 3, 4, 5, 2), (2, 3, 4, 5, 2, 4, 4, 3, 5), (5, 5, 4, 3, 2, 2,
 
 def scheduler_machine(num_blocks: int, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
                       enable_prefix_caching: bool = True, check_hit_rates: bool = False, policy: str = "fcfs",
-                      max_loras: int = 0, max_prefill_pairs: int = 0, drafts: bool = False):
+                      max_loras: int = 0, max_prefill_pairs: int = 0, drafts: bool = False, hash_algo: str = "builtin"):
     """A state machine class driving one scheduler configuration. `check_hit_rates` (for a pool
     too large to evict from): a follow-up turn must hit at least every full block computed for
     the conversation it extends. `max_loras`: requests name LoRA adapters 0-3 (0: none), and the
@@ -419,7 +419,8 @@ def scheduler_machine(num_blocks: int, max_num_batched_tokens: int, max_num_seqs
         def __init__(self):
             super().__init__()
             self.sched = Scheduler(num_blocks, BS, max_num_batched_tokens, max_num_seqs, max_model_len,
-                                   enable_prefix_caching, policy, max_loras, max_prefill_pairs, record_kv_events=True)
+                                   enable_prefix_caching, policy, max_loras, max_prefill_pairs, record_kv_events=True,
+                                   hash_algo=hash_algo)
             self.replica = CacheReplica()  # the prefix cache as KV-cache events describe it
             self.max_len = min(max_model_len, num_blocks * BS + 1)
             self.live: set[str] = set()
@@ -692,6 +693,15 @@ def test_stateful_hit_rates_in_a_pool_that_never_evicts():
 def test_stateful_tiny_pool_preempts():
     machine = scheduler_machine(num_blocks=5, max_num_batched_tokens=8, max_num_seqs=4, max_model_len=24)
     run_state_machine_as_test(machine, settings=STATEFUL)
+    assert machine.preemptions > 0 and machine.prefix_hits > 0
+
+
+@pytest.mark.slow
+def test_stateful_vllm_hashes_in_a_tiny_pool():
+    """vLLM's sha256_cbor keys: the same invariants, hits and events as Python's hash."""
+    machine = scheduler_machine(num_blocks=5, max_num_batched_tokens=8, max_num_seqs=4, max_model_len=24,
+                                hash_algo="sha256_cbor")
+    run_state_machine_as_test(machine, settings=settings(STATEFUL, max_examples=100))
     assert machine.preemptions > 0 and machine.prefix_hits > 0
 
 

@@ -40,6 +40,10 @@ class EngineArgs:
     max_prefill_pairs: int | None = None
     max_num_seqs: int = 256
     enable_prefix_caching: bool = True
+    # How the prefix cache keys its blocks (trillm/sched_ext/allocator.pyx): builtin (Python's
+    # hash, the fastest) or sha256_cbor (vLLM's, so routers that hash prompts as vLLM does find
+    # the blocks that --kv-events-config publishes)
+    prefix_caching_hash_algo: str = "builtin"
     # fcfs: arrival order; priority: a request's `priority` first (lower runs first, vLLM's), then
     # arrival, and the worst-ranked running request is the one preempted
     scheduling_policy: SchedulingPolicy = SchedulingPolicy.FCFS

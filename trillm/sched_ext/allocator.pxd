@@ -24,6 +24,8 @@ cdef class BlockAllocator:
     cdef list _tokens           # cached block: its token tuple, else None
     cdef dict _cache            # key -> block id
     cdef list _events           # the event log (KVCacheEventKind tuples), or None when not recorded
+    cdef object _root_key       # the parent key of a first block (0, or vLLM's NONE_HASH)
+    cdef bint _sha256_cbor      # keys by vLLM's sha256_cbor, not Python's hash
 
     cpdef bint can_allocate(self, int num_new, list prefix=*)
     cpdef allocate(self, list table, int num_new)

@@ -22,6 +22,12 @@ A request's cache salt (tenants' isolation, vLLM's `cache_salt`) enters the chai
 and the identity of its first block, so requests with different salts never share a block,
 not even through a hash collision; "" is no salt.
 
+The key is Python's hash by default (`hash_algo="builtin"`), or vLLM's `sha256_cbor`: SHA-256
+over the canonical CBOR of (parent key, the block's token ids, extra keys), the first block's
+parent vLLM's NONE_HASH (SHA-256 over CBOR of PYTHONHASHSEED, else of "vllm-none-hash") and its
+extra keys (("cache_salt", salt),) when salted. Those keys equal vLLM's for the same tokens and
+salt, so a router that hashes prompts as vLLM does finds trillm's blocks by the KV-cache events.
+
 With `record_events`, the allocator logs what enters and leaves the prefix cache (a full block
 cached, a cached block evicted, a flush) for `take_events`, which the engine publishes as vLLM's
 KV-cache events (trillm/engine/kv_events.py): replayed in order, the log rebuilds the set of
@@ -33,6 +39,8 @@ as plain Python (Cython's pure-Python mode), which is how the benchmark measures
 what compiling buys; allocator.pxd holds the C-level declarations.
 """
 import array
+import hashlib
+import os
 
 import cython
 
@@ -40,6 +48,19 @@ from trillm.sched_ext.status import KVCacheEventKind
 
 COMPILED = cython.compiled
 _ROOT_KEY = 0  # the parent key of a prompt's first block
+HASH_ALGOS = ("builtin", "sha256_cbor")
+
+
+def sha256_cbor(value) -> bytes:
+    """vLLM's sha256_cbor: SHA-256 of `value`'s canonical CBOR encoding."""
+    import cbor2  # only this hash needs it
+
+    return hashlib.sha256(cbor2.dumps(value, canonical=True)).digest()
+
+
+def none_hash() -> bytes:
+    """vLLM's NONE_HASH for a cryptographic hash: the parent key of every first block."""
+    return sha256_cbor(os.environ.get("PYTHONHASHSEED", "vllm-none-hash"))
 
 
 def _int_array(size: cython.int, value: cython.int) -> array.array:
@@ -55,9 +76,13 @@ class BlockAllocator:
     """Hands out KV blocks to block tables; shares and caches full blocks by prefix."""
 
     def __init__(self, num_blocks: cython.int, block_size: cython.int = 16, enable_prefix_caching: cython.bint = True,
-                 record_events: cython.bint = False):
+                 record_events: cython.bint = False, hash_algo: str = "builtin"):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks} and {block_size}")
+        if hash_algo not in HASH_ALGOS:
+            raise ValueError(f"the prefix-caching hash is one of {', '.join(HASH_ALGOS)}, got {hash_algo!r}")
+        self._root_key = none_hash() if hash_algo == "sha256_cbor" else _ROOT_KEY
+        self._sha256_cbor = hash_algo == "sha256_cbor"
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -335,9 +360,13 @@ class BlockAllocator:
         """Extend the hash chain memo to the first `num_full` full blocks."""
         assert num_full * self.block_size <= len(token_ids), "hash of a block that is not full"
         i: cython.int = len(block_hashes)
-        key = block_hashes[i - 1] if i > 0 else _ROOT_KEY
+        key = block_hashes[i - 1] if i > 0 else self._root_key
         while i < num_full:
-            key = hash((key, self._block_tokens(token_ids, i, salt)))
+            if self._sha256_cbor:
+                tokens = tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])
+                key = sha256_cbor((key, tokens, (("cache_salt", salt),) if i == 0 and salt else None))
+            else:
+                key = hash((key, self._block_tokens(token_ids, i, salt)))
             block_hashes.append(key)
             i += 1
 

@@ -287,7 +287,7 @@ class Scheduler:
                  max_num_batched_tokens: cython.int = 2048, max_num_seqs: cython.int = 256,
                  max_model_len: cython.int = 8192, enable_prefix_caching: cython.bint = True, policy=SchedulingPolicy.FCFS,
                  max_loras: cython.int = 0, max_prefill_pairs: cython.longlong = 0,
-                 record_kv_events: cython.bint = False):
+                 record_kv_events: cython.bint = False, hash_algo: str = "builtin"):
         if max_num_batched_tokens < 1 or max_num_seqs < 1 or max_model_len < 2 or max_loras < 0 or max_prefill_pairs < 0:
             raise ValueError("need max_num_batched_tokens >= 1, max_num_seqs >= 1, max_model_len >= 2, max_loras >= 0 "
                              "and max_prefill_pairs >= 0")
@@ -295,7 +295,7 @@ class Scheduler:
             raise ValueError(f"the scheduling policy is fcfs or priority, got {policy!r}")
         self.policy = SchedulingPolicy(policy)
         self._by_priority = self.policy == SchedulingPolicy.PRIORITY
-        self.allocator = BlockAllocator(num_blocks, block_size, enable_prefix_caching, record_kv_events)
+        self.allocator = BlockAllocator(num_blocks, block_size, enable_prefix_caching, record_kv_events, hash_algo)
         self.block_size = block_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_prefill_pairs = max_prefill_pairs or NO_PAIRS_LIMIT
