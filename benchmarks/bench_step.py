@@ -83,6 +83,8 @@ def main() -> None:
     parser.add_argument("--quantized-activations", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--kv-cache-dtype", default="auto", help="EngineArgs.kv_cache_dtype (auto: fp16 here)")
     parser.add_argument("--speculative-config", default="", help="EngineArgs.speculative_config (default: off)")
+    parser.add_argument("--kv-events-config", default=None, help="EngineArgs.kv_events_config (default: off)")
+    parser.add_argument("--prefix-caching-hash-algo", default="builtin")
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.busy_process:
@@ -90,7 +92,8 @@ def main() -> None:
         atexit.register(busy.kill)
     core = EngineCore(EngineArgs(model=args.model, num_kv_blocks=args.num_kv_blocks, kernel_threads=args.kernel_threads,
                                  quantized_activations=args.quantized_activations, kv_cache_dtype=args.kv_cache_dtype,
-                                 speculative_config=args.speculative_config))
+                                 speculative_config=args.speculative_config, kv_events_config=args.kv_events_config,
+                                 prefix_caching_hash_algo=args.prefix_caching_hash_algo))
     for batch in args.batch_sizes:
         ms = decode_step_ms(core, batch, args.rounds, args.prompt_len, args.output_len, args.distinct_prompts)
         print(f"batch {batch:3d}: decode step {ms:.2f} ms", flush=True)
