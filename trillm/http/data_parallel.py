@@ -8,7 +8,13 @@ once (trillm.subprocesses.start_preloaded), rather than N + 1 interpreters each 
 the log names each one's process id. The router routes each request to a replica by
 --router-policy: cache_aware (by the longest prefix it sent there before, unless the load is
 uneven), round_robin, power_of_two or random. URLs in --data-parallel-address, which are
-`trillm serve` processes on other machines, join the router's worker list beside the local ones.
+`trillm serve` processes on other machines, join the router's worker list beside the local ones;
+with `--data-parallel-size 0` there are no local ones, and this host is the front door alone.
+
+The router checks each worker's /health every HEALTH_INTERVAL seconds and takes one out of
+rotation after HEALTH_FAILURES failed checks (sglang-router's defaults, a minute and three,
+would leave a replica whose host is gone in rotation for minutes, every request sent there
+waiting on it); it comes back after two good checks.
 
 Why sglang-router (over vllm-router): its cache-aware policy keeps a prefix tree per worker,
 so requests that share a prefix go to the replica that caches it, which is where trillm's
@@ -43,11 +49,16 @@ log = logging.getLogger(__name__)
 ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
 READY_TIMEOUT = 600.0  # seconds for a replica to load its model and answer /health
 STOP_TIMEOUT = 60.0  # seconds the router and the replicas get to exit on a signal, before SIGKILL
+HEALTH_INTERVAL = 2  # seconds between the router's /health checks of a worker
+HEALTH_TIMEOUT = 2  # seconds a check may take before it counts as failed
+HEALTH_FAILURES = 2  # failed checks in a row that take a worker out of rotation
 
 
 def router_argv(settings: ServerSettings, port: int, worker_urls: list[str]) -> list[str]:
     return ["--worker-urls", *worker_urls, "--policy", settings.router_policy, "--host", settings.host,
-            "--port", str(port), "--prometheus-port", str(free_port()), "--log-level", "warn"]
+            "--port", str(port), "--prometheus-port", str(free_port()), "--log-level", "warn",
+            "--health-check-interval-secs", str(HEALTH_INTERVAL), "--health-check-timeout-secs", str(HEALTH_TIMEOUT),
+            "--health-failure-threshold", str(HEALTH_FAILURES)]
 
 
 def run(settings: ServerSettings) -> int:
@@ -56,6 +67,9 @@ def run(settings: ServerSettings) -> int:
     if settings.router_policy not in ROUTER_POLICIES:
         raise ValueError(f"Unknown router policy {settings.router_policy!r}; known: {', '.join(ROUTER_POLICIES)}.")
     count = settings.data_parallel_size
+    if count < 0 or (count == 0 and not settings.data_parallel_address):
+        raise ValueError("--data-parallel-size is the replicas to start here: at least 1, or 0 with "
+                         "--data-parallel-address (the router alone, in front of replicas elsewhere).")
     ports = [free_port() for _ in range(count)]
     replicas = []
     for index, port in enumerate(ports):
@@ -93,7 +107,7 @@ def run(settings: ServerSettings) -> int:
             for replica in [r for r in alive if r.exitcode is not None]:
                 log.error("%s (%s) exited (status %s); the others serve on", replica.name, alive.pop(replica),
                           replica.exitcode)
-            if not alive:
+            if replicas and not alive:
                 log.error("every replica exited: stopping the router")
                 return 1
             time.sleep(0.2)

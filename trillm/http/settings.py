@@ -46,8 +46,9 @@ class ServerSettings:
     allowed_methods: str = "*"
     allowed_headers: str = "*"
     allow_credentials: bool = False
-    # Data parallelism (trillm/http/data_parallel.py): this many engine replicas, each its own
-    # process with its own cores and KV cache, behind sglang-router on --host / --port
+    # Data parallelism (trillm/http/data_parallel.py): this many engine replicas here, each its own
+    # process with its own cores and KV cache, behind sglang-router on --host / --port (0: none
+    # here, the router alone in front of --data-parallel-address's)
     data_parallel_size: int = 1
     router_policy: str = "cache_aware"  # the router's: cache_aware | round_robin | power_of_two | random
     # replicas on other machines (`trillm serve` there), as URLs, that the router also routes to
