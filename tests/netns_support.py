@@ -18,11 +18,13 @@ def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
 
 
-@dataclass(frozen=True)
+@dataclass
 class Host:
     namespace: str
     address: str
     link: str  # this namespace's end of the host's veth pair
+    inner_link: str  # the host's end, its one interface besides lo
+    is_cut: bool = False
 
     def command(self, argv: list[str]) -> list[str]:
         """`argv` run inside the host."""
@@ -31,6 +33,7 @@ class Host:
     def cut(self) -> None:
         """Take the host's link down: from now on nothing reaches it, and it reaches nothing."""
         _ip("link", "set", self.link, "down")
+        self.is_cut = True
 
 
 @contextmanager
@@ -59,7 +62,7 @@ def hosts(count: int):
             _ip("-n", namespace, "link", "set", "lo", "up")
             _ip("link", "set", outer, "master", bridge)
             _ip("link", "set", outer, "up")
-            out.append(Host(namespace, f"{subnet}.{10 + i}", outer))
+            out.append(Host(namespace, f"{subnet}.{10 + i}", outer, inner))
         yield out
     finally:
         for namespace in made:
