@@ -118,12 +118,9 @@ async def test_tensor_parallel_ranks_on_two_hosts_answer_as_one_and_fail_cleanly
     mid-stream, the stream ends in an engine error within --tp-timeout and /health says 503."""
     model = os.path.basename(tiny_text_model_dir)
     prompts = ["Once upon a time", "The capital of France is", "1, 2, 3, 4,"]
-    whole = LLM(tiny_text_model_dir, num_kv_blocks=32, **EXACT)
-    try:
+    with LLM(tiny_text_model_dir, num_kv_blocks=32, **EXACT) as whole:
         want = [o.outputs[0].text for o in whole.generate(prompts, SamplingParams(temperature=0, max_tokens=12,
                                                                                   ignore_eos=True))]
-    finally:
-        whole.engine.close()
     with hosts(2) as (head, other):
         torchrun = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nnodes", "2", "--nproc-per-node",
                     "1", "--master-addr", head.address, "--master-port", "29511"]

@@ -34,6 +34,17 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._counter = 0
 
+    def close(self) -> None:
+        """Stops what the engine started (tensor-parallel ranks, grammar compilers, the KV-event
+        publisher). Idempotent; the LLM generates no more after it."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
     def generate(
         self,
         prompts: str | list[str] | list[list[int]],
