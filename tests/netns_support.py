@@ -1,17 +1,22 @@
 """Hosts of their own on one machine, for the multi-host tests: network namespaces, each with
 one end of a veth pair whose other end is on a bridge here, so each has its own address on one
-subnet (10.77.<n>.0/24; this namespace is .1 on the bridge) and reaches the others only through
+subnet (10.7x.<n>.0/24, one per call; this namespace is .1 on the bridge) and reaches the others only through
 its link. Taking a host's link down cuts it off as a pulled cable would: its packets vanish, no
 connection is refused or reset. Needs CAP_NET_ADMIN (root in CI); `hosts` skips the test with
 the kernel's words where namespaces are refused."""
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import pytest
+
+
+_CALLS = itertools.count()
+_SUBNETS = itertools.count()
 
 
 def _ip(*args: str) -> None:
@@ -39,10 +44,11 @@ class Host:
 @contextmanager
 def hosts(count: int):
     """`count` Hosts, torn down (namespaces, links, bridge) on the way out, whatever happened."""
-    tag = f"tr{os.getpid() % 100000}"  # names unique per test process, under 15 characters
-    subnet = f"10.77.{os.getpid() % 250}"
+    tag = f"t{os.getpid() % 100000}{next(_CALLS)}"  # unique per call and process, names under 15 characters
+    subnet = f"10.{70 + next(_SUBNETS) % 10}.{os.getpid() % 250}"
     bridge = f"{tag}br"
     made: list[str] = []
+    links: list[str] = []
     try:
         try:
             _ip("link", "add", bridge, "type", "bridge")
@@ -56,6 +62,7 @@ def hosts(count: int):
             _ip("netns", "add", namespace)
             made.append(namespace)
             _ip("link", "add", inner, "type", "veth", "peer", "name", outer)
+            links.append(outer)
             _ip("link", "set", inner, "netns", namespace)
             _ip("-n", namespace, "addr", "add", f"{subnet}.{10 + i}/24", "dev", inner)
             _ip("-n", namespace, "link", "set", inner, "up")
@@ -65,6 +72,10 @@ def hosts(count: int):
             out.append(Host(namespace, f"{subnet}.{10 + i}", outer, inner))
         yield out
     finally:
+        # A namespace outlives its name while a process is still in it, and its veth with it:
+        # deleting this end takes the pair whatever lingers.
+        for link in links:
+            subprocess.run(["ip", "link", "del", link], capture_output=True)
         for namespace in made:
-            subprocess.run(["ip", "netns", "del", namespace], capture_output=True)  # its veth pair goes too
+            subprocess.run(["ip", "netns", "del", namespace], capture_output=True)
         subprocess.run(["ip", "link", "del", bridge], capture_output=True)
