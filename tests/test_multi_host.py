@@ -91,12 +91,14 @@ async def test_replicas_on_two_hosts_behind_a_router_on_a_third_outlive_a_host_c
                     first.cut()
                     before = await served(replica_urls[1])
                     # Requests sent to the cut host before the router's health checks notice wait out
-                    # the client's timeout; from then on every request is the other host's.
+                    # the client's timeout (short: the tiny model answers in milliseconds); from then
+                    # on every request is the other host's.
                     in_a_row = 0
                     with trio.fail_after(120):
                         while in_a_row < 6:
                             try:
-                                await client.completions.create(model=model, prompt="After the cut:", max_tokens=2)
+                                await client.completions.create(model=model, prompt="After the cut:", max_tokens=2,
+                                                                timeout=3)
                                 in_a_row += 1
                             except (openai.APITimeoutError, openai.APIConnectionError, openai.APIStatusError):
                                 in_a_row = 0
