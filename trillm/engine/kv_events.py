@@ -20,6 +20,10 @@ thread of its own drains onto the sockets; a batch that finds the queue full is 
 counted (`dropped`, served as `kv_events_dropped_batches` in /metrics), as is one ZeroMQ
 refuses. A subscriber that sees a gap in the sequence numbers asks the replay socket.
 
+The events carry the token ids of every cached block, so of users' prompts: a subscriber sees
+what was asked. Bind the endpoints to a private address (`tcp://10.0.0.5:5557`, not `*`) or
+keep them behind the cluster's network policy, as for vLLM's.
+
 Block hashes are trillm's prefix-cache keys (sched_ext/allocator.pyx): a chain, each block's key
 the hash of its parent's key and its tokens, the first block's tokens preceded by the request's
 cache salt (its `cache_salt`, followed for a LoRA adapter by "\\0lora-<id>"), which the event
@@ -209,7 +213,10 @@ class ZmqEventPublisher:
         seq = 0
         while True:
             if self._replay is not None and self._replay.poll(0):
-                self._answer_replay()
+                try:
+                    self._answer_replay()
+                except zmq.ZMQError:  # one subscriber's broken request must not stop the stream
+                    log.exception("kv events: a replay request failed")
             try:
                 batch = self._queue.get(timeout=0.05)
             except queue.Empty:
