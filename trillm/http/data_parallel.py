@@ -54,9 +54,12 @@ HEALTH_TIMEOUT = 2  # seconds a check may take before it counts as failed
 HEALTH_FAILURES = 2  # failed checks in a row that take a worker out of rotation
 
 
-def router_argv(settings: ServerSettings, port: int, worker_urls: list[str]) -> list[str]:
+def router_argv(settings: ServerSettings, port: int, metrics_port: int, worker_urls: list[str]) -> list[str]:
+    """sglang-router's flags: the public address, and its own metrics on `metrics_port` of the same
+    host (its default, 0.0.0.0, would open them on every interface)."""
     return ["--worker-urls", *worker_urls, "--policy", settings.router_policy, "--host", settings.host,
-            "--port", str(port), "--prometheus-port", str(free_port()), "--log-level", "warn",
+            "--port", str(port), "--prometheus-host", settings.host, "--prometheus-port", str(metrics_port),
+            "--log-level", "warn",
             "--health-check-interval-secs", str(HEALTH_INTERVAL), "--health-check-timeout-secs", str(HEALTH_TIMEOUT),
             "--health-failure-threshold", str(HEALTH_FAILURES)]
 
@@ -91,12 +94,15 @@ def run(settings: ServerSettings) -> int:
             return 0 if stopping else 1
         workers = urls + ServerSettings.as_list(settings.data_parallel_address or "")
         port = settings.port or free_port()  # port 0: any free one, logged below
-        router = start_preloaded(_router_main, router_argv(settings, port, workers), settings.api_key,
+        metrics_port = free_port()
+        router = start_preloaded(_router_main, router_argv(settings, port, metrics_port, workers), settings.api_key,
                                  preload=SERVER, daemon=False)
         router.name = "the router"
         children.insert(0, router)
         if not _wait_ready([f"http://{_loopback(settings.host)}:{port}"], [router], stopping):
             return 0 if stopping else 1
+        log.info("the router's own metrics (requests, workers, retries): http://%s:%d/metrics; each replica's at its "
+                 "address", settings.host, metrics_port)
         log.info("%d replicas behind sglang-router (%s) on http://%s:%d",
                  len(workers), settings.router_policy, settings.host, port)
         alive = dict(zip(replicas, urls))
