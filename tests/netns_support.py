@@ -12,7 +12,11 @@ import subprocess
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import httpx
 import pytest
+import trio
+
+PORT = 8000  # every host's server listens here: each host has an address of its own
 
 
 _CALLS = itertools.count()
@@ -79,3 +83,17 @@ def hosts(count: int):
         for namespace in made:
             subprocess.run(["ip", "netns", "del", namespace], capture_output=True)
         subprocess.run(["ip", "link", "del", bridge], capture_output=True)
+
+
+async def until_healthy(url: str, process: trio.Process) -> None:
+    """Until `url`'s /health answers 200; fails if `process` (its server) exits first."""
+    async with httpx.AsyncClient(timeout=2) as http:
+        with trio.fail_after(300):
+            while True:
+                assert process.returncode is None, f"the server for {url} exited with {process.returncode}"
+                try:
+                    if (await http.get(url + "/health")).status_code == 200:
+                        return
+                except httpx.TransportError:
+                    pass
+                await trio.sleep(0.2)
