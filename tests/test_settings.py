@@ -34,3 +34,20 @@ def test_an_unknown_policy_is_refused_everywhere(capsys):
         EngineArgs(scheduling_policy="lifo")
     with pytest.raises(ValueError):
         settings.from_env({"TRILLM_SCHEDULING_POLICY": "lifo"})
+
+
+@pytest.mark.parametrize(("flags", "words"), [
+    (["--kv-events-config", '{"endpoint": 5557}'], "--kv-events-config: endpoint must be a string"),
+    (["--speculative-config", '{"method": "eagle"}'], "--speculative-config: unknown method 'eagle'"),
+    (["--prefix-caching-hash-algo", "md5"], "--prefix-caching-hash-algo is one of builtin, sha256_cbor"),
+])
+def test_serve_refuses_a_bad_engine_flag_before_loading_anything(flags, words, capsys, monkeypatch):
+    """argparse's way (usage, the reason, exit 2) at once, not a traceback after the model loaded."""
+    from trillm.__main__ import main
+    from trillm.http import serve
+
+    monkeypatch.setattr(serve, "run", lambda _: pytest.fail("the server started"))
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", *flags])
+    assert exited.value.code == 2
+    assert words in capsys.readouterr().err

@@ -14,9 +14,15 @@ def main(argv: list[str] | None = None) -> None:
     settings.add_arguments(serve)
     args = parser.parse_args(argv)
     if args.command == "serve":
+        from trillm.engine.flag_check import check_flags
         from trillm.http.serve import run  # torch is imported only when serving, not for --help
 
-        run(settings.from_args(args))
+        server_settings = settings.from_args(args)
+        try:
+            check_flags(server_settings.engine)
+        except ValueError as exc:
+            serve.error(str(exc))  # exits 2, as for any flag argparse refuses
+        run(server_settings)
 
 
 if __name__ == "__main__":
