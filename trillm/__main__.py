@@ -17,8 +17,8 @@ def main(argv: list[str] | None = None) -> None:
         from trillm.engine.flag_check import check_flags
         from trillm.http.serve import run  # torch is imported only when serving, not for --help
 
-        server_settings = settings.from_args(args)
         try:
+            server_settings = settings.from_args(args)
             check_flags(server_settings.engine)
         except ValueError as exc:
             serve.error(str(exc))  # exits 2, as for any flag argparse refuses

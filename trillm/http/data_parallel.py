@@ -69,10 +69,7 @@ def run(settings: ServerSettings) -> int:
     exit status for the command (0 after a signal)."""
     if settings.router_policy not in ROUTER_POLICIES:
         raise ValueError(f"Unknown router policy {settings.router_policy!r}; known: {', '.join(ROUTER_POLICIES)}.")
-    count = settings.data_parallel_size
-    if count < 0 or (count == 0 and not settings.data_parallel_address):
-        raise ValueError("--data-parallel-size is the replicas to start here: at least 1, or 0 with "
-                         "--data-parallel-address (the router alone, in front of replicas elsewhere).")
+    count = settings.data_parallel_size  # ServerSettings checked it: >= 1, or 0 with addresses
     ports = [free_port() for _ in range(count)]
     replicas = []
     for index, port in enumerate(ports):

@@ -62,6 +62,11 @@ class ServerSettings:
     max_lora_adapters: int = 64  # adapters registered at once: a load while serving past it is refused
     engine: EngineArgs = field(default_factory=EngineArgs)
 
+    def __post_init__(self) -> None:
+        if self.data_parallel_size < 0 or (self.data_parallel_size == 0 and not self.data_parallel_address):
+            raise ValueError("--data-parallel-size is the replicas to start here: at least 1, or 0 with "
+                             "--data-parallel-address (the router alone, in front of replicas elsewhere).")
+
     @staticmethod
     def as_list(value: str) -> list[str]:
         """A list setting's items: a JSON list, or comma-separated."""
