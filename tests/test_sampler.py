@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trillm.engine.sampler import Sampler, SamplingBatch, inverse_cdf, process_logits
+from trillm.engine.sampler import Sampler, SamplingBatch, inverse_cdf, process_logits, truncate, truncate_sorted
 from trillm.sampling_params import SamplingParams
 
 EOS = 3
@@ -345,3 +345,31 @@ def test_sampled_tokens_stay_in_the_truncated_support(seed, temperature, top_k, 
         assert probs[probs > probs[token]].sum() < top_p + 1e-5
         if min_p:
             assert value >= row.max() + math.log(min_p) - 1e-5
+
+
+@settings(max_examples=80, deadline=None)
+@given(seed=st.integers(0, 2**16), vocab=st.sampled_from([7, 300, 5000, 20000]),
+       scale=st.sampled_from([0.05, 1.0, 8.0]), data=st.data())
+def test_truncation_by_thresholds_keeps_what_sorting_keeps(seed, vocab, scale, data):
+    """truncate (thresholds from the largest values, the nucleus found among 256 of them, then
+    4096, then by sorting) keeps the tokens truncate_sorted keeps, in rows of every nucleus width
+    (scale 0.05 is nearly flat: its nucleus passes both candidate sets), but where a token's mass
+    above lies within rounding of p."""
+    g = torch.Generator().manual_seed(seed)
+    rows = 6
+    logits = torch.randn(rows, vocab, generator=g) * scale
+    params = [SamplingParams(temperature=data.draw(st.sampled_from([0.5, 1.0, 1.5])),
+                             top_k=data.draw(st.sampled_from([0, 0, 1, 5, 300, vocab + 3])),
+                             top_p=data.draw(st.sampled_from([1.0, 0.99, 0.9, 0.5, 0.01])),
+                             min_p=data.draw(st.sampled_from([0.0, 0.0, 0.05, 0.5]))) for _ in range(rows)]
+    fast, sorted_ = truncate(logits, params), truncate_sorted(logits / torch.tensor(
+        [[p.temperature] for p in params]), params)
+    for row, p in enumerate(params):
+        differ = torch.nonzero(torch.isinf(fast[row]) != torch.isinf(sorted_[row])).flatten()
+        if len(differ):
+            tempered = logits[row] / p.temperature
+            kth = tempered.topk(min(p.top_k, vocab)).values[-1] if p.top_k else -math.inf
+            probs = tempered.masked_fill(tempered < kth, -math.inf).softmax(-1)
+            for token in differ.tolist():
+                above = probs[probs > probs[token]].sum().item()
+                assert abs(above - p.top_p) < 1e-4, (row, token, above, p)

@@ -15,8 +15,9 @@ Order of operations (vLLM's):
      than min_tokens outputs); then the repetition penalty
      (prompt + output tokens) and the frequency / presence penalties (output
      tokens only).
-  3. greedy rows: argmax. Random rows: temperature, top-k, top-p, min-p (one
-     sort serves all three), then inverse-CDF sampling: one uniform number u per
+  3. greedy rows: argmax. Random rows: temperature, top-k, top-p, min-p (each a
+     threshold on the row, found among its largest values; `truncate`), then
+     inverse-CDF sampling: one uniform number u per
      row, and the first token whose cumulative probability exceeds u, which draws
      exactly from `probs`.
 
@@ -163,18 +164,75 @@ def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return logits
 
 
+NUCLEUS_CANDIDATES = (256, 4096)  # the largest logits top-p looks among, in turn; a wider nucleus is sorted
+
+
 def truncate(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Temperature, then top-k, top-p and min-p as -inf, for random rows only (no greedy row here).
 
-    Sorted once, ascending (vLLM's layout): top-k keeps values >= the k-th
-    largest (ties all survive); top-p drops the low tokens whose cumulative
-    probability stays <= 1 - p, never the highest; min-p drops tokens less
-    likely than min_p times the highest, i.e. logits below max + log(min_p).
+    Top-k keeps values >= the k-th largest (ties all survive); top-p, over what top-k kept, keeps
+    a token when the probability of the tokens above it is still below p (so never drops the
+    highest); min-p drops tokens less likely than min_p times the highest, i.e. logits below
+    max + log(min_p). Each is a threshold on the row, so no row is sorted whole unless its
+    nucleus is wide: the largest NUCLEUS_CANDIDATES[0] values (at least the largest top_k) are
+    taken, the nucleus is looked for among them, its probabilities against the whole row's sum,
+    then among more for the rows whose nucleus reached past them, and a row whose nucleus is
+    wider still is truncated by sorting it (`truncate_sorted`, the reference).
     """
     assert not any(p.greedy for p in params)
-    logits = logits / _column([p.temperature for p in params], logits)
+    logits = logits / _column([p.temperature for p in params], logits)  # a new tensor: masked in place below
     if all(p.top_k == 0 and p.top_p == 1.0 and p.min_p == 0.0 for p in params):
         return logits
+    vocab_size = logits.shape[1]
+    if all(p.top_k == 0 and p.top_p == 1.0 for p in params):  # min-p alone: the row's maximum is enough
+        return logits.masked_fill_(logits < logits.amax(dim=-1, keepdim=True) +
+                                   _column([p.min_p for p in params], logits).log(), float("-inf"))
+    largest = logits.topk(min(vocab_size, max(NUCLEUS_CANDIDATES[0], *(p.top_k for p in params))), dim=-1).values
+    # top-k's threshold (k = 0, off: -inf keeps the whole row); top-p weighs what it keeps
+    kth = torch.tensor([min(p.top_k, vocab_size) - 1 if p.top_k else 0 for p in params], device=logits.device)
+    top_k = torch.where(_column([p.top_k > 0 for p in params], logits) > 0, largest.gather(1, kth.unsqueeze(1)),
+                        float("-inf"))
+    # and min-p's, from the row's maximum
+    threshold = torch.maximum(top_k, largest[:, :1] + _column([p.min_p for p in params], logits).log())
+    wide = [i for i, p in enumerate(params) if p.top_p < 1.0]  # rows whose nucleus is not found yet
+    wider = None
+    if wide:
+        # what top-k kept of those rows, and the log of its sum: top-p's probabilities
+        kept = logits[wide]
+        if any(params[i].top_k for i in wide):
+            kept.masked_fill_(kept < top_k[wide], float("-inf"))
+        log_sum = kept.logsumexp(dim=-1, keepdim=True)
+        for size in NUCLEUS_CANDIDATES:
+            top = largest[wide].masked_fill(largest[wide] < top_k[wide], float("-inf")) \
+                if size <= largest.shape[1] else kept.topk(min(vocab_size, size), dim=-1).values
+            nucleus, found = _nucleus(top, log_sum, [params[i].top_p for i in wide])
+            threshold[wide] = torch.where(found, torch.maximum(threshold[wide], nucleus), threshold[wide])
+            narrow = ~found.squeeze(1)
+            wide = [i for i, outside in zip(wide, narrow.tolist()) if outside]
+            kept, log_sum = kept[narrow], log_sum[narrow]
+            if not wide:
+                break
+        if wide:
+            wider = truncate_sorted(logits[wide], [params[i] for i in wide])  # before any mask
+    logits.masked_fill_(logits < threshold, float("-inf"))
+    if wider is not None:
+        logits[wide] = wider
+    return logits
+
+
+def _nucleus(top: torch.Tensor, log_sum: torch.Tensor, top_p: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-p's threshold for rows whose largest values (after top-k, descending) are `top` and
+    whose kept values' log-sum-exp is `log_sum`: the value of the last token kept, the one whose
+    tokens above hold less than p of the row; and whether that token is among `top` ([R, 1] each)."""
+    # the probability of the first j + 1 values, at j: position j + 1 is kept while it is below p
+    under_p = ((top - log_sum).exp_().cumsum_(dim=-1) < _column(top_p, top)).sum(dim=-1, keepdim=True)
+    return top.gather(1, under_p.clamp_max(top.shape[1] - 1)), under_p < top.shape[1]
+
+
+def truncate_sorted(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """top-k, top-p and min-p (as truncate) on tempered logits, each row sorted whole, ascending
+    (vLLM's layout): top-p drops the low tokens whose cumulative probability stays <= 1 - p.
+    truncate's fallback for a wide nucleus, and its reference in the tests."""
     vocab_size = logits.shape[1]
     sorted_logits, order = logits.sort(dim=-1)
     # k = 0 (off) keeps the whole row: its threshold is the row's smallest value.
