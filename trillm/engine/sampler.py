@@ -150,17 +150,18 @@ def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     if masked:
         rows, cols = zip(*masked)
         logits.index_put_(_index(rows, cols, logits.device), torch.tensor(float("-inf"), device=logits.device))
+    # The penalties touch only the tokens a row has seen, so they work on those (row, token)
+    # pairs alone, not on the whole vocabulary of every row.
     if rep_rows:
-        seen = _counts([token_ids[i] for i in rep_rows], logits) > 0
-        penalty = _column([params[i].repetition_penalty for i in rep_rows], logits)
-        rows = logits[rep_rows]
-        penalized = torch.where(rows > 0, rows / penalty, rows * penalty)
-        logits[rep_rows] = torch.where(seen, penalized, rows)
+        rows, cols, entries, _ = _occurrences(rep_rows, [token_ids[i] for i in rep_rows], logits)
+        penalty = _values([params[i].repetition_penalty for i in rep_rows], logits)[entries]
+        seen = logits[rows, cols]
+        logits[rows, cols] = torch.where(seen > 0, seen / penalty, seen * penalty)
     if count_rows:
-        counts = _counts([output_ids[i] for i in count_rows], logits)
-        frequency = _column([params[i].frequency_penalty for i in count_rows], logits)
-        presence = _column([params[i].presence_penalty for i in count_rows], logits)
-        logits[count_rows] -= frequency * counts + presence * (counts > 0)
+        rows, cols, entries, counts = _occurrences(count_rows, [output_ids[i] for i in count_rows], logits)
+        frequency = _values([params[i].frequency_penalty for i in count_rows], logits)[entries]
+        presence = _values([params[i].presence_penalty for i in count_rows], logits)[entries]
+        logits[rows, cols] -= frequency * counts + presence
     return logits
 
 
@@ -334,17 +335,23 @@ def _bad_word_ends(words: list[list[int]], output: list[int]) -> list[int]:
     return [w[-1] for w in words if len(w) <= len(output) + 1 and output[len(output) - len(w) + 1:] == w[:-1]]
 
 
-def _counts(rows: list[list[int]], like: torch.Tensor) -> torch.Tensor:
-    """[len(rows), V] occurrence counts, built with one scatter_add over the flattened ids."""
-    num_rows, vocab_size = len(rows), like.shape[1]
-    device = like.device
-    ids = torch.tensor(list(itertools.chain.from_iterable(rows)), dtype=torch.long, device=device)
-    row_of_id = torch.repeat_interleave(
-        torch.arange(num_rows, device=device), torch.tensor([len(r) for r in rows], device=device)
-    )
-    counts = torch.zeros(num_rows * vocab_size, dtype=like.dtype, device=device)
-    counts.scatter_add_(0, row_of_id * vocab_size + ids, torch.ones_like(ids, dtype=like.dtype))
-    return counts.view(num_rows, vocab_size)
+def _occurrences(row_ids: list[int], tokens: list[list[int]], like: torch.Tensor):
+    """The distinct (row, token) pairs of `tokens` (one list per entry of `row_ids`, the logits
+    rows they belong to), built with one unique over the flattened ids: each pair's logits row
+    and token, the index of its entry in `row_ids`, and how often the token occurs there."""
+    vocab_size, device = like.shape[1], like.device
+    ids = torch.tensor(list(itertools.chain.from_iterable(tokens)), dtype=torch.long, device=device)
+    entry = torch.repeat_interleave(torch.arange(len(tokens), device=device),
+                                    torch.tensor([len(t) for t in tokens], device=device))
+    keys, counts = torch.unique(entry * vocab_size + ids, return_counts=True)
+    entries = keys // vocab_size
+    rows = torch.tensor(row_ids, dtype=torch.long, device=device)[entries]
+    return rows, keys % vocab_size, entries, counts.to(like.dtype)
+
+
+def _values(values, like: torch.Tensor) -> torch.Tensor:
+    """Per-entry values as a vector of `like`'s dtype and device."""
+    return torch.tensor(values, dtype=like.dtype, device=like.device)
 
 
 def _column(values, like: torch.Tensor) -> torch.Tensor:
