@@ -3,6 +3,7 @@ tests/netns_support.py), started by torchrun as across machines, with the real `
 from outside them: greedy tokens equal one unsharded engine's, and the second rank's host cut off
 mid-stream (its link taken down: packets lost, nothing refused) fails the engine cleanly within
 --tp-timeout. (test_multi_host.py: data parallelism.)"""
+import contextlib
 import os
 import signal
 import subprocess
@@ -14,6 +15,7 @@ import pytest
 import trio
 from http_support import EXACT
 from netns_support import PORT, hosts, until_healthy
+from process_support import descendants, live
 
 from trillm.engine.llm import LLM
 from trillm.sampling_params import SamplingParams
@@ -63,9 +65,17 @@ async def test_tensor_parallel_ranks_on_two_hosts_answer_as_one_and_fail_cleanly
                     assert (await http.get(url + "/health")).status_code == 503
                 await client.close()
             finally:
+                # torchrun killed leaves its rank behind (it forwards SIGTERM, not SIGKILL): the
+                # ranks go first, then the launchers, and none may be left
+                ranks = set().union(*(descendants(p.pid) for p in processes if p.returncode is None))
+                for pid in ranks:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
                 for process in processes:
                     if process.returncode is None:
                         process.send_signal(signal.SIGKILL)
                 with trio.fail_after(60):
                     for process in processes:
                         await process.wait()
+                    while any(map(live, ranks)):
+                        await trio.sleep(0.05)
