@@ -75,6 +75,7 @@ def bench_serve(args, model_dir: str, base_url: str, concurrency: int, result: P
         "--random-range-ratio", "0", "--num-prompts", str(num_prompts(args.rounds, concurrency)),
         "--max-concurrency", str(concurrency), "--ignore-eos", "--num-warmups", "2", "--seed", str(args.seed),
         "--save-result", "--result-dir", str(result.parent), "--result-filename", result.name,
+        *shlex.split(args.sampling),
     ]
     env = {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, "VLLM_TARGET_DEVICE": "cpu"}
     subprocess.run(command, env=env, check=True, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
@@ -159,6 +160,9 @@ def main() -> None:
     parser.add_argument("--order", nargs="+", default=list(SERVERS))
     parser.add_argument("--llama-dir", default=".peers/llama.cpp")
     parser.add_argument("--out", default="benchmarks/results/neutral.json")
+    parser.add_argument("--sampling", default="",
+                        help="vllm bench serve's sampling flags for every request (e.g. \"--temperature 0.7 "
+                             "--top-p 0.9 --repetition-penalty 1.1\"); default: none, the servers' defaults")
     parser.add_argument("--trillm-variant", nargs="*", default=[], metavar="NAME=ARGS",
                         help="also trillm with these arguments, as server trillm-NAME "
                              "(e.g. Q4_K_M=\"--model smol-Q4_K_M.gguf\", int8=\"--kv-cache-dtype int8\")")
