@@ -191,8 +191,8 @@ def truncate(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor
     largest = logits.topk(min(vocab_size, max(NUCLEUS_CANDIDATES[0], *(p.top_k for p in params))), dim=-1).values
     # top-k's threshold (k = 0, off: -inf keeps the whole row); top-p weighs what it keeps
     kth = torch.tensor([min(p.top_k, vocab_size) - 1 if p.top_k else 0 for p in params], device=logits.device)
-    top_k = torch.where(_column([p.top_k > 0 for p in params], logits) > 0, largest.gather(1, kth.unsqueeze(1)),
-                        float("-inf"))
+    top_k = largest.gather(1, kth.unsqueeze(1))
+    top_k[[i for i, p in enumerate(params) if not p.top_k]] = float("-inf")
     # and min-p's, from the row's maximum
     threshold = torch.maximum(top_k, largest[:, :1] + _column([p.min_p for p in params], logits).log())
     wide = [i for i, p in enumerate(params) if p.top_p < 1.0]  # rows whose nucleus is not found yet
@@ -356,7 +356,7 @@ def _values(values, like: torch.Tensor) -> torch.Tensor:
 
 def _column(values, like: torch.Tensor) -> torch.Tensor:
     """Per-row values as an [R, 1] column that broadcasts against `like`'s rows."""
-    return torch.tensor(values, dtype=like.dtype, device=like.device).unsqueeze(1)
+    return _values(values, like).unsqueeze(1)
 
 
 def _index(rows, cols, device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -31,6 +31,14 @@ static inline float sample_weight(float x, float max)
     return x == -INFINITY ? 0.0f : e;
 }
 
+static inline float row_max(const float *x, int64_t V)
+{
+    float max = -INFINITY;
+#pragma omp simd reduction(max : max)
+    for (int64_t i = 0; i < V; i++) max = x[i] > max ? x[i] : max;
+    return max;
+}
+
 /* out[r] for each of R rows of V logits (row r at logits + r * stride): the first token whose
  * cumulative weight exceeds uniform[r] (in [0, 1)) times the row's total. A row with every logit
  * -inf has no weight, and gets token 0. Returns 0, or -1 when out of memory. */
@@ -43,9 +51,7 @@ static int sample_rows_f32(int64_t *out, const float *logits, const double *unif
     if (sums == NULL) return -1;
     for (int64_t r = 0; r < R; r++) {
         const float *x = logits + r * stride;
-        float max = -INFINITY;
-#pragma omp simd reduction(max : max)
-        for (int64_t i = 0; i < V; i++) max = x[i] > max ? x[i] : max;
+        const float max = row_max(x, V);
         out[r] = 0;
         if (max == -INFINITY) continue;
         double total = 0.0;
@@ -89,9 +95,7 @@ static void argmax_rows_f32(int64_t *out, const float *logits, int64_t R, int64_
 {
     for (int64_t r = 0; r < R; r++) {
         const float *x = logits + r * stride;
-        float max = -INFINITY;
-#pragma omp simd reduction(max : max)
-        for (int64_t i = 0; i < V; i++) max = x[i] > max ? x[i] : max;
+        const float max = row_max(x, V);
         int64_t i = 0;
         while (i < V - 1 && x[i] != max) i++;
         out[r] = i;

@@ -363,8 +363,8 @@ class BlockAllocator:
         key = block_hashes[i - 1] if i > 0 else self._root_key
         while i < num_full:
             if self._sha256_cbor:
-                tokens = tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])
-                key = sha256_cbor((key, tokens, (("cache_salt", salt),) if i == 0 and salt else None))
+                key = sha256_cbor((key, self._block_tokens(token_ids, i, ""),
+                                   (("cache_salt", salt),) if i == 0 and salt else None))
             else:
                 key = hash((key, self._block_tokens(token_ids, i, salt)))
             block_hashes.append(key)
