@@ -10,6 +10,7 @@ next test.
 from __future__ import annotations
 
 import functools
+import re
 import threading
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
@@ -136,6 +137,20 @@ async def metric_value(http: httpx.AsyncClient, name: str, **labels) -> float:
             if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
                 return sample.value
     return 0.0
+
+
+async def metric_total(url: str, name: str, always_reported: bool = False) -> float:
+    """The sum of a replica's /metrics samples named `name` over all their labels; 0 before any
+    (a labelled counter has no sample until it counts), unless it is `always_reported`."""
+    async with httpx.AsyncClient(base_url=url) as http:
+        text = (await http.get("/metrics")).text
+    values = re.findall(rf"^{re.escape(name)}\{{[^}}]*\}} (\S+)$", text, re.M)
+    assert values or not always_reported, f"{url} reports no {name}"
+    return sum(map(float, values))
+
+
+async def requests_served(url: str) -> float:
+    return await metric_total(url, "trillm:request_success_total")
 
 
 @contextmanager

@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 import trio
-from http_support import live_server
+from http_support import live_server, metric_total, requests_served
 from process_support import descendants, live, started_by
 
 from trillm.config import EngineArgs
@@ -25,22 +25,8 @@ pytest.importorskip("sglang_router")
 SHARED = "You are a careful assistant. " * 30  # a prefix of many blocks, sent before each question
 
 
-async def metric_total(url: str, name: str, always_reported: bool = False) -> float:
-    """The sum of a replica's /metrics samples named `name` over all their labels; 0 before any
-    (a labelled counter has no sample until it counts), unless it is `always_reported`."""
-    async with httpx.AsyncClient(base_url=url) as http:
-        text = (await http.get("/metrics")).text
-    values = re.findall(rf"^{re.escape(name)}\{{[^}}]*\}} (\S+)$", text, re.M)
-    assert values or not always_reported, f"{url} reports no {name}"
-    return sum(map(float, values))
-
-
 async def prefix_hits(url: str) -> float:
     return await metric_total(url, "trillm:prefix_cache_hits_total", always_reported=True)
-
-
-async def requests_served(url: str) -> float:
-    return await metric_total(url, "trillm:request_success_total")
 
 
 async def start_replicated(nursery, model: str, policy: str, *flags: str):

@@ -9,22 +9,14 @@ import signal
 import subprocess
 import sys
 
-import httpx
 import openai
 import pytest
 import trio
+from http_support import requests_served
 from netns_support import PORT, hosts, until_healthy
 
 pytest.importorskip("sglang_router")
 pytestmark = pytest.mark.slow
-
-async def served(url: str) -> float:
-    """Requests a replica finished, from its own /metrics."""
-    async with httpx.AsyncClient(base_url=url, timeout=10) as http:
-        text = (await http.get("/metrics")).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("trillm:request_success_total{"))
-
 
 async def test_replicas_on_two_hosts_behind_a_router_on_a_third_outlive_a_host_cut_off(tiny_text_model_dir):
     model = os.path.basename(tiny_text_model_dir)
@@ -52,7 +44,7 @@ async def test_replicas_on_two_hosts_behind_a_router_on_a_third_outlive_a_host_c
                 client = openai.AsyncOpenAI(base_url=router + "/v1", api_key="none", max_retries=0, timeout=10)
                 for i in range(4):
                     await client.completions.create(model=model, prompt=f"Question {i}:", max_tokens=2)
-                assert all([await served(url) > 0 for url in replica_urls]), "round-robin reaches both hosts"
+                assert all([await requests_served(url) > 0 for url in replica_urls]), "round-robin reaches both hosts"
 
                 async def stream(i):  # one stream after another until cancelled, or one hangs on the cut host
                     async with openai.AsyncOpenAI(base_url=router + "/v1", api_key="none", max_retries=0) as c:
@@ -67,7 +59,7 @@ async def test_replicas_on_two_hosts_behind_a_router_on_a_third_outlive_a_host_c
                         streams.start_soon(stream, i)
                     await trio.sleep(1)
                     first.cut()
-                    before = await served(replica_urls[1])
+                    before = await requests_served(replica_urls[1])
                     # Requests sent to the cut host before the router's health checks notice wait out
                     # the client's timeout (short: the tiny model answers in milliseconds); from then
                     # on every request is the other host's.
@@ -80,7 +72,7 @@ async def test_replicas_on_two_hosts_behind_a_router_on_a_third_outlive_a_host_c
                                 in_a_row += 1
                             except (openai.APITimeoutError, openai.APIConnectionError, openai.APIStatusError):
                                 in_a_row = 0
-                    assert await served(replica_urls[1]) - before >= 6
+                    assert await requests_served(replica_urls[1]) - before >= 6
                     streams.cancel_scope.cancel()
                 await client.close()
             finally:
