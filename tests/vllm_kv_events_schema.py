@@ -60,7 +60,8 @@ DECODER = msgspec.msgpack.Decoder(KVEventBatch)
 class CacheReplica:
     """The set of cached block hashes a subscriber rebuilds from the batches alone; it also
     checks the log is consistent (a block stored once until removed, removed only if stored,
-    a stored block's parent cached, its tokens a full block)."""
+    a stored block's parent cached, its tokens a full block, every hash bytes or an unsigned
+    64-bit integer, as vllm-router's kv_aware subscriber requires)."""
 
     def __init__(self):
         self.hashes: set[ExternalBlockHash] = set()
@@ -74,6 +75,7 @@ class CacheReplica:
                 assert len(event.token_ids) == event.block_size * len(event.block_hashes)
                 assert event.parent_block_hash is None or event.parent_block_hash in self.hashes, "orphan block"
                 for block_hash in event.block_hashes:
+                    assert isinstance(block_hash, bytes) or 0 <= block_hash < 2 ** 64, block_hash
                     assert block_hash not in self.hashes, "stored twice"
                     self.hashes.add(block_hash)
             elif isinstance(event, BlockRemoved):

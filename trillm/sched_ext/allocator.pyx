@@ -48,6 +48,9 @@ from trillm.sched_ext.status import KVCacheEventKind
 
 COMPILED = cython.compiled
 _ROOT_KEY = 0  # the parent key of a prompt's first block
+# builtin keys as unsigned 64-bit integers: routers that read the KV-cache events (vllm-router's
+# kv_aware) take a block hash as bytes or an unsigned integer, and refuse a batch with a negative one
+_KEY_MASK = 0xFFFFFFFFFFFFFFFF
 HASH_ALGOS = ("builtin", "sha256_cbor")
 
 
@@ -366,7 +369,7 @@ class BlockAllocator:
                 key = sha256_cbor((key, self._block_tokens(token_ids, i, ""),
                                    (("cache_salt", salt),) if i == 0 and salt else None))
             else:
-                key = hash((key, self._block_tokens(token_ids, i, salt)))
+                key = hash((key, self._block_tokens(token_ids, i, salt))) & _KEY_MASK
             block_hashes.append(key)
             i += 1
 
