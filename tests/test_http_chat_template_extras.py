@@ -121,3 +121,20 @@ async def test_separate_and_stream_reasoning(core):
         pieces = [c.choices[0].delta.model_extra.get("reasoning_content") for c in held if c.choices]
         assert [p for p in pieces if p] == [reasoning]
         assert "".join(c.choices[0].delta.content or "" for c in held) == split.choices[0].message.content
+
+
+async def test_include_reasoning_false_drops_the_reasoning(core):
+    """vLLM's include_reasoning (vllm-router writes it into every chat request it forwards)."""
+    async with live_server(core, reasoning_parser="deepseek_r1") as server:
+        client = server.openai()
+        args = dict(model=server.model, messages=ASK, temperature=0, max_tokens=64,
+                    response_format={"type": "regex", "regex": THINKING})
+        kept = await client.chat.completions.create(**args, extra_body={"include_reasoning": True})
+        assert kept.choices[0].message.model_extra["reasoning_content"]
+        dropped = await client.chat.completions.create(**args, extra_body={"include_reasoning": False})
+        assert dropped.choices[0].message.model_extra["reasoning_content"] is None
+        assert dropped.choices[0].message.content == kept.choices[0].message.content
+        chunks = [c async for c in await client.chat.completions.create(**args, stream=True,
+                                                                       extra_body={"include_reasoning": False})]
+        assert not any(c.choices[0].delta.model_extra.get("reasoning_content") for c in chunks if c.choices)
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == kept.choices[0].message.content

@@ -55,12 +55,15 @@ class ForcedCall:
 
 
 def chat_output(reasoning: str | None, tools: str | None, choice: str | NamedToolChoice,
-                parallel_tool_calls: bool | None, stream_reasoning: bool = True) -> ChatOutput:
+                parallel_tool_calls: bool | None, stream_reasoning: bool = True,
+                include_reasoning: bool = True) -> ChatOutput:
     """One choice's splitter: the reasoning and tool-call parsers (names, or None), the
     request's effective tool_choice, its parallel_tool_calls (false: at most one call) and
-    SGLang's stream_reasoning (false: the reasoning is held back until it ends, then sent whole)."""
+    SGLang's stream_reasoning (false: the reasoning is held back until it ends, then sent whole);
+    vLLM's include_reasoning (false: the reasoning is parsed out and not sent at all)."""
     return ChatOutput(reasoning_parser(reasoning) if reasoning else None, _tool_reader(choice, tools),
-                      max_calls=1 if parallel_tool_calls is False else None, hold_reasoning=not stream_reasoning)
+                      max_calls=1 if parallel_tool_calls is False else None, hold_reasoning=not stream_reasoning,
+                      drop_reasoning=not include_reasoning)
 
 
 def _tool_reader(choice: str | NamedToolChoice, parser: str | None):
@@ -89,14 +92,16 @@ class ChatDelta:
 
 class ChatOutput:
     def __init__(self, reasoning: ReasoningParser | None, tools, max_calls: int | None = None,
-                 hold_reasoning: bool = False):
+                 hold_reasoning: bool = False, drop_reasoning: bool = False):
         """`max_calls`: calls past this many are dropped (parallel_tool_calls false), as a
         client that asked for one call would not know what to do with a second.
-        `hold_reasoning`: the reasoning comes out in one piece, with the first content or at the end."""
+        `hold_reasoning`: the reasoning comes out in one piece, with the first content or at the end.
+        `drop_reasoning`: the reasoning never comes out."""
         self._reasoning_parser = reasoning
         self._tools = tools
         self._max_calls = max_calls
         self._hold_reasoning = hold_reasoning
+        self._drop_reasoning = drop_reasoning
         self._held_reasoning = ""
         self.reasoning = ""
         self.content = ""
@@ -119,7 +124,10 @@ class ChatOutput:
         return self._record(self._release(reasoning, ended=True), content + rest, calls + more)
 
     def _release(self, reasoning: str, ended: bool) -> str:
-        """The reasoning to send now: all of it, unless held until it `ended` (content began)."""
+        """The reasoning to send now: all of it, unless held until it `ended` (content began) or
+        dropped."""
+        if self._drop_reasoning:
+            return ""
         if not self._hold_reasoning:
             return reasoning
         self._held_reasoning += reasoning

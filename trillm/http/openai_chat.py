@@ -61,7 +61,8 @@ class ChatChunks(UsageChunks):
         self.return_token_ids = req.return_token_ids  # vLLM's: prompt_token_ids, and each choice's token_ids
         reasoning = state.settings.reasoning_parser if req.separate_reasoning else None
         self.outputs = [
-            chat_output(reasoning, state.tool_call_parser, choice, req.parallel_tool_calls, req.stream_reasoning)
+            chat_output(reasoning, state.tool_call_parser, choice, req.parallel_tool_calls, req.stream_reasoning,
+                        req.include_reasoning)
             for _ in range(generation.num_choices)
         ]
 

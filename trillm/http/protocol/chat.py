@@ -126,12 +126,13 @@ class ChatCompletionRequest(SamplingFields):
     web_search_options: dict[str, Any] | None = None
     audio: dict[str, Any] | None = None
     moderation: dict[str, Any] | None = None
-    # The peers' template extras: vLLM's, then LMDeploy's, then SGLang's reasoning switches.
+    # The peers' template extras and reasoning switches: vLLM's, then LMDeploy's, then SGLang's.
     chat_template: str | None = None  # only with --trust-request-chat-template
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False
     documents: list[dict[str, Any]] | None = None
+    include_reasoning: bool = True  # false: the reasoning is dropped (vllm-router sends it on every request)
     do_preprocess: bool = True  # false: messages is the prompt, as it is (no template)
     enable_thinking: bool | None = None
     separate_reasoning: bool = True  # false: reasoning stays in content
