@@ -3,14 +3,15 @@
 A loaded adapter is listed by /v1/models (its `parent`, the base model) and named by requests'
 `model` (OpenAI routes), `lora_path` (/generate) or `lora_request` (TensorRT-LLM's field).
 The adapter's files are read in a worker thread; registering and forgetting it are the engine's
-(WeightCycle.load_lora / unload_lora), so a request never sees half an adapter.
+(WeightCycle.load_lora / unload_lora), so a request never sees half an adapter. Behind the
+data-parallel router both calls reach every replica (trillm/http/peer_relay.py).
 """
 from __future__ import annotations
 
 from quart import Blueprint, Response
 
 from trillm.engine.api import LoRAError
-from trillm.http import paths
+from trillm.http import paths, peer_relay
 from trillm.http.errors import APIError
 from trillm.http.protocol.admin import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from trillm.http.state import current, parse_body
@@ -33,6 +34,7 @@ async def load_lora_adapter():
                                      limit=state.settings.max_lora_adapters)
     except LoRAError as exc:
         raise APIError(exc.status, str(exc), "lora_path" if exc.status == 400 else "lora_name") from None
+    await peer_relay.relay_to_all(state.settings)
     return Response(f"Success: LoRA adapter '{req.lora_name}' added successfully.", status=200)
 
 
@@ -47,6 +49,7 @@ async def unload_lora_adapter():
         state.engine.weights.unload_lora(req.lora_name)
     except LoRAError as exc:
         raise APIError(exc.status, str(exc), "lora_name") from None
+    await peer_relay.relay_to_all(state.settings)
     return Response(f"Success: LoRA adapter '{req.lora_name}' removed successfully.", status=200)
 
 

@@ -16,6 +16,7 @@ import json
 from quart import Blueprint, Response
 
 from trillm.engine.api import Delta, FinishReason
+from trillm.http import peer_relay
 from trillm.http.errors import APIError
 from trillm.http.generation import Generation
 from trillm.http.logprobs import reported_prompt_tokens
@@ -120,15 +121,18 @@ async def abort_request():
     header), all their samples (of a batch whose prompts have their own rids, that prompt's);
     `{"abort_all": true}` aborts every one. Their streams end with finish_reason "abort" (on
     /generate, `finished_reason` or `abort_message` when the abort gave one); their blocks are
-    free before the next step."""
-    engine = current().engine
+    free before the next step. Behind the data-parallel router, on every replica."""
+    state = current()
+    engine = state.engine
     req = await parse_body(AbortRequest, status=422)
     if req.abort_all:
-        return {"num_aborted": engine.abort_all(note=req.note)}
+        return {"num_aborted": engine.abort_all(note=req.note) + await peer_relay.relay_count(state.settings,
+                                                                                              "num_aborted")}
     if req.name is None:
         raise APIError(400, "Send a rid or session_id, or abort_all: true.", "rid")
     param = "rid" if req.rid is not None else "session_id"
     num_aborted = engine.abort(req.name, note=req.note)
+    num_aborted += await peer_relay.relay_count(state.settings, "num_aborted")
     if not num_aborted:
         raise APIError(404, f"No running request has {param} {req.name!r}.", param)
     return {"num_aborted": num_aborted}
@@ -185,9 +189,12 @@ async def tokenizer_info():
 @blueprint.post("/flush_cache")
 @blueprint.post("/reset_prefix_cache")  # vLLM's name
 async def flush_cache():
-    """Empty the prefix cache. Refused while requests run: their blocks are in use."""
-    if not current().engine.reset_prefix_cache():
+    """Empty the prefix cache (behind the data-parallel router, every replica's). Refused while
+    requests run: their blocks are in use."""
+    state = current()
+    if not state.engine.reset_prefix_cache():
         raise APIError(400, "Cannot flush the prefix cache while requests are running; retry when idle.")
+    await peer_relay.relay_to_all(state.settings)
     return {"message": "The prefix cache is empty."}
 
 

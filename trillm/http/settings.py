@@ -47,12 +47,16 @@ class ServerSettings:
     allowed_headers: str = "*"
     allow_credentials: bool = False
     # Data parallelism (trillm/http/data_parallel.py): this many engine replicas here, each its own
-    # process with its own cores and KV cache, behind sglang-router on --host / --port (0: none
+    # process with its own cores and KV cache, behind vllm-router on --host / --port (0: none
     # here, the router alone in front of --data-parallel-address's)
     data_parallel_size: int = 1
-    router_policy: str = "cache_aware"  # the router's: cache_aware | round_robin | power_of_two | random
+    router_policy: str = "cache_aware"  # the router's: cache_aware | kv_aware | round_robin | power_of_two | random
     # replicas on other machines (`trillm serve` there), as URLs, that the router also routes to
     data_parallel_address: str | None = None
+    # the other replicas behind the same router, as URLs: this one relays the admin calls it gets
+    # (adapters, aborts, the prefix cache, sleep, weights) to them (trillm/http/peer_relay.py);
+    # the supervisor sets it for the replicas it starts
+    data_parallel_peers: str | None = None
     metrics_prefix: str = "trillm"  # trillm | vllm: the name prefix of /metrics (vllm: what gateways read)
     # What a request may make the server read from disk (trillm/http/paths.py): each is off unless
     # asked for, and every path a request names must resolve inside `allowed_weights_dir`.

@@ -1,13 +1,14 @@
 """The weights' life cycle while serving: sleep and wake (vLLM's /sleep, /wake_up, /is_sleeping;
 LMDeploy's /wakeup) and updates in place (SGLang's /update_weights_from_disk, also at
 /update_weights). The engine does the work (its WeightCycle: sleep, wake_up, update); these
-routes read the request and report.
+routes read the request and report. Behind the data-parallel router each call that changes the
+weights reaches every replica (trillm/http/peer_relay.py).
 """
 from __future__ import annotations
 
 from quart import Blueprint, request
 
-from trillm.http import paths
+from trillm.http import paths, peer_relay
 from trillm.http.errors import APIError
 from trillm.http.protocol.admin import UpdateWeightsRequest
 from trillm.http.state import current, parse_body
@@ -27,6 +28,7 @@ async def sleep():
     if level not in ("1", "2"):
         raise APIError(400, f"The sleep level is 1 or 2, got {level!r}.", "level")
     freed = await state.engine.weights.sleep(int(level), state.settings.drain_timeout)
+    freed += sum(reply.json()["freed_bytes"] for reply in await peer_relay.relay_to_all(state.settings))
     return {"is_sleeping": True, "level": int(level), "freed_bytes": freed}
 
 
@@ -38,6 +40,7 @@ async def wake_up():
     state = current()
     tags = set(request.args.getlist("tags")) or None
     await state.engine.weights.wake_up(tags)
+    await peer_relay.relay_to_all(state.settings)
     return {"is_sleeping": state.engine.sleeping}
 
 
@@ -58,5 +61,6 @@ async def update_weights():
     req = await parse_body(UpdateWeightsRequest)
     path = paths.allowed_path(state.settings, req.model_path, "model_path")
     aborted = await state.engine.weights.update(path, req.abort_running or req.abort_all_requests)
+    aborted += sum(reply.json()["num_aborted_requests"] for reply in await peer_relay.relay_to_all(state.settings))
     return {"success": True, "message": f"Serving the weights at {req.model_path}.", "num_paused_requests": 0,
             "num_aborted_requests": aborted}
