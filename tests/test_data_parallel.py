@@ -1,4 +1,4 @@
-"""`trillm serve --data-parallel-size 2` as a user runs it: two replicas behind sglang-router on
+"""`trillm serve --data-parallel-size 2` as a user runs it: two replicas behind vllm-router on
 loopback, driven by the real `openai` client through the router, each replica's own /metrics
 read to see where requests went. Cache-aware routing keeps requests that share a long prefix on
 one replica, whose prefix cache then serves them, where round-robin splits them; a client that
@@ -20,7 +20,7 @@ from process_support import descendants, live, started_by
 from trillm.config import EngineArgs
 from trillm.engine.core import EngineCore
 
-pytest.importorskip("sglang_router")
+pytest.importorskip("vllm_router")
 
 SHARED = "You are a careful assistant. " * 30  # a prefix of many blocks, sent before each question
 
@@ -44,7 +44,7 @@ async def start_replicated(nursery, model: str, policy: str, *flags: str):
             buffer += data
             *lines, buffer = buffer.split(b"\n")
             log.extend(line.decode(errors="replace") for line in lines)
-            if any("behind sglang-router" in line for line in log):
+            if any("behind vllm-router" in line for line in log):
                 ready.set()
 
     nursery.start_soon(read_log)
@@ -87,9 +87,35 @@ async def test_cache_aware_routing_keeps_a_shared_prefix_on_one_replica(tiny_tex
                 await process.wait()
 
 
+async def test_kv_aware_routing_follows_the_blocks_the_replicas_report(tiny_text_model_dir):
+    """kv_aware learns from the replicas' KV-cache events, not from what it routed: a prefix
+    cached on each replica by a request sent to it directly (the router never saw it) draws
+    every later request that shares it to that replica."""
+    model = os.path.basename(tiny_text_model_dir)
+    prefixes = ["You are a careful assistant. " * 30, "Answer every question in French. " * 30]
+    async with trio.open_nursery() as nursery:
+        process, router, replicas, log = await start_replicated(nursery, tiny_text_model_dir, "kv_aware")
+        try:
+            for prefix, url in zip(prefixes, replicas):
+                async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0) as direct:
+                    await direct.completions.create(model=model, prompt=prefix + "Hello?", max_tokens=1)
+            await trio.sleep(1)  # the events reach the router on their own
+            served = [await requests_served(url) for url in replicas]
+            async with openai.AsyncOpenAI(base_url=router + "/v1", api_key="none", max_retries=0) as client:
+                for i in range(3):
+                    for prefix in prefixes:
+                        await client.completions.create(model=model, prompt=f"{prefix}Question {i}?", max_tokens=1)
+            assert [await requests_served(url) - before for url, before in zip(replicas, served)] == [3, 3]
+        finally:
+            process.send_signal(signal.SIGTERM)
+            with trio.fail_after(60):
+                await process.wait()
+
+
 async def test_replicas_serve_survive_a_death_free_blocks_and_stop_with_the_server(tiny_text_model_dir):
     """With --api-key: no process's command line carries the key, the router reads the replicas'
-    load with it, clients need it, and the router lists the served model by its name."""
+    load (an open route, as /metrics), clients need the key, and the router lists the served
+    model by its name."""
     model = os.path.basename(tiny_text_model_dir)
     key = "dp-secret-" + os.urandom(4).hex()
     auth = {"Authorization": f"Bearer {key}"}
@@ -105,7 +131,7 @@ async def test_replicas_serve_survive_a_death_free_blocks_and_stop_with_the_serv
         async with httpx.AsyncClient(base_url=router, headers=auth) as http:  # power_of_two's: -1 when unreadable
             loads = (await http.get("/get_loads")).json()["workers"]
             models = (await http.get("/v1/models")).json()["data"]
-        assert len(loads) == 2 and all(w["load"] >= 0 for w in loads), loads
+        assert len(loads) == 2 and all(w["load"] >= 0 for w in loads), loads  # -1: unreadable
         assert [m["id"] for m in models] == [model]
         async with openai.AsyncOpenAI(base_url=router + "/v1", api_key="wrong", max_retries=0) as wrong:
             with pytest.raises(openai.AuthenticationError):
@@ -146,6 +172,73 @@ async def test_replicas_serve_survive_a_death_free_blocks_and_stop_with_the_serv
         with trio.fail_after(10):
             while any(map(live, everything)):
                 await trio.sleep(0.05)
+
+
+async def replica_models(url: str) -> list[str]:
+    async with httpx.AsyncClient(base_url=url) as http:
+        return [m["id"] for m in (await http.get("/v1/models")).json()["data"]]
+
+
+async def replica_holding_a_request(replicas: list[str]) -> str:
+    """The replica with a live request, once there is one."""
+    with trio.fail_after(30):
+        while True:
+            for url in replicas:
+                async with httpx.AsyncClient(base_url=url) as http:
+                    if (await http.get("/load")).json()["server_load"]:
+                        return url
+            await trio.sleep(0.05)
+
+
+async def test_admin_calls_reach_every_replica_through_the_front_door_or_any_replica(tiny_text_model_dir):
+    """The router forwards an admin route to one replica, which relays it to the others: an
+    adapter loaded or unloaded at the front door (or at either replica) is on both and listed
+    once; an abort sent to the replica that does not hold the request ends it all the same."""
+    from lora_support import make_adapter
+
+    model = os.path.basename(tiny_text_model_dir)
+    adapter = make_adapter(tiny_text_model_dir, seed=1)
+    async with trio.open_nursery() as nursery:
+        process, router, replicas, log = await start_replicated(
+            nursery, tiny_text_model_dir, "round_robin", "--enable-lora", "--max-loras", "2", "--allow-runtime-lora",
+            "--allowed-weights-dir", os.path.dirname(adapter))
+        try:
+            async with httpx.AsyncClient(base_url=router) as http:
+                for name, where in (("front", router), ("direct", replicas[1])):
+                    async with httpx.AsyncClient(base_url=where) as at:
+                        loaded = await at.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": adapter})
+                    assert loaded.status_code == 200, loaded.text
+                    for url in replicas:
+                        assert name in await replica_models(url), (name, url)
+                    assert [m["id"] for m in (await http.get("/v1/models")).json()["data"]].count(name) == 1
+                client = openai.AsyncOpenAI(base_url=router + "/v1", api_key="none", max_retries=0)
+                for _ in range(4):  # both replicas serve it
+                    out = await client.completions.create(model="front", prompt="Hello", max_tokens=2)
+                    assert out.usage.completion_tokens == 2
+                assert (await http.post("/v1/unload_lora_adapter", json={"lora_name": "front"})).status_code == 200
+                for url in replicas:
+                    assert "front" not in await replica_models(url) and "direct" in await replica_models(url)
+                again = await http.post("/v1/load_lora_adapter", json={"lora_name": "direct", "lora_path": adapter})
+                assert again.status_code == 400, "the replica that got it says it is loaded, and relays nothing"
+
+                for where in ("other", "front"):
+                    stream = await client.completions.create(model=model, prompt="Once upon a time", max_tokens=240, n=8,
+                                                             stream=True, extra_body={"ignore_eos": True})
+                    first = await stream.__anext__()
+                    holder = await replica_holding_a_request(replicas)
+                    target = router if where == "front" else next(url for url in replicas if url != holder)
+                    async with httpx.AsyncClient(base_url=target) as at:
+                        aborted = await at.post("/abort_request", json={"rid": first.id})
+                    assert aborted.status_code == 200 and aborted.json() == {"num_aborted": 1}, aborted.text
+                    reasons = [c.choices[0].finish_reason async for c in stream if c.choices]
+                    assert reasons[-1] == "abort", where
+                missing = await http.post("/abort_request", json={"rid": "no-such-request"})
+                assert missing.status_code == 404, missing.text
+                await client.close()
+        finally:
+            process.send_signal(signal.SIGTERM)
+            with trio.fail_after(60):
+                await process.wait()
 
 
 async def test_a_replica_elsewhere_joins_the_router_and_round_robin_spreads_a_prefix(tiny_text_model_dir):

@@ -15,7 +15,7 @@ import trio
 from http_support import requests_served
 from netns_support import PORT, hosts, until_healthy
 
-pytest.importorskip("sglang_router")
+pytest.importorskip("vllm_router")
 pytestmark = pytest.mark.slow
 
 async def test_replicas_on_two_hosts_behind_a_router_on_a_third_outlive_a_host_cut_off(tiny_text_model_dir):

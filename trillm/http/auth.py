@@ -1,7 +1,7 @@
 """`--api-key`: a Bearer token (or, as Anthropic's SDKs send it, an `x-api-key` header) on every
 route that does work, changes state or tells more than liveness.
 
-Open without the key: what probes, scrapers and schema readers call (`OPEN_PATHS`), and
+Open without the key: what probes, scrapers, routers and schema readers call (`OPEN_PATHS`), and
 every CORS preflight (`OPTIONS`), which browsers send without credentials. Everything
 else, `/v1/*` and the native `/generate`, `/abort_request`, `/flush_cache`, `/tokenize`,
 `/detokenize`, `/server_info`, ... (and any route added later), needs the key: the list
@@ -24,7 +24,9 @@ from quart import Response, request
 
 from trillm.http.errors import APIError, error_response
 
-OPEN_PATHS = frozenset({"/health", "/ping", "/version", "/metrics", "/openapi.json"})
+# /get_load: vllm-router polls it without the key (its api_key reaches no call of its own); it
+# tells what /metrics already does
+OPEN_PATHS = frozenset({"/health", "/ping", "/version", "/metrics", "/get_load", "/openapi.json"})
 ADMIN_PATHS = frozenset({
     "/update_weights_from_disk", "/update_weights", "/v1/load_lora_adapter", "/v1/unload_lora_adapter",
     "/sleep", "/wake_up", "/wakeup", "/flush_cache", "/reset_prefix_cache", "/abort_request",

@@ -1,28 +1,35 @@
-"""`trillm serve --data-parallel-size N`: N engine replicas behind sglang-router.
+"""`trillm serve --data-parallel-size N`: N engine replicas behind vllm-router.
 
 This process is a supervisor, not a server. It starts N replicas, each a plain `trillm serve`
 on a loopback port, with its own KV cache and its own even share of the cores. Then it starts
-sglang-router (the Rust load balancer from PyPI, version pinned in pyproject.toml) on the
+vllm-router (the Rust load balancer from PyPI, version pinned in pyproject.toml) on the
 public --host / --port. Each of them is forked from one fork server that imported the server
 once (trillm.subprocesses.start_preloaded), rather than N + 1 interpreters each importing it;
 the log names each one's process id. The router routes each request to a replica by
 --router-policy: cache_aware (by the longest prefix it sent there before, unless the load is
-uneven), round_robin, power_of_two or random. URLs in --data-parallel-address, which are
+uneven), kv_aware (by the blocks each replica reports it caches, from their KV-cache events:
+trillm/http/router_events.py), round_robin, power_of_two or random. URLs in --data-parallel-address, which are
 `trillm serve` processes on other machines, join the router's worker list beside the local ones;
 with `--data-parallel-size 0` there are no local ones, and this host is the front door alone.
 
+The router forwards a route it does not balance (adapters, /abort_request, /sleep, ...) to one
+replica; each replica is given the others as --data-parallel-peers and relays such calls to
+them (trillm/http/peer_relay.py), so they reach every replica.
+
 The router checks each worker's /health every HEALTH_INTERVAL seconds and takes one out of
-rotation after HEALTH_FAILURES failed checks (sglang-router's defaults, a minute and three,
+rotation after HEALTH_FAILURES failed checks (the router's defaults, a minute and three,
 would leave a replica whose host is gone in rotation for minutes, every request sent there
 waiting on it); it comes back after two good checks.
 
-Why sglang-router (over vllm-router): its cache-aware policy keeps a prefix tree per worker,
-so requests that share a prefix go to the replica that caches it, which is where trillm's
-prefix cache pays off. It speaks plain OpenAI HTTP to any backend and reads from a worker only
-what trillm serves: /health, /server_info, /model_info. With --api-key, the replicas take the
+Why vllm-router (a fork of sglang-router, which served here before): both keep a prefix tree
+per worker for cache_aware, but sglang-router answers 404 to every route it does not know, so
+no adapter load or abort reached any replica through it, and it cannot read KV-cache events;
+vllm-router forwards unknown routes and has kv_aware. It speaks plain OpenAI HTTP to any
+backend (writing vLLM's include_reasoning into chat requests, which trillm takes), and for
+cache and kv_aware asks a worker for a prompt's tokens (/tokenize, after vLLM's
+/v1/completions/render, which trillm does not serve). With --api-key, the replicas take the
 key from their environment and the router sends it on its own calls to them; both are handed
-it through the fork server's socket, and no command line carries it. Its gRPC probe speaks
-HTTP/2, which trillm refuses (trillm/http/http1_only.py), so the router falls back to HTTP.
+it through the fork server's socket, and no command line carries it.
 
 Lifetime: the replicas and the router die with the fork server (PR_SET_PDEATHSIG), which ends
 with the supervisor, however it ends. On SIGTERM or SIGINT the supervisor stops the router
@@ -33,6 +40,7 @@ stops the rest and exits with an error.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -42,11 +50,12 @@ import urllib.request
 from dataclasses import replace
 from multiprocessing import Process
 
+from trillm.http.router_events import RouterEvents, router_flags
 from trillm.http.settings import API_KEY_VARIABLE, ServerSettings, to_argv
 from trillm.subprocesses import SERVER, cpu_share, free_port, start_preloaded
 
 log = logging.getLogger(__name__)
-ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
+ROUTER_POLICIES = ("cache_aware", "kv_aware", "round_robin", "power_of_two", "random")
 READY_TIMEOUT = 600.0  # seconds for a replica to load its model and answer /health
 STOP_TIMEOUT = 60.0  # seconds the router and the replicas get to exit on a signal, before SIGKILL
 HEALTH_INTERVAL = 2  # seconds between the router's /health checks of a worker
@@ -55,11 +64,11 @@ HEALTH_FAILURES = 2  # failed checks in a row that take a worker out of rotation
 
 
 def router_argv(settings: ServerSettings, port: int, metrics_port: int, worker_urls: list[str]) -> list[str]:
-    """sglang-router's flags: the public address, and its own metrics on `metrics_port` of the same
-    host (its default, 0.0.0.0, would open them on every interface)."""
+    """vllm-router's flags: the public address, and its own metrics on `metrics_port` of the same
+    host (the default port is fixed, so a second router on the host could not start)."""
     return ["--worker-urls", *worker_urls, "--policy", settings.router_policy, "--host", settings.host,
             "--port", str(port), "--prometheus-host", settings.host, "--prometheus-port", str(metrics_port),
-            "--log-level", "warn",
+            "--log-level", "warning",
             "--health-check-interval-secs", str(HEALTH_INTERVAL), "--health-check-timeout-secs", str(HEALTH_TIMEOUT),
             "--health-failure-threshold", str(HEALTH_FAILURES)]
 
@@ -70,53 +79,71 @@ def run(settings: ServerSettings) -> int:
     if settings.router_policy not in ROUTER_POLICIES:
         raise ValueError(f"Unknown router policy {settings.router_policy!r}; known: {', '.join(ROUTER_POLICIES)}.")
     count = settings.data_parallel_size  # ServerSettings checked it: >= 1, or 0 with addresses
-    ports = [free_port() for _ in range(count)]
+    urls = [f"http://127.0.0.1:{free_port()}" for _ in range(count)]
+    workers = urls + ServerSettings.as_list(settings.data_parallel_address or "")
+    kv_aware = settings.router_policy == "kv_aware" and count > 0
+    events = RouterEvents(settings.engine.kv_events_config, count) if kv_aware else None
     replicas = []
-    for index, port in enumerate(ports):
-        replica = replace(settings, host="127.0.0.1", port=port, data_parallel_size=1, data_parallel_address=None,
-                          api_key=None, engine=replace(settings.engine, data_parallel_rank=index))
-        # not daemons: a replica with --tensor-parallel-size starts its ranks
-        replicas.append(start_preloaded(_replica_main, to_argv(replica), settings.api_key, preload=SERVER,
-                                        daemon=False, cpus=cpu_share(index, count)))
-        replicas[-1].name = f"replica {index}"  # what the log calls it
-    children = list(replicas)
+    children = []
+    try:
+        for index, url in enumerate(urls):
+            engine = replace(settings.engine, data_parallel_rank=index)
+            if events is not None:  # vllm-router takes each replica for a worker of rank 0
+                engine = replace(engine, data_parallel_rank=0, kv_events_config=events.engine_config(index))
+            replica = replace(settings, host="127.0.0.1", port=int(url.rpartition(":")[2]), data_parallel_size=1,
+                              data_parallel_address=None, api_key=None, engine=engine,
+                              data_parallel_peers=",".join(w for w in workers if w != url) or None)
+            # not daemons: a replica with --tensor-parallel-size starts its ranks
+            replicas.append(start_preloaded(_replica_main, to_argv(replica), settings.api_key, preload=SERVER,
+                                            daemon=False, cpus=cpu_share(index, count)))
+            replicas[-1].name = f"replica {index}"  # what the log calls it
+            children.append(replicas[-1])
+        return _supervise(settings, urls, workers, replicas, children, events)
+    finally:
+        _stop(children)
+        if events is not None:
+            events.close()
+
+
+def _supervise(settings: ServerSettings, urls: list[str], workers: list[str], replicas: list[Process],
+               children: list[Process], events: RouterEvents | None) -> int:
+    """`run`'s watch, once the replicas are started: the router once they are ready, then both
+    until a signal or an exit. Adds the router to `children`."""
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
     signal.signal(signal.SIGINT, lambda *_: stopping.append(True))
-    try:
-        urls = [f"http://127.0.0.1:{port}" for port in ports]
-        for url, replica in zip(urls, replicas):
-            log.info("%s (pid %d): %s", replica.name, replica.pid, url)
-        if not _wait_ready(urls, replicas, stopping):
-            return 0 if stopping else 1
-        workers = urls + ServerSettings.as_list(settings.data_parallel_address or "")
-        port = settings.port or free_port()  # port 0: any free one, logged below
-        metrics_port = free_port()
-        router = start_preloaded(_router_main, router_argv(settings, port, metrics_port, workers), settings.api_key,
-                                 preload=SERVER, daemon=False)
-        router.name = "the router"
-        children.insert(0, router)
-        if not _wait_ready([f"http://{_loopback(settings.host)}:{port}"], [router], stopping):
-            return 0 if stopping else 1
-        log.info("the router's own metrics (requests, workers, retries): http://%s:%d/metrics; each replica's at its "
-                 "address", settings.host, metrics_port)
-        log.info("%d replicas behind sglang-router (%s) on http://%s:%d",
-                 len(workers), settings.router_policy, settings.host, port)
-        alive = dict(zip(replicas, urls))
-        while not stopping:
-            if router.exitcode is not None:
-                log.error("the router exited (status %s): stopping the replicas", router.exitcode)
-                return 1
-            for replica in [r for r in alive if r.exitcode is not None]:
-                log.error("%s (%s) exited (status %s); the others serve on", replica.name, alive.pop(replica),
-                          replica.exitcode)
-            if replicas and not alive:
-                log.error("every replica exited: stopping the router")
-                return 1
-            time.sleep(0.2)
-        return 0
-    finally:
-        _stop(children)
+    for url, replica in zip(urls, replicas):
+        log.info("%s (pid %d): %s", replica.name, replica.pid, url)
+    if not _wait_ready(urls, replicas, stopping):
+        return 0 if stopping else 1
+    port = settings.port or free_port()  # port 0: any free one, logged below
+    metrics_port = free_port()
+    argv = router_argv(settings, port, metrics_port, workers)
+    if events is not None:
+        argv += router_flags(events.sources(urls), settings.engine.block_size,
+                             _served_model(urls[0], settings.api_key))
+    router = start_preloaded(_router_main, argv, settings.api_key, preload=SERVER, daemon=False)
+    router.name = "the router"
+    children.insert(0, router)
+    if not _wait_ready([f"http://{_loopback(settings.host)}:{port}"], [router], stopping):
+        return 0 if stopping else 1
+    log.info("the router's own metrics (requests, workers, retries): http://%s:%d/metrics; each replica's at its "
+             "address", settings.host, metrics_port)
+    log.info("%d replicas behind vllm-router (%s) on http://%s:%d",
+             len(workers), settings.router_policy, settings.host, port)
+    alive = dict(zip(replicas, urls))
+    while not stopping:
+        if router.exitcode is not None:
+            log.error("the router exited (status %s): stopping the replicas", router.exitcode)
+            return 1
+        for replica in [r for r in alive if r.exitcode is not None]:
+            log.error("%s (%s) exited (status %s); the others serve on", replica.name, alive.pop(replica),
+                      replica.exitcode)
+        if replicas and not alive:
+            log.error("every replica exited: stopping the router")
+            return 1
+        time.sleep(0.2)
+    return 0
 
 
 def _replica_main(argv: list[str], api_key: str | None) -> None:
@@ -131,13 +158,20 @@ def _replica_main(argv: list[str], api_key: str | None) -> None:
 
 
 def _router_main(argv: list[str], api_key: str | None) -> None:
-    """The router, in its forked process: sglang-router's launcher with `argv`, sending `api_key`
+    """The router, in its forked process: vllm-router's launcher with `argv`, sending `api_key`
     (if any) on its own calls to the replicas."""
-    from sglang_router.launch_router import launch_router, parse_router_args
+    from vllm_router.launch_router import launch_router, parse_router_args
 
     args = parse_router_args(argv)
     args.api_key = api_key
     launch_router(args)
+
+
+def _served_model(url: str, api_key: str | None) -> str:
+    """The model name a ready replica serves (its /v1/models' first entry)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    with urllib.request.urlopen(urllib.request.Request(url + "/v1/models", headers=headers), timeout=10) as response:
+        return json.loads(response.read())["data"][0]["id"]
 
 
 def _loopback(host: str) -> str:

@@ -113,13 +113,12 @@ async def load():
 
 @blueprint.get("/get_load")
 async def get_load():
-    """SGLang's shape (one entry per data-parallel rank; trillm has one), which sglang-router
-    polls for its power_of_two policy and sums by `num_tokens`: the tokens live requests hold
-    in the KV cache."""
+    """What vllm-router polls for its power_of_two policy and /get_loads: `load`, the tokens live
+    requests hold in the KV cache (SGLang's `num_tokens`), beside SGLang's per-rank fields."""
     state = current()
     stats = state.engine.stats()
-    return [{"dp_rank": 0, "num_reqs": stats.num_running, "num_waiting_reqs": stats.num_waiting,
-             "num_tokens": stats.num_used_blocks * state.settings.engine.block_size}]
+    tokens = stats.num_used_blocks * state.settings.engine.block_size
+    return {"load": tokens, "num_reqs": stats.num_running, "num_waiting_reqs": stats.num_waiting, "num_tokens": tokens}
 
 
 @blueprint.get("/metrics")
