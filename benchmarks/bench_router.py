@@ -1,5 +1,6 @@
-"""Data parallelism: what sglang-router adds per request, and cache-aware against round-robin
-routing on a shared-prefix load, with `trillm serve --data-parallel-size 2`.
+"""Data parallelism: what vllm-router adds per request, and its policies on a shared-prefix load
+(cache_aware's tree of the text it routed, kv_aware's index of the blocks the replicas' KV-cache
+events report, round_robin), with `trillm serve --data-parallel-size 2`.
 
 For each policy (in --order), the server is started, then:
   1. router latency: --latency-requests one-token completions, one at a time, sent straight to
@@ -11,8 +12,9 @@ For each policy (in --order), the server is started, then:
      /metrics count over the run (hits / queries, summed over the replicas), and how the
      requests split between the replicas.
 
-    python -m benchmarks.bench_router --out benchmarks/results/router.json
-    python -m benchmarks.bench_router --order round_robin cache_aware --out benchmarks/results/router_swapped.json
+    python -m benchmarks.bench_router --out benchmarks/results/router_vllm_router.json
+    python -m benchmarks.bench_router --order round_robin kv_aware cache_aware \
+        --out benchmarks/results/router_vllm_router_swapped.json
 """
 from __future__ import annotations
 
@@ -45,8 +47,8 @@ def start(policy: str, port: int, log_path: Path, kv_blocks: int) -> tuple[subpr
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         text = log_path.read_text()
-        if "behind sglang-router" in text:
-            return process, re.findall(r"replica \d: (http://\S+)", text)
+        if "behind vllm-router" in text:
+            return process, re.findall(r"replica \d \(pid \d+\): (http://\S+)", text)
         if process.poll() is not None:
             raise RuntimeError(f"the server exited: see {log_path}")
         time.sleep(0.2)
@@ -124,7 +126,7 @@ def measure(policy: str, args, work: Path) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--order", nargs=2, default=["cache_aware", "round_robin"])
+    parser.add_argument("--order", nargs="+", default=["cache_aware", "kv_aware", "round_robin"])
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--num-prefixes", type=int, default=4)
     parser.add_argument("--prefix-len", type=int, default=512)
