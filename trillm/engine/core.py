@@ -13,7 +13,7 @@ import torch
 
 from trillm.config import EngineArgs
 from trillm.engine.drafting import NgramDrafter, SpeculativeConfig
-from trillm.engine.kv_events import KVEventsConfig, ZmqEventPublisher, event_batch
+from trillm.engine.kv_events import PRIMARY_MEDIUM, KVEventsConfig, ZmqEventPublisher, event_batch
 from trillm.engine.pooler import Pooler
 from trillm.engine.prompt_logprobs import PromptLogprobs, fill_prompt_logprobs
 from trillm.engine.request import EngineRequest
@@ -387,8 +387,8 @@ class EngineCore:
         raw = self.scheduler.allocator.take_events()
         if raw:
             names = {} if self.loras is None else {a.lora_id: name for name, a in self.loras.adapters.items()}
-            medium = "GPU" if self.config.device.type == "cuda" else "CPU"
-            self.kv_events.publish(event_batch(raw, self.args.block_size, medium, self.args.data_parallel_rank, names))
+            self.kv_events.publish(event_batch(raw, self.args.block_size, PRIMARY_MEDIUM, self.args.data_parallel_rank,
+                                               names))
 
     def _step(self) -> list[StepOutput]:
         if self.speculative is not None:

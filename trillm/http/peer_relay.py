@@ -44,6 +44,12 @@ class PeerReply:
     def ok(self) -> bool:
         return self.status is not None and self.status < 400
 
+    @property
+    def error_status(self) -> int:
+        """The status to answer with for this peer's failure: its own client error, else 503
+        (unreachable, or failing: the front door is not at fault)."""
+        return self.status if self.status is not None and 400 <= self.status < 500 else 503
+
     def json(self) -> dict:
         return json.loads(self.body)
 
@@ -90,13 +96,12 @@ async def relay(settings: ServerSettings) -> list[PeerReply]:
 
 async def relay_to_all(settings: ServerSettings) -> list[PeerReply]:
     """`relay`, for a call that must succeed on every replica (this one already has): the peers'
-    replies, or an APIError, with the first refusing peer's status (503 if unreachable) and its
-    words, when one did not. The replicas that succeeded keep the change; the error says so."""
+    replies, or an APIError, with the first refusing peer's status (`PeerReply.error_status`) and
+    its words, when one did not. The replicas that succeeded keep the change; the error says so."""
     replies = await relay(settings)
     failed = [reply for reply in replies if not reply.ok]
     if failed:
-        status = failed[0].status or 503
-        raise APIError(status, f"This replica did it, but {failed[0].reason()}"
+        raise APIError(failed[0].error_status, f"This replica did it, but {failed[0].reason()}"
                                + (f" (and {len(failed) - 1} more refused)" if len(failed) > 1 else "") + ".")
     return replies
 
@@ -107,7 +112,7 @@ async def relay_count(settings: ServerSettings, field: str) -> int:
     replies = await relay(settings)
     failed = [reply for reply in replies if not reply.ok and reply.status != 404]
     if failed:
-        raise APIError(failed[0].status or 503, f"Could not ask every replica: {failed[0].reason()}.")
+        raise APIError(failed[0].error_status, f"Could not ask every replica: {failed[0].reason()}.")
     return sum(reply.json()[field] for reply in replies if reply.ok)
 
 
