@@ -50,7 +50,7 @@ def start(policy: str, port: int, log_path: Path, kv_blocks: int) -> tuple[subpr
         if "behind vllm-router" in text:
             return process, re.findall(r"replica \d \(pid \d+\): (http://\S+)", text)
         if process.poll() is not None:
-            raise RuntimeError(f"the server exited: see {log_path}")
+            raise RuntimeError(f"the server exited; its log ends:\n{text[-3000:]}")
         time.sleep(0.2)
     raise TimeoutError("the server did not start")
 
