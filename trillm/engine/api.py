@@ -10,6 +10,7 @@ from trillm.engine.core import EngineCore, StepOutput
 from trillm.engine.detokenizer import held_prefix_len
 from trillm.engine.errors import EngineUnavailableError, QueueFullError, WeightsError
 from trillm.engine.group import Params, RequestGroup, num_samples
+from trillm.engine.kv_events import KVEventsConfig, offset_endpoint
 from trillm.engine.output import Delta, OutputProcessor, PoolingProcessor, output_processor
 from trillm.engine.sampler import TokenLogprobs
 from trillm.engine.stats import ServingStats
@@ -18,8 +19,8 @@ from trillm.model.tp_worker import launcher_init_method, launcher_rank, run_work
 from trillm.sched_ext import FinishReason
 
 __all__ = [
-    "AsyncEngine", "Delta", "EngineCore", "EngineUnavailableError", "FinishReason", "LoRAError",
+    "AsyncEngine", "Delta", "EngineCore", "EngineUnavailableError", "FinishReason", "KVEventsConfig", "LoRAError",
     "OutputProcessor", "Params", "PoolingProcessor", "QueueFullError", "RequestGroup", "RequestStream",
     "ServingStats", "StepOutput", "TokenLogprobs", "WeightsError", "held_prefix_len",
-    "launcher_init_method", "launcher_rank", "num_samples", "output_processor", "run_worker",
+    "launcher_init_method", "launcher_rank", "num_samples", "offset_endpoint", "output_processor", "run_worker",
 ]

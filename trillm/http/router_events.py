@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import zmq
 
-from trillm.engine.kv_events import KVEventsConfig, offset_endpoint
+from trillm.engine.api import KVEventsConfig, offset_endpoint
 from trillm.subprocesses import free_port
 
 LOOPBACK = "127.0.0.1"
