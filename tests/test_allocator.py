@@ -4,7 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from trillm.sched_ext import BlockAllocator
+from trillm.sched_ext import BlockAllocator, vllm_extra_keys
+from trillm.sched_ext.status import KVCacheEventKind
 
 BS = 4
 
@@ -263,16 +264,27 @@ def test_a_cache_salt_isolates_cached_blocks_even_through_a_hash_collision():
 
 def test_sha256_cbor_keys_equal_vllms(monkeypatch):
     """vLLM's own hash_block_tokens with sha256_cbor made these chains (tests/data); trillm's keys
-    for the same tokens and cache salt are the same bytes, so a router hashing as vLLM does finds
-    trillm's blocks."""
+    for the same tokens, cache salt and adapter are the same bytes, so a router hashing as vLLM
+    does finds trillm's blocks, and an adapter's blocks' events carry vLLM's extra keys."""
     monkeypatch.delenv("PYTHONHASHSEED", raising=False)
     vectors = json.loads((Path(__file__).parent / "data" / "vllm_sha256_cbor_vectors.json").read_text())
+    adapters = 0
     for case in vectors["cases"]:
-        alloc = BlockAllocator(8, case["block_size"], hash_algo="sha256_cbor")
+        alloc = BlockAllocator(8, case["block_size"], hash_algo="sha256_cbor", record_events=True)
         hashes: list = []
         blocks = len(case["token_ids"]) // case["block_size"]
-        assert alloc.match_prefix(case["token_ids"], hashes, blocks, case["cache_salt"] or "") == []
+        salt = case["cache_salt"] or ""
+        extra = vllm_extra_keys(case["lora_name"], case["lora_path"], salt) if "lora_name" in case else None
+        adapters += extra is not None
+        assert alloc.match_prefix(case["token_ids"], hashes, blocks, salt, extra) == []
         assert [h.hex() for h in hashes] == case["block_hashes"], case["name"]
+        if extra is not None:  # stored, its events carry vLLM's untagged extra keys
+            table: list = []
+            alloc.allocate(table, blocks)
+            alloc.cache_full_blocks(table, case["token_ids"], hashes, 0, blocks, salt, 3, extra)
+            stored = [event for event in alloc.take_events() if event[0] == KVCacheEventKind.BLOCK_STORED]
+            assert [list(event[4]) for event in stored] == case["event_extra_keys"], case["name"]
+    assert adapters == 2
     # and the chain's root is vLLM's NONE_HASH, which PYTHONHASHSEED would move, as in vLLM
     monkeypatch.setenv("PYTHONHASHSEED", "7")
     alloc = BlockAllocator(8, 16, hash_algo="sha256_cbor")

@@ -126,3 +126,39 @@ def test_kv_events_config_takes_vllms_keys_and_a_replicas_ports_follow_its_rank(
     assert offset_endpoint("tcp://*:0", 2) == "tcp://*:0"
     assert offset_endpoint("ipc:///tmp/kv", 1) == "ipc:///tmp/kv_dp1"
     assert offset_endpoint("tcp://*:5557", 0) == "tcp://*:5557"
+
+
+async def test_an_adapters_blocks_are_keyed_and_told_as_vllm_keys_them(tiny_text_model_dir):
+    """With sha256_cbor, a request for a LoRA adapter keys its blocks with vLLM's extra keys
+    (("lora", name, path) on each block, the salt on the first), which its events carry
+    untagged beside the adapter's name; the base model's blocks of the same tokens differ."""
+    from lora_support import make_adapter
+
+    from trillm.sched_ext import BlockAllocator, vllm_extra_keys
+
+    adapter = make_adapter(tiny_text_model_dir, seed=1)
+    replay = free_port()
+    config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{free_port()}",
+              "replay_endpoint": f"tcp://*:{replay}", "topic": TOPIC.decode()}
+    core = EngineCore(EngineArgs(model=tiny_text_model_dir, num_kv_blocks=32, enable_lora=True,
+                                 lora_modules=f"sql={adapter}", kv_events_config=json.dumps(config),
+                                 prefix_caching_hash_algo="sha256_cbor"))
+    prompt = list(range(100, 135))  # two full blocks
+    with core:
+        async with live_server(core) as server:
+            client = server.openai()
+            for model, salt in (("sql", "tenant-a"), (server.model, None)):
+                await client.completions.create(model=model, prompt=prompt, max_tokens=1,
+                                                extra_body={"cache_salt": salt} if salt else {})
+            await settled_stats(server.http())
+        replica = CacheReplica()
+        stored = [event for _, payload in await trio.to_thread.run_sync(replayed, replay, 0)
+                  for event in replica.apply(payload).events if isinstance(event, BlockStored)]
+    expected: list = []
+    BlockAllocator(4, 16, hash_algo="sha256_cbor").match_prefix(prompt, expected, 2, "tenant-a",
+                                                                vllm_extra_keys("sql", adapter, "tenant-a"))
+    lora = [e for e in stored if e.lora_name == "sql"]
+    assert [e.block_hashes[0] for e in lora] == expected
+    assert [e.extra_keys for e in lora] == [[("sql", "tenant-a")], [("sql",)]]
+    base = [e for e in stored if e.lora_name is None]
+    assert len(base) == 2 and not {e.block_hashes[0] for e in base} & set(expected)

@@ -30,7 +30,8 @@ from trillm.engine.structured_output import Grammars, accept
 from trillm.engine.verification import SeededStreams, SpecDecodeCounts, sampling_rows, verified_run
 from trillm.pooling_params import PoolingParams
 from trillm.sampling_params import SamplingParamError, SamplingParams
-from trillm.sched_ext import FinishReason, Request, RequestStatus, Scheduler, SchedulerOutput, SchedulingPolicy
+from trillm.sched_ext import (FinishReason, Request, RequestStatus, Scheduler, SchedulerOutput, SchedulingPolicy,
+                              vllm_extra_keys)
 
 
 @dataclass
@@ -211,12 +212,12 @@ class EngineCore:
         if sampling and params.priority and self.args.scheduling_policy != SchedulingPolicy.PRIORITY:
             raise SamplingParamError("priority", "priority needs a server started with --scheduling-policy priority.")
         lora = self._adapter(params.lora_name)
-        # An adapter's KV differs from the base model's: its id roots its blocks' hash chain.
+        # An adapter's KV differs from the base model's: its id roots its blocks' chain and identity.
         lora_salt = "" if lora is None else f"\0lora-{lora.lora_id}"
         lora_id = 0 if lora is None else lora.lora_id
         if not sampling:
             request = Request(request_id, list(prompt_token_ids), 0, prefix_hit_limit=params.pooling.prefix_hit_limit,
-                              cache_salt=lora_salt, lora_id=lora_id)
+                              cache_salt=lora_salt, lora_id=lora_id, hash_extra_keys=self._hash_extra_keys(lora, ""))
             self._add(EngineRequest(request, params, None, pooler=Pooler(params.pooling, len(prompt_token_ids)),
                                     lora=lora))
             return
@@ -242,6 +243,7 @@ class EngineCore:
             cache_salt=(params.cache_salt or "") + lora_salt,
             priority=params.priority,
             lora_id=lora_id,
+            hash_extra_keys=self._hash_extra_keys(lora, params.cache_salt or ""),
         )
         generator = None if params.seed is None else torch.Generator().manual_seed(params.seed)
         # Made before the scheduler takes the request: the matcher is what can still fail.
@@ -256,6 +258,14 @@ class EngineCore:
             drafter = NgramDrafter(self.speculative)
         self._add(EngineRequest(request, params, generator, matcher, prompt_logprobs=prompt_logprobs, lora=lora,
                                 drafter=drafter))
+
+    def _hash_extra_keys(self, lora: LoRAAdapter | None, salt: str) -> tuple | None:
+        """An adapter's request's extra keys for vLLM's sha256_cbor prefix keys (`vllm_extra_keys`,
+        with the path the adapter was loaded from). None otherwise: the allocator keys a salt
+        alone itself, and Python's hash takes the adapter from the salt."""
+        if lora is None or self.args.prefix_caching_hash_algo != "sha256_cbor":
+            return None
+        return vllm_extra_keys(lora.name, lora.path, salt)
 
     def _adapter(self, name: str | None) -> LoRAAdapter | None:
         """The adapter a request names, checked (not yet held: _add holds it)."""

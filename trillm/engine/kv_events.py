@@ -28,7 +28,9 @@ Block hashes are trillm's prefix-cache keys (sched_ext/allocator.pyx): a chain, 
 the hash of its parent's key and its tokens, the first block's tokens preceded by the request's
 cache salt (its `cache_salt`, followed for a LoRA adapter by "\\0lora-<id>"), which the event
 also carries as the block's extra key. Python's hash of integers is the same in every process,
-so unsalted keys are reproducible; a salt's hash is not, unless PYTHONHASHSEED is fixed.
+so unsalted keys are reproducible; a salt's hash is not, unless PYTHONHASHSEED is fixed. With
+--prefix-caching-hash-algo sha256_cbor the keys are vLLM's, and the events carry vLLM's extra
+keys (an adapter's name on every block, the salt on the first).
 """
 from __future__ import annotations
 
@@ -66,7 +68,9 @@ class BlockStored(KVCacheEvent):
     lora_id: int | None
     medium: str | None
     lora_name: str | None
-    extra_keys: list[tuple[Any, ...] | None] | None = None  # per block: its salt, on a salted first block
+    # per block: a salted first block's salt; with sha256_cbor keys vLLM's untagged extra keys
+    # (an adapter's name on every block, then the salt on the first)
+    extra_keys: list[tuple[Any, ...] | None] | None = None
 
 
 class BlockRemoved(KVCacheEvent):
@@ -140,11 +144,11 @@ def event_batch(raw: list[tuple], block_size: int, medium: str, rank: int | None
     for event in raw:
         kind = event[0]
         if kind == KVCacheEventKind.BLOCK_STORED:
-            _, key, parent, tokens, salt, lora_id = event
+            _, key, parent, tokens, keys, lora_id = event
             events.append(BlockStored(
                 block_hashes=[key], parent_block_hash=parent, token_ids=list(tokens), block_size=block_size,
                 lora_id=lora_id or None, medium=medium, lora_name=lora_names.get(lora_id) if lora_id else None,
-                extra_keys=[(salt,)] if salt else None))
+                extra_keys=[keys] if keys else None))
         elif kind == KVCacheEventKind.BLOCK_REMOVED:
             events.append(BlockRemoved(block_hashes=[event[1]], medium=medium))
         else:

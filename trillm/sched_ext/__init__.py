@@ -11,7 +11,7 @@ from pathlib import Path
 from types import ModuleType
 
 try:
-    from trillm.sched_ext.allocator import BlockAllocator
+    from trillm.sched_ext.allocator import BlockAllocator, vllm_extra_keys
     from trillm.sched_ext.scheduler import Request, ScheduledRequest, Scheduler, SchedulerOutput
 except ImportError as e:
     raise ImportError(
@@ -23,7 +23,7 @@ from trillm.sched_ext.status import FinishReason, RequestStatus, SchedulingPolic
 WAITING, RUNNING, FINISHED = RequestStatus
 
 __all__ = ["BlockAllocator", "FINISHED", "FinishReason", "RUNNING", "Request", "RequestStatus", "Scheduler",
-           "ScheduledRequest", "SchedulerOutput", "SchedulingPolicy", "WAITING", "load_uncompiled"]
+           "ScheduledRequest", "SchedulerOutput", "SchedulingPolicy", "WAITING", "load_uncompiled", "vllm_extra_keys"]
 
 
 def _load_source(name: str, path: Path) -> ModuleType:

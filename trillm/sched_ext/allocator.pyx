@@ -24,9 +24,13 @@ not even through a hash collision; "" is no salt.
 
 The key is Python's hash by default (`hash_algo="builtin"`), or vLLM's `sha256_cbor`: SHA-256
 over the canonical CBOR of (parent key, the block's token ids, extra keys), the first block's
-parent vLLM's NONE_HASH (SHA-256 over CBOR of PYTHONHASHSEED, else of "vllm-none-hash") and its
-extra keys (("cache_salt", salt),) when salted. Those keys equal vLLM's for the same tokens and
-salt, so a router that hashes prompts as vLLM does finds trillm's blocks by the KV-cache events.
+parent vLLM's NONE_HASH (SHA-256 over CBOR of PYTHONHASHSEED, else of "vllm-none-hash"). The
+extra keys are the request's own (`extra_keys`: the first block's and the later blocks', as
+vLLM makes them: ("lora", name, path) on every block of an adapter's request, then
+("cache_salt", salt) on the first), or, without them, (("cache_salt", salt),) on a salted first
+block. Those keys equal vLLM's for the same tokens, salt and adapter, so a router that hashes
+prompts as vLLM does finds trillm's blocks by the KV-cache events. The salt still makes the
+blocks' identity (below): it is what isolates them, whatever the hash.
 
 With `record_events`, the allocator logs what enters and leaves the prefix cache (a full block
 cached, a cached block evicted, a flush) for `take_events`, which the engine publishes as vLLM's
@@ -52,6 +56,13 @@ _ROOT_KEY = 0  # the parent key of a prompt's first block
 # kv_aware) take a block hash as bytes or an unsigned integer, and refuse a batch with a negative one
 _KEY_MASK = 0xFFFFFFFFFFFFFFFF
 HASH_ALGOS = ("builtin", "sha256_cbor")
+
+
+def vllm_extra_keys(lora_name: str, lora_path: str, salt: str) -> tuple:
+    """An adapter's request's sha256_cbor extra keys as vLLM makes them, (the first block's,
+    the others'): ("lora", name, path) on every block, ("cache_salt", salt) after it on the first."""
+    adapter = (("lora", lora_name, lora_path),)
+    return adapter + ((("cache_salt", salt),) if salt else ()), adapter
 
 
 def sha256_cbor(value) -> bytes:
@@ -173,14 +184,16 @@ class BlockAllocator:
         del table[:]
 
     @cython.ccall
-    def match_prefix(self, token_ids: list, block_hashes: list, max_blocks: cython.int, salt: str = "") -> list:
+    def match_prefix(self, token_ids: list, block_hashes: list, max_blocks: cython.int, salt: str = "",
+                     extra_keys: tuple = None) -> list:
         """The longest run of cached blocks holding exactly the first full blocks
-        of `token_ids` (at most `max_blocks`) under `salt`. Changes nothing but
-        `block_hashes`, the per-request memo of the hash chain, which it extends as needed."""
+        of `token_ids` (at most `max_blocks`) under `salt` (and, for sha256_cbor keys, the
+        request's `extra_keys`: module docstring). Changes nothing but `block_hashes`, the
+        per-request memo of the hash chain, which it extends as needed."""
         hits: list = []
         if not self.enable_prefix_caching or max_blocks <= 0:
             return hits
-        self._extend_hashes(token_ids, block_hashes, max_blocks, salt)
+        self._extend_hashes(token_ids, block_hashes, max_blocks, salt, extra_keys)
         parent: cython.int = -1
         block: cython.int
         i: cython.int
@@ -209,9 +222,10 @@ class BlockAllocator:
 
     @cython.ccall
     def cache_full_blocks(self, table: list, token_ids: list, block_hashes: list, start: cython.int, end: cython.int,
-                          salt: str = "", lora_id: cython.int = 0):
+                          salt: str = "", lora_id: cython.int = 0, extra_keys: tuple = None):
         """Offer blocks `table[start:end]`, now full and computed, to the prefix cache (under
-        the request's `salt`; `lora_id`, its adapter's, goes only into the event log).
+        the request's `salt` and `extra_keys`, as `match_prefix`; `lora_id`, its adapter's, goes
+        only into the event log).
 
         A block whose prefix is already cached in another block (the same prefix
         computed twice at once: a burst of requests sharing a system prompt) is
@@ -224,7 +238,7 @@ class BlockAllocator:
         """
         if not self.enable_prefix_caching:
             return
-        self._extend_hashes(token_ids, block_hashes, end, salt)
+        self._extend_hashes(token_ids, block_hashes, end, salt, extra_keys)
         block: cython.int
         twin: cython.int
         parent: cython.int
@@ -245,7 +259,8 @@ class BlockAllocator:
                 self._parent_gen[block] = self._gen[parent] if parent >= 0 else 0
                 if self._events is not None:
                     self._events.append((KVCacheEventKind.BLOCK_STORED, key, block_hashes[i - 1] if i > 0 else None,
-                                         tokens[1] if i == 0 and salt else tokens, salt if i == 0 else "", lora_id))
+                                         tokens[1] if i == 0 and salt else tokens,
+                                         self._event_keys(i, salt, extra_keys), lora_id))
             elif self._holds(twin, parent, tokens):
                 assert self._ref[block] == 1, "a block not yet cached is held by its one table"
                 if self._ref[twin] == 0:
@@ -359,15 +374,31 @@ class BlockAllocator:
         return (salt, tokens) if index == 0 and salt else tokens
 
     @cython.cfunc
-    def _extend_hashes(self, token_ids: list, block_hashes: list, num_full: cython.int, salt: str):
+    def _extra_keys(self, index: cython.int, salt: str, extra_keys: tuple) -> tuple:
+        """A block's sha256_cbor extra keys (vLLM's, tagged), or None."""
+        if extra_keys is not None:
+            return extra_keys[0 if index == 0 else 1]
+        return (("cache_salt", salt),) if index == 0 and salt else None
+
+    @cython.cfunc
+    def _event_keys(self, index: cython.int, salt: str, extra_keys: tuple):
+        """A stored block's extra keys as its event carries them: vLLM's untagged ones (an
+        adapter's name, a salt) with sha256_cbor keys, else the salt of a salted first block."""
+        if not self._sha256_cbor:
+            return (salt,) if index == 0 and salt else None
+        tagged = self._extra_keys(index, salt, extra_keys)
+        return None if tagged is None else tuple(key[1] for key in tagged)
+
+    @cython.cfunc
+    def _extend_hashes(self, token_ids: list, block_hashes: list, num_full: cython.int, salt: str,
+                       extra_keys: tuple):
         """Extend the hash chain memo to the first `num_full` full blocks."""
         assert num_full * self.block_size <= len(token_ids), "hash of a block that is not full"
         i: cython.int = len(block_hashes)
         key = block_hashes[i - 1] if i > 0 else self._root_key
         while i < num_full:
             if self._sha256_cbor:
-                key = sha256_cbor((key, self._block_tokens(token_ids, i, ""),
-                                   (("cache_salt", salt),) if i == 0 and salt else None))
+                key = sha256_cbor((key, self._block_tokens(token_ids, i, ""), self._extra_keys(i, salt, extra_keys)))
             else:
                 key = hash((key, self._block_tokens(token_ids, i, salt))) & _KEY_MASK
             block_hashes.append(key)

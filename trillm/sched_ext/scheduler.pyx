@@ -123,7 +123,9 @@ class Request:
     prompt logprobs or mean pooling need the hidden state of every row they cover. The request's
     own full blocks still enter the cache. `cache_salt` ("": none) isolates its cached blocks:
     only requests with the same salt share them. `lora_id` (0: none) names its LoRA adapter, for
-    the scheduler's `max_loras` bound; its cache isolation is the salt's business."""
+    the scheduler's `max_loras` bound; its cache isolation is the salt's business.
+    `hash_extra_keys` (None: from the salt) are vLLM's extra keys of its first block and of the
+    others, for sha256_cbor prefix keys (allocator.pyx)."""
 
     request_id = cython.declare(str, visibility="readonly")
     token_ids = cython.declare(list, visibility="readonly")
@@ -135,6 +137,7 @@ class Request:
     cache_salt = cython.declare(str, visibility="readonly")
     priority = cython.declare(cython.int, visibility="readonly")
     lora_id = cython.declare(cython.int, visibility="readonly")
+    hash_extra_keys = cython.declare(tuple, visibility="readonly")
     rank = cython.declare(tuple, visibility="readonly")  # (priority under the policy, arrival); set by add()
     arrival = cython.declare(cython.double, visibility="readonly")
     num_computed_tokens = cython.declare(cython.int, visibility="readonly")
@@ -152,7 +155,8 @@ class Request:
     def __init__(self, request_id: str, prompt_token_ids, max_tokens: cython.int, *,
                  min_tokens: cython.int = 0, stop_token_ids=(), prefix_hit_limit: cython.int = -1,
                  cache_salt: str = "",
-                 priority: cython.int = 0, arrival: cython.double = 0.0, lora_id: cython.int = 0):
+                 priority: cython.int = 0, arrival: cython.double = 0.0, lora_id: cython.int = 0,
+                 hash_extra_keys: tuple = None):
         self.request_id = request_id
         self.token_ids = list(prompt_token_ids)
         if not self.token_ids:
@@ -169,6 +173,8 @@ class Request:
         self.cache_salt = cache_salt
         self.priority = priority
         self.lora_id = lora_id
+        assert hash_extra_keys is None or len(hash_extra_keys) == 2, "the first block's keys and the others'"
+        self.hash_extra_keys = hash_extra_keys
         self.rank = None
         self.arrival = arrival
         self.num_computed_tokens = 0
@@ -502,7 +508,8 @@ class Scheduler:
             if head.rank >= self._running[len(self._running) - 1].rank:
                 return
             num_tokens: cython.int = len(head.token_ids)
-            hits = alloc.match_prefix(head.token_ids, head._block_hashes, self._max_prefix_hits(head), head.cache_salt)
+            hits = alloc.match_prefix(head.token_ids, head._block_hashes, self._max_prefix_hits(head), head.cache_salt,
+                                      head.hash_extra_keys)
             first = len(hits) * self.block_size + min(num_tokens - len(hits) * self.block_size,
                                                         self.max_num_batched_tokens)
             need: cython.int = _cdiv(first, self.block_size) - len(hits)
@@ -541,7 +548,8 @@ class Scheduler:
                 break  # preempted by this very schedule(): it waits for a later step
             num_tokens = len(request.token_ids)
             max_hits = self._max_prefix_hits(request)
-            hits = alloc.match_prefix(request.token_ids, request._block_hashes, max_hits, request.cache_salt)
+            hits = alloc.match_prefix(request.token_ids, request._block_hashes, max_hits, request.cache_salt,
+                                      request.hash_extra_keys)
             computed = len(hits) * block_size
             num_new = self._chunk(computed, num_tokens - computed, budget)
             need = _cdiv(computed + num_new, block_size) - len(hits)
@@ -667,7 +675,7 @@ class Scheduler:
         if after // block_size > before // block_size:
             self.allocator.cache_full_blocks(request.block_table, request.token_ids, request._block_hashes,
                                              before // block_size, after // block_size, request.cache_salt,
-                                             request.lora_id)
+                                             request.lora_id, request.hash_extra_keys)
 
     @cython.cfunc
     def _append_token(self, request: Request, token: cython.int) -> cython.bint:
