@@ -39,7 +39,7 @@ def test_an_unknown_policy_is_refused_everywhere(capsys):
 @pytest.mark.parametrize(("flags", "words"), [
     (["--kv-events-config", '{"endpoint": 5557}'], "--kv-events-config: endpoint must be a string"),
     (["--speculative-config", '{"method": "eagle"}'], "--speculative-config: unknown method 'eagle'"),
-    (["--prefix-caching-hash-algo", "md5"], "--prefix-caching-hash-algo is one of builtin, sha256_cbor"),
+    (["--prefix-caching-hash-algo", "md5"], "invalid choice: 'md5' (choose from 'builtin', 'sha256_cbor')"),
     (["--data-parallel-size", "0"], "or 0 with --data-parallel-address"),
 ])
 def test_serve_refuses_a_bad_engine_flag_before_loading_anything(flags, words, capsys, monkeypatch):

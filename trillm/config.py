@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, fields
 
-from trillm.sched_ext.status import SchedulingPolicy
+from trillm.sched_ext.status import PrefixHashAlgo, SchedulingPolicy
 
 
 @dataclass
@@ -43,7 +43,7 @@ class EngineArgs:
     # How the prefix cache keys its blocks (trillm/sched_ext/allocator.pyx): builtin (Python's
     # hash, the fastest) or sha256_cbor (vLLM's, so routers that hash prompts as vLLM does find
     # the blocks that --kv-events-config publishes)
-    prefix_caching_hash_algo: str = "builtin"
+    prefix_caching_hash_algo: PrefixHashAlgo = PrefixHashAlgo.BUILTIN
     # fcfs: arrival order; priority: a request's `priority` first (lower runs first, vLLM's), then
     # arrival, and the worst-ranked running request is the one preempted
     scheduling_policy: SchedulingPolicy = SchedulingPolicy.FCFS
@@ -90,6 +90,7 @@ class EngineArgs:
 
     def __post_init__(self) -> None:
         self.scheduling_policy = SchedulingPolicy(self.scheduling_policy)  # its name as a string is taken too
+        self.prefix_caching_hash_algo = PrefixHashAlgo(self.prefix_caching_hash_algo)
 
     @classmethod
     def field_names(cls) -> list[str]:

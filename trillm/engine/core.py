@@ -124,7 +124,7 @@ class EngineCore:
             prefill_pairs_budget(self.config.hf_config, args.max_num_batched_tokens, self.config.device)
             if args.max_prefill_pairs is None else args.max_prefill_pairs,
             kv_events.enabled,
-            args.prefix_caching_hash_algo,
+            args.prefix_caching_hash_algo.value,  # a str: Cython refuses a str subclass for one
         )
         # The adapters requests may name (None: LoRA is off)
         self.loras: LoRARegistry | None = None

@@ -1,5 +1,5 @@
-"""The engine's flags that a value can be wrong in beyond its type (a JSON object's keys, a
-choice among names), checked before anything loads: `trillm serve` refuses a bad one at once, in
+"""The engine's flags that a value can be wrong in beyond its type (a JSON object's keys; a
+choice among names is a StrEnum, which argparse checks itself), checked before anything loads: `trillm serve` refuses a bad one at once, in
 argparse's words, where the engine would find it only after loading the model. Imports neither
 torch nor the model, so the data-parallel supervisor, which runs no engine, checks them too."""
 from __future__ import annotations
@@ -7,13 +7,9 @@ from __future__ import annotations
 from trillm.config import EngineArgs
 from trillm.engine.drafting import SpeculativeConfig
 from trillm.engine.kv_events import KVEventsConfig
-from trillm.sched_ext.allocator import HASH_ALGOS
 
 
 def check_flags(args: EngineArgs) -> None:
     """ValueError, naming the flag, for the first value of `args` the engine would refuse."""
     SpeculativeConfig.parse(args.speculative_config)
     KVEventsConfig.parse(args.kv_events_config)
-    if args.prefix_caching_hash_algo not in HASH_ALGOS:
-        raise ValueError(f"--prefix-caching-hash-algo is one of {', '.join(HASH_ALGOS)}, "
-                         f"not {args.prefix_caching_hash_algo!r}.")

@@ -120,8 +120,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                 group.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=default)
             elif name in LIST_FLAGS:  # vLLM's `--lora-modules a=/p b=/q`: the items joined by commas
                 group.add_argument(flag, dest=name, nargs="+", action=_JoinItems, default=default, metavar="ITEM")
-            elif issubclass(kind, enum.StrEnum):
-                group.add_argument(flag, dest=name, type=kind, default=default, choices=list(kind),
+            elif issubclass(kind, enum.StrEnum):  # by value, so a refusal lists the choices
+                group.add_argument(flag, dest=name, default=default, choices=[member.value for member in kind],
                                    help="default: %(default)s")
             else:
                 group.add_argument(

@@ -48,14 +48,14 @@ import os
 
 import cython
 
-from trillm.sched_ext.status import KVCacheEventKind
+from trillm.sched_ext.status import KVCacheEventKind, PrefixHashAlgo
 
 COMPILED = cython.compiled
 _ROOT_KEY = 0  # the parent key of a prompt's first block
 # builtin keys as unsigned 64-bit integers: routers that read the KV-cache events (vllm-router's
 # kv_aware) take a block hash as bytes or an unsigned integer, and refuse a batch with a negative one
 _KEY_MASK = 0xFFFFFFFFFFFFFFFF
-HASH_ALGOS = ("builtin", "sha256_cbor")
+HASH_ALGOS = tuple(PrefixHashAlgo)
 
 
 def vllm_extra_keys(lora_name: str, lora_path: str, salt: str) -> tuple:

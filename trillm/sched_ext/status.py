@@ -28,9 +28,16 @@ class SchedulingPolicy(enum.StrEnum):
     PRIORITY = "priority"  # by (priority, arrival): a lower `priority` runs first, and preempts
 
 
+class PrefixHashAlgo(enum.StrEnum):
+    """How the prefix cache keys its blocks (`--prefix-caching-hash-algo`, vLLM's names)."""
+
+    BUILTIN = "builtin"  # Python's hash of (parent key, tokens): the fastest
+    SHA256_CBOR = "sha256_cbor"  # vLLM's: SHA-256 of canonical CBOR, equal to vLLM's keys
+
+
 class KVCacheEventKind(enum.IntEnum):
     """What the allocator's event log records (BlockAllocator.take_events; vLLM's event names)."""
 
-    BLOCK_STORED = 1  # a full block entered the prefix cache: (kind, key, parent key or None, token ids, salt, lora id)
+    BLOCK_STORED = 1  # a full block entered the prefix cache: (kind, key, parent key or None, token ids, extra keys, lora id)
     BLOCK_REMOVED = 2  # a cached block was evicted: (kind, key)
     ALL_BLOCKS_CLEARED = 3  # the prefix cache was flushed: (kind,)
