@@ -41,6 +41,10 @@ def test_an_unknown_policy_is_refused_everywhere(capsys):
     (["--speculative-config", '{"method": "eagle"}'], "--speculative-config: unknown method 'eagle'"),
     (["--prefix-caching-hash-algo", "md5"], "invalid choice: 'md5' (choose from 'builtin', 'sha256_cbor')"),
     (["--data-parallel-size", "0"], "or 0 with --data-parallel-address"),
+    (["--router-policy", "least_loaded"], "invalid choice: 'least_loaded'"),
+    (["--data-parallel-size", "2", "--router-policy", "kv_aware", "--kv-events-config",
+      '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://10.0.0.5:5557"}'],
+     "give --kv-events-config an endpoint they bind"),
 ])
 def test_serve_refuses_a_bad_engine_flag_before_loading_anything(flags, words, capsys, monkeypatch):
     """argparse's way (usage, the reason, exit 2) at once, not a traceback after the model loaded."""

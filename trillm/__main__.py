@@ -20,6 +20,10 @@ def main(argv: list[str] | None = None) -> None:
         try:
             server_settings = settings.from_args(args)
             check_flags(server_settings.engine)
+            if server_settings.supervises and server_settings.router_policy == settings.RouterPolicy.KV_AWARE:
+                from trillm.http.router_events import check_config
+
+                check_config(server_settings.engine.kv_events_config)
         except ValueError as exc:
             serve.error(str(exc))  # exits 2, as for any flag argparse refuses
         run(server_settings)

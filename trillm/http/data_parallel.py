@@ -8,9 +8,10 @@ once (trillm.subprocesses.start_preloaded), rather than N + 1 interpreters each 
 the log names each one's process id. The router routes each request to a replica by
 --router-policy: cache_aware (by the longest prefix it sent there before, unless the load is
 uneven), kv_aware (by the blocks each replica reports it caches, from their KV-cache events:
-trillm/http/router_events.py), round_robin, power_of_two or random. URLs in --data-parallel-address, which are
-`trillm serve` processes on other machines, join the router's worker list beside the local ones;
-with `--data-parallel-size 0` there are no local ones, and this host is the front door alone.
+trillm/http/router_events.py), round_robin, power_of_two or random. URLs in
+--data-parallel-address, which are `trillm serve` processes on other machines, join the
+router's worker list beside the local ones; with `--data-parallel-size 0` there are no local
+ones, and this host is the front door alone.
 
 The router forwards a route it does not balance (adapters, /abort_request, /sleep, ...) to one
 replica; each replica is given the others as --data-parallel-peers and relays such calls to
@@ -28,8 +29,9 @@ vllm-router forwards unknown routes and has kv_aware. It speaks plain OpenAI HTT
 backend (writing vLLM's include_reasoning into chat requests, which trillm takes), and for
 cache and kv_aware asks a worker for a prompt's tokens (/tokenize, after vLLM's
 /v1/completions/render, which trillm does not serve). With --api-key, the replicas take the
-key from their environment and the router sends it on its own calls to them; both are handed
-it through the fork server's socket, and no command line carries it.
+key from their environment and the router is handed it as its api_key (its own calls, to
+/health and /get_load, need none); both get it through the fork server's socket, and no
+command line carries it.
 
 Lifetime: the replicas and the router die with the fork server (PR_SET_PDEATHSIG), which ends
 with the supervisor, however it ends. On SIGTERM or SIGINT the supervisor stops the router
@@ -49,13 +51,15 @@ import urllib.error
 import urllib.request
 from dataclasses import replace
 from multiprocessing import Process
+from typing import TYPE_CHECKING
 
-from trillm.http.router_events import RouterEvents, router_flags
-from trillm.http.settings import API_KEY_VARIABLE, ServerSettings, to_argv
+from trillm.http.settings import API_KEY_VARIABLE, RouterPolicy, ServerSettings, to_argv
 from trillm.subprocesses import SERVER, cpu_share, free_port, start_preloaded
 
+if TYPE_CHECKING:
+    from trillm.http.router_events import RouterEvents
+
 log = logging.getLogger(__name__)
-ROUTER_POLICIES = ("cache_aware", "kv_aware", "round_robin", "power_of_two", "random")
 READY_TIMEOUT = 600.0  # seconds for a replica to load its model and answer /health
 STOP_TIMEOUT = 60.0  # seconds the router and the replicas get to exit on a signal, before SIGKILL
 HEALTH_INTERVAL = 2  # seconds between the router's /health checks of a worker
@@ -66,7 +70,7 @@ HEALTH_FAILURES = 2  # failed checks in a row that take a worker out of rotation
 def router_argv(settings: ServerSettings, port: int, metrics_port: int, worker_urls: list[str]) -> list[str]:
     """vllm-router's flags: the public address, and its own metrics on `metrics_port` of the same
     host (the default port is fixed, so a second router on the host could not start)."""
-    return ["--worker-urls", *worker_urls, "--policy", settings.router_policy, "--host", settings.host,
+    return ["--worker-urls", *worker_urls, "--policy", settings.router_policy.value, "--host", settings.host,
             "--port", str(port), "--prometheus-host", settings.host, "--prometheus-port", str(metrics_port),
             "--log-level", "warning",
             "--health-check-interval-secs", str(HEALTH_INTERVAL), "--health-check-timeout-secs", str(HEALTH_TIMEOUT),
@@ -76,13 +80,15 @@ def router_argv(settings: ServerSettings, port: int, metrics_port: int, worker_u
 def run(settings: ServerSettings) -> int:
     """Supervise the replicas and the router until a signal, or until one of them exits; the
     exit status for the command (0 after a signal)."""
-    if settings.router_policy not in ROUTER_POLICIES:
-        raise ValueError(f"Unknown router policy {settings.router_policy!r}; known: {', '.join(ROUTER_POLICIES)}.")
     count = settings.data_parallel_size  # ServerSettings checked it: >= 1, or 0 with addresses
     urls = [f"http://127.0.0.1:{free_port()}" for _ in range(count)]
     workers = urls + ServerSettings.as_list(settings.data_parallel_address or "")
-    kv_aware = settings.router_policy == "kv_aware" and count > 0
-    events = RouterEvents(settings.engine.kv_events_config, count) if kv_aware else None
+    events = None
+    if settings.router_policy == RouterPolicy.KV_AWARE and count > 0:
+        # here, not above: through the engine's door it imports torch, which other supervisors skip
+        from trillm.http.router_events import RouterEvents
+
+        events = RouterEvents(settings.engine.kv_events_config, count)
     replicas = []
     children = []
     try:
@@ -120,8 +126,7 @@ def _supervise(settings: ServerSettings, urls: list[str], workers: list[str], re
     metrics_port = free_port()
     argv = router_argv(settings, port, metrics_port, workers)
     if events is not None:
-        argv += router_flags(events.sources(urls), settings.engine.block_size,
-                             _served_model(urls[0], settings.api_key))
+        argv += events.router_flags(urls, settings.engine.block_size, _served_model(urls[0], settings.api_key))
     router = start_preloaded(_router_main, argv, settings.api_key, preload=SERVER, daemon=False)
     router.name = "the router"
     children.insert(0, router)

@@ -82,12 +82,8 @@ class RouterEvents:
         self._context: zmq.Context | None = None
         self._proxies: list[_Proxy] = []
         self._outlets: list[str] = []
-        config = KVEventsConfig.parse(kv_events_config)
+        config = check_config(kv_events_config)
         if config.enabled:
-            if not _is_bound(config.endpoint) or config.endpoint.endswith(":0"):
-                raise ValueError("--router-policy kv_aware subscribes the router to the replicas' KV-cache events: "
-                                 "give --kv-events-config an endpoint they bind (tcp://*:PORT, a port other than 0), or none "
-                                 "at all.")
             self._keys = json.loads(kv_events_config)
             self._endpoints = [offset_endpoint(config.endpoint, i) for i in range(count)]
             self._replays = [offset_endpoint(config.replay_endpoint, i) for i in range(count)]
@@ -118,6 +114,10 @@ class RouterEvents:
             sources.append(EventSource(url, endpoint, _reachable(replay) if tcp else None))
         return sources
 
+    def router_flags(self, urls: list[str], block_size: int, model: str) -> list[str]:
+        """vllm-router's flags for the replicas at `urls` (`router_flags` of their sources)."""
+        return router_flags(self.sources(urls), block_size, model)
+
     def close(self) -> None:
         for proxy in self._proxies:
             proxy.close()
@@ -131,6 +131,16 @@ class RouterEvents:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def check_config(kv_events_config: str | None) -> KVEventsConfig:
+    """The replicas' --kv-events-config, if the router can subscribe to it (none, or one that
+    binds a tcp port); ValueError, naming the flags, otherwise."""
+    config = KVEventsConfig.parse(kv_events_config)
+    if config.enabled and (not _is_bound(config.endpoint) or config.endpoint.endswith(":0")):
+        raise ValueError("--router-policy kv_aware subscribes the router to the replicas' KV-cache events: give "
+                         "--kv-events-config an endpoint they bind (tcp://*:PORT, a port other than 0), or none.")
+    return config
 
 
 def router_flags(sources: list[EventSource], block_size: int, model: str) -> list[str]:

@@ -77,7 +77,7 @@ def run(settings: ServerSettings) -> None:
     worker (rank 0 serves HTTP for all of them). The engine (and torch) is imported only past the
     supervisor's branch: a supervisor runs no model, and its replicas import their own."""
     logs.configure(settings.log_level)
-    if settings.data_parallel_size != 1 or settings.data_parallel_address:  # a supervisor of replicas behind a router
+    if settings.supervises:
         from trillm.http import data_parallel
 
         raise SystemExit(data_parallel.run(settings))

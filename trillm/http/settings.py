@@ -25,6 +25,16 @@ LIST_FLAGS = {"lora_modules"}  # flags that take several items (stored comma-sep
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
 
 
+class RouterPolicy(enum.StrEnum):
+    """How the data-parallel router picks a replica (`--router-policy`, vllm-router's names)."""
+
+    CACHE_AWARE = "cache_aware"  # by the longest prefix it routed there, unless the load is uneven
+    KV_AWARE = "kv_aware"  # by the blocks the replicas' KV-cache events say they cache
+    ROUND_ROBIN = "round_robin"
+    POWER_OF_TWO = "power_of_two"  # the less loaded of two random replicas
+    RANDOM = "random"
+
+
 @dataclass
 class ServerSettings:
     host: str = "127.0.0.1"
@@ -50,7 +60,7 @@ class ServerSettings:
     # process with its own cores and KV cache, behind vllm-router on --host / --port (0: none
     # here, the router alone in front of --data-parallel-address's)
     data_parallel_size: int = 1
-    router_policy: str = "cache_aware"  # the router's: cache_aware | kv_aware | round_robin | power_of_two | random
+    router_policy: RouterPolicy = RouterPolicy.CACHE_AWARE
     # replicas on other machines (`trillm serve` there), as URLs, that the router also routes to
     data_parallel_address: str | None = None
     # the other replicas behind the same router, as URLs: this one relays the admin calls it gets
@@ -67,9 +77,16 @@ class ServerSettings:
     engine: EngineArgs = field(default_factory=EngineArgs)
 
     def __post_init__(self) -> None:
+        self.router_policy = RouterPolicy(self.router_policy)  # its name as a string is taken too
         if self.data_parallel_size < 0 or (self.data_parallel_size == 0 and not self.data_parallel_address):
             raise ValueError("--data-parallel-size is the replicas to start here: at least 1, or 0 with "
                              "--data-parallel-address (the router alone, in front of replicas elsewhere).")
+
+    @property
+    def supervises(self) -> bool:
+        """Whether `trillm serve` supervises replicas behind a router (trillm/http/data_parallel.py)
+        rather than serving itself."""
+        return self.data_parallel_size != 1 or bool(self.data_parallel_address)
 
     @staticmethod
     def as_list(value: str) -> list[str]:
