@@ -53,6 +53,7 @@ from dataclasses import replace
 from multiprocessing import Process
 from typing import TYPE_CHECKING
 
+from trillm.http.direct_http import PROXY_VARIABLES, open_direct
 from trillm.http.settings import API_KEY_VARIABLE, RouterPolicy, ServerSettings, to_argv
 from trillm.subprocesses import SERVER, cpu_share, free_port, start_preloaded
 
@@ -164,9 +165,12 @@ def _replica_main(argv: list[str], api_key: str | None) -> None:
 
 def _router_main(argv: list[str], api_key: str | None) -> None:
     """The router, in its forked process: vllm-router's launcher with `argv`, sending `api_key`
-    (if any) on its own calls to the replicas."""
+    (if any) on its own calls to the replicas, and no proxy the environment names: it talks to
+    the replicas alone, and its HTTP client would send even loopback calls through one."""
     from vllm_router.launch_router import launch_router, parse_router_args
 
+    for variable in PROXY_VARIABLES:
+        os.environ.pop(variable, None)
     args = parse_router_args(argv)
     args.api_key = api_key
     launch_router(args)
@@ -175,7 +179,7 @@ def _router_main(argv: list[str], api_key: str | None) -> None:
 def _served_model(url: str, api_key: str | None) -> str:
     """The model name a ready replica serves (its /v1/models' first entry)."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    with urllib.request.urlopen(urllib.request.Request(url + "/v1/models", headers=headers), timeout=10) as response:
+    with open_direct(urllib.request.Request(url + "/v1/models", headers=headers), 10) as response:
         return json.loads(response.read())["data"][0]["id"]
 
 
@@ -196,7 +200,7 @@ def _wait_ready(urls: list[str], processes: list[Process], stopping: list) -> bo
             return False
         for url in list(waiting):
             try:
-                with urllib.request.urlopen(url + "/health", timeout=2) as response:
+                with open_direct(url + "/health", 2) as response:
                     if response.status == 200:
                         waiting.remove(url)
             except (urllib.error.URLError, OSError):

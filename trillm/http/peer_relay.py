@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import trio
 from quart import request
 
+from trillm.http.direct_http import open_direct
 from trillm.http.errors import APIError
 from trillm.http.settings import ServerSettings
 
@@ -116,22 +117,11 @@ async def relay_count(settings: ServerSettings, field: str) -> int:
     return sum(reply.json()[field] for reply in replies if reply.ok)
 
 
-class _NoRedirects(urllib.request.HTTPRedirectHandler):
-    """A peer's redirect is its answer: following it would send the client's key elsewhere."""
-
-    def redirect_request(self, *args):
-        return None
-
-
-# straight to the peer: no proxy from the environment, no redirects
-_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}), _NoRedirects())
-
-
 def _send(peer: str, target: str, method: str, body: bytes, headers: dict[str, str]) -> PeerReply:
     # no empty body: urllib would label it form-encoded, which the peer refuses (a 415)
     call = urllib.request.Request(peer + target, data=body or None, headers=headers, method=method)
     try:
-        with _OPENER.open(call, timeout=RELAY_TIMEOUT) as response:
+        with open_direct(call, RELAY_TIMEOUT) as response:  # no proxy, no redirects
             return PeerReply(peer, response.status, response.read())
     except urllib.error.HTTPError as exc:
         return PeerReply(peer, exc.code, exc.read())
