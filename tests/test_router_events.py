@@ -7,7 +7,7 @@ import pytest
 import zmq
 
 from trillm.engine.kv_events import KVEventsConfig
-from trillm.http.router_events import RouterEvents, router_flags
+from trillm.http.router_events import RouterEvents
 
 URLS = ["http://127.0.0.1:9001", "http://127.0.0.1:9002"]
 
@@ -25,10 +25,11 @@ def test_an_operator_config_that_binds_is_kept_and_read_on_loopback():
             {**json.loads(text), "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5600"},
             {**json.loads(text), "endpoint": "tcp://*:5558", "replay_endpoint": "tcp://*:5601"}]
         sources = events.sources(URLS)
+        flags = events.router_flags(URLS, 16, "m")
     assert [(s.worker, s.endpoint, s.replay) for s in sources] == [
         (URLS[0], "tcp://127.0.0.1:5557", "tcp://127.0.0.1:5600"),
         (URLS[1], "tcp://127.0.0.1:5558", "tcp://127.0.0.1:5601")]
-    assert router_flags(sources, 16, "m") == [
+    assert flags == [
         "--kv-event-source", f"{URLS[0]}=tcp://127.0.0.1:5557", "--kv-event-replay-source", f"{URLS[0]}=tcp://127.0.0.1:5600",
         "--kv-event-source", f"{URLS[1]}=tcp://127.0.0.1:5558", "--kv-event-replay-source", f"{URLS[1]}=tcp://127.0.0.1:5601",
         "--kv-event-block-size", "16", "--kv-event-model", "m"]

@@ -646,7 +646,7 @@ def scheduler_machine(num_blocks: int, max_num_batched_tokens: int, max_num_seqs
             # The events are a replicated log: through vLLM's schema they rebuild the cache exactly.
             raw = sched.allocator.take_events()
             if raw:
-                self.replica.apply(ENCODER.encode(event_batch(raw, BS, "GPU", 0, {})))
+                self.replica.apply(ENCODER.encode(event_batch(raw, BS, 0, {})))
             assert self.replica.hashes == sched.allocator.cached_keys
             if not live:
                 assert sched.allocator.num_used_blocks == 0 and not sched.has_unfinished()

@@ -13,7 +13,7 @@ import torch
 
 from trillm.config import EngineArgs
 from trillm.engine.drafting import NgramDrafter, SpeculativeConfig
-from trillm.engine.kv_events import PRIMARY_MEDIUM, KVEventsConfig, ZmqEventPublisher, event_batch
+from trillm.engine.kv_events import KVEventsConfig, ZmqEventPublisher, event_batch
 from trillm.engine.pooler import Pooler
 from trillm.engine.prompt_logprobs import PromptLogprobs, fill_prompt_logprobs
 from trillm.engine.request import EngineRequest
@@ -32,6 +32,7 @@ from trillm.pooling_params import PoolingParams
 from trillm.sampling_params import SamplingParamError, SamplingParams
 from trillm.sched_ext import (FinishReason, Request, RequestStatus, Scheduler, SchedulerOutput, SchedulingPolicy,
                               vllm_extra_keys)
+from trillm.sched_ext.status import PrefixHashAlgo
 
 
 @dataclass
@@ -263,7 +264,7 @@ class EngineCore:
         """An adapter's request's extra keys for vLLM's sha256_cbor prefix keys (`vllm_extra_keys`,
         with the path the adapter was loaded from). None otherwise: the allocator keys a salt
         alone itself, and Python's hash takes the adapter from the salt."""
-        if lora is None or self.args.prefix_caching_hash_algo != "sha256_cbor":
+        if lora is None or self.args.prefix_caching_hash_algo != PrefixHashAlgo.SHA256_CBOR:
             return None
         return vllm_extra_keys(lora.name, lora.path, salt)
 
@@ -397,8 +398,7 @@ class EngineCore:
         raw = self.scheduler.allocator.take_events()
         if raw:
             names = {} if self.loras is None else {a.lora_id: name for name, a in self.loras.adapters.items()}
-            self.kv_events.publish(event_batch(raw, self.args.block_size, PRIMARY_MEDIUM, self.args.data_parallel_rank,
-                                               names))
+            self.kv_events.publish(event_batch(raw, self.args.block_size, self.args.data_parallel_rank, names))
 
     def _step(self) -> list[StepOutput]:
         if self.speculative is not None:

@@ -1,7 +1,8 @@
 """The engine's flags that a value can be wrong in beyond its type (a JSON object's keys; a
-choice among names is a StrEnum, which argparse checks itself), checked before anything loads: `trillm serve` refuses a bad one at once, in
-argparse's words, where the engine would find it only after loading the model. Imports neither
-torch nor the model, so the data-parallel supervisor, which runs no engine, checks them too."""
+choice among names is a StrEnum, which argparse checks itself), checked before anything loads:
+`trillm serve` refuses a bad one at once, in argparse's words, where the engine would find it
+only after loading the model. Imports neither torch nor the model, so the data-parallel
+supervisor, which runs no engine, checks them too."""
 from __future__ import annotations
 
 from trillm.config import EngineArgs

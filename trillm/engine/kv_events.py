@@ -136,8 +136,7 @@ def offset_endpoint(endpoint: str | None, rank: int) -> str | None:
     return f"{endpoint}_dp{rank}"
 
 
-def event_batch(raw: list[tuple], block_size: int, medium: str, rank: int | None,
-                lora_names: dict[int, str]) -> KVEventBatch:
+def event_batch(raw: list[tuple], block_size: int, rank: int | None, lora_names: dict[int, str]) -> KVEventBatch:
     """The allocator's logged events (KVCacheEventKind tuples) as one batch, stamped now.
     `lora_names`: adapter id -> name, for a stored block's lora_name."""
     events: list[BlockStored | BlockRemoved | AllBlocksCleared] = []
@@ -147,10 +146,10 @@ def event_batch(raw: list[tuple], block_size: int, medium: str, rank: int | None
             _, key, parent, tokens, keys, lora_id = event
             events.append(BlockStored(
                 block_hashes=[key], parent_block_hash=parent, token_ids=list(tokens), block_size=block_size,
-                lora_id=lora_id or None, medium=medium, lora_name=lora_names.get(lora_id) if lora_id else None,
+                lora_id=lora_id or None, medium=PRIMARY_MEDIUM, lora_name=lora_names.get(lora_id) if lora_id else None,
                 extra_keys=[keys] if keys else None))
         elif kind == KVCacheEventKind.BLOCK_REMOVED:
-            events.append(BlockRemoved(block_hashes=[event[1]], medium=medium))
+            events.append(BlockRemoved(block_hashes=[event[1]], medium=PRIMARY_MEDIUM))
         else:
             assert kind == KVCacheEventKind.ALL_BLOCKS_CLEARED, event
             events.append(AllBlocksCleared())

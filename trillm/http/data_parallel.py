@@ -82,7 +82,8 @@ def run(settings: ServerSettings) -> int:
     """Supervise the replicas and the router until a signal, or until one of them exits; the
     exit status for the command (0 after a signal)."""
     count = settings.data_parallel_size  # ServerSettings checked it: >= 1, or 0 with addresses
-    urls = [f"http://127.0.0.1:{free_port()}" for _ in range(count)]
+    ports = [free_port() for _ in range(count)]
+    urls = [f"http://127.0.0.1:{port}" for port in ports]
     workers = urls + ServerSettings.as_list(settings.data_parallel_address or "")
     events = None
     if settings.router_policy == RouterPolicy.KV_AWARE and count > 0:
@@ -93,11 +94,11 @@ def run(settings: ServerSettings) -> int:
     replicas = []
     children = []
     try:
-        for index, url in enumerate(urls):
+        for index, (port, url) in enumerate(zip(ports, urls)):
             engine = replace(settings.engine, data_parallel_rank=index)
             if events is not None:  # vllm-router takes each replica for a worker of rank 0
                 engine = replace(engine, data_parallel_rank=0, kv_events_config=events.engine_config(index))
-            replica = replace(settings, host="127.0.0.1", port=int(url.rpartition(":")[2]), data_parallel_size=1,
+            replica = replace(settings, host="127.0.0.1", port=port, data_parallel_size=1,
                               data_parallel_address=None, api_key=None, engine=engine,
                               data_parallel_peers=",".join(w for w in workers if w != url) or None)
             # not daemons: a replica with --tensor-parallel-size starts its ranks

@@ -115,8 +115,14 @@ class RouterEvents:
         return sources
 
     def router_flags(self, urls: list[str], block_size: int, model: str) -> list[str]:
-        """vllm-router's flags for the replicas at `urls` (`router_flags` of their sources)."""
-        return router_flags(self.sources(urls), block_size, model)
+        """vllm-router's flags for the replicas at `urls`: each one's stream and replay socket,
+        the block size and the model both sides name."""
+        flags = []
+        for source in self.sources(urls):
+            flags += ["--kv-event-source", f"{source.worker}={source.endpoint}"]
+            if source.replay:
+                flags += ["--kv-event-replay-source", f"{source.worker}={source.replay}"]
+        return [*flags, "--kv-event-block-size", str(block_size), "--kv-event-model", model]
 
     def close(self) -> None:
         for proxy in self._proxies:
@@ -141,17 +147,6 @@ def check_config(kv_events_config: str | None) -> KVEventsConfig:
         raise ValueError("--router-policy kv_aware subscribes the router to the replicas' KV-cache events: give "
                          "--kv-events-config an endpoint they bind (tcp://*:PORT, a port other than 0), or none.")
     return config
-
-
-def router_flags(sources: list[EventSource], block_size: int, model: str) -> list[str]:
-    """vllm-router's flags for these sources: each worker's stream and replay socket, the block
-    size and the model both sides name."""
-    flags = []
-    for source in sources:
-        flags += ["--kv-event-source", f"{source.worker}={source.endpoint}"]
-        if source.replay:
-            flags += ["--kv-event-replay-source", f"{source.worker}={source.replay}"]
-    return [*flags, "--kv-event-block-size", str(block_size), "--kv-event-model", model]
 
 
 def _is_bound(endpoint: str) -> bool:
