@@ -20,6 +20,7 @@ import torch
 from transformers import AutoTokenizer
 
 from trillm.config import EngineArgs
+from trillm.model.conversion import tokenizer_dir
 from trillm.model.loader import resolve_model
 from trillm.model.runner import ModelRunner
 
@@ -78,7 +79,7 @@ def main() -> None:
         "default, int8 KV cache": dict(kv_cache_dtype="int8"),
     }
     against = {"int8 KV cache": "fp16 KV cache", "default, int8 KV cache": "default (both)"}
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model(args.model))
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir(args.model))
     with open(args.text) as f:
         token_ids = tokenizer.encode(f.read())
     result = measure(token_ids, paths, args.model, against)

@@ -46,20 +46,16 @@ def copy_bandwidth(nbytes: int = 1 << 30, repeats: int = 20) -> float:
 
 
 def model_bytes() -> tuple[int, int]:
-    """The default model's weights in bf16 bytes (as converted: tied embeddings stored once), and
-    its bf16 KV cache bytes per token."""
-    from safetensors import safe_open
-    from transformers import AutoConfig
-
-    from trillm.model.loader import resolve_model
+    """The default model's weights in bf16 bytes (tied embeddings stored once), and its bf16 KV
+    cache bytes per token, from its GGUF file's tensor table and metadata."""
+    from trillm.model import gguf_model
+    from trillm.model.gguf_file import GGUFFile
     from trillm.model.llama import head_dim_of
+    from trillm.model.loader import default_model_path
 
-    model_dir = resolve_model(None)
-    params = 0
-    for path in Path(model_dir).glob("*.safetensors"):
-        with safe_open(path, "pt") as f:
-            params += sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())
-    config = AutoConfig.from_pretrained(model_dir)
+    with GGUFFile(default_model_path()) as file:
+        params = sum(math.prod(info.shape) for info in file.tensors.values())
+        config = gguf_model.hf_config(file)
     kv_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim_of(config) * 2
     return 2 * params, kv_per_token
 

@@ -80,12 +80,12 @@ def cache_counts(urls: list[str]) -> list[dict]:
 
 
 def bench_serve(args, base_url: str, result: Path) -> dict:
-    from trillm.model.loader import resolve_model
+    from trillm.model.conversion import tokenizer_dir
 
     vllm = Path(args.vllm_venv) / "bin" / "vllm"
     command = [
         str(vllm), "bench", "serve", "--backend", "openai", "--base-url", base_url, "--endpoint", "/v1/completions",
-        "--model", SERVED_NAME, "--tokenizer", resolve_model(None), "--dataset-name", "prefix_repetition",
+        "--model", SERVED_NAME, "--tokenizer", tokenizer_dir(None), "--dataset-name", "prefix_repetition",
         "--prefix-repetition-prefix-len", str(args.prefix_len), "--prefix-repetition-suffix-len", str(args.suffix_len),
         "--prefix-repetition-num-prefixes", str(args.num_prefixes), "--prefix-repetition-output-len",
         str(args.output_len), "--num-prompts", str(args.num_prompts), "--max-concurrency", str(args.concurrency),

@@ -130,9 +130,10 @@ def main() -> None:
     args = parser.parse_args()
     args.dtype, args.num_threads, args.trillm_dense = None, 1, False  # what trillm_command reads: its defaults
 
-    from trillm.model.loader import resolve_model
+    from trillm.model.conversion import hf_directory
+    from trillm.model.loader import default_model_path
 
-    model_dir = resolve_model(None)
+    model_dir = hf_directory(default_model_path())  # the peers' copy of the file (vLLM reads no GGUF here)
     out = Path(args.out)
     raw = out.with_suffix("")
     raw.mkdir(parents=True, exist_ok=True)

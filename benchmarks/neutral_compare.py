@@ -176,9 +176,10 @@ def main() -> None:
     # What compare_peer's server commands read; the servers run at their defaults.
     args.dtype, args.num_threads, args.trillm_dense, args.vllm_omp_bind = None, 1, False, None
 
-    from trillm.model.loader import resolve_model
+    from trillm.model.conversion import hf_directory
+    from trillm.model.loader import default_model_path
 
-    model_dir = resolve_model(None)
+    model_dir = hf_directory(default_model_path())  # the peers' copy of the file (vLLM reads no GGUF here)
     out = Path(args.out)
     raw = out.with_suffix("")  # each run's raw reports and server logs in a folder of their own
     raw.mkdir(parents=True, exist_ok=True)

@@ -28,14 +28,14 @@ from transformers import AutoConfig  # noqa: E402
 
 from trillm.config import EngineArgs  # noqa: E402
 from trillm.engine.core import EngineCore  # noqa: E402
-from trillm.model.loader import resolve_model  # noqa: E402
+from trillm.model.conversion import tokenizer_dir  # noqa: E402
 
 
 def tiny_text_model(directory: str) -> str:
     """conftest's tiny llama config with SmolLM2's vocabulary and tokenizer; weights come dummy."""
     config = AutoConfig.for_model("llama", **{**conftest.TINY_BASE, **conftest.TINY_CONFIGS["llama"], "vocab_size": 49152})
     config.save_pretrained(directory)
-    default = resolve_model(None)
+    default = tokenizer_dir(None)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         if os.path.exists(os.path.join(default, name)):
             shutil.copy(os.path.join(default, name), directory)

@@ -29,9 +29,9 @@ TYPES = ("Q4_K_M", "Q5_K_M")
 def random_model(out: Path) -> None:
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from trillm.model.loader import resolve_model
+    from trillm.model.conversion import tokenizer_dir
 
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model(None))
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir(None))
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                          tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,

@@ -63,10 +63,13 @@ def pytest_ignore_collect(collection_path, config):
 
 @pytest.fixture(scope="session")
 def default_model_dir() -> str:
-    """SmolLM2-135M-Instruct as an HF directory (converted from its GGUF once per machine, then cached)."""
-    from trillm.model.loader import resolve_model
+    """SmolLM2-135M-Instruct as an HF directory: transformers' conversion of its GGUF file, made
+    once per machine (trillm/model/conversion.py), the reference the in-place loader is checked
+    against; trillm itself reads the file in place."""
+    from trillm.model.conversion import hf_directory
+    from trillm.model.loader import default_model_path
 
-    return resolve_model(None)
+    return hf_directory(default_model_path())
 
 
 TINY_BASE = dict(

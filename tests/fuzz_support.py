@@ -160,7 +160,7 @@ async def fuzz_in_a_process(url: str, examples: int, processes: int = 2) -> dict
     with open(__file__, "rb") as f:
         key = hashlib.sha256(json.dumps([doc, examples, processes, version("schemathesis"), version("hypothesis"),
                                          f.read().decode()], sort_keys=True).encode()).hexdigest()[:16]
-    from trillm.model.loader import cache_root
+    from trillm.model.conversion import cache_root
 
     folder = os.path.join(cache_root(), "fuzz")
     os.makedirs(folder, exist_ok=True)

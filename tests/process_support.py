@@ -1,5 +1,14 @@
-"""Which processes are alive, read from /proc: for tests that no process outlives its server."""
+"""Which processes are alive, read from /proc: for tests that no process outlives its server; and
+a server started as a user starts it, in a process of its own."""
 import os
+import re
+import subprocess
+from pathlib import Path
+
+import trio
+
+REPO = Path(__file__).resolve().parents[1]
+STARTUP_TIMEOUT = 300  # seconds: the model loads first (not a speed check)
 
 
 def live(pid: int) -> bool:
@@ -45,3 +54,34 @@ def started_by(pid: int) -> set[int]:
     children, not counted themselves; what the fork server forks shares its command line)."""
     helpers = {p for p in children(pid) if multiprocessing_helper(p)}
     return {p for p in descendants(pid) - helpers if live(p)}
+
+
+async def start_server(nursery: trio.Nursery, command: list[str], env=None, cwd=REPO
+                       ) -> tuple[trio.Process, str, list[str]]:
+    """The process, its URL (read from its log: it binds port 0), and its log lines so far and to come."""
+    process = await nursery.start(
+        lambda task_status: trio.run_process(
+            command, cwd=cwd, env=env, stderr=subprocess.STDOUT, stdout=subprocess.PIPE, check=False,
+            task_status=task_status,
+        )
+    )
+    log: list[str] = []
+    url = trio.Event()
+    found = []
+
+    async def read_log():
+        buffer = b""
+        async for data in process.stdout:
+            buffer += data
+            *lines, buffer = buffer.split(b"\n")
+            for line in lines:
+                log.append(line.decode(errors="replace"))
+                match = re.search(r"Running on (http://[\d.]+:\d+)", log[-1])
+                if match and not url.is_set():
+                    found.append(match.group(1))
+                    url.set()
+
+    nursery.start_soon(read_log)
+    with trio.fail_after(STARTUP_TIMEOUT):
+        await url.wait()
+    return process, found[0], log

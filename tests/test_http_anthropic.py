@@ -218,7 +218,7 @@ def node_sdk() -> str:
     import shutil
     import subprocess
 
-    from trillm.model.loader import cache_root
+    from trillm.model.conversion import cache_root
 
     if shutil.which("node") is None or shutil.which("npm") is None:
         pytest.skip("node and npm are not installed")

@@ -5,47 +5,12 @@ import json
 import os
 import re
 import signal
-import subprocess
 import sys
-from pathlib import Path
 
 import httpx
 import openai
 import trio
-from process_support import descendants, live, started_by
-
-REPO = Path(__file__).resolve().parents[1]
-STARTUP_TIMEOUT = 300  # seconds: the model loads first (not a speed check)
-
-
-async def start_server(nursery: trio.Nursery, command: list[str], env=None) -> tuple[trio.Process, str, list[str]]:
-    """The process, its URL (read from its log: it binds port 0), and its log lines so far and to come."""
-    process = await nursery.start(
-        lambda task_status: trio.run_process(
-            command, cwd=REPO, env=env, stderr=subprocess.STDOUT, stdout=subprocess.PIPE, check=False,
-            task_status=task_status,
-        )
-    )
-    log: list[str] = []
-    url = trio.Event()
-    found = []
-
-    async def read_log():
-        buffer = b""
-        async for data in process.stdout:
-            buffer += data
-            *lines, buffer = buffer.split(b"\n")
-            for line in lines:
-                log.append(line.decode(errors="replace"))
-                match = re.search(r"Running on (http://[\d.]+:\d+)", log[-1])
-                if match and not url.is_set():
-                    found.append(match.group(1))
-                    url.set()
-
-    nursery.start_soon(read_log)
-    with trio.fail_after(STARTUP_TIMEOUT):
-        await url.wait()
-    return process, found[0], log
+from process_support import descendants, live, start_server, started_by
 
 
 async def test_serve_answers_then_drains_on_sigterm():

@@ -6,79 +6,83 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoConfig
+from transformers import AutoConfig, AutoTokenizer
 
 from trillm.config import EngineArgs
 from trillm.model.llama import Linear, rope_cos_sin_cache
-from trillm.model.loader import cache_root, convert_gguf, gguf_cache_dir, load_model, resolve_model
+from trillm.model.loader import ARCHITECTURE_FIELDS, default_model_path, load_model, resolve_model
 
 
-def test_default_model_is_converted_once_into_the_cache(default_model_dir):
-    assert os.path.dirname(default_model_dir) == cache_root()
-    assert os.path.basename(default_model_dir).startswith("SmolLM2-135M-Instruct.Q4_1-")
-    for name in ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json"):
-        assert os.path.isfile(os.path.join(default_model_dir, name)), name
-    config = json.load(open(os.path.join(default_model_dir, "config.json")))
-    assert "quantization_config" not in config and config["num_hidden_layers"] == 30
-    assert not [n for n in os.listdir(cache_root()) if n.startswith(".converting-")]
+def test_default_model_loads_in_place_with_the_converted_config_and_tokenizer(default_model_dir):
+    """The GGUF file read in place gives the config, EOS and tokenizer transformers' conversion of
+    it holds (tests/reference_models.py), and the same dense weights."""
+    from safetensors import safe_open
 
-    weights = os.stat(os.path.join(default_model_dir, "model.safetensors"))
-    assert resolve_model(None) == default_model_dir
-    again = os.stat(os.path.join(default_model_dir, "model.safetensors"))
-    assert (again.st_ino, again.st_mtime_ns) == (weights.st_ino, weights.st_mtime_ns)  # not rewritten
-
-
-def test_default_model_loads_from_the_cache(default_model_dir):
-    model, config, tokenizer, model_dir = load_model(EngineArgs(quantized_weights=False))
-    assert model_dir == default_model_dir
-    assert config.hf_config.model_type == "llama" and config.hf_config.tie_word_embeddings
+    model, config, tokenizer, source = load_model(EngineArgs(quantized_weights=False))
+    assert source == default_model_path()
+    reference = AutoConfig.from_pretrained(default_model_dir)
+    for field in (*ARCHITECTURE_FIELDS, "max_position_embeddings", "rms_norm_eps", "bos_token_id", "eos_token_id"):
+        assert getattr(config.hf_config, field, None) == getattr(reference, field, None), field
+    assert config.hf_config.rope_parameters["rope_theta"] == reference.rope_parameters["rope_theta"]
     assert (config.name, config.max_model_len, config.dtype) == ("SmolLM2-135M-Instruct", 8192, torch.float32)
     assert model.lm_head.weight is model.model.embed_tokens.weight  # tied: one tensor
     assert config.eos_token_ids == (2,) and tokenizer.eos_token_id == 2
-    assert "<|im_start|>assistant" in tokenizer.apply_chat_template(
-        [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False
-    )
     assert sum(p.numel() for p in model.parameters()) == 134_515_008
+    converted = safe_open(os.path.join(default_model_dir, "model.safetensors"), framework="pt")
+    params = dict(model.named_parameters())
+    for name in ("model.embed_tokens.weight", "model.norm.weight", "model.layers.3.input_layernorm.weight"):
+        assert torch.equal(params[name], converted.get_tensor(name)), name
+    assert torch.equal(model.model.layers[3].self_attn.qkv_proj.weight[:576],
+                       converted.get_tensor("model.layers.3.self_attn.q_proj.weight"))
+
+    want = AutoTokenizer.from_pretrained(default_model_dir)
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "héllo <|im_end|> 東京 🙂"}]
+    assert tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False) == \
+        want.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    for text in ("Hello world", "  spaces\tand\nlines  ", "héllo <|im_end|> 東京 🙂", "x" * 300):
+        assert tokenizer(text)["input_ids"] == want(text)["input_ids"], text
+    assert tokenizer.all_special_tokens == want.all_special_tokens
 
 
-def test_gguf_cache_dir_follows_the_file(tmp_path, monkeypatch):
-    monkeypatch.setenv("TRILLM_CACHE", str(tmp_path / "cache"))
-    gguf = tmp_path / "m.gguf"
-    gguf.write_bytes(b"x" * 10)
-    first = gguf_cache_dir(str(gguf))
-    assert os.path.dirname(first) == str(tmp_path / "cache") and os.path.basename(first).startswith("m-")
-    assert gguf_cache_dir(str(gguf)) == first
-    os.utime(gguf, ns=(0, 10**9))
-    touched = gguf_cache_dir(str(gguf))
-    gguf.write_bytes(b"x" * 11)
-    os.utime(gguf, ns=(0, 10**9))
-    assert len({first, touched, gguf_cache_dir(str(gguf))}) == 3
+def test_a_file_that_is_not_a_servable_gguf_is_refused_without_naming_it(tmp_path):
+    """Refusals name what is wrong, never the path (a request or a log may carry them)."""
+    from gguf_support import write_foreign_gguf
 
+    from trillm.model.gguf_file import UnservableModel
+    from trillm.model.loader import check_model
 
-def test_a_failed_conversion_leaves_no_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("TRILLM_CACHE", str(tmp_path / "cache"))
-    gguf = tmp_path / "broken.gguf"
-    gguf.write_bytes(b"not a gguf file")
-    with pytest.raises(Exception):
-        resolve_model(str(gguf))
-    assert not os.path.exists(gguf_cache_dir(str(gguf)))
-    assert not [n for n in os.listdir(tmp_path / "cache") if n.startswith(".converting-")]
-
-
-def test_a_finished_conversion_is_reused_without_reading_the_gguf(tmp_path, monkeypatch, tiny_model_dir):
-    monkeypatch.setenv("TRILLM_CACHE", str(tmp_path / "cache"))
-    gguf = tmp_path / "tiny.gguf"
-    gguf.write_bytes(b"not a gguf file")
-    shutil.copytree(tiny_model_dir("llama"), gguf_cache_dir(str(gguf)))
-    assert convert_gguf(str(gguf)) == gguf_cache_dir(str(gguf))
-    assert resolve_model(str(gguf)) == gguf_cache_dir(str(gguf))
+    cases = {"short.gguf": b"GGUF", "other.gguf": b"PK\x03\x04" + b"\0" * 40,
+             "version.gguf": b"GGUF" + (9).to_bytes(4, "little") + b"\0" * 16,
+             "cut.gguf": b"GGUF" + (3).to_bytes(4, "little") + (0).to_bytes(8, "little") + (5).to_bytes(8, "little")}
+    for name, data in cases.items():
+        (tmp_path / name).write_bytes(data)
+    write_foreign_gguf(str(tmp_path / "bert.gguf"))
+    for name in (*cases, "bert.gguf"):
+        with pytest.raises(UnservableModel) as refused:
+            check_model(str(tmp_path / name))
+        assert str(tmp_path) not in str(refused.value) and "\n" not in str(refused.value), name
+    with pytest.raises(UnservableModel, match="architecture is 'bert'"):
+        load_model(EngineArgs(model=str(tmp_path / "bert.gguf")))
 
 
 def test_resolve_model_takes_hf_dirs_and_never_a_hub_name(tiny_model_dir, tmp_path):
     assert resolve_model(tiny_model_dir("llama")) == tiny_model_dir("llama")
+    assert resolve_model(None) == default_model_path()
     for name in ("HuggingFaceTB/SmolLM2-135M-Instruct", str(tmp_path), str(tmp_path / "missing.gguf")):
         with pytest.raises(FileNotFoundError):
             resolve_model(name)
+
+
+def test_a_gguf_files_tokenizer_is_saved_alone_for_the_tools_that_need_a_directory(tmp_path, monkeypatch,
+                                                                                 tiny_model_dir):
+    from trillm.model.conversion import tokenizer_dir
+
+    monkeypatch.setenv("TRILLM_CACHE", str(tmp_path))
+    folder = tokenizer_dir(None)
+    assert folder.startswith(str(tmp_path)) and "tokenizer.json" in os.listdir(folder)
+    assert not [n for n in os.listdir(folder) if n.endswith((".safetensors", ".bin", ".gguf"))]
+    assert AutoTokenizer.from_pretrained(folder)("Hello world")["input_ids"] == [19556, 905]
+    assert tokenizer_dir(None) == folder and tokenizer_dir(tiny_model_dir("llama")) == tiny_model_dir("llama")
 
 
 def test_fused_weights_hold_the_hf_projections(tiny_model_dir):
@@ -142,46 +146,55 @@ def test_gguf_projections_dequantize_to_the_converted_weights(default_model_dir)
     q/k rows reordered, is bit for bit the fp32 tensor transformers converted it to."""
     from safetensors import safe_open
 
-    from trillm.model.gguf_weights import quantized_weights
-    from trillm.model.loader import default_model_path
     from trillm.kernels import quant
+    from trillm.model.gguf_file import GGUFFile
+    from trillm.model.gguf_weights import quantized_weights
 
     config = AutoConfig.from_pretrained(default_model_dir)
     converted = safe_open(os.path.join(default_model_dir, "model.safetensors"), framework="pt")
     formats = {}
-    for name, weight in quantized_weights(default_model_path(), config, default_model_dir):
-        assert torch.equal(quant.dequantize(weight), converted.get_tensor(name)), name
-        formats[weight.format] = formats.get(weight.format, 0) + 1
+    with GGUFFile(default_model_path()) as file:
+        for name, weight in quantized_weights(file, config):
+            assert torch.equal(quant.dequantize(weight), converted.get_tensor(name)), name
+            formats[weight.format] = formats.get(weight.format, 0) + 1
     assert formats == {"q4_1": 7 * config.num_hidden_layers, "q8_0": 1}  # the tied embeddings are Q8_0
 
 
-def test_default_model_runs_its_projections_on_the_gguf_blocks():
+def test_default_model_runs_its_projections_and_lookups_on_the_gguf_blocks(default_model_dir):
+    from safetensors import safe_open
+
     model = load_model(EngineArgs()).model
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert len(linears) == 4 * 30 + 1 and all(m.quantized is not None and m.weight is None for m in linears)
-    assert model.model.embed_tokens.weight is not None  # the lookup keeps its fp32 table
+    embeddings = model.model.embed_tokens
+    assert embeddings.weight is None and embeddings.rows is not None  # looked up from the mapped file
+    ids = torch.tensor([0, 2, 19556, 49151, 19556])
+    table = safe_open(os.path.join(default_model_dir, "model.safetensors"), framework="pt").get_tensor(
+        "model.embed_tokens.weight")
+    assert torch.equal(embeddings(ids), table[ids])
     dense = load_model(EngineArgs(quantized_weights=False)).model
     assert all(m.quantized is None for m in dense.modules() if isinstance(m, Linear))
+    assert dense.model.embed_tokens.rows is None
 
 
-def test_gguf_tensor_index_is_read_once_and_kept(tmp_path):
-    """The first load reads where each tensor lies with GGUFReader and writes it to the cache
-    directory; a later load takes it from there, and slices the same bytes GGUFReader gives."""
+def test_the_gguf_table_is_read_as_gguf_py_reads_it():
+    """Names, formats, shapes and bytes of every tensor, against gguf-py's own reader."""
     import numpy as np
     from gguf import GGUFReader
 
-    from trillm.model.gguf_weights import INDEX_FILE, tensor_index
-    from trillm.model.loader import default_model_path
+    from trillm.model.gguf_file import GGUFFile
 
     reader = GGUFReader(default_model_path())
-    index = tensor_index(default_model_path(), str(tmp_path))
-    assert (tmp_path / INDEX_FILE).exists() and [e["name"] for e in index] == [t.name for t in reader.tensors]
-    (tmp_path / INDEX_FILE).write_text(json.dumps(index[:3]))  # a kept index is what later loads read
-    assert tensor_index(default_model_path(), str(tmp_path)) == index[:3]
-    data = np.memmap(default_model_path(), dtype=np.uint8, mode="r")
-    for entry, tensor in zip(index, reader.tensors):
-        got = np.asarray(data[entry["offset"] : entry["offset"] + entry["bytes"]]).view(tensor.data.dtype)
-        assert np.array_equal(got.reshape(entry["shape"]), tensor.data), entry["name"]
+    with GGUFFile(default_model_path()) as file:
+        assert list(file.tensors) == [t.name for t in reader.tensors]
+        assert file.metadata["llama.block_count"] == 30 and file.metadata["tokenizer.ggml.tokens"] == 49152
+        for tensor in reader.tensors:
+            info = file.tensors[tensor.name]
+            assert (info.kind, info.nbytes) == (tensor.tensor_type, tensor.n_bytes), tensor.name
+            assert np.array_equal(file.blocks(tensor.name).reshape(-1), tensor.data.reshape(-1).view(np.uint8))
+            assert np.array_equal(file.mapped(tensor.name), file.blocks(tensor.name))
+        file.close()
+        file.close()  # idempotent
 
 
 def test_the_pooling_type_comes_from_a_sentence_transformers_config(tmp_path):
@@ -236,6 +249,7 @@ def test_a_gguf_file_of_other_formats_runs_them_on_the_kernels_layouts(tmp_path,
 
     from trillm.kernels import quant
     from trillm.model import gguf_weights
+    from trillm.model.gguf_file import GGUFFile
 
     config = LlamaConfig(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, intermediate_size=512)
     tensors = {"blk.0.attn_q.weight": ("q5_0", "model.layers.0.self_attn.q_proj.weight", 256),
@@ -261,22 +275,27 @@ def test_a_gguf_file_of_other_formats_runs_them_on_the_kernels_layouts(tmp_path,
     writer.write_tensors_to_file()
     writer.close()
 
-    with caplog.at_level(logging.INFO, logger="trillm"):
-        got = dict(gguf_weights.quantized_weights(str(path), config, str(tmp_path)))
+    with caplog.at_level(logging.INFO, logger="trillm"), GGUFFile(str(path)) as file:
+        got = dict(gguf_weights.quantized_weights(file, config))
     assert set(got) == {hf for _, hf, _ in tensors.values()}
     assert any("1 Q6_K projections requantized to 8-bit blocks" in r.getMessage() for r in caplog.records)
     for name, (format, hf, _) in tensors.items():
         want = torch.from_numpy(np.ascontiguousarray(dequantize(raw[name], GGMLQuantizationType[format.upper()])))
         if "attn_q" in name:
-            want = want[gguf_weights._unpermute(want.shape[0], config.num_attention_heads)]
+            want = want[_unpermuted(want.shape[0], config.num_attention_heads)]
         if "attn_k" in name:
-            want = want[gguf_weights._unpermute(want.shape[0], config.num_key_value_heads)]
+            want = want[_unpermuted(want.shape[0], config.num_key_value_heads)]
         if format != "q6_k":
             assert torch.equal(quant.dequantize(got[hf]), want), name
             continue
         assert got[hf].format == "q8_0"
         step = got[hf].scales.repeat_interleave(quant.BLOCK, dim=1)
         assert ((quant.dequantize(got[hf]) - want).abs() <= step * 0.5001).all()
+
+
+def _unpermuted(rows: int, heads: int) -> torch.Tensor:
+    """The order that undoes llama.cpp's permutation, as transformers' GGUF loader writes it."""
+    return torch.arange(rows).reshape(heads, rows // heads // 2, 2).swapaxes(2, 1).reshape(rows)
 
 
 @pytest.mark.parametrize("kind", ["Q4_K_M", "Q5_K_M"])

@@ -16,6 +16,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "serve":
         from trillm.engine.flag_check import check_flags
         from trillm.http.serve import run  # torch is imported only when serving, not for --help
+        from trillm.model.loader import check_model
 
         try:
             server_settings = settings.from_args(args)
@@ -26,6 +27,11 @@ def main(argv: list[str] | None = None) -> None:
                 check_config(server_settings.engine.kv_events_config)
         except ValueError as exc:
             serve.error(str(exc))  # exits 2, as for any flag argparse refuses
+        if server_settings.data_parallel_size != 0:  # 0: a front door alone, its replicas elsewhere
+            try:
+                check_model(server_settings.engine.model)
+            except (ValueError, OSError) as exc:  # in one line: a model is no usage mistake
+                serve.exit(2, f"{serve.prog}: error: {exc}\n")
         run(server_settings)
 
 

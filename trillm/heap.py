@@ -7,9 +7,15 @@ on a loaded heap each full collection stalls the event loop and every stream wit
 of a few hundred thousand JSON items was enough to set one off). `freeze_heap()` moves what
 exists after startup into the collector's permanent generation, which collections skip; what
 requests allocate later is collected as before. vLLM's engine and API server do the same.
+
+Loading also leaves freed memory in the C heap (a GGUF tensor's repacking slices, the tokenizer's
+conversion), which glibc keeps for later allocations: resident, and counted against the memory a
+served file may take. `freeze_heap()` hands it back to the system once, when startup is over.
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import gc
 
 
@@ -21,3 +27,11 @@ def freeze_heap() -> None:
     while serving (new weights, an adapter) must not rely on the collector to free it."""
     gc.collect()
     gc.freeze()
+    _trim_c_heap()
+
+
+def _trim_c_heap() -> None:
+    """glibc's malloc_trim: the heap's free pages back to the system (nothing elsewhere)."""
+    libc = ctypes.util.find_library("c")
+    if libc is not None and hasattr(ctypes.CDLL(libc), "malloc_trim"):
+        ctypes.CDLL(libc).malloc_trim(0)

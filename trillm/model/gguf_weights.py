@@ -1,36 +1,35 @@
-"""The quantized projections of a GGUF file, under their HF names, for the kernels that run them.
+"""A GGUF file's tensors under their HF names: the projections as the kernels' quantized blocks,
+the rest dense, and the token embeddings as rows read from the mapped file.
 
-The loader hands over the file's quantized blocks in the kernels' three layouts (Q4_0 / Q4_1 / Q5_0 /
-Q5_1 / Q8_0 / Q4_K / Q5_K repacked exactly, other formats requantized to 8 bits), so that the CPU kernels
-multiply by them instead of by fp32 copies, and then fills everything else from the fp32 HF directory it
-converts the file into (trillm/model/loader.py). Only Llama-family tensor names are mapped, and
-q/k rows get the reordering transformers applies (llama.cpp stores them permuted for its RoPE
-layout); a repacked weight dequantizes to the fp32 tensor the directory holds, which the tests
-check.
-
-Where each tensor lies in the file is read once, by gguf-py's GGUFReader, and kept in the
-converted directory (`gguf_tensors.json`): the reader parses every metadata field, the whole
-vocabulary included, which took seconds of every start-up; later loads map the file and slice.
+Nothing goes through an fp32 copy of the model: each tensor is read from the file on its own
+(trillm/model/gguf_file.py), repacked or converted, and dropped before the next, so loading holds
+at most the model's kernel form and one tensor's worth beside it; a large tensor is repacked a
+slice of rows at a time. Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K blocks are repacked
+exactly into the kernels' layouts (trillm/kernels/quant.py); other formats are requantized to
+8-bit blocks from gguf-py's dequantization, which an INFO line counts. Where llama.cpp's converter
+permuted q and k rows for its RoPE layout (PERMUTED_QK), they get the reordering transformers
+applies; a repacked weight dequantizes to the tensor transformers loads from the file, which the
+tests check.
 """
 from __future__ import annotations
 
-import json
 import logging
-import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
-from gguf.quants import dequantize
+from gguf import GGMLQuantizationType
 from transformers import PretrainedConfig
 
 from trillm.kernels import quant
+from trillm.model.gguf_file import GGUFFile, TensorInfo, UnservableModel, to_float
+from trillm.model.gguf_model import PERMUTED_QK
+from trillm.model.llama import head_dim_of
 
 log = logging.getLogger(__name__)
-# Formats a file may hold that are stored as they are, not quantized: their fp32 copies are exact.
-_UNQUANTIZED = frozenset({GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16})
+# Formats stored as they are, not quantized: their dense tensors are exact.
+UNQUANTIZED = frozenset({GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16})
 
 # the formats the kernels run, repacked into their layouts (trillm/kernels/quant.py)
 FORMATS = {GGMLQuantizationType.Q4_0: "q4_0", GGMLQuantizationType.Q4_1: "q4_1", GGMLQuantizationType.Q5_0: "q5_0",
@@ -45,80 +44,121 @@ LAYER_TENSORS = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
 }
+PROJECTIONS = frozenset(v for k, v in LAYER_TENSORS.items() if not k.endswith("norm"))
+GLOBAL_TENSORS = {"token_embd.weight": "model.embed_tokens.weight", "output.weight": "lm_head.weight",
+                  "output_norm.weight": "model.norm.weight"}
+# derived from the config, not loaded (llama.cpp's frequency factors of Llama 3.1's RoPE)
+IGNORED = frozenset({"rope_freqs.weight"})
+ROWS_AT_ONCE = 4096  # a large tensor is repacked this many rows at a time
 
 
 def hf_name(gguf_name: str) -> str | None:
-    """The HF name of a projection's weight, or None for tensors that are not projections."""
-    if gguf_name == "output.weight":
-        return "lm_head.weight"
-    if gguf_name == "token_embd.weight":
-        return "model.embed_tokens.weight"  # the vocab projection when the embeddings are tied
-    match = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", gguf_name)
-    if match is None or match[2] not in LAYER_TENSORS:
+    """The HF name of a tensor the model loads, None for one it derives (IGNORED).
+    UnservableModel for a tensor the model has no place for."""
+    if gguf_name in GLOBAL_TENSORS:
+        return GLOBAL_TENSORS[gguf_name]
+    if gguf_name in IGNORED:
         return None
-    return f"model.layers.{match[1]}.{LAYER_TENSORS[match[2]]}.weight"
+    match = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", gguf_name)
+    if match is None or match[2] not in LAYER_TENSORS:
+        raise UnservableModel(f"The model file holds a tensor trillm has no place for: {gguf_name!r}.")
+    return f"model.layers.{match[1]}.{LAYER_TENSORS[match[2]]}.{match[3]}"
 
 
-INDEX_FILE = "gguf_tensors.json"
+def is_projection(name: str) -> bool:
+    """Whether HF tensor `name` is a projection's weight (the vocabulary's included)."""
+    return name in ("lm_head.weight", "model.embed_tokens.weight") or (
+        name.endswith(".weight") and name.rpartition(".")[0].partition(".layers.")[2].partition(".")[2] in PROJECTIONS)
 
 
-def tensor_index(gguf_path: str, cache_dir: str) -> list[dict]:
-    """Every tensor of the file: its name, GGML type, absolute byte offset, size in bytes and the
-    shape of its data as GGUFReader gives it (rows x bytes for block formats). Read from cache_dir's
-    INDEX_FILE, or from the file and then written there (atomically: a reader never sees half)."""
-    path = os.path.join(cache_dir, INDEX_FILE)
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except FileNotFoundError:
-        pass
-    index = [
-        {"name": t.name, "type": int(t.tensor_type), "offset": int(t.data_offset), "bytes": int(t.n_bytes),
-         "shape": list(t.data.shape)}
-        for t in GGUFReader(gguf_path).tensors
-    ]
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(index, f)
-    os.replace(tmp, path)
-    return index
-
-
-def quantized_weights(
-    gguf_path: str, config: PretrainedConfig, cache_dir: str
-) -> Iterator[tuple[str, quant.QuantizedWeight]]:
-    """(HF name, weight) for every quantized projection of the file: repacked exactly when its
-    format is one of FORMATS, else requantized to 8-bit blocks from gguf-py's dequantization
-    (quant.requantize), which an INFO line counts. Unquantized tensors (F32, F16, BF16) are not
-    listed: their fp32 copies are exact. cache_dir: the file's converted directory, which keeps
-    the tensor index."""
-    data = np.memmap(gguf_path, dtype=np.uint8, mode="r")
+def quantized_weights(file: GGUFFile, config: PretrainedConfig) -> Iterator[tuple[str, quant.QuantizedWeight]]:
+    """(HF name, weight) for every quantized projection of the file, token embeddings included
+    (the vocabulary projection when they are tied): repacked exactly when its format is one of
+    FORMATS, else requantized to 8-bit blocks. Unquantized tensors (F32, F16, BF16) are left to
+    `dense_weights`."""
     requantized: dict[str, int] = {}
-    for tensor in tensor_index(gguf_path, cache_dir):
-        name, kind = hf_name(tensor["name"]), GGMLQuantizationType(tensor["type"])
-        if name is None or kind in _UNQUANTIZED:
+    for info in file.tensors.values():
+        name = hf_name(info.name)
+        if name is None or info.kind in UNQUANTIZED or not is_projection(name):
             continue
-        blocks = np.array(data[tensor["offset"] : tensor["offset"] + tensor["bytes"]]).reshape(tensor["shape"])
-        if kind in FORMATS:
-            weight = quant.from_gguf(FORMATS[kind], torch.from_numpy(blocks))
+        if info.kind in FORMATS:
+            weight = _by_rows(info, lambda rows: quant.from_gguf(FORMATS[info.kind], torch.from_numpy(file.blocks(
+                info.name, rows))))
         else:
-            weight = quant.requantize(torch.from_numpy(np.ascontiguousarray(dequantize(blocks, kind))))
-            requantized[kind.name] = requantized.get(kind.name, 0) + 1
-        if ".q_proj." in name:
-            weight = weight.rows(_unpermute(weight.out_features, config.num_attention_heads))
-        elif ".k_proj." in name:
-            weight = weight.rows(_unpermute(weight.out_features, config.num_key_value_heads))
-        yield name, weight
+            weight = _by_rows(info, lambda rows: quant.requantize(torch.from_numpy(to_float(file.blocks(
+                info.name, rows), info.kind))))
+            requantized[info.kind.name] = requantized.get(info.kind.name, 0) + 1
+        order = _unpermute_order(file, config, name)
+        yield name, weight if order is None else weight.rows(order)
     if requantized:
-        log.info("%s: %s projections requantized to 8-bit blocks for the integer kernels, which read %s "
-                 "blocks as they are", os.path.basename(gguf_path),
-                 ", ".join(f"{count} {kind}" for kind, count in sorted(requantized.items())),
+        log.info("%s projections requantized to 8-bit blocks for the integer kernels, which read %s blocks as "
+                 "they are", ", ".join(f"{count} {kind}" for kind, count in sorted(requantized.items())),
                  ", ".join(k.name for k in FORMATS))
 
 
-def _unpermute(rows: int, heads: int) -> torch.Tensor:
-    """Row order that undoes llama.cpp's q/k permutation: within each head, its stored row order
-    is (pair, half) and HF's is (half, pair)."""
-    half = rows // heads // 2
-    return torch.arange(rows).reshape(heads, half, 2).transpose(1, 2).reshape(rows)
+def dense_weights(file: GGUFFile, config: PretrainedConfig, skip: Callable[[str], bool]
+                  ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, fp32 tensor) for every tensor of the file but those `skip` names, which are never
+    read: dequantized one at a time, q and k rows in transformers' order."""
+    for info in file.tensors.values():
+        name = hf_name(info.name)
+        if name is None or skip(name):
+            continue
+        tensor = file.dense(info.name)
+        order = _unpermute_order(file, config, name)
+        yield name, tensor if order is None else tensor[order]
+
+
+class EmbeddingRows:
+    """The token embeddings as the file holds them, in its block format, read where they lie in
+    the mapped file: a lookup dequantizes just the rows it names (as gguf-py does, so exactly the
+    dense table's rows), and only their pages become resident."""
+
+    def __init__(self, file: GGUFFile, dtype: torch.dtype):
+        info = file.tensors["token_embd.weight"]
+        self.blocks, self.kind, self.dtype = file.mapped(info.name), info.kind, dtype
+        self.num_embeddings, self.embedding_dim = info.shape
+
+    def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
+        rows = self.blocks[input_ids.cpu().numpy()]
+        return torch.from_numpy(to_float(rows, self.kind)).to(self.dtype)
+
+
+def _by_rows(info: TensorInfo, convert: Callable[[slice], quant.QuantizedWeight]) -> quant.QuantizedWeight:
+    """`convert` applied to the tensor's rows ROWS_AT_ONCE at a time, the slices written into one
+    weight: its intermediate arrays then stay a slice's size whatever the tensor's."""
+    if info.rows <= ROWS_AT_ONCE:
+        return convert(slice(None))
+    first = convert(slice(0, ROWS_AT_ONCE))
+    whole = first._replace(**{field: t.new_empty((info.rows, *t.shape[1:])) for field, t in _arrays(first)})
+    for start in range(0, info.rows, ROWS_AT_ONCE):
+        part = first if start == 0 else convert(slice(start, start + ROWS_AT_ONCE))
+        assert part.format == whole.format
+        for field, rows in _arrays(part):
+            getattr(whole, field)[start : start + rows.shape[0]] = rows
+    return whole
+
+
+def _arrays(weight: quant.QuantizedWeight) -> list[tuple[str, torch.Tensor]]:
+    return [(field, t) for field in ("quants", "scales", "mins") if (t := getattr(weight, field)) is not None]
+
+
+def _unpermute_order(file: GGUFFile, config: PretrainedConfig, name: str) -> torch.Tensor | None:
+    """The row order that undoes llama.cpp's q/k permutation for tensor `name`, None for other
+    tensors and architectures: within each head, its stored row order is (pair, half) and HF's is
+    (half, pair)."""
+    if file.architecture not in PERMUTED_QK:
+        return None
+    if ".self_attn.q_proj." in name:
+        heads = config.num_attention_heads
+    elif ".self_attn.k_proj." in name:
+        heads = config.num_key_value_heads
+    else:
+        return None
+    rows = heads * head_dim_of(config)
+    return torch.arange(rows).reshape(heads, -1, 2).transpose(1, 2).reshape(rows)

