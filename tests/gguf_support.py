@@ -16,16 +16,21 @@ LAYER_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self
                "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
                "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
                "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+# Gemma 3's norms around attention and the MLP, as llama.cpp's converter names them
+GEMMA_LAYER_NAMES = {**LAYER_NAMES, "post_attention_layernorm": "post_attention_norm",
+                     "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
+GGUF_ARCHITECTURES = {"gemma3_text": "gemma3"}
 GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "lm_head.weight": "output.weight",
                 "model.norm.weight": "output_norm.weight"}
 
 
-def gguf_name(hf_name: str) -> str:
+def gguf_name(hf_name: str, model_type: str) -> str:
     if hf_name in GLOBAL_NAMES:
         return GLOBAL_NAMES[hf_name]
     _, _, layer, rest = hf_name.split(".", 3)
     module, _, kind = rest.rpartition(".")
-    return f"blk.{layer}.{LAYER_NAMES[module]}.{kind}"
+    names = GEMMA_LAYER_NAMES if model_type == "gemma3_text" else LAYER_NAMES
+    return f"blk.{layer}.{names[module]}.{kind}"
 
 
 def permute(weight: torch.Tensor, heads: int) -> torch.Tensor:
@@ -36,9 +41,10 @@ def permute(weight: torch.Tensor, heads: int) -> torch.Tensor:
 
 def write_gguf(hf_dir: str, path: str, kind: GGMLQuantizationType = GGMLQuantizationType.F32) -> str:
     """The tiny model at `hf_dir` as a GGUF file at `path`, its 2-D weights in `kind` (quantized by
-    gguf-py), its 1-D ones in F32. Returns `path`."""
+    gguf-py), its 1-D ones in F32; Gemma's norms as 1 + w, its layer types as a per-layer flag.
+    Returns `path`."""
     config = AutoConfig.from_pretrained(hf_dir)
-    arch = config.model_type
+    arch = GGUF_ARCHITECTURES.get(config.model_type, config.model_type)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     writer = GGUFWriter(path, arch)
     writer.add_block_count(config.num_hidden_layers)
@@ -49,7 +55,12 @@ def write_gguf(hf_dir: str, path: str, kind: GGMLQuantizationType = GGMLQuantiza
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    rope = config.rope_parameters.get("full_attention", config.rope_parameters)
+    writer.add_rope_freq_base(rope["rope_theta"])
+    if arch == "gemma3":
+        writer.add_sliding_window(config.sliding_window)
+        writer.add_array(f"{arch}.attention.sliding_window_pattern",
+                         [t == "sliding_attention" for t in config.layer_types])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
     writer.add_eos_token_id(config.eos_token_id)
@@ -59,11 +70,13 @@ def write_gguf(hf_dir: str, path: str, kind: GGMLQuantizationType = GGMLQuantiza
             tensor = permute(tensor, config.num_attention_heads)
         elif arch == "llama" and ".k_proj." in name:
             tensor = permute(tensor, config.num_key_value_heads)
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            tensor = tensor + 1
         data = tensor.float().numpy()
         if data.ndim == 2 and kind != GGMLQuantizationType.F32:
-            writer.add_tensor(gguf_name(name), quantize(data, kind), raw_dtype=kind)
+            writer.add_tensor(gguf_name(name, config.model_type), quantize(data, kind), raw_dtype=kind)
         else:
-            writer.add_tensor(gguf_name(name), np.ascontiguousarray(data))
+            writer.add_tensor(gguf_name(name, config.model_type), np.ascontiguousarray(data))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

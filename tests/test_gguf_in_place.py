@@ -24,12 +24,19 @@ EXACT = dict(quantized_activations=False, kv_cache_dtype="float32", num_kv_block
 ALLOWANCE = 400 * 2**20
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+# Gemma 3's query scale as llama.cpp takes it: 1 / sqrt(head_dim), no key for it in the file
+FAMILIES = {"llama": {}, "qwen2": {}, "qwen3": {}, "gemma3_text": {"query_pre_attn_scalar": 32}}
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
 def test_each_familys_gguf_file_gives_transformers_logits(tiny_model_dir, tmp_path, kind):
     """A tiny random model of each family written as llama.cpp lays it out (q and k rows permuted
-    for llama alone, Qwen2's q/k/v biases, Qwen3's q/k norms): in F32, trillm's logits are
-    transformers' on the model it came from; in Q8_0 on the integer kernels, within Q8_0's error."""
-    hf_dir = tiny_model_dir(kind)
+    for llama alone, Qwen2's q/k/v biases, Qwen3's q/k norms, Gemma 3's norms as 1 + w and its
+    sliding and global layers): in F32, trillm's logits are transformers' on the model it came
+    from. In Q8_0, the projections on the file's blocks and the embeddings read from it give, on
+    fp32 activations, the logits of the file's dequantized weights; on 8-bit activations, within
+    their error."""
+    hf_dir = tiny_model_dir(kind, **FAMILIES[kind])
     hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
     token_ids = list(range(3, 40))
     with torch.inference_mode():
@@ -37,11 +44,16 @@ def test_each_familys_gguf_file_gives_transformers_logits(tiny_model_dir, tmp_pa
     f32 = write_gguf(hf_dir, str(tmp_path / "f32.gguf"))
     got = ModelRunner(EngineArgs(model=f32, quantized_weights=False, **EXACT)).teacher_forced_logits(token_ids)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
     q8 = write_gguf(hf_dir, str(tmp_path / "q8.gguf"), GGMLQuantizationType.Q8_0)
+    dense = ModelRunner(EngineArgs(model=q8, quantized_weights=False, **EXACT)).teacher_forced_logits(token_ids)
     runner = ModelRunner(EngineArgs(model=q8, **EXACT))
     assert runner.model.lm_head.quantized is not None and runner.model.model.embed_tokens.rows is not None
-    got = runner.teacher_forced_logits(token_ids)
-    assert (got - want).abs().max() < 0.3 and (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.85
+    torch.testing.assert_close(runner.teacher_forced_logits(token_ids), dense, atol=1e-4, rtol=1e-4)
+    got = ModelRunner(EngineArgs(model=q8, **{**EXACT, "quantized_activations": True})).teacher_forced_logits(
+        token_ids)
+    error = ((got - dense).abs().mean() / dense.abs().mean()).item()
+    assert error < 0.05 and (got.argmax(-1) == dense.argmax(-1)).float().mean() > 0.85, error
 
 
 async def test_a_served_gguf_writes_nothing_and_stays_within_its_memory_bound(tmp_path):

@@ -61,11 +61,12 @@ def test_fused_add_rms_norm(dtype, hidden):
 @CUDA_CHECK
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("inter", [64, 1100])  # 1100: two column blocks, the last one partial
-def test_silu_and_mul(dtype, inter):
-    x = randn(3, 2 * inter, dtype=dtype)
-    got = activation_triton.silu_and_mul(x)
+@pytest.mark.parametrize("op", ["silu_and_mul", "gelu_tanh_and_mul"])
+def test_activation_and_mul(dtype, inter, op):
+    x = randn(3, 2 * inter, dtype=dtype) * 3  # GELU's tail and its curve both
+    got = getattr(activation_triton, op)(x)
     assert got.shape == (3, inter)
-    assert_close(got, activation.silu_and_mul(x), dtype)
+    assert_close(got, getattr(activation, op)(x), dtype)
 
 
 # --- rotary --------------------------------------------------------------------------------
@@ -759,6 +760,22 @@ def test_kernel_threads_share_the_tiles_without_changing_a_bit():
                 assert all(torch.equal(a, b) for a, b in zip(alone, together))
     finally:
         pool_cpu.set_threads(previous)
+
+
+@pytest.mark.parametrize("format", LAYOUTS)
+def test_a_weight_regrouped_slice_by_slice_is_laid_out_as_at_once(format, monkeypatch):
+    """Large weights are regrouped TILES_AT_ONCE tiles at a time (a 262k vocabulary's projection
+    would otherwise be copied whole): with one tile a slice, every kernel array is the same."""
+    from trillm.kernels import quant_cpu
+
+    weight = kernel_weight(format, 80, 64, seed=3)
+    whole = [quant_cpu.Int8QuantizedLinear(weight), quant_cpu.QuantizedLinear(weight)]
+    monkeypatch.setattr(quant_cpu, "TILES_AT_ONCE", 2)  # 5 tiles: slices of 2, 2 and 1
+    sliced = [quant_cpu.Int8QuantizedLinear(weight), quant_cpu.QuantizedLinear(weight)]
+    for a, b in zip(whole, sliced):
+        for name, array in vars(a).items():
+            if isinstance(array, torch.Tensor):
+                assert torch.equal(array, getattr(b, name)), name
 
 
 def test_quantized_linear_keeps_leading_dims_and_refuses_what_it_cannot_run():

@@ -135,6 +135,7 @@ VARIANTS = {
     "qwen2-yarn": ("qwen2", {"rope_parameters": YARN_ROPE}),
     "qwen3": ("qwen3", {}),
     "mistral-window": ("mistral", {}),
+    "gemma3": ("gemma3_text", {}),
 }
 
 
@@ -160,6 +161,9 @@ def test_tiny_models_match_transformers(tiny_model_dir, variant):
         ("mistral", {}, {"sliding_window": None}),
         ("llama", {"rope_parameters": LLAMA3_ROPE}, {"rope_parameters": {**LLAMA3_ROPE, "rope_type": "default"}}),
         ("qwen2", {"rope_parameters": YARN_ROPE}, {}),
+        ("gemma3_text", {}, {"sliding_window": 64}),
+        ("gemma3_text", {}, {"rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                                 "full_attention": {"rope_type": "default", "rope_theta": 1e6}}}),
     ],
 )
 def test_variant_features_change_the_logits(tiny_model_dir, kind, feature, without):
@@ -271,6 +275,16 @@ def test_backend_matches_torch(tiny_model_dir, backend, kv_cache_dtype):
         runner = tiny_runner(model_dir, attention_backend=name, kv_cache_dtype=kv_cache_dtype)
         assert runner.kv_caches[0][0].dtype == getattr(torch, kv_cache_dtype)
         outputs.append(prefill_then_decode(runner, make_sequences(runner, [11, 7], num_decode=2)))
+    for got, expected in zip(*outputs):
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", ["triton", "cpu"])
+def test_gemma3_on_each_family_matches_torch(tiny_model_dir, backend):
+    """Gemma 3's own ops (GeGLU, sandwich norms, a RoPE cache per layer type) on each family."""
+    model_dir = tiny_model_dir("gemma3_text")
+    outputs = [prefill_then_decode(runner, make_sequences(runner, [11, 7], num_decode=2))
+               for runner in (tiny_runner(model_dir, attention_backend=name) for name in ("torch", backend))]
     for got, expected in zip(*outputs):
         torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 

@@ -57,6 +57,7 @@ class Kernels:
         self.rms_norm = norm.rms_norm
         self.fused_add_rms_norm = norm.fused_add_rms_norm
         self.silu_and_mul = kernels("activation").silu_and_mul
+        self.gelu_tanh_and_mul = kernels("activation").gelu_tanh_and_mul
         self.rotary_embedding = kernels("rotary").rotary_embedding
         self.write_kv = kernels("cache").write_kv
         self.paged_attention = kernels("attention").paged_attention

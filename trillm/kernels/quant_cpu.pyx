@@ -39,9 +39,25 @@ def runs(weight: QuantizedWeight) -> bool:
     return weight.format in FORMATS and weight.out_features % TILE_N == 0
 
 
-def _tiled(per_row, tiles: int, blocks: int):
-    """[N, blocks * c] -> [N / 16, blocks, c, 16]: a tile's 16 rows side by side, block by block."""
-    return per_row.reshape(tiles, TILE_N, blocks, -1).permute(0, 2, 3, 1).contiguous()
+TILES_AT_ONCE = 256  # a weight is regrouped this many tiles (4096 rows) at a time
+
+
+def _tiled(per_row, tiles: int, blocks: int, lanes: int = 1, transform=None):
+    """[N, blocks * c * lanes] -> [N / 16, blocks, c, 16] (lanes > 1: [N / 16, blocks, c, 16,
+    lanes], `lanes` bytes of a row kept together): a tile's 16 rows side by side, block by block.
+    Regrouped TILES_AT_ONCE tiles at a time into one tensor, `transform` applied to each slice
+    first, so that a large weight (a vocabulary projection) holds one slice beside it while it is
+    regrouped, not a second copy of itself."""
+    out = None
+    for start in range(0, tiles, TILES_AT_ONCE):
+        part = per_row[start * TILE_N : (start + TILES_AT_ONCE) * TILE_N]
+        if transform is not None:
+            part = transform(part)
+        part = part.reshape(-1, TILE_N, blocks, part.shape[1] // blocks // lanes, lanes).permute(0, 2, 3, 1, 4)
+        if out is None:
+            out = part.new_empty((tiles, *part.shape[1:]))
+        out[start : start + part.shape[0]] = part
+    return out if lanes > 1 else out.squeeze(-1)
 
 
 def _split_q5(weight: QuantizedWeight):
@@ -119,17 +135,15 @@ class Int8QuantizedLinear(_TiledLinear):
         tiles, blocks = weight.out_features // TILE_N, weight.in_features // BLOCK
         self.bits = {"q4_1": 4, "q5_1": 5, "q8_0": 8}[weight.format]
 
-        def grouped(u):  # [N, blocks * 4 * c] bytes -> [N / 16, blocks, c, 16, 4]: 4 inputs per 32-bit lane
-            return u.reshape(tiles, TILE_N, blocks, -1, 4).permute(0, 2, 3, 1, 4).contiguous()
-
+        # the quants as bytes [N / 16, blocks, c, 16, 4]: 4 inputs per 32-bit lane
         self.h = None  # q5_1's plane of fifth bits, [N / 16, blocks, 16, 4] (quant_int8_cpu.h)
         if self.bits != 8:
             nibbles, fifths = _split_q5(weight)
-            self.u, self.m = grouped(nibbles), _tiled(weight.mins, tiles, blocks)
+            self.u, self.m = _tiled(nibbles, tiles, blocks, lanes=4), _tiled(weight.mins, tiles, blocks)
             if fifths is not None:
                 self.h = _fifth_bit_plane(fifths, tiles, blocks)
         else:  # Q8_0's q as u = q + 128 (the kernel takes the 128 back off); its own mins, if any
-            self.u = grouped(weight.quants.view(torch.uint8) ^ 0x80)
+            self.u = _tiled(weight.quants, tiles, blocks, lanes=4, transform=lambda q: q.view(torch.uint8) ^ 0x80)
             self.m = None if weight.mins is None else _tiled(weight.mins, tiles, blocks)
         self.d = _tiled(weight.scales, tiles, blocks)
 

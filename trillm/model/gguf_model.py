@@ -9,17 +9,29 @@ HF directory would save, built in a fraction of a second.
 """
 from __future__ import annotations
 
+import logging
 import os
 
 from transformers import AutoConfig, PretrainedConfig, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from trillm.model.gguf_file import GGUFFile, UnservableModel
 
+log = logging.getLogger(__name__)
+
 # GGUF architecture -> transformers model_type and class (llama.cpp writes Mistral's models as "llama")
 ARCHITECTURES = {"llama": ("llama", "LlamaForCausalLM"), "qwen2": ("qwen2", "Qwen2ForCausalLM"),
-                 "qwen3": ("qwen3", "Qwen3ForCausalLM")}
+                 "qwen3": ("qwen3", "Qwen3ForCausalLM"), "gemma3": ("gemma3_text", "Gemma3ForCausalLM")}
 # architectures whose q and k rows llama.cpp's converter permutes for its RoPE layout
 PERMUTED_QK = frozenset({"llama"})
+# Gemma 3 (text): llama.cpp's converter stores its norms as 1 + w, the multipliers the model uses
+GEMMA_ARCHITECTURES = frozenset({"gemma3"})
+# what llama.cpp takes for a Gemma 3 file without the keys: every sixth layer global, the
+# sliding layers' RoPE base
+GEMMA_SLIDING_PATTERN = 6
+GEMMA_SLIDING_ROPE_BASE = 10000.0
+# the chat template of a file that has none, llama.cpp's fallback too
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+          "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
 
 
 def check_servable(file: GGUFFile) -> None:
@@ -66,8 +78,30 @@ def hf_config(file: GGUFFile) -> PretrainedConfig:
     )
     if file.architecture == "llama":  # Qwen2's q/k/v biases are its type's; a Llama file's are a flag
         fields["attention_bias"] = "blk.0.attn_q.bias" in file.tensors
+    if file.architecture in GEMMA_ARCHITECTURES:
+        fields.update(_gemma_fields(file, rope))
     model_type, architecture = ARCHITECTURES[file.architecture]
     return AutoConfig.for_model(model_type, architectures=[architecture], **fields)
+
+
+def _gemma_fields(file: GGUFFile, rope: dict) -> dict:
+    """Gemma 3's own config fields, as llama.cpp reads the file: sliding layers (every
+    GEMMA_SLIDING_PATTERN-th global unless the file says) with their own RoPE base, the file's
+    base and scaling on the global ones, GeGLU, and the query scale 1 / sqrt(head_dim) (27B,
+    the 62-layer size: 1 / sqrt(hidden / heads))."""
+    layers = file.field("block_count")
+    pattern = file.field("attention.sliding_window_pattern", GEMMA_SLIDING_PATTERN)
+    sliding = pattern if isinstance(pattern, list) else [bool((i + 1) % pattern) for i in range(layers)]
+    heads, hidden = file.field("attention.head_count"), file.field("embedding_length")
+    head_dim = file.field("attention.key_length", hidden // heads)
+    return dict(
+        layer_types=["sliding_attention" if s else "full_attention" for s in sliding],
+        sliding_window=file.field("attention.sliding_window"),
+        rope_parameters={"full_attention": rope,
+                         "sliding_attention": {"rope_type": "default", "rope_theta": GEMMA_SLIDING_ROPE_BASE}},
+        hidden_activation="gelu_pytorch_tanh",
+        query_pre_attn_scalar=hidden // heads if layers == 62 else head_dim,
+    )
 
 
 def eos_token_ids(file: GGUFFile) -> list[int]:
@@ -88,6 +122,14 @@ def tokenizer(path: str, file: GGUFFile) -> PreTrainedTokenizerBase | None:
         return None
     folder, name = os.path.split(os.path.abspath(path))
     try:
-        return PreTrainedTokenizerFast.from_pretrained(folder, gguf_file=name, local_files_only=True)
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(folder, gguf_file=name, local_files_only=True)
     except (KeyError, ValueError, TypeError) as exc:
         raise UnservableModel(f"The model file's tokenizer cannot be built ({type(exc).__name__}).") from None
+    if tokenizer.chat_template is None:
+        log.warning("the model file has no chat template: chat requests are rendered as ChatML, as llama.cpp's "
+                    "server does")
+        # a chat prompt is encoded without special tokens (its template writes them): a model
+        # that wants a BOS gets it from the template, as llama.cpp adds it
+        adds_bos = tokenizer.bos_token_id is not None and tokenizer.encode("a")[:1] == [tokenizer.bos_token_id]
+        tokenizer.chat_template = ("{{ bos_token }}" if adds_bos else "") + CHATML
+    return tokenizer

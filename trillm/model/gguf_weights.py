@@ -24,7 +24,7 @@ from transformers import PretrainedConfig
 
 from trillm.kernels import quant
 from trillm.model.gguf_file import GGUFFile, TensorInfo, UnservableModel, to_float
-from trillm.model.gguf_model import PERMUTED_QK
+from trillm.model.gguf_model import GEMMA_ARCHITECTURES, PERMUTED_QK
 from trillm.model.llama import head_dim_of
 
 log = logging.getLogger(__name__)
@@ -50,6 +50,11 @@ LAYER_TENSORS = {
     "attn_k_norm": "self_attn.k_norm",
 }
 PROJECTIONS = frozenset(v for k, v in LAYER_TENSORS.items() if not k.endswith("norm"))
+# Gemma 3 norms the attention's output and the MLP's input and output: its "ffn_norm" is the
+# MLP's input norm, where a Llama file's is the one after attention
+GEMMA_LAYER_TENSORS = {**LAYER_TENSORS, "ffn_norm": "pre_feedforward_layernorm",
+                       "post_attention_norm": "post_attention_layernorm",
+                       "post_ffw_norm": "post_feedforward_layernorm"}
 GLOBAL_TENSORS = {"token_embd.weight": "model.embed_tokens.weight", "output.weight": "lm_head.weight",
                   "output_norm.weight": "model.norm.weight"}
 # derived from the config, not loaded (llama.cpp's frequency factors of Llama 3.1's RoPE)
@@ -57,17 +62,18 @@ IGNORED = frozenset({"rope_freqs.weight"})
 ROWS_AT_ONCE = 4096  # a large tensor is repacked this many rows at a time
 
 
-def hf_name(gguf_name: str) -> str | None:
+def hf_name(gguf_name: str, architecture: str) -> str | None:
     """The HF name of a tensor the model loads, None for one it derives (IGNORED).
     UnservableModel for a tensor the model has no place for."""
     if gguf_name in GLOBAL_TENSORS:
         return GLOBAL_TENSORS[gguf_name]
     if gguf_name in IGNORED:
         return None
+    layer_tensors = GEMMA_LAYER_TENSORS if architecture in GEMMA_ARCHITECTURES else LAYER_TENSORS
     match = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", gguf_name)
-    if match is None or match[2] not in LAYER_TENSORS:
+    if match is None or match[2] not in layer_tensors:
         raise UnservableModel(f"The model file holds a tensor trillm has no place for: {gguf_name!r}.")
-    return f"model.layers.{match[1]}.{LAYER_TENSORS[match[2]]}.{match[3]}"
+    return f"model.layers.{match[1]}.{layer_tensors[match[2]]}.{match[3]}"
 
 
 def is_projection(name: str) -> bool:
@@ -83,7 +89,7 @@ def quantized_weights(file: GGUFFile, config: PretrainedConfig) -> Iterator[tupl
     `dense_weights`."""
     requantized: dict[str, int] = {}
     for info in file.tensors.values():
-        name = hf_name(info.name)
+        name = hf_name(info.name, file.architecture)
         if name is None or info.kind in UNQUANTIZED or not is_projection(name):
             continue
         if info.kind in FORMATS:
@@ -106,7 +112,7 @@ def dense_weights(file: GGUFFile, config: PretrainedConfig, skip: Callable[[str]
     """(HF name, fp32 tensor) for every tensor of the file but those `skip` names, which are never
     read: dequantized one at a time, q and k rows in transformers' order."""
     for info in file.tensors.values():
-        name = hf_name(info.name)
+        name = hf_name(info.name, file.architecture)
         if name is None or skip(name):
             continue
         tensor = file.dense(info.name)

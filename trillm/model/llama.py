@@ -1,4 +1,5 @@
-"""Llama-family decoders (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2) on the paged KV cache.
+"""Llama-family decoders (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2) and Gemma 3's text decoder on
+the paged KV cache.
 
 Why not transformers' own modules: our batch is flat (the new tokens of many requests back to back,
 no padding), keys and values live in the paged cache the scheduler hands out, and projections that
@@ -10,6 +11,11 @@ Parameter names are the HF checkpoint's, except the fused ones; the loader (tril
 maps HF tensors onto them. The variants differ only in config fields: attention bias (Qwen2's
 q/k/v; Llama's `attention_bias`), Qwen3's per-head q/k RMSNorm, a sliding window (Mistral's
 `sliding_window`, Qwen's per-layer `layer_types`), head_dim, tied embeddings and the RoPE type.
+Gemma 3 adds to those (GEMMA): q/k norms, a norm after attention and around the MLP (the
+"sandwich"), GeGLU, embeddings scaled by sqrt(hidden), the attention scaled by
+query_pre_attn_scalar, and a RoPE base per layer type (its sliding layers' local one). Its norms
+multiply by 1 + w where the others multiply by w: RMSNorm here always multiplies by its weight,
+and the loader hands Gemma's norms over as 1 + w (a GGUF file stores them so already).
 """
 from __future__ import annotations
 
@@ -25,7 +31,9 @@ from trillm.model.parallel import SINGLE, TensorParallel
 from trillm.kernels import linear_cpu, quant
 from trillm.kernels.family import Kernels
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+GEMMA = frozenset({"gemma3_text"})
+QK_NORM = frozenset({"qwen3", "gemma3_text"})
 
 def _empty(*shape: int) -> nn.Parameter:
     """Parameters start uninitialized: the loader writes every one of them, and skipping torch's
@@ -143,22 +151,34 @@ class RMSNorm(nn.Module):
         return self.kernels.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
-def rope_cos_sin_cache(config: PretrainedConfig, max_positions: int) -> torch.Tensor:
+def rope_parameters_of(config: PretrainedConfig, layer_type: str | None = None) -> dict:
+    """The RoPE parameters of a layer type where the config keeps them per type (Gemma 3: its
+    "sliding_attention" and "full_attention" layers), else the config's one set."""
+    parameters = config.rope_parameters
+    return parameters[layer_type] if layer_type in parameters else parameters
+
+
+def rope_cos_sin_cache(config: PretrainedConfig, max_positions: int, layer_type: str | None = None) -> torch.Tensor:
     """[max_positions, head_dim] fp32: cos | sin of every position, times the RoPE type's
-    attention scaling (1 except yarn / longrope). Frequencies come from transformers' own
+    attention scaling (1 except yarn / longrope), for the layers of `layer_type` where the
+    config's parameters differ by type. Frequencies come from transformers' own
     functions (the default type from its formula, repeated here), so every rope_type (llama3,
     yarn, linear, ...) matches it exactly; "dynamic"
     and "longrope" are taken at their max-length setting, not re-derived per sequence."""
-    rope_type = config.rope_parameters.get("rope_type", "default")
+    parameters = rope_parameters_of(config, layer_type)
+    rope_type = parameters.get("rope_type", "default")
     if rope_type == "default":  # transformers' compute_default_rope_parameters, op for op
         dim = head_dim_of(config)
-        inv_freq = 1.0 / (config.rope_parameters["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        inv_freq = 1.0 / (parameters["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
         scaling = 1.0
     else:
         # imported here: the module costs a second of start-up that the default type never needs
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config)
+        if parameters is config.rope_parameters:
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config)
+        else:
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, layer_type=layer_type)
     assert 2 * inv_freq.numel() == head_dim_of(config), "partial rotary embeddings are not supported"
     freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq.float())
     return torch.cat((freqs.cos(), freqs.sin()), dim=-1) * scaling
@@ -168,8 +188,19 @@ def head_dim_of(config: PretrainedConfig) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+def activation_of(config: PretrainedConfig) -> str:
+    """The gated MLP's activation: Gemma's config names it `hidden_activation`."""
+    return getattr(config, "hidden_activation", None) or config.hidden_act
+
+
+def layer_type_of(config: PretrainedConfig, layer_idx: int) -> str | None:
+    layer_types = getattr(config, "layer_types", None)
+    return None if layer_types is None else layer_types[layer_idx]
+
+
 def sliding_window_of(config: PretrainedConfig, layer_idx: int) -> int | None:
-    """Qwen2/3 mark sliding layers in `layer_types`; Mistral slides on every layer when set."""
+    """Qwen2/3 and Gemma 3 mark sliding layers in `layer_types`; Mistral slides on every layer
+    when set."""
     layer_types = getattr(config, "layer_types", None)
     if layer_types is not None and layer_types[layer_idx] != "sliding_attention":
         return None
@@ -205,13 +236,14 @@ class Attention(nn.Module):
         self.qkv_sizes = [q_size, kv_size, kv_size]
         self.qkv_proj = Linear(config.hidden_size, self.qkv_sizes, qkv_bias)
         self.o_proj = Linear(q_size, [config.hidden_size], attention_bias, reduce=tp)
-        if config.model_type == "qwen3":
+        if config.model_type in QK_NORM:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, kernels)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, kernels)
         else:
             self.q_norm = self.k_norm = None
-        self.scale = self.head_dim**-0.5
+        self.scale = (getattr(config, "query_pre_attn_scalar", None) or self.head_dim) ** -0.5
         self.sliding_window = sliding_window_of(config, layer_idx)
+        self.layer_type = layer_type_of(config, layer_idx)  # which RoPE cache it reads (LlamaModel.rope_caches)
         self.kernels = kernels
 
     def forward(
@@ -235,19 +267,24 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(T, -1))
 
 
+# the gated MLP's activation -> the kernel family's op for it
+ACTIVATIONS = {"silu": "silu_and_mul", "gelu_pytorch_tanh": "gelu_tanh_and_mul"}
+
+
 class MLP(nn.Module):
     def __init__(self, config: PretrainedConfig, kernels: Kernels, tp: TensorParallel = SINGLE):
         super().__init__()
-        assert config.hidden_act == "silu", f"unsupported activation {config.hidden_act!r}"
+        activation = activation_of(config)
+        assert activation in ACTIVATIONS, f"unsupported activation {activation!r}"
         bias = getattr(config, "mlp_bias", False)
         start, end = tp.split(config.intermediate_size)
         inter = end - start
         self.gate_up_proj = Linear(config.hidden_size, [inter, inter], bias)
         self.down_proj = Linear(inter, [config.hidden_size], bias, reduce=tp)
-        self.kernels = kernels
+        self.act_and_mul = getattr(kernels, ACTIVATIONS[activation])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.kernels.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -257,6 +294,11 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config, kernels, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
+        if config.model_type in GEMMA:  # the sandwich: attention's output normed, the MLP's in and out
+            self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
+            self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
+        else:
+            self.pre_feedforward_layernorm = self.post_feedforward_layernorm = None
 
     def forward(self, positions, hidden, residual, cos_sin_cache, kv_cache, meta):
         """The residual add is fused into the next norm: returns (mlp output, residual so far)."""
@@ -265,8 +307,11 @@ class DecoderLayer(nn.Module):
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(positions, hidden, cos_sin_cache, kv_cache, meta)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        if self.pre_feedforward_layernorm is None:
+            hidden, residual = self.post_attention_layernorm(hidden, residual)
+            return self.mlp(hidden), residual
+        hidden, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(hidden), residual)
+        return self.post_feedforward_layernorm(self.mlp(hidden)), residual
 
 
 class LlamaModel(nn.Module):
@@ -275,9 +320,14 @@ class LlamaModel(nn.Module):
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(DecoderLayer(config, i, kernels, tp) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
-        self.register_buffer(
-            "cos_sin_cache", rope_cos_sin_cache(config, config.max_position_embeddings), persistent=False
-        )
+        # Gemma 3's sliding layers turn at a base of their own, its full ones at the main one
+        per_type = "sliding_attention" in config.rope_parameters
+        self.register_buffer("cos_sin_cache", rope_cos_sin_cache(
+            config, config.max_position_embeddings, "full_attention" if per_type else None), persistent=False)
+        self.register_buffer("cos_sin_cache_sliding", rope_cos_sin_cache(
+            config, config.max_position_embeddings, "sliding_attention") if per_type else None, persistent=False)
+        # Gemma scales the embeddings by sqrt(hidden), rounded to the model's dtype as transformers does
+        self.embed_scale = config.hidden_size**0.5 if config.model_type in GEMMA else None
         self.kernels = kernels
         self.tp = tp
         self.decoder_stack = None  # set by fuse_layers()
@@ -311,14 +361,21 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids, positions, kv_caches, meta):
         assert len(kv_caches) == len(self.layers)
         hidden, residual = self.embed_tokens(input_ids), None
+        if self.embed_scale is not None:
+            hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
         if self._fused(meta):
             hidden, residual = self.decoder_stack.run(hidden, positions, meta.slot_mapping, meta.block_tables,
                                                       meta.seq_lens, kv_caches, self.cos_sin_cache)
         else:
             for layer, kv_cache in zip(self.layers, kv_caches):
-                hidden, residual = layer(positions, hidden, residual, self.cos_sin_cache, kv_cache, meta)
+                hidden, residual = layer(positions, hidden, residual, self._rope_cache(layer), kv_cache, meta)
         hidden, _ = self.norm(hidden, residual)
         return hidden
+
+    def _rope_cache(self, layer: DecoderLayer) -> torch.Tensor:
+        if self.cos_sin_cache_sliding is not None and layer.self_attn.layer_type == "sliding_attention":
+            return self.cos_sin_cache_sliding
+        return self.cos_sin_cache
 
     def _fused(self, meta: AttentionMetadata) -> bool:
         """Whether this step runs on the decoder stack: every row decodes, and no adapter applies."""

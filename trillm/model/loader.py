@@ -29,7 +29,7 @@ from trillm.config import EngineArgs
 from trillm.model import gguf_model, gguf_weights
 from trillm.model.gguf_file import GGUFFile, UnservableModel
 from trillm.model.gguf_model import check_servable
-from trillm.model.llama import (SUPPORTED_MODEL_TYPES, Embedding, Linear, LlamaForCausalLM, RMSNorm, head_dim_of,
+from trillm.model.llama import (GEMMA, SUPPORTED_MODEL_TYPES, Embedding, Linear, LlamaForCausalLM, RMSNorm, head_dim_of,
                                  head_shards)
 from trillm.model.parallel import SINGLE, TensorParallel
 from trillm.kernels import quant
@@ -116,7 +116,7 @@ def check_model(model: str | None) -> None:
     with GGUFFile(path) as file:
         check_servable(file)
         for info in file.tensors.values():
-            gguf_weights.hf_name(info.name)
+            gguf_weights.hf_name(info.name, file.architecture)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -155,7 +155,7 @@ def load_model(args: EngineArgs, tp: TensorParallel = SINGLE, same_as: Pretraine
     config = AutoConfig.from_pretrained(path)
     model = _build(args, tp, same_as, config)
     if args.load_format == "auto":
-        load_weights(model, rank_shards(model, _safetensors_weights(path)))
+        load_weights(model, rank_shards(model, _norms_as_multipliers(config, _safetensors_weights(path))))
     pooling = args.pooling_type or sentence_transformers_pooling(path) or PoolingType.LAST
     return LoadedModel(model.eval(), _model_config(args, model, _eos_token_ids(path, config), pooling),
                        _load_tokenizer(path), path)
@@ -323,7 +323,8 @@ def load_quantized_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str,
         if len(parts) < module.num_shards:
             continue
         del pending[module_name]
-        weight = quant.cat([parts.pop(i) for i in range(module.num_shards)])
+        shards = [parts.pop(i) for i in range(module.num_shards)]
+        weight = shards[0] if len(shards) == 1 else quant.cat(shards)  # one shard: no copy
         if model.kernels.quantized_linear.runs(weight):
             module.quantize(weight, model.kernels.quantized_linear)
             moved += 1
@@ -410,6 +411,14 @@ def pack_linear_weights(model: LlamaForCausalLM) -> None:
 def _num_shards(model: LlamaForCausalLM, param_name: str) -> int:
     module = model.get_submodule(param_name.rpartition(".")[0])
     return module.num_shards if isinstance(module, Linear) else 1
+
+
+def _norms_as_multipliers(config: PretrainedConfig, weights: Iterable[tuple[str, torch.Tensor]]
+                          ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Gemma's checkpoints keep a norm's w of x_norm (1 + w); the model multiplies by its norms'
+    weights (llama.py), so they arrive as 1 + w. Other families' pass as they are."""
+    for name, tensor in weights:
+        yield name, tensor + 1 if config.model_type in GEMMA and name.endswith("norm.weight") else tensor
 
 
 def _safetensors_weights(model_dir: str):

