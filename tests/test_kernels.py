@@ -692,6 +692,31 @@ def test_integer_linear_matches_its_twin_on_every_path(format, rows, tiles, bloc
         torch.testing.assert_close(quant_cpu.Int8QuantizedLinear(weight, isa)(x, b), want, atol=1e-4, rtol=1e-5)
 
 
+@settings(max_examples=25, deadline=None)
+@given(format=st.sampled_from(["q4_k", "q5_k", "q4_k_as_bytes"]), rows=st.integers(1, 70), tiles=st.integers(1, 5),
+       supers=st.integers(1, 3), seed=st.integers(0, 2**16))
+def test_integer_linear_streams_k_quant_scales_as_the_file_keeps_them(format, rows, tiles, supers, seed):
+    """A weight from Q4_K / Q5_K blocks runs on the file's 6-bit block factors and per-super-block
+    d and dmin (3 bytes a block and row, not 8): on every path the same floats, to the bit, as on
+    the fp32 scales they multiply out to, and within the twin's tolerance of it."""
+    from trillm.kernels import quant, quant_cpu
+
+    base = format.removesuffix("_as_bytes")
+    weight = quant.from_gguf(base, random_gguf_blocks(base, 16 * tiles, 256 * supers, seed))
+    if format.endswith("_as_bytes"):
+        weight = quant.as_bytes(weight)
+    assert weight.k_scales is not None
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, 256 * supers, generator=g) * torch.rand(rows, 1, generator=g) * 10
+    want = quant.linear_int8(x, weight)
+    for isa in quant_cpu.isas():
+        on_k = quant_cpu.Int8QuantizedLinear(weight, isa)
+        assert on_k.sc is not None and on_k.d is None
+        got = on_k(x)
+        assert torch.equal(got, quant_cpu.Int8QuantizedLinear(weight._replace(k_scales=None), isa)(x)), isa
+        torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-4)  # K-quants' wider range: fp32 sums
+
+
 def test_integer_linear_is_the_exact_product_of_its_quantized_operands():
     """With x already on its 8-bit grid (e * v exactly), the integer kernel has no rounding of its
     own to hide behind: it equals the exact path (fp32 activations) on the same x."""

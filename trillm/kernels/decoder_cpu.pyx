@@ -23,17 +23,13 @@ from trillm.kernels.attention_cpu import cache_kind
 from trillm.kernels.attention_cpu_h cimport paged_attention_c
 from trillm.kernels.cache import row_width
 from trillm.kernels.ops_cpu_h cimport rms_norm_f32, rotary_embedding_f32, silu_and_mul_f32, write_kv_c
-from trillm.kernels.quant_int8_cpu_h cimport int8_linear
+from trillm.kernels.quant_int8_cpu_h cimport int8_linear, int8_weight, int8_weight_of
 
 
 cdef struct Projection:
-    const uint8_t *u
-    const uint8_t *h
-    const float *d
-    const float *m
+    int8_weight w
     int64_t K
     int64_t N
-    int bits
     int isa
 
 
@@ -60,13 +56,9 @@ cdef enum Failure:
 cdef Projection _projection(linear) except *:
     """The kernel's arguments for one Int8QuantizedLinear (trillm/kernels/quant_cpu.pyx)."""
     cdef Projection p
-    p.u = <const uint8_t *><uintptr_t>linear.u.data_ptr()
-    p.h = <const uint8_t *><uintptr_t>(linear.h.data_ptr() if linear.h is not None else 0)
-    p.d = <const float *><uintptr_t>linear.d.data_ptr()
-    p.m = <const float *><uintptr_t>(linear.m.data_ptr() if linear.m is not None else 0)
+    p.w = int8_weight_of(linear)
     p.K = linear.in_features
     p.N = linear.out_features
-    p.bits = linear.bits
     p.isa = linear.isa
     return p
 
@@ -76,7 +68,7 @@ cdef inline float *_address(t):
 
 
 cdef inline int _linear(float *out, const float *x, int64_t M, const Projection *p, int64_t chunks) noexcept nogil:
-    return int8_linear(out, x, M, p.K, p.N, p.bits, p.u, p.h, p.d, p.m, p.isa, pool_cpu.run, chunks)
+    return int8_linear(out, x, M, p.K, p.N, &p.w, p.isa, pool_cpu.run, chunks)
 
 
 cdef class DecoderStack:

@@ -26,6 +26,9 @@ Layout in memory: quants, q4_1 [N, K / 2] uint8 (a block's 16 bytes hold input j
 nibble and j + 16 in the high one), q5_1 [N, K / 32 * 20] uint8 (a block's 16 bytes of nibbles as
 q4_1's, then 4 bytes, a little-endian 32-bit word whose bit j is input j's fifth bit, as GGUF
 keeps them) or q8_0 [N, K] int8; scales and mins [N, K / 32] fp32 (the kernel converts nothing).
+A weight from Q4_K or Q5_K blocks also keeps those scales in their own form (`KScales`: each
+block's 6-bit factors and each super-block's d and dmin), which the integer kernel streams
+instead of the fp32 ones: 3 bytes a block and row where those take 8.
 """
 from __future__ import annotations
 
@@ -42,11 +45,34 @@ GGUF_BLOCKS = {"q4_0": (32, 18), "q4_1": (32, 20), "q5_0": (32, 22), "q5_1": (32
 LAYOUT_BYTES = {"q4_1": BLOCK // 2, "q5_1": BLOCK // 2 + 4, "q8_0": BLOCK}
 
 
+SUPER_BLOCKS = 8  # blocks of 32 in a K-quant super-block of 256
+
+
+class KScales(NamedTuple):
+    """A K-quant weight's block scales as the file keeps them: block b of row n has scale
+    d[n, b / 8] * sc[n, b] and min mk[n, b / 8] * mn[n, b] (mk = -dmin), each product exact in fp32."""
+
+    sc: torch.Tensor  # [N, K / 32] uint8, 0..63
+    mn: torch.Tensor  # [N, K / 32] uint8, 0..63
+    d: torch.Tensor  # [N, K / 256] fp32
+    mk: torch.Tensor  # [N, K / 256] fp32
+
+    def rows(self, index: torch.Tensor | slice) -> KScales:
+        return KScales(*(t[index] for t in self))
+
+    def expanded(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The per-block scale d sc and min mk mn, both [N, K / 32] fp32 (exact: 11 by 6 bits)."""
+        d = self.d.repeat_interleave(SUPER_BLOCKS, dim=1)
+        mk = self.mk.repeat_interleave(SUPER_BLOCKS, dim=1)
+        return d * self.sc.float(), mk * self.mn.float()
+
+
 class QuantizedWeight(NamedTuple):
     format: str  # the layout: "q4_1" | "q5_1" | "q8_0"
     quants: torch.Tensor  # q4_1: [N, K / 2] uint8; q5_1: [N, K / 32 * 20] uint8; q8_0: [N, K] int8
     scales: torch.Tensor  # [N, K / 32] fp32
     mins: torch.Tensor | None  # q4_1, q5_1, a promoted q8_0: [N, K / 32] fp32
+    k_scales: KScales | None = None  # from Q4_K / Q5_K blocks: scales and mins in the file's own form
 
     @property
     def out_features(self) -> int:
@@ -61,15 +87,22 @@ class QuantizedWeight(NamedTuple):
         assert start % BLOCK == 0 and end % BLOCK == 0, f"columns {start}:{end} split a {BLOCK}-wide block"
         per_block = LAYOUT_BYTES[self.format]
         blocks = slice(start // BLOCK, end // BLOCK)
+        k_scales = None
+        if self.k_scales is not None and blocks.start % SUPER_BLOCKS == 0 and blocks.stop % SUPER_BLOCKS == 0:
+            supers = slice(blocks.start // SUPER_BLOCKS, blocks.stop // SUPER_BLOCKS)
+            k_scales = KScales(self.k_scales.sc[:, blocks].contiguous(), self.k_scales.mn[:, blocks].contiguous(),
+                               self.k_scales.d[:, supers].contiguous(), self.k_scales.mk[:, supers].contiguous())
         return QuantizedWeight(
             self.format, self.quants[:, blocks.start * per_block : blocks.stop * per_block].contiguous(),
             self.scales[:, blocks].contiguous(), None if self.mins is None else self.mins[:, blocks].contiguous(),
+            k_scales,
         )
 
     def rows(self, index: torch.Tensor | slice) -> QuantizedWeight:
         """The weight of some output rows (a reordering, a shard): blocks never span two rows."""
         return QuantizedWeight(
-            self.format, self.quants[index], self.scales[index], None if self.mins is None else self.mins[index]
+            self.format, self.quants[index], self.scales[index], None if self.mins is None else self.mins[index],
+            None if self.k_scales is None else self.k_scales.rows(index),
         )
 
 
@@ -95,19 +128,20 @@ def from_gguf(format: str, blocks: torch.Tensor) -> QuantizedWeight:
         return QuantizedWeight("q5_1", _q5_quants(blocks[..., 6:], blocks[..., 2:6], rows), d, d * -16.0)
     if format == "q5_1":
         return QuantizedWeight("q5_1", _q5_quants(blocks[..., 8:], blocks[..., 4:8], rows), fp16_at(0), fp16_at(2))
-    scales, mins = _k_scales(blocks, fp16_at(0), fp16_at(2))
+    k_scales = _k_scales(blocks, fp16_at(0), fp16_at(2))
+    scales, mins = k_scales.expanded()
     if format == "q4_k":
         pairs = blocks[..., 16:].reshape(rows, -1, 4, 1, BLOCK)
         q = torch.cat((pairs & 15, pairs >> 4), dim=3).reshape(rows, -1, BLOCK)  # sub-blocks in order
         return QuantizedWeight("q4_1", (q[..., : BLOCK // 2] | (q[..., BLOCK // 2 :] << 4)).reshape(rows, -1).contiguous(),
-                               scales, mins)
+                               scales, mins, k_scales)
     # q5_k: the low nibbles as Q4_K's, after 32 bytes whose bit s of byte l is the fifth bit of
     # value l of sub-block s
     pairs = blocks[..., 48:].reshape(rows, -1, 4, 1, BLOCK)
     low = torch.cat((pairs & 15, pairs >> 4), dim=3).reshape(rows, -1, 8, BLOCK)
     fifth = (blocks[..., 16:48].reshape(rows, -1, 1, BLOCK) >> torch.arange(8, dtype=torch.uint8)[:, None]) & 1
     q = (low | (fifth << 4)).reshape(rows, -1, BLOCK)
-    return QuantizedWeight("q5_1", _pack_q5(q).reshape(rows, -1), scales, mins)
+    return QuantizedWeight("q5_1", _pack_q5(q).reshape(rows, -1), scales, mins, k_scales)
 
 
 def _q5_quants(nibbles: torch.Tensor, high: torch.Tensor, rows: int) -> torch.Tensor:
@@ -123,17 +157,17 @@ def _pack_q5(q: torch.Tensor) -> torch.Tensor:
     return torch.cat((nibbles, fifth.sum(-1, dtype=torch.uint8)), dim=-1)  # distinct bits: the sum is an OR
 
 
-def _k_scales(blocks: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The per-sub-block scale d sc and min -dmin mn of Q4_K / Q5_K super-blocks [N, K / 256,
-    bytes], both [N, K / 32] fp32 (exact: 11 by 6 bits). The 12 bytes after d and dmin hold eight
-    6-bit scales and eight 6-bit mins."""
+def _k_scales(blocks: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor) -> KScales:
+    """The scales of Q4_K / Q5_K super-blocks [N, K / 256, bytes]: the 12 bytes after d and dmin
+    hold eight 6-bit scales and eight 6-bit mins."""
     rows, supers = blocks.shape[:2]
     packed = blocks[..., 4:16].reshape(rows, supers, 3, 4)
     low6, mins_low6, high = packed[..., 0, :], packed[..., 1, :], packed[..., 2, :]
     scales = torch.cat((low6 & 0x3F, (high & 0x0F) | ((low6 >> 2) & 0x30)), dim=-1)
     mins = torch.cat((mins_low6 & 0x3F, (high >> 4) | ((mins_low6 >> 2) & 0x30)), dim=-1)
-    return ((d[..., None] * scales.float()).reshape(rows, -1),
-            (-(dmin[..., None] * mins.float())).reshape(rows, -1))
+    return KScales(scales.reshape(rows, -1).contiguous(), mins.reshape(rows, -1).contiguous(), d.contiguous(),
+                   -dmin)
+
 
 
 def requantize(weight: torch.Tensor) -> QuantizedWeight:
@@ -152,8 +186,12 @@ def cat(weights: list[QuantizedWeight]) -> QuantizedWeight:
     if any(w.mins is not None for w in weights):
         weights = [w if w.mins is not None else w._replace(mins=torch.zeros_like(w.scales)) for w in weights]
     mins = None if weights[0].mins is None else torch.cat([w.mins for w in weights])
+    k_scales = None  # kept where every shard has them; otherwise the fp32 ones serve
+    if all(w.k_scales is not None for w in weights):
+        k_scales = KScales(*(torch.cat(parts) for parts in zip(*(w.k_scales for w in weights))))
     return QuantizedWeight(
-        weights[0].format, torch.cat([w.quants for w in weights]), torch.cat([w.scales for w in weights]), mins
+        weights[0].format, torch.cat([w.quants for w in weights]), torch.cat([w.scales for w in weights]), mins,
+        k_scales,
     )
 
 
@@ -163,7 +201,7 @@ def as_bytes(weight: QuantizedWeight) -> QuantizedWeight:
     if weight.format == "q8_0":
         return weight
     return QuantizedWeight("q8_0", block_quants(weight).to(torch.int8).reshape(weight.out_features, -1),
-                           weight.scales, weight.mins)
+                           weight.scales, weight.mins, weight.k_scales)
 
 
 def block_quants(weight: QuantizedWeight) -> torch.Tensor:

@@ -12,9 +12,10 @@ from trillm.kernels cimport pool_cpu
 from trillm.kernels.pool_cpu cimport pool_runner
 from trillm.kernels.quant_int8_cpu_h cimport (
     INT8_AVX2, INT8_AVX512VNNI, INT8_AVXVNNI, INT8_GENERIC, int8_best_isa, int8_isa_supported, int8_linear,
+    int8_weight, int8_weight_of,
 )
 
-from trillm.kernels.quant import BLOCK, LAYOUT_BYTES, QuantizedWeight
+from trillm.kernels.quant import BLOCK, LAYOUT_BYTES, SUPER_BLOCKS, QuantizedWeight
 
 cdef extern from "quant_cpu.h" nogil:
     int QUANT_Q4_1
@@ -146,19 +147,22 @@ class Int8QuantizedLinear(_TiledLinear):
             self.u = _tiled(weight.quants, tiles, blocks, lanes=4, transform=lambda q: q.view(torch.uint8) ^ 0x80)
             self.m = None if weight.mins is None else _tiled(weight.mins, tiles, blocks)
         self.d = _tiled(weight.scales, tiles, blocks)
+        self.sc = self.mn = self.dk = self.mk = None
+        if weight.k_scales is not None:  # the file's own scales, streamed in place of d and m
+            k = weight.k_scales
+            self.sc, self.mn = _tiled(k.sc, tiles, blocks), _tiled(k.mn, tiles, blocks)
+            self.dk, self.mk = _tiled(k.d, tiles, blocks // SUPER_BLOCKS), _tiled(k.mk, tiles, blocks // SUPER_BLOCKS)
+            self.d = self.m = None
 
     def _multiply(self, out, x2) -> int:
         cdef int64_t M = x2.shape[0], K = self.in_features, N = self.out_features
-        cdef int bits = self.bits, isa = self.isa, rc = 0
+        cdef int isa = self.isa, rc = 0
         cdef float *out_ptr = <float *><uintptr_t>out.data_ptr()
         cdef const float *x_ptr = <const float *><uintptr_t>x2.data_ptr()
-        cdef const uint8_t *u_ptr = <const uint8_t *><uintptr_t>self.u.data_ptr()
-        cdef const uint8_t *h_ptr = <const uint8_t *><uintptr_t>(self.h.data_ptr() if self.h is not None else 0)
-        cdef const float *d_ptr = <const float *><uintptr_t>self.d.data_ptr()
-        cdef const float *m_ptr = <const float *><uintptr_t>(self.m.data_ptr() if self.m is not None else 0)
+        cdef int8_weight w = int8_weight_of(self)
         cdef int64_t chunks = pool_cpu.chunks()
         with nogil:
-            rc = int8_linear(out_ptr, x_ptr, M, K, N, bits, u_ptr, h_ptr, d_ptr, m_ptr, isa, pool_cpu.run, chunks)
+            rc = int8_linear(out_ptr, x_ptr, M, K, N, &w, isa, pool_cpu.run, chunks)
         return rc
 
 

@@ -25,7 +25,12 @@
  * fifth bit of the value in the same byte of the g-th register the nibbles unpack into (groups
  * 0-3 the low nibbles, 4-7 the high ones): one load and, per group, a shift and a mask put it
  * in place, a bit a weight; Q8_0: [N / 16, K / 32, 8, 16, 4] bytes u, group g inputs 4g..4g + 3.
- * d and m: [N / 16, K / 32, 16] fp32. Activations: v [M, K] int8, e and s [M, K / 32].
+ * d and m: [N / 16, K / 32, 16] fp32. A weight from Q4_K / Q5_K blocks keeps its scales as the
+ * file does instead (`sc` set, d and m NULL): sc and mn, [N / 16, K / 32, 16] bytes, each block's
+ * 6-bit factors, and dk and mk, [N / 16, K / 256, 16] fp32, each super-block's d and -dmin, so
+ * d = dk sc and m = mk mn, computed in registers, exactly the fp32 products the twin uses: a
+ * decode step streams 3 bytes of scales a block and row where fp32 d and m take 8.
+ * Activations: v [M, K] int8, e and s [M, K / 32].
  *
  * Three paths, chosen at run time, each checked against quant.py's twin: AVX512-VNNI; AVX2 (each
  * 16-row register split in two 8-row halves, with AVX-VNNI's `vpdpbusd` where the CPU has it,
@@ -53,8 +58,25 @@ struct int8_weight {
     int bits; /* 4: Q4_1's packed nibbles; 5: those and a plane of fifth bits (Q5_1); 8: a byte per input (Q8_0) */
     int64_t tiles, blocks;
     const uint8_t *u, *h; /* h: the fifth bits, 5 bits only */
-    const float *d, *m;   /* m: NULL for a Q8_0 weight without mins of its own */
+    const float *d, *m;   /* m: NULL for a Q8_0 weight without mins of its own; both NULL with sc */
+    const uint8_t *sc, *mn; /* K-quant scales (above), or NULL */
+    const float *dk, *mk;
 };
+
+/* Whether the weight has mins: Q4_1, Q5_1, K-quants, a promoted Q8_0. */
+static inline int int8_has_mins(const struct int8_weight *w) { return w->m != NULL || w->mn != NULL; }
+
+/* Row i's scale and min of block b of tile t (block = t * blocks + b). */
+static inline float int8_d_at(const struct int8_weight *w, int64_t t, int64_t b, int64_t block, int i)
+{
+    if (w->sc == NULL) return w->d[block * INT8_TILE_N + i];
+    return w->dk[(t * (w->blocks / 8) + b / 8) * INT8_TILE_N + i] * (float)w->sc[block * INT8_TILE_N + i];
+}
+static inline float int8_m_at(const struct int8_weight *w, int64_t t, int64_t b, int64_t block, int i)
+{
+    if (w->sc == NULL) return w->m != NULL ? w->m[block * INT8_TILE_N + i] : 0.0f;
+    return w->mk[(t * (w->blocks / 8) + b / 8) * INT8_TILE_N + i] * (float)w->mn[block * INT8_TILE_N + i];
+}
 
 struct int8_rows {
     int64_t K, blocks;
@@ -116,9 +138,10 @@ static void int8_rows_generic(int rows, float *out, int64_t N, const struct int8
             for (int i = 0; i < INT8_TILE_N; i++) {
                 int32_t dot = 0;
                 for (int k = 0; k < INT8_BLOCK; k++) dot += int8_weight_at(w, block, i, k) * v[b * INT8_BLOCK + k];
-                acc[i] = fmaf(w->d[block * INT8_TILE_N + i] * e, (float)dot, acc[i]);
-                if (w->bits == 8) acc[i] = fmaf(w->d[block * INT8_TILE_N + i], -128.0f * s, acc[i]);
-                if (w->m != NULL) acc[i] = fmaf(w->m[block * INT8_TILE_N + i], s, acc[i]);
+                const float d = int8_d_at(w, t, b, block, i);
+                acc[i] = fmaf(d * e, (float)dot, acc[i]);
+                if (w->bits == 8) acc[i] = fmaf(d, -128.0f * s, acc[i]);
+                if (int8_has_mins(w)) acc[i] = fmaf(int8_m_at(w, t, b, block, i), s, acc[i]);
             }
         }
         memcpy(out + (r0 + r) * N + t * INT8_TILE_N, acc, sizeof(acc));
@@ -204,6 +227,13 @@ static inline void int8_prefetch_next_tile(const struct int8_weight *w, int bits
     const int lines = int8_weight_groups(w);
     for (int g = 0; g < lines; g++) __builtin_prefetch(w->u + (ahead * lines + g) * 64);
     if (bits == 5) __builtin_prefetch(w->h + ahead * 64);
+    if (w->sc != NULL) { /* the block's bytes; the super-block's d and -dmin share lines with neighbours' */
+        __builtin_prefetch(w->sc + ahead * INT8_TILE_N);
+        __builtin_prefetch(w->mn + ahead * INT8_TILE_N);
+        __builtin_prefetch(w->dk + (ahead / 8) * INT8_TILE_N);
+        __builtin_prefetch(w->mk + (ahead / 8) * INT8_TILE_N);
+        return;
+    }
     __builtin_prefetch(w->d + ahead * INT8_TILE_N);
     if (w->m != NULL) __builtin_prefetch(w->m + ahead * INT8_TILE_N);
 }
@@ -220,8 +250,17 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline)) static inl
     for (int64_t b = 0; b < w->blocks; b++) {
         const int64_t block = t * w->blocks + b;
         int8_prefetch_next_tile(w, bits, block);
-        const __m512 d = _mm512_loadu_ps(w->d + block * INT8_TILE_N);
-        const __m512 m = bits != 8 || w->m != NULL ? _mm512_loadu_ps(w->m + block * INT8_TILE_N) : _mm512_setzero_ps();
+        __m512 d, m;
+        if (w->sc != NULL) {
+            const int64_t super = (t * (w->blocks / 8) + b / 8) * INT8_TILE_N;
+            d = _mm512_mul_ps(_mm512_loadu_ps(w->dk + super), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                                  _mm_loadu_si128((const __m128i *)(w->sc + block * INT8_TILE_N)))));
+            m = _mm512_mul_ps(_mm512_loadu_ps(w->mk + super), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                                  _mm_loadu_si128((const __m128i *)(w->mn + block * INT8_TILE_N)))));
+        } else {
+            d = _mm512_loadu_ps(w->d + block * INT8_TILE_N);
+            m = w->m != NULL ? _mm512_loadu_ps(w->m + block * INT8_TILE_N) : _mm512_setzero_ps();
+        }
         __m512i u[8];
         if (bits != 8) {
             const uint8_t *q = w->u + block * 4 * 64;
@@ -251,7 +290,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline)) static inl
             const int64_t at = (r0 + r) * x->blocks + b;
             acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(x->e[at])), _mm512_cvtepi32_ps(dot), acc[r]);
             if (bits == 8) acc[r] = _mm512_fmadd_ps(d, _mm512_set1_ps(-128.0f * x->s[at]), acc[r]);
-            if (bits != 8 || w->m != NULL) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(x->s[at]), acc[r]);
+            if (bits != 8 || int8_has_mins(w)) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(x->s[at]), acc[r]);
         }
     }
     _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) _mm512_storeu_ps(out + (r0 + r) * N + t * INT8_TILE_N, acc[r]);
@@ -294,9 +333,19 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) static void int8_rows_avx
             const int64_t block = t * w->blocks + b;                                                       \
             int8_prefetch_next_tile(w, bits, block);                                                       \
             for (int half = 0; half < 2; half++) {                                                         \
-                const __m256 d = _mm256_loadu_ps(w->d + block * INT8_TILE_N + 8 * half);                   \
-                const __m256 m = w->m != NULL ? _mm256_loadu_ps(w->m + block * INT8_TILE_N + 8 * half)     \
-                                              : _mm256_setzero_ps();                                       \
+                __m256 d, m;                                                                               \
+                if (w->sc != NULL) {                                                                       \
+                    const int64_t super = (t * (w->blocks / 8) + b / 8) * INT8_TILE_N + 8 * half;          \
+                    const int64_t at8 = block * INT8_TILE_N + 8 * half;                                    \
+                    d = _mm256_mul_ps(_mm256_loadu_ps(w->dk + super), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32( \
+                                          _mm_loadl_epi64((const __m128i *)(w->sc + at8)))));              \
+                    m = _mm256_mul_ps(_mm256_loadu_ps(w->mk + super), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32( \
+                                          _mm_loadl_epi64((const __m128i *)(w->mn + at8)))));              \
+                } else {                                                                                   \
+                    d = _mm256_loadu_ps(w->d + block * INT8_TILE_N + 8 * half);                            \
+                    m = w->m != NULL ? _mm256_loadu_ps(w->m + block * INT8_TILE_N + 8 * half)              \
+                                     : _mm256_setzero_ps();                                                \
+                }                                                                                          \
                 __m256i u[8];                                                                              \
                 if (bits != 8) {                                                                           \
                     const uint8_t *q = w->u + block * 4 * 64 + 32 * half;                                  \
@@ -324,7 +373,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) static void int8_rows_avx
                                                    _mm256_cvtepi32_ps(dot), acc[r][half]);                 \
                     if (bits == 8 && !BYTES_DOT_Q)                                                         \
                         acc[r][half] = _mm256_fmadd_ps(d, _mm256_set1_ps(-128.0f * x->s[at]), acc[r][half]); \
-                    if (bits != 8 || w->m != NULL)                                                         \
+                    if (bits != 8 || int8_has_mins(w))                                                     \
                         acc[r][half] = _mm256_fmadd_ps(m, _mm256_set1_ps(x->s[at]), acc[r][half]);         \
                 }                                                                                          \
             }                                                                                              \
@@ -472,11 +521,13 @@ static void int8_rows(const void *ctx, int rows, int64_t r0, int64_t t)
     job->kernel(rows, job->out, job->N, &job->x, r0, &job->w, t);
 }
 
-/* out [M, N] = x [M, K] W^T, fp32, contiguous; K a multiple of 32, N of 16; W of `bits` 4, 5 or
- * 8 in the layout above (h NULL unless 5); `isa` one this CPU runs (int8_isa_supported). x is quantized once, then the output tiles are cut in about `chunks`
- * pieces for `run` (shared_cpu.h). Returns 0, or -1 when out of memory. */
-static int int8_linear(float *out, const float *x, int64_t M, int64_t K, int64_t N, int bits, const uint8_t *u,
-                       const uint8_t *h, const float *d, const float *m, int isa, pool_runner *run, int64_t chunks)
+/* out [M, N] = x [M, K] W^T, fp32, contiguous; K a multiple of 32 (of 256 with K-quant scales),
+ * N of 16; W's bits, arrays and scales in the layout above (h NULL unless 5; its tiles and
+ * blocks are set here); `isa` one this CPU runs (int8_isa_supported). x is quantized once, then
+ * the output tiles are cut in about `chunks` pieces for `run` (shared_cpu.h). Returns 0, or -1
+ * when out of memory. */
+static int int8_linear(float *out, const float *x, int64_t M, int64_t K, int64_t N, const struct int8_weight *weight,
+                       int isa, pool_runner *run, int64_t chunks)
 {
     const int64_t blocks = K / INT8_BLOCK;
     int8_t *v = malloc((size_t)(M * K) + 2 * sizeof(float) * (size_t)(M * blocks));
@@ -484,7 +535,9 @@ static int int8_linear(float *out, const float *x, int64_t M, int64_t K, int64_t
     float *e = (float *)(v + M * K); /* K is a multiple of 32: aligned for floats */
     float *s = e + M * blocks;
     int8_quantize_rows(isa, x, M, K, v, e, s);
-    struct int8_job job = {int8_kernel_of(isa), out, N, {K, blocks, v, e, s}, {bits, N / INT8_TILE_N, blocks, u, h, d, m}};
+    struct int8_job job = {int8_kernel_of(isa), out, N, {K, blocks, v, e, s}, *weight};
+    job.w.tiles = N / INT8_TILE_N;
+    job.w.blocks = blocks;
     struct tile_loop loop = {int8_rows, &job, M, job.w.tiles, 0, INT8_M_TILE, INT8_ROWS};
     tile_loop_run(run, &loop, chunks);
     free(v);

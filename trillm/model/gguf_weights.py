@@ -141,17 +141,25 @@ def _by_rows(info: TensorInfo, convert: Callable[[slice], quant.QuantizedWeight]
     if info.rows <= ROWS_AT_ONCE:
         return convert(slice(None))
     first = convert(slice(0, ROWS_AT_ONCE))
-    whole = first._replace(**{field: t.new_empty((info.rows, *t.shape[1:])) for field, t in _arrays(first)})
+    whole = _with_arrays(first, [None if t is None else t.new_empty((info.rows, *t.shape[1:])) for t in _arrays(first)])
     for start in range(0, info.rows, ROWS_AT_ONCE):
         part = first if start == 0 else convert(slice(start, start + ROWS_AT_ONCE))
         assert part.format == whole.format
-        for field, rows in _arrays(part):
-            getattr(whole, field)[start : start + rows.shape[0]] = rows
+        for into, rows in zip(_arrays(whole), _arrays(part)):
+            if into is not None:
+                into[start : start + rows.shape[0]] = rows
     return whole
 
 
-def _arrays(weight: quant.QuantizedWeight) -> list[tuple[str, torch.Tensor]]:
-    return [(field, t) for field in ("quants", "scales", "mins") if (t := getattr(weight, field)) is not None]
+def _arrays(weight: quant.QuantizedWeight) -> list[torch.Tensor | None]:
+    """Every array of the weight, each [rows, ...]: quants, scales, mins, then the K scales'."""
+    return [weight.quants, weight.scales, weight.mins, *(weight.k_scales or (None,) * len(quant.KScales._fields))]
+
+
+def _with_arrays(weight: quant.QuantizedWeight, arrays: list[torch.Tensor | None]) -> quant.QuantizedWeight:
+    quants, scales, mins, *k_scales = arrays
+    return weight._replace(quants=quants, scales=scales, mins=mins,
+                           k_scales=None if k_scales[0] is None else quant.KScales(*k_scales))
 
 
 def _unpermute_order(file: GGUFFile, config: PretrainedConfig, name: str) -> torch.Tensor | None:
