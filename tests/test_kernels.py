@@ -717,6 +717,22 @@ def test_integer_linear_streams_k_quant_scales_as_the_file_keeps_them(format, ro
         torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-4)  # K-quants' wider range: fp32 sums
 
 
+@settings(max_examples=20, deadline=None)
+@given(rows=st.integers(1, 40), blocks=st.integers(1, 12), scale=st.sampled_from([1e-6, 1.0, 1e4]),
+       seed=st.integers(0, 2**16))
+def test_the_kernels_requantize_weights_as_the_twin_does(rows, blocks, scale, seed):
+    """quant_cpu.requantize (the C row quantizer, which loading runs on a file's Q6_K tensors)
+    makes quant.requantize's blocks to the bit, zero blocks included."""
+    from trillm.kernels import quant, quant_cpu
+
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(rows, 32 * blocks, generator=g) * scale
+    w[0, :32] = 0
+    want, got = quant.requantize(w), quant_cpu.Int8QuantizedLinear.requantize(w)
+    assert got.format == want.format == "q8_0" and got.mins is None
+    assert torch.equal(got.quants, want.quants) and torch.equal(got.scales, want.scales)
+
+
 def test_integer_linear_is_the_exact_product_of_its_quantized_operands():
     """With x already on its 8-bit grid (e * v exactly), the integer kernel has no rounding of its
     own to hide behind: it equals the exact path (fp32 activations) on the same x."""

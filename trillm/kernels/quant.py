@@ -173,7 +173,11 @@ def _k_scales(blocks: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor) -> KSca
 def requantize(weight: torch.Tensor) -> QuantizedWeight:
     """An fp32 [N, K] weight (K a multiple of 32) as q8_0 blocks, quantized as activations are
     (quantize_rows): d = max|w| / 127 per block, q = round(w / d), so |d q - w| <= d / 2."""
-    rows = quantize_rows(weight.float())
+    return weight_of_rows(quantize_rows(weight.float()))
+
+
+def weight_of_rows(rows: QuantizedRows) -> QuantizedWeight:
+    """A weight's rows quantized as activations are, as a q8_0 weight (d = e)."""
     return QuantizedWeight("q8_0", rows.v, rows.e, None)
 
 

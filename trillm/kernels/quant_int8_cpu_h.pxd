@@ -1,5 +1,5 @@
 # The integer kernel of quant_int8_cpu.h, declared once for every module that calls it.
-from libc.stdint cimport int64_t, uint8_t, uintptr_t
+from libc.stdint cimport int8_t, int64_t, uint8_t, uintptr_t
 
 from trillm.kernels.pool_cpu cimport pool_runner
 
@@ -21,6 +21,7 @@ cdef extern from "quant_int8_cpu.h" nogil:
         const float *mk
     int int8_linear(float *out, const float *x, int64_t M, int64_t K, int64_t N, const int8_weight *weight,
                     int isa, pool_runner *run, int64_t chunks)
+    void int8_quantize_rows(int isa, const float *x, int64_t M, int64_t K, int8_t *v, float *e, float *s)
 
 
 cdef inline uintptr_t _address(t):

@@ -82,21 +82,26 @@ def is_projection(name: str) -> bool:
         name.endswith(".weight") and name.rpartition(".")[0].partition(".layers.")[2].partition(".")[2] in PROJECTIONS)
 
 
-def quantized_weights(file: GGUFFile, config: PretrainedConfig) -> Iterator[tuple[str, quant.QuantizedWeight]]:
-    """(HF name, weight) for every quantized projection of the file, token embeddings included
-    (the vocabulary projection when they are tied): repacked exactly when its format is one of
-    FORMATS, else requantized to 8-bit blocks. Unquantized tensors (F32, F16, BF16) are left to
-    `dense_weights`."""
+def quantized_weights(file: GGUFFile, config: PretrainedConfig,
+                      requantize: Callable[[torch.Tensor], quant.QuantizedWeight] = quant.requantize,
+                      ) -> Iterator[tuple[str, quant.QuantizedWeight]]:
+    """(HF name, weight) for every quantized projection of the file, the token embeddings where
+    they are tied (the vocabulary projection then; untied, they are a lookup table): repacked
+    exactly when its format is one of FORMATS, else requantized to 8-bit blocks by `requantize`
+    (quant.requantize, or the kernels' own twin of it). Unquantized tensors (F32, F16, BF16) are
+    left to `dense_weights`."""
     requantized: dict[str, int] = {}
     for info in file.tensors.values():
         name = hf_name(info.name, file.architecture)
         if name is None or info.kind in UNQUANTIZED or not is_projection(name):
             continue
+        if name == "model.embed_tokens.weight" and not config.tie_word_embeddings:
+            continue
         if info.kind in FORMATS:
             weight = _by_rows(info, lambda rows: quant.from_gguf(FORMATS[info.kind], torch.from_numpy(file.blocks(
                 info.name, rows))))
         else:
-            weight = _by_rows(info, lambda rows: quant.requantize(torch.from_numpy(to_float(file.blocks(
+            weight = _by_rows(info, lambda rows: requantize(torch.from_numpy(to_float(file.blocks(
                 info.name, rows), info.kind))))
             requantized[info.kind.name] = requantized.get(info.kind.name, 0) + 1
         order = _unpermute_order(file, config, name)

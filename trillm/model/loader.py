@@ -176,7 +176,8 @@ def _load_gguf(args: EngineArgs, tp: TensorParallel, same_as: PretrainedConfig |
         quantized_linear = model.kernels.quantized_linear
         if args.quantized_weights and quantized_linear is not None:
             # first: the projections that move onto the blocks never read their dense tensors
-            moved = load_quantized_weights(model, rank_shards(model, gguf_weights.quantized_weights(file, config)))
+            blocks = gguf_weights.quantized_weights(file, config, quantized_linear.requantize)
+            moved = load_quantized_weights(model, rank_shards(model, blocks))
             embeddings = model.model.embed_tokens
             if tp.size == 1 and (not config.tie_word_embeddings or model.lm_head.quantized is not None):
                 embeddings.from_rows(gguf_weights.EmbeddingRows(file, model.model.norm.weight.dtype))
@@ -311,9 +312,7 @@ def load_quantized_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str,
     pending: dict[str, dict[int, quant.QuantizedWeight]] = {}
     moved = 0
     for hf_name, weight in weights:
-        if hf_name == "model.embed_tokens.weight":
-            if not model.config.tie_word_embeddings:
-                continue  # the lookup table, which stays dense
+        if hf_name == "model.embed_tokens.weight":  # tied: the vocabulary projection's weight
             hf_name = "lm_head.weight"
         name, shard = param_shard(hf_name)
         module_name = name.rpartition(".")[0]
