@@ -30,10 +30,10 @@ import pytest  # noqa: E402
 # a long file handed out last runs alone at the end while the other workers idle. The order only
 # schedules; every test runs either way.
 LONGEST_FIRST = ("test_scheduler.py", "test_tensor_parallel.py", "test_model.py", "test_http_serve.py", "test_llm.py",
-                 "test_data_parallel.py", "test_kernels.py", "test_lm_eval.py", "test_speculative.py", "test_lora.py",
-                 "test_http_weights.py", "test_cuda_path.py", "test_http_errors.py", "test_loader.py",
-                 "test_http_soak.py", "test_http_structured_extras.py", "test_http_anthropic.py", "test_gemma3.py",
-                 "test_gguf_in_place.py")
+                 "test_gemma3.py", "test_data_parallel.py", "test_kernels.py", "test_lm_eval.py", "test_speculative.py",
+                 "test_lora.py", "test_http_weights.py", "test_cuda_path.py", "test_http_errors.py", "test_loader.py",
+                 "test_gguf_in_place.py", "test_http_soak.py", "test_http_structured_extras.py",
+                 "test_http_anthropic.py")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -113,6 +113,7 @@ TINY_CONFIGS = {
     "qwen2": dict(),  # q/k/v biases
     "qwen3": dict(head_dim=32),  # q/k norms; head_dim != hidden / heads
     "mistral": dict(sliding_window=8),
+    "phi3": dict(sliding_window=8),  # q|k|v and gate|up fused in the checkpoint itself
     # q/k norms, sandwich norms, GeGLU, a sliding layer then a global one at other RoPE bases, a
     # query scale other than 1 / sqrt(head_dim)
     "gemma3_text": dict(head_dim=32, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
@@ -124,7 +125,7 @@ TINY_CONFIGS = {
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
-    """Factory: tiny_model_dir(kind="llama"|"qwen2"|"qwen3"|"mistral"|"gemma3_text", **config_overrides) -> the path
+    """Factory: tiny_model_dir(kind="llama"|"qwen2"|"qwen3"|"mistral"|"phi3"|"gemma3_text", **config_overrides) -> the path
     of a tiny random transformers model saved with save_pretrained (fp32, 2 layers, vocab 256, no
     tokenizer). Every parameter is random, biases and norm gains included, so a loader or model that
     drops one shows in the logits. Same arguments, same directory (made once per session)."""

@@ -12,7 +12,7 @@ from gguf.quants import quantize
 from safetensors.torch import load_file
 from transformers import AutoConfig
 
-LAYER_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+LAYER_NAMES = {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
                "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
                "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
                "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
@@ -57,6 +57,8 @@ def write_gguf(hf_dir: str, path: str, kind: GGMLQuantizationType = GGMLQuantiza
     writer.add_value_length(head_dim)
     rope = config.rope_parameters.get("full_attention", config.rope_parameters)
     writer.add_rope_freq_base(rope["rope_theta"])
+    if arch == "phi3":
+        writer.add_sliding_window(config.sliding_window)
     if arch == "gemma3":
         writer.add_sliding_window(config.sliding_window)
         writer.add_array(f"{arch}.attention.sliding_window_pattern",

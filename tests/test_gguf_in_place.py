@@ -25,13 +25,14 @@ ALLOWANCE = 400 * 2**20
 
 
 # Gemma 3's query scale as llama.cpp takes it: 1 / sqrt(head_dim), no key for it in the file
-FAMILIES = {"llama": {}, "qwen2": {}, "qwen3": {}, "gemma3_text": {"query_pre_attn_scalar": 32}}
+FAMILIES = {"llama": {}, "qwen2": {}, "qwen3": {}, "phi3": {}, "gemma3_text": {"query_pre_attn_scalar": 32}}
 
 
 @pytest.mark.parametrize("kind", FAMILIES)
 def test_each_familys_gguf_file_gives_transformers_logits(tiny_model_dir, tmp_path, kind):
     """A tiny random model of each family written as llama.cpp lays it out (q and k rows permuted
-    for llama alone, Qwen2's q/k/v biases, Qwen3's q/k norms, Gemma 3's norms as 1 + w and its
+    for llama alone, Qwen2's q/k/v biases, Qwen3's q/k norms, Phi-3's fused q|k|v and gate|up and its
+    window, Gemma 3's norms as 1 + w and its
     sliding and global layers): in F32, trillm's logits are transformers' on the model it came
     from. In Q8_0, the projections on the file's blocks and the embeddings read from it give, on
     fp32 activations, the logits of the file's dequantized weights; on 8-bit activations, within

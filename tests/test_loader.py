@@ -322,3 +322,19 @@ def test_files_llama_quantize_made_read_as_transformers_reads_them(kind):
     torch.testing.assert_close(copies.teacher_forced_logits(token_ids), want, atol=1e-4, rtol=1e-4)
     got = blocks.teacher_forced_logits(token_ids)
     assert (got - want).abs().max() < 0.3 and (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.85
+
+
+def test_partial_rotary_embeddings_are_refused_before_loading(tiny_model_dir, tmp_path):
+    """Phi-4-mini turns 3/4 of each head's dimensions: refused by check_model (so by `trillm
+    serve` at once) rather than failing inside the model's construction."""
+    from trillm.model.gguf_file import UnservableModel
+    from trillm.model.loader import check_model
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_model_dir("phi3"), model_dir)
+    check_model(str(model_dir))
+    config = json.loads((model_dir / "config.json").read_text())
+    config["rope_parameters"]["partial_rotary_factor"] = 0.75
+    (model_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnservableModel, match="partial rotary"):
+        check_model(str(model_dir))

@@ -136,6 +136,7 @@ VARIANTS = {
     "qwen3": ("qwen3", {}),
     "mistral-window": ("mistral", {}),
     "gemma3": ("gemma3_text", {}),
+    "phi3-window": ("phi3", {}),
 }
 
 

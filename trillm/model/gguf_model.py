@@ -20,7 +20,8 @@ log = logging.getLogger(__name__)
 
 # GGUF architecture -> transformers model_type and class (llama.cpp writes Mistral's models as "llama")
 ARCHITECTURES = {"llama": ("llama", "LlamaForCausalLM"), "qwen2": ("qwen2", "Qwen2ForCausalLM"),
-                 "qwen3": ("qwen3", "Qwen3ForCausalLM"), "gemma3": ("gemma3_text", "Gemma3ForCausalLM")}
+                 "qwen3": ("qwen3", "Qwen3ForCausalLM"), "phi3": ("phi3", "Phi3ForCausalLM"),
+                 "gemma3": ("gemma3_text", "Gemma3ForCausalLM")}
 # architectures whose q and k rows llama.cpp's converter permutes for its RoPE layout
 PERMUTED_QK = frozenset({"llama"})
 # Gemma 3 (text): llama.cpp's converter stores its norms as 1 + w, the multipliers the model uses
@@ -45,6 +46,11 @@ def check_servable(file: GGUFFile) -> None:
             raise UnservableModel(f"The model file's metadata lacks {file.architecture}.{key}.")
     if "token_embd.weight" not in file.tensors:
         raise UnservableModel("The model file holds no token embeddings (token_embd.weight).")
+    heads, hidden = file.field("attention.head_count"), file.field("embedding_length")
+    head_dim = file.field("attention.key_length", hidden // heads)
+    if file.field("rope.dimension_count", head_dim) != head_dim:
+        raise UnservableModel(f"The model turns {file.field('rope.dimension_count')} of its heads' {head_dim} "
+                              "dimensions (partial rotary embeddings), which trillm does not run yet.")
 
 
 def hf_config(file: GGUFFile) -> PretrainedConfig:
@@ -80,6 +86,8 @@ def hf_config(file: GGUFFile) -> PretrainedConfig:
         fields["attention_bias"] = "blk.0.attn_q.bias" in file.tensors
     if file.architecture in GEMMA_ARCHITECTURES:
         fields.update(_gemma_fields(file, rope))
+    if file.architecture == "phi3":  # Phi-3 mini attends within a window, as transformers runs it
+        fields["sliding_window"] = file.field("attention.sliding_window")
     model_type, architecture = ARCHITECTURES[file.architecture]
     return AutoConfig.for_model(model_type, architectures=[architecture], **fields)
 

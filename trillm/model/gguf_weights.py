@@ -37,6 +37,7 @@ FORMATS = {GGMLQuantizationType.Q4_0: "q4_0", GGMLQuantizationType.Q4_1: "q4_1",
            GGMLQuantizationType.Q5_K: "q5_k"}
 
 LAYER_TENSORS = {
+    "attn_qkv": "self_attn.qkv_proj",  # Phi-3's, fused as ours
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
@@ -49,12 +50,14 @@ LAYER_TENSORS = {
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
 }
-PROJECTIONS = frozenset(v for k, v in LAYER_TENSORS.items() if not k.endswith("norm"))
+PROJECTIONS = frozenset(v for k, v in LAYER_TENSORS.items() if not k.endswith("norm")) | {"mlp.gate_up_proj"}
 # Gemma 3 norms the attention's output and the MLP's input and output: its "ffn_norm" is the
 # MLP's input norm, where a Llama file's is the one after attention
 GEMMA_LAYER_TENSORS = {**LAYER_TENSORS, "ffn_norm": "pre_feedforward_layernorm",
                        "post_attention_norm": "post_attention_layernorm",
                        "post_ffw_norm": "post_feedforward_layernorm"}
+# Phi-3's "ffn_up" holds gate and up fused, as our gate_up_proj
+PHI3_LAYER_TENSORS = {**LAYER_TENSORS, "ffn_up": "mlp.gate_up_proj"}
 GLOBAL_TENSORS = {"token_embd.weight": "model.embed_tokens.weight", "output.weight": "lm_head.weight",
                   "output_norm.weight": "model.norm.weight"}
 # derived from the config, not loaded (llama.cpp's frequency factors of Llama 3.1's RoPE)
@@ -69,7 +72,8 @@ def hf_name(gguf_name: str, architecture: str) -> str | None:
         return GLOBAL_TENSORS[gguf_name]
     if gguf_name in IGNORED:
         return None
-    layer_tensors = GEMMA_LAYER_TENSORS if architecture in GEMMA_ARCHITECTURES else LAYER_TENSORS
+    layer_tensors = (GEMMA_LAYER_TENSORS if architecture in GEMMA_ARCHITECTURES else
+                     PHI3_LAYER_TENSORS if architecture == "phi3" else LAYER_TENSORS)
     match = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", gguf_name)
     if match is None or match[2] not in layer_tensors:
         raise UnservableModel(f"The model file holds a tensor trillm has no place for: {gguf_name!r}.")

@@ -1,5 +1,5 @@
-"""Llama-family decoders (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2) and Gemma 3's text decoder on
-the paged KV cache.
+"""Llama-family decoders (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3, SmolLM2) and Gemma 3's text
+decoder on the paged KV cache.
 
 Why not transformers' own modules: our batch is flat (the new tokens of many requests back to back,
 no padding), keys and values live in the paged cache the scheduler hands out, and projections that
@@ -31,7 +31,7 @@ from trillm.model.parallel import SINGLE, TensorParallel
 from trillm.kernels import linear_cpu, quant
 from trillm.kernels.family import Kernels
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text")
 GEMMA = frozenset({"gemma3_text"})
 QK_NORM = frozenset({"qwen3", "gemma3_text"})
 

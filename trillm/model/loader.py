@@ -108,10 +108,14 @@ def check_model(model: str | None) -> None:
     path = resolve_model(model)
     if gguf_file(path) is None:
         with open(os.path.join(path, "config.json")) as f:
-            model_type = json.load(f).get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise UnservableModel(f"The model's type is {model_type!r}; trillm serves "
+            config = json.load(f)
+        if config.get("model_type") not in SUPPORTED_MODEL_TYPES:
+            raise UnservableModel(f"The model's type is {config.get('model_type')!r}; trillm serves "
                                   f"{', '.join(SUPPORTED_MODEL_TYPES)}.")
+        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+        if config.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0)) != 1.0:
+            raise UnservableModel("The model turns part of its heads' dimensions (partial rotary embeddings), which "
+                                  "trillm does not run yet.")
         return
     with GGUFFile(path) as file:
         check_servable(file)
@@ -292,12 +296,17 @@ FUSED_PROJECTIONS = {
 }
 
 
-def param_shard(hf_name: str) -> tuple[str, int]:
-    """Our parameter name for an HF tensor name, and which shard of it the tensor is."""
+# projections a checkpoint may keep fused already, as ours are (Phi-3's)
+FUSED = (".qkv_proj.", ".gate_up_proj.")
+
+
+def param_shard(hf_name: str) -> tuple[str, int | None]:
+    """Our parameter name for an HF tensor name, and which shard of it the tensor is (None: all
+    of them, a projection the checkpoint keeps fused)."""
     for hf_proj, (fused, index) in FUSED_PROJECTIONS.items():
         if f".{hf_proj}." in hf_name:
             return hf_name.replace(f".{hf_proj}.", f".{fused}."), index
-    return hf_name, 0
+    return hf_name, None if any(fused in hf_name for fused in FUSED) else 0
 
 
 def load_quantized_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str, quant.QuantizedWeight]]) -> int:
@@ -316,14 +325,15 @@ def load_quantized_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str,
             hf_name = "lm_head.weight"
         name, shard = param_shard(hf_name)
         module_name = name.rpartition(".")[0]
-        parts = pending.setdefault(module_name, {})
-        parts[shard] = weight
         module = model.get_submodule(module_name)
-        if len(parts) < module.num_shards:
-            continue
-        del pending[module_name]
-        shards = [parts.pop(i) for i in range(module.num_shards)]
-        weight = shards[0] if len(shards) == 1 else quant.cat(shards)  # one shard: no copy
+        if shard is not None:  # one shard of a projection we fuse: it moves with the others
+            parts = pending.setdefault(module_name, {})
+            parts[shard] = weight
+            if len(parts) < module.num_shards:
+                continue
+            del pending[module_name]
+            shards = [parts.pop(i) for i in range(module.num_shards)]
+            weight = shards[0] if len(shards) == 1 else quant.cat(shards)  # one shard: no copy
         if model.kernels.quantized_linear.runs(weight):
             module.quantize(weight, model.kernels.quantized_linear)
             moved += 1
@@ -350,6 +360,9 @@ def rank_shards(model: LlamaForCausalLM, weights: Iterable[tuple[str, Weight]]) 
             "embed_tokens.": vocab, "lm_head.": vocab}
     columns = {".o_proj.weight": (q0 * head_dim, q1 * head_dim), ".down_proj.weight": inter}
     for name, weight in weights:
+        if param_shard(name)[1] is None:
+            raise ValueError("Tensor parallelism does not split a checkpoint's fused projections yet (Phi-3's "
+                             "qkv_proj and gate_up_proj).")
         cut = next((span for key, span in rows.items() if key in name), None)
         if cut is not None:
             weight = weight.rows(slice(*cut)) if isinstance(weight, quant.QuantizedWeight) else weight[slice(*cut)]
@@ -371,12 +384,13 @@ def load_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str, torch.Ten
         if on_quantized_blocks(model, hf_name):
             continue  # runs on its GGUF blocks (load_quantized_weights)
         name, shard = param_shard(hf_name)
-        if (name, shard) not in todo:
+        shards = {(name, i) for i in (range(_num_shards(model, name)) if shard is None else (shard,))}
+        if not shards <= todo:
             raise ValueError(f"Unexpected or repeated checkpoint tensor {hf_name!r}.")
-        todo.remove((name, shard))
+        todo -= shards
         target = params[name]
         module = model.get_submodule(name.rpartition(".")[0])
-        if isinstance(module, Linear):
+        if isinstance(module, Linear) and shard is not None:
             target = module.shard(target, shard)
         if target.shape != tensor.shape:
             raise ValueError(f"{hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}.")
