@@ -45,7 +45,7 @@ def test_gemma3_270m_greedy_tokens_equal_transformers_on_its_dequantized_weights
     args = dict(quantized_weights=False, quantized_activations=False, kv_cache_dtype="float32") \
         if path == "exact" else {}
     runner = ModelRunner(EngineArgs(model=gemma3_gguf, num_kv_blocks=32, **args))
-    for prompt in PROMPTS:
+    for prompt in PROMPTS if path == "blocks" else PROMPTS[:2]:  # the exact path's dense weights cost more
         ids = tokenizer.encode(prompt)
         assert ids[0] == tokenizer.bos_token_id == 2  # the file asks for BOS
         with torch.inference_mode():

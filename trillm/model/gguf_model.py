@@ -46,11 +46,14 @@ def check_servable(file: GGUFFile) -> None:
             raise UnservableModel(f"The model file's metadata lacks {file.architecture}.{key}.")
     if "token_embd.weight" not in file.tensors:
         raise UnservableModel("The model file holds no token embeddings (token_embd.weight).")
-    heads, hidden = file.field("attention.head_count"), file.field("embedding_length")
-    head_dim = file.field("attention.key_length", hidden // heads)
+    head_dim = _head_dim(file)
     if file.field("rope.dimension_count", head_dim) != head_dim:
         raise UnservableModel(f"The model turns {file.field('rope.dimension_count')} of its heads' {head_dim} "
                               "dimensions (partial rotary embeddings), which trillm does not run yet.")
+
+
+def _head_dim(file: GGUFFile) -> int:
+    return file.field("attention.key_length", file.field("embedding_length") // file.field("attention.head_count"))
 
 
 def hf_config(file: GGUFFile) -> PretrainedConfig:
@@ -73,7 +76,7 @@ def hf_config(file: GGUFFile) -> PretrainedConfig:
         num_hidden_layers=file.field("block_count"),
         num_attention_heads=heads,
         num_key_value_heads=file.field("attention.head_count_kv", heads),
-        head_dim=file.field("attention.key_length", hidden // heads),
+        head_dim=_head_dim(file),
         max_position_embeddings=file.field("context_length", 2048),
         rms_norm_eps=float(file.field("attention.layer_norm_rms_epsilon", 1e-6)),
         rope_parameters=rope,
@@ -101,14 +104,13 @@ def _gemma_fields(file: GGUFFile, rope: dict) -> dict:
     pattern = file.field("attention.sliding_window_pattern", GEMMA_SLIDING_PATTERN)
     sliding = pattern if isinstance(pattern, list) else [bool((i + 1) % pattern) for i in range(layers)]
     heads, hidden = file.field("attention.head_count"), file.field("embedding_length")
-    head_dim = file.field("attention.key_length", hidden // heads)
     return dict(
         layer_types=["sliding_attention" if s else "full_attention" for s in sliding],
         sliding_window=file.field("attention.sliding_window"),
         rope_parameters={"full_attention": rope,
                          "sliding_attention": {"rope_type": "default", "rope_theta": GEMMA_SLIDING_ROPE_BASE}},
         hidden_activation="gelu_pytorch_tanh",
-        query_pre_attn_scalar=hidden // heads if layers == 62 else head_dim,
+        query_pre_attn_scalar=hidden // heads if layers == 62 else _head_dim(file),
     )
 
 

@@ -243,7 +243,7 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
         self.scale = (getattr(config, "query_pre_attn_scalar", None) or self.head_dim) ** -0.5
         self.sliding_window = sliding_window_of(config, layer_idx)
-        self.layer_type = layer_type_of(config, layer_idx)  # which RoPE cache it reads (LlamaModel.rope_caches)
+        self.layer_type = layer_type_of(config, layer_idx)  # which RoPE cache it reads (LlamaModel._rope_cache)
         self.kernels = kernels
 
     def forward(
