@@ -1,4 +1,5 @@
-"""Random-weight GGUF files of real models' shapes, quantized by llama.cpp's own llama-quantize, for
+"""Random-weight GGUF files of real models' shapes (Llama, Qwen2.5, Qwen3), quantized by llama.cpp's
+own llama-quantize, for
 measuring trillm and llama.cpp at the sizes people run (the files are never committed).
 
     .venv/bin/python benchmarks/shaped_gguf.py --llama-cpp PATH --shape smollm2-1.7b --type Q4_K_M --out DIR
@@ -19,7 +20,8 @@ from pathlib import Path
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFWriter
 
-# hidden, intermediate, layers, heads, KV heads, vocabulary, tied embeddings, RoPE base, context
+# hidden, intermediate, layers, heads, KV heads, vocabulary, tied embeddings, RoPE base, context;
+# arch: llama.cpp's architecture (qwen2: q/k/v biases; qwen3: q/k norms and head_dim of its own)
 SHAPES = {
     "smollm2-1.7b": dict(hidden=2048, inter=8192, layers=24, heads=32, kv_heads=32, vocab=49152, tied=True,
                          rope_base=130000.0, context=8192),
@@ -27,6 +29,10 @@ SHAPES = {
                          rope_base=500000.0, context=131072),
     "llama-3.1-8b": dict(hidden=4096, inter=14336, layers=32, heads=32, kv_heads=8, vocab=128256, tied=False,
                          rope_base=500000.0, context=131072),
+    "qwen2.5-1.5b": dict(arch="qwen2", hidden=1536, inter=8960, layers=28, heads=12, kv_heads=2, vocab=151936,
+                         tied=True, rope_base=1000000.0, context=32768),
+    "qwen3-1.7b": dict(arch="qwen3", hidden=2048, inter=6144, layers=28, heads=16, kv_heads=8, head_dim=128,
+                       vocab=151936, tied=True, rope_base=1000000.0, context=40960),
 }
 TOKENIZER_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.bos_token_id",
                   "tokenizer.ggml.eos_token_id", "tokenizer.ggml.padding_token_id", "tokenizer.ggml.add_bos_token")
@@ -34,19 +40,27 @@ TOKENIZER_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.
 
 def tensors(shape: dict) -> list[tuple[str, tuple[int, ...]]]:
     """(GGUF name, torch-order shape) of every tensor, in llama.cpp's order."""
-    hidden, inter, head_dim = shape["hidden"], shape["inter"], shape["hidden"] // shape["heads"]
-    kv = shape["kv_heads"] * head_dim
+    hidden, inter, head_dim = shape["hidden"], shape["inter"], head_dim_of(shape)
+    q, kv = shape["heads"] * head_dim, shape["kv_heads"] * head_dim
     out = [("token_embd.weight", (shape["vocab"], hidden))]
     for i in range(shape["layers"]):
-        out += [(f"blk.{i}.attn_norm.weight", (hidden,)), (f"blk.{i}.attn_q.weight", (hidden, hidden)),
+        out += [(f"blk.{i}.attn_norm.weight", (hidden,)), (f"blk.{i}.attn_q.weight", (q, hidden)),
                 (f"blk.{i}.attn_k.weight", (kv, hidden)), (f"blk.{i}.attn_v.weight", (kv, hidden)),
-                (f"blk.{i}.attn_output.weight", (hidden, hidden)), (f"blk.{i}.ffn_norm.weight", (hidden,)),
+                (f"blk.{i}.attn_output.weight", (hidden, q)), (f"blk.{i}.ffn_norm.weight", (hidden,)),
                 (f"blk.{i}.ffn_gate.weight", (inter, hidden)), (f"blk.{i}.ffn_up.weight", (inter, hidden)),
                 (f"blk.{i}.ffn_down.weight", (hidden, inter))]
+        if shape.get("arch") == "qwen2":
+            out += [(f"blk.{i}.attn_q.bias", (q,)), (f"blk.{i}.attn_k.bias", (kv,)), (f"blk.{i}.attn_v.bias", (kv,))]
+        if shape.get("arch") == "qwen3":
+            out += [(f"blk.{i}.attn_q_norm.weight", (head_dim,)), (f"blk.{i}.attn_k_norm.weight", (head_dim,))]
     out.append(("output_norm.weight", (hidden,)))
     if not shape["tied"]:
         out.append(("output.weight", (shape["vocab"], hidden)))
     return out
+
+
+def head_dim_of(shape: dict) -> int:
+    return shape.get("head_dim", shape["hidden"] // shape["heads"])
 
 
 def write_f16(name: str, path: Path) -> None:
@@ -55,7 +69,7 @@ def write_f16(name: str, path: Path) -> None:
     from trillm.model.loader import default_model_path
 
     shape = SHAPES[name]
-    writer = GGUFWriter(str(path), "llama")
+    writer = GGUFWriter(str(path), shape.get("arch", "llama"))
     writer.add_name(f"random {name}")
     writer.add_block_count(shape["layers"])
     writer.add_context_length(shape["context"])
@@ -64,7 +78,9 @@ def write_f16(name: str, path: Path) -> None:
     writer.add_head_count(shape["heads"])
     writer.add_head_count_kv(shape["kv_heads"])
     writer.add_rope_freq_base(shape["rope_base"])
-    writer.add_rope_dimension_count(shape["hidden"] // shape["heads"])
+    writer.add_rope_dimension_count(head_dim_of(shape))
+    writer.add_key_length(head_dim_of(shape))
+    writer.add_value_length(head_dim_of(shape))
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_vocab_size(shape["vocab"])
     writer.add_file_type(1)  # mostly F16
@@ -100,8 +116,8 @@ def write_f16(name: str, path: Path) -> None:
     writer.write_ti_data_to_file()
     rng = np.random.default_rng(0)
     for tensor, dims in layout:
-        if len(dims) == 1:
-            writer.write_tensor_data(np.ones(dims, dtype=np.float32))
+        if len(dims) == 1:  # norms at 1, biases at 0
+            writer.write_tensor_data((np.zeros if tensor.endswith(".bias") else np.ones)(dims, dtype=np.float32))
             continue
         data = np.empty(dims, dtype=np.float16)
         for start in range(0, dims[0], 4096):  # a slice at a time: an fp32 draw of the whole is GBs
