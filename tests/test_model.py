@@ -328,20 +328,29 @@ def test_default_model_matches_transformers(default_model_dir, source):
         assert got[:-1].argmax(-1).tolist() == seq.token_ids[seq.prompt_len :]
 
 
-@pytest.mark.parametrize("model_path, lengths", [
-    (None, [57]), (None, [40, 7, 23]), (os.path.join(os.path.dirname(__file__), "data", "gguf", "tiny-Q5_K_M.gguf"), [40, 7])
-], ids=["one", "three", "five_bit_blocks"])
-def test_the_fused_decoder_stack_gives_the_layers_logits_to_the_bit(model_path, lengths):
+@pytest.mark.parametrize("model, lengths, bits", [
+    ("default", [57], {4, 8}), ("default", [40, 7, 23], {4, 8}), ("tiny-Q5_K_M", [40, 7], {5, 8}),
+    ("qwen3-Q8_0", [40, 7], {8}),
+], ids=["one", "three", "five_bit_blocks", "qk_norms"])
+def test_the_fused_decoder_stack_gives_the_layers_logits_to_the_bit(model, lengths, bits, tiny_model_dir, tmp_path):
     """A decode step of the default model runs every layer in one compiled call (DecoderStack);
     its logits are the layer-by-layer path's, bit for bit, alone and beside other requests of
     other lengths, and steps with prompt rows keep the layers. So does a file whose projections
-    are Q5_K (the 5-bit layout) and Q6_K (requantized to 8 bits)."""
+    are Q5_K (the 5-bit layout) and Q6_K (requantized to 8 bits), and a Qwen3 file, whose layers
+    norm each head's queries and keys."""
+    from gguf import GGMLQuantizationType
+    from gguf_support import write_gguf
+
+    model_path = {"default": None, "tiny-Q5_K_M": os.path.join(os.path.dirname(__file__), "data", "gguf",
+                                                               "tiny-Q5_K_M.gguf")}.get(model)
+    if model == "qwen3-Q8_0":
+        model_path = write_gguf(tiny_model_dir("qwen3", hidden_size=128, intermediate_size=256),
+                                str(tmp_path / "qwen3.gguf"), GGMLQuantizationType.Q8_0)
     runner = ModelRunner(EngineArgs(model=model_path, num_kv_blocks=64))
     model = runner.model.model
     stack = model.decoder_stack
     assert stack is not None, "the model's decode steps should run fused"
-    bits = {m.quantized.bits for m in runner.model.modules() if getattr(m, "quantized", None) is not None}
-    assert bits == ({4, 8} if model_path is None else {5, 8}), bits
+    assert {m.quantized.bits for m in runner.model.modules() if getattr(m, "quantized", None) is not None} == bits
     sequences = make_sequences(runner, lengths, num_decode=4)
     calls = []
     model.decoder_stack = CountingStack(stack, calls)

@@ -8,9 +8,9 @@ weights' reading. `DecoderStack.run` calls the same C kernels the layer-by-layer
 buffers of its own, with the GIL released once for the whole stack: its result is the same to
 the bit (tests/test_model.py holds this), only the Python between the kernels is gone.
 
-It runs what trillm.model.llama builds it for (`fusable`): every projection on 8-bit integer
-dot products with no bias, no per-head q/k norm, one rank, a fp32 or fp16 cache, and only steps
-where every row decodes (one query per request) with no LoRA adapter in the step.
+It runs what trillm.model.llama builds it for (`fuse_layers`): every projection on 8-bit integer
+dot products with no bias, a per-head q/k norm or none (Qwen3's), one rank, a fp32 or fp16 cache,
+and only steps where every row decodes (one query per request) with no LoRA adapter in the step.
 """
 from libc.stdint cimport int32_t, int64_t, uint8_t, uintptr_t
 from libc.stdlib cimport free, malloc
@@ -36,6 +36,8 @@ cdef struct Projection:
 cdef struct Layer:
     const float *input_norm
     const float *post_norm
+    const float *q_norm  # NULL: none (then k_norm is none too)
+    const float *k_norm
     Projection qkv
     Projection o
     Projection gate_up
@@ -86,8 +88,8 @@ cdef class DecoderStack:
 
     def __init__(self, layers, float scale):
         """`layers`: per decoder layer, a dict: input_norm, post_norm (weights), eps, post_eps,
-        qkv, o, gate_up, down (Int8QuantizedLinear), num_heads, num_kv_heads, head_dim, window
-        (None: none). Every layer has the same shapes."""
+        q_norm, k_norm (per-head weights, or None), qkv, o, gate_up, down (Int8QuantizedLinear),
+        num_heads, num_kv_heads, head_dim, window (None: none). Every layer has the same shapes."""
         cdef int64_t i
         first = layers[0]
         self.num_layers = len(layers)
@@ -113,6 +115,12 @@ cdef class DecoderStack:
                 assert norm.dtype == torch.float32 and norm.is_contiguous() and norm.shape == (self.hidden,)
             self.layers[i].input_norm = _address(spec["input_norm"])
             self.layers[i].post_norm = _address(spec["post_norm"])
+            self.layers[i].q_norm = self.layers[i].k_norm = NULL
+            if spec["q_norm"] is not None:
+                for norm in (spec["q_norm"], spec["k_norm"]):
+                    assert norm.dtype == torch.float32 and norm.is_contiguous() and norm.shape == (self.head_dim,)
+                self.layers[i].q_norm = _address(spec["q_norm"])
+                self.layers[i].k_norm = _address(spec["k_norm"])
             self.layers[i].qkv = _projection(spec["qkv"])
             self.layers[i].o = _projection(spec["o"])
             self.layers[i].gate_up = _projection(spec["gate_up"])
@@ -157,6 +165,7 @@ cdef class DecoderStack:
         normed = torch.empty(T, self.hidden, dtype=f32)
         qkv = torch.empty(T, self.qkv_size, dtype=f32)
         q = torch.empty(T, self.q_size, dtype=f32)
+        k = torch.empty(T, self.kv_size, dtype=f32)  # normed keys, where the layers norm them
         attn = torch.empty(T, self.q_size, dtype=f32)
         projected = torch.empty(T, self.hidden, dtype=f32)
         gate_up = torch.empty(T, 2 * self.inter, dtype=f32)
@@ -168,6 +177,9 @@ cdef class DecoderStack:
         cdef float *normed_p = _address(normed)
         cdef float *qkv_p = _address(qkv)
         cdef float *q_p = _address(q)
+        cdef float *k_p = _address(k)
+        cdef float *keys
+        cdef int64_t keys_stride
         cdef float *attn_p = _address(attn)
         cdef float *proj_p = _address(projected)
         cdef float *gate_up_p = _address(gate_up)
@@ -198,19 +210,29 @@ cdef class DecoderStack:
                 if _linear(qkv_p, normed_p, T, &layer.qkv, chunks) != 0:
                     failure = FAILED_MEMORY
                     break
-                if (rotary_embedding_f32(qkv_p, pos_p, cos_sin_p, max_positions, T, self.num_heads, self.head_dim,
-                                         self.qkv_size, 1) != 0
-                        or rotary_embedding_f32(qkv_p + self.q_size, pos_p, cos_sin_p, max_positions, T,
-                                                self.num_kv_heads, self.head_dim, self.qkv_size, 1) != 0):
+                # the queries into q (normed per head where the layers norm them), the keys normed into k
+                keys, keys_stride = qkv_p + self.q_size, self.qkv_size
+                for t in range(T):
+                    if layer.q_norm == NULL:
+                        memcpy(q_p + t * self.q_size, qkv_p + t * self.qkv_size, self.q_size * sizeof(float))
+                    else:
+                        rms_norm_f32(q_p + t * self.q_size, NULL, qkv_p + t * self.qkv_size, NULL, layer.q_norm,
+                                     self.num_heads, self.head_dim, self.head_dim, self.eps)
+                        rms_norm_f32(k_p + t * self.kv_size, NULL, qkv_p + t * self.qkv_size + self.q_size, NULL,
+                                     layer.k_norm, self.num_kv_heads, self.head_dim, self.head_dim, self.eps)
+                if layer.q_norm != NULL:
+                    keys, keys_stride = k_p, self.kv_size
+                if (rotary_embedding_f32(q_p, pos_p, cos_sin_p, max_positions, T, self.num_heads, self.head_dim,
+                                         self.q_size, 1) != 0
+                        or rotary_embedding_f32(keys, pos_p, cos_sin_p, max_positions, T,
+                                                self.num_kv_heads, self.head_dim, keys_stride, 1) != 0):
                     failure = FAILED_POSITION
                     break
-                if write_kv_c(layer.k_cache, layer.v_cache, kind, qkv_p + self.q_size,
+                if write_kv_c(layer.k_cache, layer.v_cache, kind, keys,
                               qkv_p + self.q_size + self.kv_size, slots_p, T, num_slots, self.num_kv_heads,
-                              self.head_dim, self.qkv_size, self.qkv_size) != 0:
+                              self.head_dim, keys_stride, self.qkv_size) != 0:
                     failure = FAILED_SLOT
                     break
-                for t in range(T):
-                    memcpy(q_p + t * self.q_size, qkv_p + t * self.qkv_size, self.q_size * sizeof(float))
                 # every row its request's only query: a request with none or with more than its context is
                 # impossible here, so a failure is the memory for the scores
                 if paged_attention_c(attn_p, q_p, layer.k_cache, layer.v_cache, kind, tables_p, lens_p, NULL, T,

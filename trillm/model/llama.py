@@ -335,8 +335,9 @@ class LlamaModel(nn.Module):
     def fuse_layers(self) -> bool:
         """Once the weights are loaded (and quantized): let a decode step run every layer in one
         compiled call (the family's decoder_stack) where this model fits it: one rank, every
-        projection on the family's integer kernel and without a bias, no per-head q/k norm.
-        Returns whether it does; steps with prompt rows or a LoRA adapter keep the layers."""
+        projection on the family's integer kernel and without a bias, a Llama layer (Qwen3's
+        per-head q/k norms included; not Gemma's sandwich). Returns whether it does; steps with
+        prompt rows or a LoRA adapter keep the layers."""
         stack = self.kernels.decoder_stack
         if stack is None or self.tp.size != 1:
             return False
@@ -344,13 +345,15 @@ class LlamaModel(nn.Module):
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
             projections = {"qkv": attn.qkv_proj, "o": attn.o_proj, "gate_up": mlp.gate_up_proj, "down": mlp.down_proj}
-            if attn.q_norm is not None or any(
+            if layer.pre_feedforward_layernorm is not None or self.embed_scale is not None or any(
                     type(p.quantized) is not self.kernels.quantized_linear or p.bias is not None or p.reduce is not None
                     for p in projections.values()):
                 return False
             specs.append({
                 **{name: p.quantized for name, p in projections.items()},
                 "input_norm": layer.input_layernorm.weight, "eps": layer.input_layernorm.eps,
+                "q_norm": None if attn.q_norm is None else attn.q_norm.weight,
+                "k_norm": None if attn.k_norm is None else attn.k_norm.weight,
                 "post_norm": layer.post_attention_layernorm.weight, "post_eps": layer.post_attention_layernorm.eps,
                 "num_heads": attn.num_heads, "num_kv_heads": attn.num_kv_heads, "head_dim": attn.head_dim,
                 "window": attn.sliding_window,
