@@ -709,12 +709,14 @@ def test_integer_linear_streams_k_quant_scales_as_the_file_keeps_them(format, ro
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, 256 * supers, generator=g) * torch.rand(rows, 1, generator=g) * 10
     want = quant.linear_int8(x, weight)
+    magnitude = x.abs() @ quant.dequantize(weight).abs().T
     for isa in quant_cpu.isas():
         on_k = quant_cpu.Int8QuantizedLinear(weight, isa)
         assert on_k.sc is not None and on_k.d is None
         got = on_k(x)
         assert torch.equal(got, quant_cpu.Int8QuantizedLinear(weight._replace(k_scales=None), isa)(x)), isa
-        torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-4)  # K-quants' wider range: fp32 sums
+        # fp32 sums of K-quants' wide-ranging block terms: bounded by the terms' own magnitude
+        assert ((got - want).abs() <= 1e-5 * magnitude + 1e-6).all(), isa
 
 
 @settings(max_examples=20, deadline=None)

@@ -162,19 +162,19 @@ class Int8QuantizedLinear(_TiledLinear):
         self.h = None  # q5_1's plane of fifth bits, [N / 16, blocks, 16, 4] (quant_int8_cpu.h)
         if self.bits != 8:
             nibbles, fifths = _split_q5(weight)
-            self.u, self.m = _tiled(nibbles, tiles, blocks, lanes=4), _tiled(weight.mins, tiles, blocks)
+            self.u = _tiled(nibbles, tiles, blocks, lanes=4)
             if fifths is not None:
                 self.h = _fifth_bit_plane(fifths, tiles, blocks)
-        else:  # Q8_0's q as u = q + 128 (the kernel takes the 128 back off); its own mins, if any
+        else:  # Q8_0's q as u = q + 128 (the kernel takes the 128 back off)
             self.u = _tiled(weight.quants, tiles, blocks, lanes=4, transform=lambda q: q.view(torch.uint8) ^ 0x80)
-            self.m = None if weight.mins is None else _tiled(weight.mins, tiles, blocks)
-        self.d = _tiled(weight.scales, tiles, blocks)
-        self.sc = self.mn = self.dk = self.mk = None
+        self.d = self.m = self.sc = self.mn = self.dk = self.mk = None
         if weight.k_scales is not None:  # the file's own scales, streamed in place of d and m
             k = weight.k_scales
             self.sc, self.mn = _tiled(k.sc, tiles, blocks), _tiled(k.mn, tiles, blocks)
             self.dk, self.mk = _tiled(k.d, tiles, blocks // SUPER_BLOCKS), _tiled(k.mk, tiles, blocks // SUPER_BLOCKS)
-            self.d = self.m = None
+        else:  # fp32 scales, and mins where the weight has them (Q4_1, Q5_1, a promoted Q8_0)
+            self.d = _tiled(weight.scales, tiles, blocks)
+            self.m = None if weight.mins is None else _tiled(weight.mins, tiles, blocks)
 
     def _multiply(self, out, x2) -> int:
         cdef int64_t M = x2.shape[0], K = self.in_features, N = self.out_features
