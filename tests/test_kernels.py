@@ -606,7 +606,8 @@ def random_gguf_blocks(format: str, rows: int, cols: int, seed: int = 0) -> torc
     g = torch.Generator().manual_seed(seed)
     blocks = torch.randint(0, 256, (rows, cols // values, nbytes), generator=g, dtype=torch.uint8)
     fp16 = (torch.rand(rows, cols // values, 2, generator=g) * torch.tensor([0.02, -0.1])).half()
-    blocks[..., : 2 * halves] = fp16[..., :halves].contiguous().view(torch.uint8)
+    at = nbytes - 2 if format == "q6_k" else 0  # Q6_K keeps its d last
+    blocks[..., at : at + 2 * halves] = fp16[..., :halves].contiguous().view(torch.uint8)
     return blocks.reshape(rows, -1)
 
 
@@ -624,10 +625,10 @@ LAYOUTS = ["q4_1", "q5_1", "q8_0", "q5_1_as_bytes"]
 
 
 @settings(max_examples=20, deadline=None)
-@given(format=st.sampled_from(["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k"]), rows=st.integers(1, 5),
-       supers=st.integers(1, 3), seed=st.integers(0, 2**16))
+@given(format=st.sampled_from(["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k"]),
+       rows=st.integers(1, 5), supers=st.integers(1, 3), seed=st.integers(0, 2**16))
 def test_gguf_blocks_dequantize_as_gguf_py(format, rows, supers, seed):
-    """Every format read from a file, repacked into the kernels' three layouts: the twin's
+    """Every format read from a file, repacked into the kernels' four layouts: the twin's
     dequantization against gguf-py's own of the same bytes, to the bit."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
@@ -637,8 +638,24 @@ def test_gguf_blocks_dequantize_as_gguf_py(format, rows, supers, seed):
     blocks = random_gguf_blocks(format, rows, 256 * supers, seed)
     want = torch.from_numpy(dequantize(blocks.numpy(), GGMLQuantizationType[format.upper()]))
     weight = quant.from_gguf(format, blocks)
-    assert weight.format == {"q8_0": "q8_0", "q5_0": "q5_1", "q5_1": "q5_1", "q5_k": "q5_1"}.get(format, "q4_1")
+    assert weight.format == {"q8_0": "q8_0", "q5_0": "q5_1", "q5_1": "q5_1", "q5_k": "q5_1", "q6_k": "q6_k"}.get(
+        format, "q4_1")
     assert torch.equal(quant.dequantize(weight), want)
+
+
+@settings(max_examples=20, deadline=None)
+@given(format=st.sampled_from(["q4_0", "q8_0", "q4_k", "q5_k", "q6_k"]), rows=st.integers(1, 20),
+       supers=st.integers(1, 3), seed=st.integers(0, 2**16))
+def test_the_kernels_repack_gguf_blocks_as_the_twin_does(format, rows, supers, seed):
+    """quant_cpu.from_gguf (loading's repack, compiled loops for the K-quants' quants) makes
+    quant.from_gguf's weight, every array to the bit."""
+    from trillm.kernels import quant, quant_cpu
+
+    blocks = random_gguf_blocks(format, rows, 256 * supers, seed)
+    want, got = quant.from_gguf(format, blocks), quant_cpu.from_gguf(format, blocks)
+    assert got.format == want.format
+    for a, b in zip([*want[1:4], *(want.k_scales or ())], [*got[1:4], *(got.k_scales or ())]):
+        assert (a is None and b is None) or torch.equal(a, b)
 
 
 @settings(max_examples=25, deadline=None)
@@ -719,6 +736,46 @@ def test_integer_linear_streams_k_quant_scales_as_the_file_keeps_them(format, ro
         assert ((got - want).abs() <= 1e-5 * magnitude + 1e-6).all(), isa
 
 
+@settings(max_examples=25, deadline=None)
+@given(rows=st.integers(1, 70), tiles=st.integers(1, 5), supers=st.integers(1, 3), seed=st.integers(0, 2**16))
+def test_integer_linear_streams_q6_k_in_its_own_bits(rows, tiles, supers, seed):
+    """A weight from Q6_K blocks runs in its own layout (6.6 bits a weight, two scales a block of
+    32): on every path the same floats, to the bit, and within fp32 rounding of the float64
+    twin; zero blocks of x included."""
+    from trillm.kernels import quant, quant_cpu
+
+    weight = quant.from_gguf("q6_k", random_gguf_blocks("q6_k", 16 * tiles, 256 * supers, seed))
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, 256 * supers, generator=g) * torch.rand(rows, 1, generator=g) * 10
+    x[0, :32] = 0
+    want = quant.linear_int8(x, weight)
+    magnitude = x.abs() @ quant.dequantize(weight).abs().T
+    results = []
+    for isa in quant_cpu.isas():
+        linear = quant_cpu.Int8QuantizedLinear(weight, isa)
+        assert linear.bits == 6 and linear.u.numel() + linear.h.numel() == weight.quants.numel()
+        results.append(linear(x))
+        assert ((results[-1] - want).abs() <= 1e-5 * magnitude + 1e-6).all(), isa
+    assert all(torch.equal(r, results[0]) for r in results)
+
+
+def test_integer_linear_sums_the_largest_six_bit_products_on_every_path():
+    """Every quant 63 (and every one 0, the most negative q - 32) against activations of 127: the
+    AVX2 path adds two groups' 16-bit pair sums (2 * 2 * 63 * 127 = 32004) before widening, the
+    most that fits."""
+    from trillm.kernels import quant, quant_cpu
+
+    base = quant.from_gguf("q6_k", random_gguf_blocks("q6_k", 16, 256, seed=1))
+    for value in (63, 0):
+        q = torch.full((16, 8, 32), value, dtype=torch.uint8)
+        weight = base._replace(quants=quant._pack_q6(q).reshape(16, -1))
+        assert torch.equal(quant.block_quants(weight), q)
+        for x in (torch.ones(3, 256), -torch.ones(3, 256)):
+            want = quant.linear_int8(x, weight)
+            for isa in quant_cpu.isas():
+                torch.testing.assert_close(quant_cpu.Int8QuantizedLinear(weight, isa)(x), want, atol=1e-4, rtol=1e-5)
+
+
 @settings(max_examples=20, deadline=None)
 @given(rows=st.integers(1, 40), blocks=st.integers(1, 12), scale=st.sampled_from([1e-6, 1.0, 1e4]),
        seed=st.integers(0, 2**16))
@@ -768,6 +825,27 @@ def test_layouts_are_sliced_and_stacked_exactly():
     assert quant.cat(shards[:1] * 2).format == "q5_1"
 
 
+def test_q6_k_is_sliced_and_stacked_in_its_own_layout_where_it_can_be():
+    """q6_k's scales cover 16 inputs and its d a super-block of 256: a row-parallel shard on
+    super-block boundaries, a row slice and a stack of q6_k shards stay q6_k, exactly; a shard
+    that splits a super-block, and a fused projection mixing q6_k with Q4_K's q4_1 (a Q4_K_M
+    file's q, k and v), become 8-bit blocks of its values, within half a step."""
+    from trillm.kernels import quant
+
+    weight = quant.from_gguf("q6_k", random_gguf_blocks("q6_k", 32, 768, seed=4))
+    dense = quant.dequantize(weight)
+    for got, want in ((weight.columns(256, 768), dense[:, 256:768]), (weight.rows(slice(16, 32)), dense[16:32]),
+                      (quant.cat([weight, weight.rows(slice(0, 16))]), torch.cat([dense, dense[:16]]))):
+        assert got.format == "q6_k" and got.k_scales is not None and torch.equal(quant.dequantize(got), want)
+    split = weight.columns(32, 288)
+    assert split.format == "q8_0"
+    assert ((quant.dequantize(split) - dense[:, 32:288]).abs() <= split.scales.repeat_interleave(32, 1) * 0.5001).all()
+    q4 = quant.from_gguf("q4_k", random_gguf_blocks("q4_k", 16, 768, seed=5))
+    mixed = quant.cat([q4, weight])
+    assert mixed.format == "q8_0" and torch.equal(quant.dequantize(mixed)[:16], quant.dequantize(q4))
+    assert ((quant.dequantize(mixed)[16:] - dense).abs() <= mixed.scales[16:].repeat_interleave(32, 1) * 0.5001).all()
+
+
 def test_integer_linear_sums_the_largest_five_bit_products_on_every_path():
     """Every quant 31 and every activation 127: the AVX2 path's 16-bit pair sums would overflow
     if a block's eight groups were added up before widening, as they are for nibbles."""
@@ -805,16 +883,21 @@ def test_kernel_threads_share_the_tiles_without_changing_a_bit():
         pool_cpu.set_threads(previous)
 
 
-@pytest.mark.parametrize("format", LAYOUTS)
+@pytest.mark.parametrize("format", [*LAYOUTS, "q6_k"])
 def test_a_weight_regrouped_slice_by_slice_is_laid_out_as_at_once(format, monkeypatch):
     """Large weights are regrouped TILES_AT_ONCE tiles at a time (a 262k vocabulary's projection
     would otherwise be copied whole): with one tile a slice, every kernel array is the same."""
-    from trillm.kernels import quant_cpu
+    from trillm.kernels import quant, quant_cpu
 
-    weight = kernel_weight(format, 80, 64, seed=3)
-    whole = [quant_cpu.Int8QuantizedLinear(weight), quant_cpu.QuantizedLinear(weight)]
+    if format == "q6_k":  # the integer kernel's alone
+        weight = quant.from_gguf("q6_k", random_gguf_blocks("q6_k", 80, 256, seed=3))
+        linears = [quant_cpu.Int8QuantizedLinear]
+    else:
+        weight = kernel_weight(format, 80, 64, seed=3)
+        linears = [quant_cpu.Int8QuantizedLinear, quant_cpu.QuantizedLinear]
+    whole = [linear(weight) for linear in linears]
     monkeypatch.setattr(quant_cpu, "TILES_AT_ONCE", 2)  # 5 tiles: slices of 2, 2 and 1
-    sliced = [quant_cpu.Int8QuantizedLinear(weight), quant_cpu.QuantizedLinear(weight)]
+    sliced = [linear(weight) for linear in linears]
     for a, b in zip(whole, sliced):
         for name, array in vars(a).items():
             if isinstance(array, torch.Tensor):

@@ -234,11 +234,12 @@ def test_the_start_log_names_the_kernels_and_every_fallback(caplog, monkeypatch,
 
 
 def test_a_gguf_file_of_other_formats_runs_them_on_the_kernels_layouts(tmp_path, caplog):
-    """A file whose projections are Q4_0, Q5_0, Q5_1, Q4_K, Q5_K (what llama-quantize's Q4_0,
-    Q4_K_M and Q5_K_M files of the default model hold) and Q6_K: all but Q6_K come out repacked
-    for the kernels, bit for bit what gguf-py dequantizes (q and k rows reordered as transformers
-    does); Q6_K requantized to 8-bit blocks, each value within half a step of its block's, and the
-    log says so."""
+    """A file whose projections are Q4_0, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K (what llama-quantize's
+    Q4_0, Q4_K_M and Q5_K_M files of the default model hold): all come out repacked for the
+    integer kernel, bit for bit what gguf-py dequantizes (q and k rows reordered as transformers
+    does), Q6_K in its own layout. For the fp32 kernel, which has no q6_k layout, Q6_K is
+    requantized to 8-bit blocks, each value within half a step of its block's, and the log says
+    so."""
     import logging
 
     import numpy as np
@@ -247,7 +248,7 @@ def test_a_gguf_file_of_other_formats_runs_them_on_the_kernels_layouts(tmp_path,
     from test_kernels import random_gguf_blocks
     from transformers import LlamaConfig
 
-    from trillm.kernels import quant
+    from trillm.kernels import quant, quant_cpu
     from trillm.model import gguf_weights
     from trillm.model.gguf_file import GGUFFile
 
@@ -276,8 +277,10 @@ def test_a_gguf_file_of_other_formats_runs_them_on_the_kernels_layouts(tmp_path,
     writer.close()
 
     with caplog.at_level(logging.INFO, logger="trillm"), GGUFFile(str(path)) as file:
-        got = dict(gguf_weights.quantized_weights(file, config))
-    assert set(got) == {hf for _, hf, _ in tensors.values()}
+        got = dict(gguf_weights.quantized_weights(file, config, quant_cpu.Int8QuantizedLinear))
+        assert not any("requantized" in r.getMessage() for r in caplog.records)
+        fp32 = dict(gguf_weights.quantized_weights(file, config, quant_cpu.QuantizedLinear))
+    assert set(got) == set(fp32) == {hf for _, hf, _ in tensors.values()}
     assert any("1 Q6_K projections requantized to 8-bit blocks" in r.getMessage() for r in caplog.records)
     for name, (format, hf, _) in tensors.items():
         want = torch.from_numpy(np.ascontiguousarray(dequantize(raw[name], GGMLQuantizationType[format.upper()])))
@@ -285,12 +288,13 @@ def test_a_gguf_file_of_other_formats_runs_them_on_the_kernels_layouts(tmp_path,
             want = want[_unpermuted(want.shape[0], config.num_attention_heads)]
         if "attn_k" in name:
             want = want[_unpermuted(want.shape[0], config.num_key_value_heads)]
+        assert got[hf].format == quant.LAYOUT_OF[format] and torch.equal(quant.dequantize(got[hf]), want), name
         if format != "q6_k":
-            assert torch.equal(quant.dequantize(got[hf]), want), name
+            assert torch.equal(quant.dequantize(fp32[hf]), want), name
             continue
-        assert got[hf].format == "q8_0"
-        step = got[hf].scales.repeat_interleave(quant.BLOCK, dim=1)
-        assert ((quant.dequantize(got[hf]) - want).abs() <= step * 0.5001).all()
+        assert fp32[hf].format == "q8_0"
+        step = fp32[hf].scales.repeat_interleave(quant.BLOCK, dim=1)
+        assert ((quant.dequantize(fp32[hf]) - want).abs() <= step * 0.5001).all()
 
 
 def _unpermuted(rows: int, heads: int) -> torch.Tensor:

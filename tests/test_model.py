@@ -329,15 +329,16 @@ def test_default_model_matches_transformers(default_model_dir, source):
 
 
 @pytest.mark.parametrize("model, lengths, bits", [
-    ("default", [57], {4, 8}), ("default", [40, 7, 23], {4, 8}), ("tiny-Q5_K_M", [40, 7], {5, 8}),
+    ("default", [57], {4, 8}), ("default", [40, 7, 23], {4, 8}), ("tiny-Q5_K_M", [40, 7], {5, 6, 8}),
     ("qwen3-Q8_0", [40, 7], {8}),
 ], ids=["one", "three", "five_bit_blocks", "qk_norms"])
 def test_the_fused_decoder_stack_gives_the_layers_logits_to_the_bit(model, lengths, bits, tiny_model_dir, tmp_path):
     """A decode step of the default model runs every layer in one compiled call (DecoderStack);
     its logits are the layer-by-layer path's, bit for bit, alone and beside other requests of
     other lengths, and steps with prompt rows keep the layers. So does a file whose projections
-    are Q5_K (the 5-bit layout) and Q6_K (requantized to 8 bits), and a Qwen3 file, whose layers
-    norm each head's queries and keys."""
+    are Q5_K (the 5-bit layout) and Q6_K (its own 6-bit layout, and 8-bit blocks where a fused
+    projection mixes it with Q5_K), and a Qwen3 file, whose layers norm each head's queries and
+    keys."""
     from gguf import GGMLQuantizationType
     from gguf_support import write_gguf
 

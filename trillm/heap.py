@@ -10,12 +10,15 @@ requests allocate later is collected as before. vLLM's engine and API server do 
 
 Loading also leaves freed memory in the C heap (a GGUF tensor's repacking slices, the tokenizer's
 conversion), which glibc keeps for later allocations: resident, and counted against the memory a
-served file may take. `freeze_heap()` hands it back to the system once, when startup is over.
+served file may take. `freeze_heap()` hands it back to the system once, when startup is over, and
+the GGUF loader after each tensor (`trim_c_heap`), so that the freed slices of one never pile up
+under the next.
 """
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import gc
 
 
@@ -27,11 +30,17 @@ def freeze_heap() -> None:
     while serving (new weights, an adapter) must not rely on the collector to free it."""
     gc.collect()
     gc.freeze()
-    _trim_c_heap()
+    trim_c_heap()
 
 
-def _trim_c_heap() -> None:
-    """glibc's malloc_trim: the heap's free pages back to the system (nothing elsewhere)."""
+@functools.cache
+def _malloc_trim():
     libc = ctypes.util.find_library("c")
-    if libc is not None and hasattr(ctypes.CDLL(libc), "malloc_trim"):
-        ctypes.CDLL(libc).malloc_trim(0)
+    return getattr(ctypes.CDLL(libc), "malloc_trim", None) if libc is not None else None
+
+
+def trim_c_heap() -> None:
+    """glibc's malloc_trim: the heap's free pages back to the system (nothing elsewhere)."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)

@@ -17,15 +17,23 @@ computes it):
 - Q4_0 (w = d (q - 8)) as q4_1 with m = -8 d, Q5_0 (w = d (q - 16)) as q5_1 with m = -16 d;
 - Q4_K and Q5_K (super-blocks of 256: eight sub-blocks of 32, each w = d sc q - dmin mn, sc and
   mn 6-bit) as q4_1 and q5_1, each sub-block a block with d = d sc and m = -dmin mn.
-Q6_K (16-value sub-blocks with their own scales) and the other formats fit none of them exactly:
-`requantize` makes q8_0 blocks of their dequantized values, 8 bits a weight where the file's were
-2 to 6, each within half a step of 1/127 of its block's largest magnitude (a step several times
-finer than the file's own). trillm/model/gguf_weights.py logs which were.
+A fourth layout, "q6_k", keeps Q6_K's own arithmetic, which none of those hold exactly: blocks of
+32 unsigned 6-bit quants, each block two sub-blocks of 16 with a scale each (w = s (q - 32)), the
+scale the product of the super-block's fp16 d and the sub-block's signed 8-bit factor (exact in
+fp32). The integer kernel streams it in the file's bits (Q4_K_M and Q5_K_M files keep their
+vocabulary projection and half their layers' v and down projections in it); the fp32 kernel and
+a fused projection whose shards mix it with another layout get q8_0 blocks of its values instead.
+The other formats fit none of the layouts: `requantize` makes q8_0 blocks of their dequantized
+values, 8 bits a weight where the file's were 2 to 6, each within half a step of 1/127 of its
+block's largest magnitude (a step several times finer than the file's own).
+trillm/model/gguf_weights.py logs which were.
 
 Layout in memory: quants, q4_1 [N, K / 2] uint8 (a block's 16 bytes hold input j in the low
 nibble and j + 16 in the high one), q5_1 [N, K / 32 * 20] uint8 (a block's 16 bytes of nibbles as
 q4_1's, then 4 bytes, a little-endian 32-bit word whose bit j is input j's fifth bit, as GGUF
-keeps them) or q8_0 [N, K] int8; scales and mins [N, K / 32] fp32 (the kernel converts nothing).
+keeps them) or q8_0 [N, K] int8; scales and mins [N, K / 32] fp32 (the kernel converts nothing). q6_k
+[N, K / 32 * 24] uint8: a block's 16 bytes of low nibbles as q4_1's, then 8 bytes of the quants'
+top two bits (input j's at bits 2 (j / 8) of byte j % 8); scales [N, K / 16] fp32, no mins.
 A weight from Q4_K or Q5_K blocks also keeps those scales in their own form (`KScales`: each
 block's 6-bit factors and each super-block's d and dmin), which the integer kernel streams
 instead of the fp32 ones: 3 bytes a block and row where those take 8.
@@ -40,9 +48,14 @@ import torch.nn.functional as F
 BLOCK = 32
 # format read from a file -> (values, bytes) of one of its GGUF blocks
 GGUF_BLOCKS = {"q4_0": (32, 18), "q4_1": (32, 20), "q5_0": (32, 22), "q5_1": (32, 24), "q8_0": (32, 34),
-               "q4_k": (256, 144), "q5_k": (256, 176)}
+               "q4_k": (256, 144), "q5_k": (256, 176), "q6_k": (256, 210)}
+# format read from a file -> the layout it is repacked into
+LAYOUT_OF = {"q4_0": "q4_1", "q4_1": "q4_1", "q5_0": "q5_1", "q5_1": "q5_1", "q8_0": "q8_0", "q4_k": "q4_1",
+             "q5_k": "q5_1", "q6_k": "q6_k"}
 # bytes of a block of 32 in each layout's quants
-LAYOUT_BYTES = {"q4_1": BLOCK // 2, "q5_1": BLOCK // 2 + 4, "q8_0": BLOCK}
+LAYOUT_BYTES = {"q4_1": BLOCK // 2, "q5_1": BLOCK // 2 + 4, "q8_0": BLOCK, "q6_k": BLOCK // 2 + 8}
+SUB_BLOCK = 16  # inputs under one scale in the q6_k layout
+Q6_OFFSET = 32  # q6_k's w = s (q - 32)
 
 
 SUPER_BLOCKS = 8  # blocks of 32 in a K-quant super-block of 256
@@ -50,51 +63,62 @@ SUPER_BLOCKS = 8  # blocks of 32 in a K-quant super-block of 256
 
 class KScales(NamedTuple):
     """A K-quant weight's block scales as the file keeps them: block b of row n has scale
-    d[n, b / 8] * sc[n, b] and min mk[n, b / 8] * mn[n, b] (mk = -dmin), each product exact in fp32."""
+    d[n, b / 8] * sc[n, b] and min mk[n, b / 8] * mn[n, b] (mk = -dmin), each product exact in fp32.
+    A q6_k weight's: sub-block j of row n has scale d[n, j / 16] * sc[n, j] (sc signed, no mins)."""
 
-    sc: torch.Tensor  # [N, K / 32] uint8, 0..63
-    mn: torch.Tensor  # [N, K / 32] uint8, 0..63
+    sc: torch.Tensor  # [N, K / 32] uint8, 0..63; q6_k: [N, K / 16] int8
+    mn: torch.Tensor | None  # [N, K / 32] uint8, 0..63; q6_k: None
     d: torch.Tensor  # [N, K / 256] fp32
-    mk: torch.Tensor  # [N, K / 256] fp32
+    mk: torch.Tensor | None  # [N, K / 256] fp32; q6_k: None
 
     def rows(self, index: torch.Tensor | slice) -> KScales:
-        return KScales(*(t[index] for t in self))
+        return KScales(*(None if t is None else t[index] for t in self))
 
-    def expanded(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The per-block scale d sc and min mk mn, both [N, K / 32] fp32 (exact: 11 by 6 bits)."""
-        d = self.d.repeat_interleave(SUPER_BLOCKS, dim=1)
-        mk = self.mk.repeat_interleave(SUPER_BLOCKS, dim=1)
-        return d * self.sc.float(), mk * self.mn.float()
+    def expanded(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The per-block scale d sc and min mk mn (exact: 11 by 6 or 8 bits), [N, K / 32] fp32
+        each; q6_k's per-sub-block scales [N, K / 16] and no mins."""
+        d = self.d.repeat_interleave(self.sc.shape[1] // self.d.shape[1], dim=1)
+        if self.mn is None:
+            return d * self.sc.float(), None
+        return d * self.sc.float(), self.mk.repeat_interleave(SUPER_BLOCKS, dim=1) * self.mn.float()
 
 
 class QuantizedWeight(NamedTuple):
-    format: str  # the layout: "q4_1" | "q5_1" | "q8_0"
-    quants: torch.Tensor  # q4_1: [N, K / 2] uint8; q5_1: [N, K / 32 * 20] uint8; q8_0: [N, K] int8
-    scales: torch.Tensor  # [N, K / 32] fp32
+    format: str  # the layout: "q4_1" | "q5_1" | "q8_0" | "q6_k"
+    # q4_1: [N, K / 2] uint8; q5_1: [N, K / 32 * 20] uint8; q8_0: [N, K] int8; q6_k: [N, K / 32 * 24] uint8
+    quants: torch.Tensor
+    scales: torch.Tensor  # [N, K / 32] fp32; q6_k: [N, K / 16]
     mins: torch.Tensor | None  # q4_1, q5_1, a promoted q8_0: [N, K / 32] fp32
-    k_scales: KScales | None = None  # from Q4_K / Q5_K blocks: scales and mins in the file's own form
+    # from Q4_K / Q5_K / Q6_K blocks: the scales (and mins) in the file's own form
+    k_scales: KScales | None = None
 
     @property
     def out_features(self) -> int:
-        return self.scales.shape[0]
+        return self.quants.shape[0]
 
     @property
     def in_features(self) -> int:
-        return self.scales.shape[1] * BLOCK
+        return self.quants.shape[1] // LAYOUT_BYTES[self.format] * BLOCK
 
     def columns(self, start: int, end: int) -> QuantizedWeight:
-        """Input columns [start, end), which must fall on block boundaries (a row-parallel shard)."""
+        """Input columns [start, end), which must fall on block boundaries (a row-parallel shard;
+        a q6_k weight's on super-blocks too, or it becomes q8_0 blocks of its values)."""
         assert start % BLOCK == 0 and end % BLOCK == 0, f"columns {start}:{end} split a {BLOCK}-wide block"
         per_block = LAYOUT_BYTES[self.format]
         blocks = slice(start // BLOCK, end // BLOCK)
+        whole_supers = blocks.start % SUPER_BLOCKS == 0 and blocks.stop % SUPER_BLOCKS == 0
+        if self.format == "q6_k" and not whole_supers:
+            return requantize(dequantize(self)[:, start:end])
+        per_scale = slice(start // SUB_BLOCK, end // SUB_BLOCK) if self.format == "q6_k" else blocks
         k_scales = None
-        if self.k_scales is not None and blocks.start % SUPER_BLOCKS == 0 and blocks.stop % SUPER_BLOCKS == 0:
+        if self.k_scales is not None and whole_supers:
             supers = slice(blocks.start // SUPER_BLOCKS, blocks.stop // SUPER_BLOCKS)
-            k_scales = KScales(self.k_scales.sc[:, blocks].contiguous(), self.k_scales.mn[:, blocks].contiguous(),
-                               self.k_scales.d[:, supers].contiguous(), self.k_scales.mk[:, supers].contiguous())
+            k = self.k_scales
+            k_scales = KScales(k.sc[:, per_scale].contiguous(), None if k.mn is None else k.mn[:, blocks].contiguous(),
+                               k.d[:, supers].contiguous(), None if k.mk is None else k.mk[:, supers].contiguous())
         return QuantizedWeight(
             self.format, self.quants[:, blocks.start * per_block : blocks.stop * per_block].contiguous(),
-            self.scales[:, blocks].contiguous(), None if self.mins is None else self.mins[:, blocks].contiguous(),
+            self.scales[:, per_scale].contiguous(), None if self.mins is None else self.mins[:, blocks].contiguous(),
             k_scales,
         )
 
@@ -128,20 +152,61 @@ def from_gguf(format: str, blocks: torch.Tensor) -> QuantizedWeight:
         return QuantizedWeight("q5_1", _q5_quants(blocks[..., 6:], blocks[..., 2:6], rows), d, d * -16.0)
     if format == "q5_1":
         return QuantizedWeight("q5_1", _q5_quants(blocks[..., 8:], blocks[..., 4:8], rows), fp16_at(0), fp16_at(2))
-    k_scales = _k_scales(blocks, fp16_at(0), fp16_at(2))
-    scales, mins = k_scales.expanded()
+    return with_scales_of(format, blocks, _k_quants(format, blocks))
+
+
+def _k_quants(format: str, blocks: torch.Tensor) -> torch.Tensor:
+    """The quants of K-quant super-blocks [N, K / 256, bytes] in their layout, [N, K / 32 * bytes
+    of a block]."""
+    rows = blocks.shape[0]
+    if format == "q6_k":
+        return _pack_q6(_q6_k_values(blocks)).reshape(rows, -1)
     if format == "q4_k":
         pairs = blocks[..., 16:].reshape(rows, -1, 4, 1, BLOCK)
         q = torch.cat((pairs & 15, pairs >> 4), dim=3).reshape(rows, -1, BLOCK)  # sub-blocks in order
-        return QuantizedWeight("q4_1", (q[..., : BLOCK // 2] | (q[..., BLOCK // 2 :] << 4)).reshape(rows, -1).contiguous(),
-                               scales, mins, k_scales)
+        return (q[..., : BLOCK // 2] | (q[..., BLOCK // 2 :] << 4)).reshape(rows, -1).contiguous()
     # q5_k: the low nibbles as Q4_K's, after 32 bytes whose bit s of byte l is the fifth bit of
     # value l of sub-block s
     pairs = blocks[..., 48:].reshape(rows, -1, 4, 1, BLOCK)
     low = torch.cat((pairs & 15, pairs >> 4), dim=3).reshape(rows, -1, 8, BLOCK)
     fifth = (blocks[..., 16:48].reshape(rows, -1, 1, BLOCK) >> torch.arange(8, dtype=torch.uint8)[:, None]) & 1
-    q = (low | (fifth << 4)).reshape(rows, -1, BLOCK)
-    return QuantizedWeight("q5_1", _pack_q5(q).reshape(rows, -1), scales, mins, k_scales)
+    return _pack_q5((low | (fifth << 4)).reshape(rows, -1, BLOCK)).reshape(rows, -1)
+
+
+def with_scales_of(format: str, blocks: torch.Tensor, quants: torch.Tensor) -> QuantizedWeight:
+    """The weight of K-quant blocks [N, bytes of a row] (a GGUF_BLOCKS key), their quants already
+    in its layout (`_k_quants`, or the kernels' own twin of it): the scales read here."""
+    rows = blocks.shape[0]
+    blocks = blocks.reshape(rows, -1, GGUF_BLOCKS[format][1])
+    if format == "q6_k":
+        d = blocks[..., 208:210].contiguous().view(torch.float16).reshape(rows, -1).float()
+        k_scales = KScales(blocks[..., 192:208].contiguous().view(torch.int8).reshape(rows, -1), None, d, None)
+        return QuantizedWeight("q6_k", quants, k_scales.expanded()[0], None, k_scales)
+    d, dmin = (blocks[..., at : at + 2].contiguous().view(torch.float16).reshape(rows, -1).float() for at in (0, 2))
+    k_scales = _k_scales(blocks, d, dmin)
+    return QuantizedWeight(LAYOUT_OF[format], quants, *k_scales.expanded(), k_scales)
+
+
+def _q6_k_values(blocks: torch.Tensor) -> torch.Tensor:
+    """Q6_K super-blocks [N, K / 256, 210] (128 bytes of low nibbles, 64 of top bit pairs, 16
+    signed 8-bit sub-block scales, an fp16 d) -> their quants [N, K / 32, 32], 0..63, in order.
+    Each half of 128 values keeps value l (< 32) of its four quarters in nibble and bit pair:
+    quarter 0 low nibble of byte l, bits 0-1 of pair byte l; quarter 1 low nibble of byte l + 32,
+    bits 2-3; quarter 2 high nibble of byte l, bits 4-5; quarter 3 high nibble of byte l + 32,
+    bits 6-7."""
+    rows, supers = blocks.shape[:2]
+    low = blocks[..., :128].reshape(rows, supers, 2, 2, 32)  # [.., half, byte l or l + 32, l]
+    high = blocks[..., 128:192].reshape(rows, supers, 2, 1, 32)
+    nibbles = torch.stack((low[..., 0, :] & 15, low[..., 1, :] & 15, low[..., 0, :] >> 4, low[..., 1, :] >> 4), -2)
+    pairs = (high >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None]) & 3  # [.., half, quarter, l]
+    return (nibbles | (pairs << 4)).reshape(rows, -1, BLOCK)
+
+
+def _pack_q6(q: torch.Tensor) -> torch.Tensor:
+    """[..., 32] values 0..63 (uint8) -> [..., 24] bytes of the q6_k layout."""
+    nibbles = (q[..., : BLOCK // 2] & 15) | ((q[..., BLOCK // 2 :] & 15) << 4)
+    pairs = (q >> 4).reshape(*q.shape[:-1], 4, 8) << torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None]
+    return torch.cat((nibbles, pairs.sum(-2, dtype=torch.uint8)), dim=-1)  # distinct bits: the sum is an OR
 
 
 def _q5_quants(nibbles: torch.Tensor, high: torch.Tensor, rows: int) -> torch.Tensor:
@@ -184,15 +249,17 @@ def weight_of_rows(rows: QuantizedRows) -> QuantizedWeight:
 def cat(weights: list[QuantizedWeight]) -> QuantizedWeight:
     """Stacks the rows of weights (a fused projection's shards); where their layouts differ, all
     become q8_0 with mins first (`as_bytes`), which holds each exactly. K-quant files mix formats
-    within a projection (llama-quantize gives some layers' v more bits than their q and k)."""
+    within a projection (llama-quantize gives some layers' v more bits than their q and k); a
+    q6_k shard among others first becomes q8_0 blocks of its values (`requantize`), the one
+    inexact step."""
     if len({w.format for w in weights}) > 1:
-        weights = [as_bytes(w) for w in weights]
+        weights = [as_bytes(requantize(dequantize(w)) if w.format == "q6_k" else w) for w in weights]
     if any(w.mins is not None for w in weights):
         weights = [w if w.mins is not None else w._replace(mins=torch.zeros_like(w.scales)) for w in weights]
     mins = None if weights[0].mins is None else torch.cat([w.mins for w in weights])
     k_scales = None  # kept where every shard has them; otherwise the fp32 ones serve
     if all(w.k_scales is not None for w in weights):
-        k_scales = KScales(*(torch.cat(parts) for parts in zip(*(w.k_scales for w in weights))))
+        k_scales = KScales(*(None if parts[0] is None else torch.cat(parts) for parts in zip(*(w.k_scales for w in weights))))
     return QuantizedWeight(
         weights[0].format, torch.cat([w.quants for w in weights]), torch.cat([w.scales for w in weights]), mins,
         k_scales,
@@ -202,6 +269,7 @@ def cat(weights: list[QuantizedWeight]) -> QuantizedWeight:
 def as_bytes(weight: QuantizedWeight) -> QuantizedWeight:
     """The same weight in the q8_0 layout, exactly: a q4_1 or q5_1 quant u (0..31) is the byte u,
     under the same scale and min."""
+    assert weight.format != "q6_k", "a q6_k weight's scales are per 16 inputs: requantize it"
     if weight.format == "q8_0":
         return weight
     return QuantizedWeight("q8_0", block_quants(weight).to(torch.int8).reshape(weight.out_features, -1),
@@ -210,8 +278,8 @@ def as_bytes(weight: QuantizedWeight) -> QuantizedWeight:
 
 def block_quants(weight: QuantizedWeight) -> torch.Tensor:
     """[N, K / 32, 32]: each block's integer quants in input order (q4_1: 0..15 uint8, its nibbles
-    unpacked; q5_1: 0..31 uint8; q8_0: int8)."""
-    rows, blocks = weight.scales.shape
+    unpacked; q5_1: 0..31 uint8; q6_k: 0..63 uint8; q8_0: int8)."""
+    rows, blocks = weight.out_features, weight.in_features // BLOCK
     if weight.format == "q8_0":
         return weight.quants.reshape(rows, blocks, BLOCK)
     packed = weight.quants.reshape(rows, blocks, LAYOUT_BYTES[weight.format])
@@ -219,16 +287,25 @@ def block_quants(weight: QuantizedWeight) -> torch.Tensor:
     if weight.format == "q5_1":
         high = packed[..., BLOCK // 2 :, None] >> torch.arange(8, dtype=torch.uint8)  # [.., 4 bytes, 8 bits]
         q |= (high.reshape(rows, blocks, BLOCK) & 1) << 4
+    elif weight.format == "q6_k":
+        pairs = packed[..., None, BLOCK // 2 :] >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None]
+        q |= (pairs.reshape(rows, blocks, BLOCK) & 3) << 4  # input 8 a + b: bits 2 a of byte b
     return q
+
+
+def _signed_quants(weight: QuantizedWeight) -> torch.Tensor:
+    """[N, K / scale, scale]: each scale's quants as they multiply it (q6_k's q - 32, per 16)."""
+    if weight.format != "q6_k":
+        return block_quants(weight)
+    return (block_quants(weight).to(torch.int16) - Q6_OFFSET).reshape(weight.out_features, -1, SUB_BLOCK)
 
 
 def dequantize(weight: QuantizedWeight) -> torch.Tensor:
     """[N, K] fp32, bit for bit what gguf-py (and so transformers) makes of the same blocks."""
-    rows, blocks = weight.scales.shape
-    w = weight.scales[..., None] * block_quants(weight).float()
+    w = weight.scales[..., None] * _signed_quants(weight).float()
     if weight.mins is not None:
         w = w + weight.mins[..., None]
-    return w.reshape(rows, blocks * BLOCK)
+    return w.reshape(weight.out_features, weight.in_features)
 
 
 def linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -262,10 +339,12 @@ def linear_int8(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | N
     only the kernel's fp32 sums differ from it."""
     shape = x.shape
     rows = quantize_rows(x.reshape(-1, shape[-1]).float())
-    n, blocks = weight.scales.shape
-    v = rows.v.reshape(-1, blocks, BLOCK)
-    dots = torch.einsum("mbk,nbk->mnb", v.double(), block_quants(weight).double())  # exact: integers below 2^53
-    y = (dots * weight.scales.double()[None] * rows.e.double()[:, None]).sum(-1)
+    q = _signed_quants(weight)
+    n, per_scale = q.shape[0], q.shape[1] // rows.e.shape[1]  # scales a block of x: 1, or q6_k's 2
+    v = rows.v.reshape(-1, q.shape[1], q.shape[2])
+    dots = torch.einsum("mbk,nbk->mnb", v.double(), q.double())  # exact: integers below 2^53
+    e = rows.e.double().repeat_interleave(per_scale, dim=1)
+    y = (dots * weight.scales.double()[None] * e[:, None]).sum(-1)
     if weight.mins is not None:
         y += rows.s.double() @ weight.mins.double().T
     y = y.float()

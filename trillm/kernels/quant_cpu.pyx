@@ -15,7 +15,10 @@ from trillm.kernels.quant_int8_cpu_h cimport (
     int8_quantize_rows, int8_weight, int8_weight_of,
 )
 
-from trillm.kernels.quant import BLOCK, LAYOUT_BYTES, SUPER_BLOCKS, QuantizedRows, QuantizedWeight, weight_of_rows
+from trillm.kernels import quant
+from trillm.kernels.quant import (
+    BLOCK, LAYOUT_BYTES, SUPER_BLOCKS, QuantizedRows, QuantizedWeight, weight_of_rows,
+)
 
 cdef extern from "quant_cpu.h" nogil:
     int QUANT_Q4_1
@@ -36,8 +39,17 @@ def isas() -> list[str]:
 
 
 def runs(weight: QuantizedWeight) -> bool:
-    """Whether the kernels take this weight: its rows must fill tiles of 16."""
+    """Whether the fp32 kernel takes this weight: its rows must fill tiles of 16."""
     return weight.format in FORMATS and weight.out_features % TILE_N == 0
+
+
+# the integer kernel's layouts and their bits (quant_int8_cpu.h)
+INT8_BITS = {"q4_1": 4, "q5_1": 5, "q6_k": 6, "q8_0": 8}
+
+
+def int8_runs(weight: QuantizedWeight) -> bool:
+    """Whether the integer kernel takes this weight: its rows must fill tiles of 16."""
+    return weight.format in INT8_BITS and weight.out_features % TILE_N == 0
 
 
 TILES_AT_ONCE = 256  # a weight is regrouped this many tiles (4096 rows) at a time
@@ -45,29 +57,36 @@ TILES_AT_ONCE = 256  # a weight is regrouped this many tiles (4096 rows) at a ti
 
 def _tiled(per_row, tiles: int, blocks: int, lanes: int = 1, transform=None):
     """[N, blocks * c * lanes] -> [N / 16, blocks, c, 16] (lanes > 1: [N / 16, blocks, c, 16,
-    lanes], `lanes` bytes of a row kept together): a tile's 16 rows side by side, block by block.
-    Regrouped TILES_AT_ONCE tiles at a time into one tensor, `transform` applied to each slice
-    first, so that a large weight (a vocabulary projection) holds one slice beside it while it is
-    regrouped, not a second copy of itself."""
+    lanes], `lanes` bytes of a row kept together, moved as one 32-bit word where there are 4):
+    a tile's 16 rows side by side, block by block. Regrouped TILES_AT_ONCE tiles at a time into
+    one tensor, `transform` applied to each slice first, so that a large weight (a vocabulary
+    projection) holds one slice beside it while it is regrouped, not a second copy of itself."""
+    words = lanes == 4
     out = None
     for start in range(0, tiles, TILES_AT_ONCE):
         part = per_row[start * TILE_N : (start + TILES_AT_ONCE) * TILE_N]
         if transform is not None:
             part = transform(part)
-        part = part.reshape(-1, TILE_N, blocks, part.shape[1] // blocks // lanes, lanes).permute(0, 2, 3, 1, 4)
+        if words:
+            part = part.contiguous().view(torch.int32)
+        grouped = 1 if words else lanes
+        part = part.reshape(-1, TILE_N, blocks, part.shape[1] // blocks // grouped, grouped).permute(0, 2, 3, 1, 4)
         if out is None:
             out = part.new_empty((tiles, *part.shape[1:]))
         out[start : start + part.shape[0]] = part
+    if words:
+        return out.view(torch.uint8)
     return out if lanes > 1 else out.squeeze(-1)
 
 
-def _split_q5(weight: QuantizedWeight):
-    """A q5_1 weight's quants as ([N, K / 2] nibbles laid out as q4_1's, [N, K / 32, 4] bytes of
-    fifth bits, bit j of a block's little-endian word input j's); for other formats (quants, None)."""
-    if weight.format != "q5_1":
+def _split_nibbles(weight: QuantizedWeight):
+    """A q5_1 or q6_k weight's quants as ([N, K / 2] nibbles laid out as q4_1's, [N, K / 32, c]
+    bytes of the top bits: q5_1's 4, bit j of a block's little-endian word input j's; q6_k's 8,
+    input j's bit pair at bits 2 (j / 8) of byte j % 8); for other formats (quants, None)."""
+    if weight.format not in ("q5_1", "q6_k"):
         return weight.quants, None
-    rows, blocks = weight.scales.shape
-    per_block = weight.quants.reshape(rows, blocks, LAYOUT_BYTES["q5_1"])
+    rows, blocks = weight.out_features, weight.in_features // BLOCK
+    per_block = weight.quants.reshape(rows, blocks, LAYOUT_BYTES[weight.format])
     return per_block[..., : BLOCK // 2].reshape(rows, -1), per_block[..., BLOCK // 2 :]
 
 
@@ -91,6 +110,99 @@ def requantize(weight) -> QuantizedWeight:
     return weight_of_rows(QuantizedRows(v, e, s))
 
 
+cdef void _q4_k_quants(const uint8_t *src, int64_t supers, int64_t stride, uint8_t *out) noexcept nogil:
+    """Q4_K super-blocks (`stride` bytes apart, their 128 bytes of nibbles at 16) -> eight q4_1
+    blocks of 16 bytes each: 32-byte chunk c holds sub-block 2c in its low nibbles and 2c + 1 in
+    its high ones, value j of a chunk in byte j."""
+    cdef int64_t n
+    cdef int c, j
+    cdef const uint8_t *qs
+    for n in range(supers):
+        qs = src + n * stride + 16
+        for c in range(4):
+            for j in range(16):
+                out[(2 * c) * 16 + j] = (qs[32 * c + j] & 15) | ((qs[32 * c + j + 16] & 15) << 4)
+                out[(2 * c + 1) * 16 + j] = (qs[32 * c + j] >> 4) | (qs[32 * c + j + 16] & 0xF0)
+        out += 128
+
+
+cdef void _q5_k_quants(const uint8_t *src, int64_t supers, uint8_t *out) noexcept nogil:
+    """Q5_K super-blocks (176 bytes: 32 bytes of fifth bits at 16, bit s of byte l value l of
+    sub-block s's; nibbles at 48 as Q4_K's) -> eight q5_1 blocks of 20 bytes: the nibbles, then
+    a little-endian word whose bit j is input j's fifth bit."""
+    cdef int64_t n
+    cdef int c, j, s, a, b
+    cdef const uint8_t *qs
+    cdef const uint8_t *qh
+    cdef uint8_t byte
+    for n in range(supers):
+        qh = src + n * 176 + 16
+        qs = qh + 32
+        for c in range(4):
+            for j in range(16):
+                out[(2 * c) * 20 + j] = (qs[32 * c + j] & 15) | ((qs[32 * c + j + 16] & 15) << 4)
+                out[(2 * c + 1) * 20 + j] = (qs[32 * c + j] >> 4) | (qs[32 * c + j + 16] & 0xF0)
+        for s in range(8):
+            for a in range(4):
+                byte = 0
+                for b in range(8):
+                    byte |= ((qh[8 * a + b] >> s) & 1) << b
+                out[s * 20 + 16 + a] = byte
+        out += 160
+
+
+cdef void _q6_k_quants(const uint8_t *src, int64_t supers, uint8_t *out) noexcept nogil:
+    """Q6_K super-blocks (210 bytes: 128 of low nibbles, 64 of top bit pairs; quant.py's
+    _from_q6_k says where value l of each quarter of a half lies) -> eight q6_k blocks of 24
+    bytes: q4_1's nibbles, then input j's pair at bits 2 (j / 8) of byte 16 + j % 8."""
+    cdef int64_t n
+    cdef int half, quarter, j, a
+    cdef const uint8_t *ql
+    cdef const uint8_t *qh
+    cdef uint8_t q[32]
+    cdef uint8_t *block
+    for n in range(supers):
+        for half in range(2):
+            ql = src + n * 210 + 64 * half
+            qh = src + n * 210 + 128 + 32 * half
+            for quarter in range(4):
+                for j in range(32):
+                    q[j] = ((ql[j + 32 * (quarter & 1)] >> (4 * (quarter >> 1))) & 15) | (
+                        ((qh[j] >> (2 * quarter)) & 3) << 4)
+                block = out + (4 * half + quarter) * 24
+                for j in range(16):
+                    block[j] = (q[j] & 15) | ((q[j + 16] & 15) << 4)
+                for j in range(8):
+                    block[16 + j] = 0
+                    for a in range(4):
+                        block[16 + j] |= (q[8 * a + j] >> 4) << (2 * a)
+        out += 192
+
+
+def from_gguf(format: str, blocks) -> QuantizedWeight:
+    """quant.from_gguf, bit for bit, with the K-quants' quants unpacked by the loops above:
+    loading a file's Q4_K / Q5_K / Q6_K tensors in a fraction of the torch twin's time (which
+    runs a dozen whole-tensor passes of byte operations, each a fresh allocation)."""
+    if format not in ("q4_k", "q5_k", "q6_k"):
+        return quant.from_gguf(format, blocks)
+    blocks = blocks.contiguous()
+    cdef int64_t rows = blocks.shape[0]
+    cdef int64_t stride = quant.GGUF_BLOCKS[format][1]
+    cdef int64_t supers = blocks.shape[1] // stride * rows
+    quants = torch.empty(rows, supers // rows * 8 * LAYOUT_BYTES[quant.LAYOUT_OF[format]], dtype=torch.uint8)
+    cdef const uint8_t *src = <const uint8_t *><uintptr_t>blocks.data_ptr()
+    cdef uint8_t *out = <uint8_t *><uintptr_t>quants.data_ptr()
+    cdef int bits = {"q4_k": 4, "q5_k": 5, "q6_k": 6}[format]
+    with nogil:
+        if bits == 4:
+            _q4_k_quants(src, supers, stride, out)
+        elif bits == 5:
+            _q5_k_quants(src, supers, out)
+        else:
+            _q6_k_quants(src, supers, out)
+    return quant.with_scales_of(format, blocks, quants)
+
+
 class _TiledLinear:
     """What both linears share: the input's checks and shape, the output, the bias. A subclass
     regroups its weight once and multiplies in `_multiply(out, x2)`, which returns the C
@@ -98,6 +210,8 @@ class _TiledLinear:
     the kernels do not read."""
 
     runs = staticmethod(runs)
+    layouts = frozenset(FORMATS)  # the layouts of quant.py it multiplies by
+    from_gguf = staticmethod(from_gguf)
     requantize = staticmethod(requantize)
 
     def __call__(self, x, bias=None):
@@ -121,7 +235,7 @@ class QuantizedLinear(_TiledLinear):
         self.format = FORMATS[weight.format]
         self.out_features, self.in_features = weight.out_features, weight.in_features
         tiles, blocks = weight.out_features // TILE_N, weight.in_features // BLOCK
-        nibbles, fifths = _split_q5(weight)
+        nibbles, fifths = _split_nibbles(weight)
         self.quants, self.scales = _tiled(nibbles, tiles, blocks), _tiled(weight.scales, tiles, blocks)
         self.mins = _tiled(weight.mins, tiles, blocks) if weight.mins is not None else None
         # q5_1: each row's 32-bit word of fifth bits per block, [N / 16, blocks, 1, 16]
@@ -150,25 +264,33 @@ class Int8QuantizedLinear(_TiledLinear):
     quantized to 8-bit blocks (quant_int8_cpu.h says how). `isa` picks the kernel's path (one of
     isas(); the widest by default)."""
 
+    runs = staticmethod(int8_runs)
+    layouts = frozenset(INT8_BITS)
+
     def __init__(self, weight: QuantizedWeight, isa: str | None = None):
-        assert runs(weight), (weight.format, weight.out_features)
+        assert int8_runs(weight), (weight.format, weight.out_features)
         assert isa is None or isa in isas(), (isa, isas())
         self.isa = ISAS[isa] if isa is not None else int8_best_isa()
         self.out_features, self.in_features = weight.out_features, weight.in_features
         tiles, blocks = weight.out_features // TILE_N, weight.in_features // BLOCK
-        self.bits = {"q4_1": 4, "q5_1": 5, "q8_0": 8}[weight.format]
+        self.bits = INT8_BITS[weight.format]
 
         # the quants as bytes [N / 16, blocks, c, 16, 4]: 4 inputs per 32-bit lane
-        self.h = None  # q5_1's plane of fifth bits, [N / 16, blocks, 16, 4] (quant_int8_cpu.h)
+        self.h = None  # q5_1's plane of fifth bits, q6_k's two of bit pairs (quant_int8_cpu.h)
         if self.bits != 8:
-            nibbles, fifths = _split_q5(weight)
+            nibbles, top = _split_nibbles(weight)
             self.u = _tiled(nibbles, tiles, blocks, lanes=4)
-            if fifths is not None:
-                self.h = _fifth_bit_plane(fifths, tiles, blocks)
+            if self.bits == 5:
+                self.h = _fifth_bit_plane(top, tiles, blocks)
+            elif self.bits == 6:
+                self.h = _bit_pair_planes(top, tiles, blocks)
         else:  # Q8_0's q as u = q + 128 (the kernel takes the 128 back off)
             self.u = _tiled(weight.quants, tiles, blocks, lanes=4, transform=lambda q: q.view(torch.uint8) ^ 0x80)
         self.d = self.m = self.sc = self.mn = self.dk = self.mk = None
-        if weight.k_scales is not None:  # the file's own scales, streamed in place of d and m
+        if self.bits == 6:  # each half block's signed factor [N / 16, blocks, 2, 16], the super-blocks' d
+            self.sc = _tiled(weight.k_scales.sc.view(torch.uint8), tiles, blocks)
+            self.dk = _tiled(weight.k_scales.d, tiles, blocks // SUPER_BLOCKS)
+        elif weight.k_scales is not None:  # the file's own scales, streamed in place of d and m
             k = weight.k_scales
             self.sc, self.mn = _tiled(k.sc, tiles, blocks), _tiled(k.mn, tiles, blocks)
             self.dk, self.mk = _tiled(k.d, tiles, blocks // SUPER_BLOCKS), _tiled(k.mk, tiles, blocks // SUPER_BLOCKS)
@@ -186,6 +308,39 @@ class Int8QuantizedLinear(_TiledLinear):
         with nogil:
             rc = int8_linear(out_ptr, x_ptr, M, K, N, &w, isa, pool_cpu.run, chunks)
         return rc
+
+
+def _bit_pair_planes(pairs, tiles: int, blocks: int):
+    """[N, blocks, 8] bytes of bit pairs (input j's at bits 2 (j / 8) of byte j % 8) -> the integer
+    kernel's planes [N / 16, blocks, 2, 16, 4]: bits 2 g' of the byte of row i and column c in
+    plane p hold the pair of input 16 p + 4 g' + c, the value register 4 p + g' of unpacked
+    nibbles holds in that byte. Each row's bytes are reordered by the loop below, then its
+    words regrouped into tiles."""
+    pairs = pairs.contiguous()
+    by_row = torch.empty_like(pairs)
+    cdef int64_t n = pairs.numel() // 8
+    cdef const uint8_t *src = <const uint8_t *><uintptr_t>pairs.data_ptr()
+    cdef uint8_t *out = <uint8_t *><uintptr_t>by_row.data_ptr()
+    with nogil:
+        _pair_planes(src, n, out)
+    return _tiled(by_row.reshape(pairs.shape[0], -1), tiles, blocks, lanes=4)
+
+
+cdef void _pair_planes(const uint8_t *src, int64_t n, uint8_t *out) noexcept nogil:
+    """n blocks' 8 bytes of bit pairs -> each block's planes, byte 4 p + c (p, c as above)."""
+    cdef int64_t k
+    cdef int p, c, g, j
+    cdef uint8_t byte
+    for k in range(n):
+        for p in range(2):
+            for c in range(4):
+                byte = 0
+                for g in range(4):
+                    j = 16 * p + 4 * g + c
+                    byte |= ((src[j % 8] >> (2 * (j // 8))) & 3) << (2 * g)
+                out[4 * p + c] = byte
+        src += 8
+        out += 8
 
 
 def _fifth_bit_plane(fifths, tiles: int, blocks: int):

@@ -30,7 +30,16 @@
  * 6-bit factors, and dk and mk, [N / 16, K / 256, 16] fp32, each super-block's d and -dmin, so
  * d = dk sc and m = mk mn, computed in registers, exactly the fp32 products the twin uses: a
  * decode step streams 3 bytes of scales a block and row where fp32 d and m take 8.
- * Activations: v [M, K] int8, e and s [M, K / 32].
+ * Q6_K keeps its own form too (bits 6): u = q, 0..63, w = d sc (q - 32), sc a signed 8-bit factor
+ * for each half of a block (16 inputs) and d the super-block's. Its low nibbles as Q4_1's; h two
+ * planes, [N / 16, K / 32, 2, 16, 4] bytes, plane p holding the top two bits of the values of
+ * groups 4p..4p + 3 (the low nibbles' registers for p = 0, the high ones' for 1), group 4p + j's
+ * at bits 2j and 2j + 1, so that a shift and a mask put them in place as Q5_1's fifth bits; sc
+ * [N / 16, K / 32, 2, 16] int8 (each block's lower half, then its upper one); dk as above; d, m,
+ * mn and mk NULL. A block's sum is then d e (sc0 (sum0 u v - 32 sum0 v) + sc1 (sum1 u v - 32 sum1
+ * v)) over its halves, the sums of v (32 times, c) quantized beside v: 6.6 bits a weight, as the
+ * file's 6.6, where 8-bit blocks of the same values would take 9.
+ * Activations: v [M, K] int8, e and s [M, K / 32]; c [M, K / 16] int32 for Q6_K weights.
  *
  * Three paths, chosen at run time, each checked against quant.py's twin: AVX512-VNNI; AVX2 (each
  * 16-row register split in two 8-row halves, with AVX-VNNI's `vpdpbusd` where the CPU has it,
@@ -55,11 +64,13 @@
 enum int8_isa { INT8_AUTO = 0, INT8_GENERIC = 1, INT8_AVX2 = 2, INT8_AVXVNNI = 3, INT8_AVX512VNNI = 4 };
 
 struct int8_weight {
-    int bits; /* 4: Q4_1's packed nibbles; 5: those and a plane of fifth bits (Q5_1); 8: a byte per input (Q8_0) */
+    /* 4: Q4_1's packed nibbles; 5: those and a plane of fifth bits (Q5_1); 6: those and two planes of
+     * top bit pairs (Q6_K); 8: a byte per input (Q8_0) */
+    int bits;
     int64_t tiles, blocks;
-    const uint8_t *u, *h; /* h: the fifth bits, 5 bits only */
+    const uint8_t *u, *h; /* h: the fifth bits or bit pairs, 5 and 6 bits only */
     const float *d, *m;   /* m: NULL for a Q8_0 weight without mins of its own; both NULL with sc */
-    const uint8_t *sc, *mn; /* K-quant scales (above), or NULL */
+    const uint8_t *sc, *mn; /* K-quant scales (above), or NULL; 6 bits: sc signed, mn NULL */
     const float *dk, *mk;
 };
 
@@ -82,7 +93,18 @@ struct int8_rows {
     int64_t K, blocks;
     const int8_t *v;
     const float *e, *s;
+    const int32_t *c; /* for a Q6_K weight: 32 sum v over each half block, [M, blocks, 2]; else NULL */
 };
+
+/* c of x's rows (above), from their quantized v. */
+static void int8_half_sums(const int8_t *v, int64_t M, int64_t K, int32_t *c)
+{
+    for (int64_t half = 0; half < M * K / 16; half++) {
+        int32_t sum = 0;
+        for (int k = 0; k < 16; k++) sum += v[half * 16 + k];
+        c[half] = 32 * sum;
+    }
+}
 
 /* Quantizes x [M, K] fp32 (K a multiple of 32) into v, e, s, as the twin does: e = max|x| / 127,
  * v = round-half-even(x * (1 / e)) (0 where e is 0), s = e * sum(v). */
@@ -111,7 +133,15 @@ static void int8_quantize_rows_generic(const float *x, int64_t M, int64_t K, int
 typedef void int8_rows_kernel(int rows, float *out, int64_t N, const struct int8_rows *x, int64_t r0,
                               const struct int8_weight *w, int64_t t);
 
+/* 64-byte lines of quants a block and tile: 8 for bytes, 4 for nibbles */
 static inline int int8_weight_groups(const struct int8_weight *w) { return w->bits == 8 ? 8 : 4; }
+
+/* Q6_K's d sc of row i for half `half` of block b of tile t. */
+static inline float int8_q6_scale(const struct int8_weight *w, int64_t t, int64_t b, int64_t block, int half, int i)
+{
+    return w->dk[(t * (w->blocks / 8) + b / 8) * INT8_TILE_N + i] *
+           (float)((const int8_t *)w->sc)[(block * 2 + half) * INT8_TILE_N + i];
+}
 
 /* u of input k of output row i in block `block` (a tile's blocks follow each other). */
 static inline int32_t int8_weight_at(const struct int8_weight *w, int64_t block, int i, int k)
@@ -123,6 +153,10 @@ static inline int32_t int8_weight_at(const struct int8_weight *w, int64_t block,
     const int32_t nibble = k < 16 ? byte & 15 : byte >> 4;
     if (w->bits == 4) return nibble;
     const int group = j / 4 + (k < 16 ? 0 : 4); /* the register the nibble unpacks into */
+    if (w->bits == 6) {
+        const uint8_t pairs = w->h[((block * 2 + group / 4) * INT8_TILE_N + i) * 4 + k % 4];
+        return nibble | ((pairs >> (2 * (group % 4))) & 3) << 4;
+    }
     return nibble | ((w->h[block * INT8_TILE_N * 4 + i * 4 + k % 4] >> group) & 1) << 4;
 }
 
@@ -136,6 +170,15 @@ static void int8_rows_generic(int rows, float *out, int64_t N, const struct int8
             const int64_t block = t * w->blocks + b;
             const float e = x->e[(r0 + r) * x->blocks + b], s = x->s[(r0 + r) * x->blocks + b];
             for (int i = 0; i < INT8_TILE_N; i++) {
+                if (w->bits == 6) {
+                    int32_t half[2] = {0, 0};
+                    for (int k = 0; k < INT8_BLOCK; k++) half[k / 16] += int8_weight_at(w, block, i, k) * v[b * INT8_BLOCK + k];
+                    const int32_t *c = x->c + ((r0 + r) * x->blocks + b) * 2;
+                    const float inner = fmaf(int8_q6_scale(w, t, b, block, 0, i), (float)(half[0] - c[0]),
+                                             int8_q6_scale(w, t, b, block, 1, i) * (float)(half[1] - c[1]));
+                    acc[i] = fmaf(e, inner, acc[i]);
+                    continue;
+                }
                 int32_t dot = 0;
                 for (int k = 0; k < INT8_BLOCK; k++) dot += int8_weight_at(w, block, i, k) * v[b * INT8_BLOCK + k];
                 const float d = int8_d_at(w, t, b, block, i);
@@ -216,6 +259,10 @@ __attribute__((target("avx2"))) static void int8_quantize_rows_avx2(const float 
  * 16-bit shifts carry bits across bytes only into places the mask clears. */
 #define INT8_FIFTH_BITS(SLLI, SRLI, AND, plane, g, sixteen)                                               \
     AND((g) <= 4 ? SLLI(plane, 4 - (g)) : SRLI(plane, (g) - 4), sixteen)
+/* A bit-pair plane's pair j (bits 2j, 2j + 1) moved to bits 4 and 5 of every byte, alone (top =
+ * 0x30 in every byte), the same way. */
+#define INT8_BIT_PAIRS(SLLI, SRLI, AND, plane, j, top)                                                    \
+    AND((j) <= 2 ? SLLI(plane, 4 - 2 * (j)) : SRLI(plane, 2 * (j) - 4), top)
 
 /* Asks for the same block of the next tile while this one computes. A step streams every weight
  * once, and without this the kernel waits for memory at each tile (measured: the hardware's
@@ -227,6 +274,13 @@ static inline void int8_prefetch_next_tile(const struct int8_weight *w, int bits
     const int lines = int8_weight_groups(w);
     for (int g = 0; g < lines; g++) __builtin_prefetch(w->u + (ahead * lines + g) * 64);
     if (bits == 5) __builtin_prefetch(w->h + ahead * 64);
+    if (bits == 6) {
+        __builtin_prefetch(w->h + ahead * 128);
+        __builtin_prefetch(w->h + ahead * 128 + 64);
+        __builtin_prefetch(w->sc + ahead * 2 * INT8_TILE_N);
+        __builtin_prefetch(w->dk + (ahead / 8) * INT8_TILE_N);
+        return;
+    }
     if (w->sc != NULL) { /* the block's bytes; the super-block's d and -dmin share lines with neighbours' */
         __builtin_prefetch(w->sc + ahead * INT8_TILE_N);
         __builtin_prefetch(w->mn + ahead * INT8_TILE_N);
@@ -251,7 +305,13 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline)) static inl
         const int64_t block = t * w->blocks + b;
         int8_prefetch_next_tile(w, bits, block);
         __m512 d, m;
-        if (w->sc != NULL) {
+        if (bits == 6) { /* d: the lower half's d sc, m: the upper half's */
+            const __m512 dk = _mm512_loadu_ps(w->dk + (t * (w->blocks / 8) + b / 8) * INT8_TILE_N);
+            const int8_t *sc = (const int8_t *)w->sc + block * 2 * INT8_TILE_N;
+            d = _mm512_mul_ps(dk, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)sc))));
+            m = _mm512_mul_ps(dk, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                      _mm_loadu_si128((const __m128i *)(sc + INT8_TILE_N)))));
+        } else if (w->sc != NULL) {
             const int64_t super = (t * (w->blocks / 8) + b / 8) * INT8_TILE_N;
             d = _mm512_mul_ps(_mm512_loadu_ps(w->dk + super), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
                                   _mm_loadu_si128((const __m128i *)(w->sc + block * INT8_TILE_N)))));
@@ -274,6 +334,14 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline)) static inl
                 _Pragma("GCC unroll 8") for (int g = 0; g < 8; g++) u[g] = _mm512_or_si512(
                     u[g], INT8_FIFTH_BITS(_mm512_slli_epi16, _mm512_srli_epi16, _mm512_and_si512, plane, g, sixteen));
             }
+            if (bits == 6) {
+                const __m512i top = _mm512_set1_epi8(0x30);
+                _Pragma("GCC unroll 2") for (int p = 0; p < 2; p++) {
+                    const __m512i plane = _mm512_loadu_si512(w->h + block * 128 + p * 64);
+                    _Pragma("GCC unroll 4") for (int j = 0; j < 4; j++) u[4 * p + j] = _mm512_or_si512(
+                        u[4 * p + j], INT8_BIT_PAIRS(_mm512_slli_epi16, _mm512_srli_epi16, _mm512_and_si512, plane, j, top));
+                }
+            }
         } else {
             const uint8_t *q = w->u + block * 8 * 64;
             _Pragma("GCC unroll 8") for (int g = 0; g < 8; g++) u[g] = _mm512_loadu_si512(q + g * 64);
@@ -286,8 +354,15 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline)) static inl
                 dot0 = _mm512_dpbusd_epi32(dot0, u[g], _mm512_set1_epi32(int8_word(v + 4 * g)));
                 dot1 = _mm512_dpbusd_epi32(dot1, u[g + 4], _mm512_set1_epi32(int8_word(v + 16 + 4 * g)));
             }
-            const __m512i dot = _mm512_add_epi32(dot0, dot1);
             const int64_t at = (r0 + r) * x->blocks + b;
+            if (bits == 6) {
+                const __m512 low_half = _mm512_cvtepi32_ps(_mm512_sub_epi32(dot0, _mm512_set1_epi32(x->c[2 * at])));
+                const __m512 high_half = _mm512_cvtepi32_ps(_mm512_sub_epi32(dot1, _mm512_set1_epi32(x->c[2 * at + 1])));
+                acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x->e[at]), _mm512_fmadd_ps(d, low_half, _mm512_mul_ps(m, high_half)),
+                                         acc[r]);
+                continue;
+            }
+            const __m512i dot = _mm512_add_epi32(dot0, dot1);
             acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(x->e[at])), _mm512_cvtepi32_ps(dot), acc[r]);
             if (bits == 8) acc[r] = _mm512_fmadd_ps(d, _mm512_set1_ps(-128.0f * x->s[at]), acc[r]);
             if (bits != 8 || int8_has_mins(w)) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(x->s[at]), acc[r]);
@@ -307,6 +382,8 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline)) static inl
             BODY(R, 4, out, N, x, r0, w, t);                                                               \
         else if (w->bits == 5)                                                                             \
             BODY(R, 5, out, N, x, r0, w, t);                                                               \
+        else if (w->bits == 6)                                                                             \
+            BODY(R, 6, out, N, x, r0, w, t);                                                               \
         else                                                                                               \
             BODY(R, 8, out, N, x, r0, w, t);                                                               \
         break;
@@ -318,10 +395,12 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) static void int8_rows_avx
 }
 
 /* The AVX2 body, once with AVX-VNNI's vpdpbusd and once with vpmaddubsw + vpmaddwd (DOT_NIBBLES:
- * a block's dot of unsigned values below 16; DOT_FIVES: below 32; DOT_BYTES: of any u, a Q8_0
- * byte; BYTES_DOT_Q: 1 when DOT_BYTES sums q v (q = u - 128) rather than u v, which leaves out the
- * -128 d s that Q8_0's u would otherwise add). */
-#define INT8_DEFINE_AVX2_BODY(NAME, TARGET, DOT_NIBBLES, DOT_FIVES, DOT_BYTES, BYTES_DOT_Q)                \
+ * a block's dot of unsigned values below 16; DOT_FIVES: below 32; DOT_SIXES: half p's (groups
+ * 4p..4p + 3) of values below 64; DOT_BYTES: of any u, a Q8_0 byte; BYTES_DOT_Q: 1 when DOT_BYTES
+ * sums q v (q = u - 128) rather than u v, which leaves out the -128 d s that Q8_0's u would
+ * otherwise add). `half` there is a tile's lower or upper 8 rows, `p` a block's lower or upper 16
+ * inputs. */
+#define INT8_DEFINE_AVX2_BODY(NAME, TARGET, DOT_NIBBLES, DOT_FIVES, DOT_SIXES, DOT_BYTES, BYTES_DOT_Q)     \
     __attribute__((target(TARGET), always_inline)) static inline void NAME(                                \
         int rows, int bits, float *out, int64_t N, const struct int8_rows *x, int64_t r0,                    \
         const struct int8_weight *w, int64_t t)                                                            \
@@ -333,8 +412,14 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) static void int8_rows_avx
             const int64_t block = t * w->blocks + b;                                                       \
             int8_prefetch_next_tile(w, bits, block);                                                       \
             for (int half = 0; half < 2; half++) {                                                         \
-                __m256 d, m;                                                                               \
-                if (w->sc != NULL) {                                                                       \
+                __m256 d, m; /* 6 bits: the lower 16 inputs' d sc, and the upper's */                     \
+                if (bits == 6) {                                                                           \
+                    const __m256 dk = _mm256_loadu_ps(w->dk + (t * (w->blocks / 8) + b / 8) * INT8_TILE_N + 8 * half); \
+                    const int8_t *sc = (const int8_t *)w->sc + block * 2 * INT8_TILE_N + 8 * half;         \
+                    d = _mm256_mul_ps(dk, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)sc)))); \
+                    m = _mm256_mul_ps(dk, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(                         \
+                                              _mm_loadl_epi64((const __m128i *)(sc + INT8_TILE_N)))));     \
+                } else if (w->sc != NULL) {                                                                \
                     const int64_t super = (t * (w->blocks / 8) + b / 8) * INT8_TILE_N + 8 * half;          \
                     const int64_t at8 = block * INT8_TILE_N + 8 * half;                                    \
                     d = _mm256_mul_ps(_mm256_loadu_ps(w->dk + super), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32( \
@@ -360,15 +445,35 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) static void int8_rows_avx
                             u[g], INT8_FIFTH_BITS(_mm256_slli_epi16, _mm256_srli_epi16, _mm256_and_si256,  \
                                                   plane, g, sixteen));                                     \
                     }                                                                                      \
+                    if (bits == 6) {                                                                       \
+                        const __m256i top = _mm256_set1_epi8(0x30);                                        \
+                        for (int p = 0; p < 2; p++) {                                                      \
+                            const __m256i plane = _mm256_loadu_si256(                                      \
+                                (const __m256i *)(w->h + block * 128 + p * 64 + 32 * half));               \
+                            _Pragma("GCC unroll 4") for (int j = 0; j < 4; j++) u[4 * p + j] = _mm256_or_si256( \
+                                u[4 * p + j], INT8_BIT_PAIRS(_mm256_slli_epi16, _mm256_srli_epi16,         \
+                                                             _mm256_and_si256, plane, j, top));            \
+                        }                                                                                  \
+                    }                                                                                      \
                 } else {                                                                                   \
                     const uint8_t *q = w->u + block * 8 * 64 + 32 * half;                                  \
                     for (int g = 0; g < 8; g++) u[g] = _mm256_loadu_si256((const __m256i *)(q + g * 64));  \
                 }                                                                                          \
                 _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) {                                   \
                     const int8_t *v = x->v + (r0 + r) * x->K + b * INT8_BLOCK;                             \
+                    const int64_t at = (r0 + r) * x->blocks + b;                                           \
+                    if (bits == 6) {                                                                       \
+                        const __m256 lower = _mm256_cvtepi32_ps(                                           \
+                            _mm256_sub_epi32(DOT_SIXES(u, v, 0), _mm256_set1_epi32(x->c[2 * at])));        \
+                        const __m256 upper = _mm256_cvtepi32_ps(                                           \
+                            _mm256_sub_epi32(DOT_SIXES(u, v, 1), _mm256_set1_epi32(x->c[2 * at + 1])));    \
+                        acc[r][half] = _mm256_fmadd_ps(_mm256_set1_ps(x->e[at]),                           \
+                                                       _mm256_fmadd_ps(d, lower, _mm256_mul_ps(m, upper)), \
+                                                       acc[r][half]);                                      \
+                        continue;                                                                          \
+                    }                                                                                      \
                     const __m256i dot = bits == 4 ? DOT_NIBBLES(u, v) : bits == 5 ? DOT_FIVES(u, v)        \
                                                                               : DOT_BYTES(u, v);           \
-                    const int64_t at = (r0 + r) * x->blocks + b;                                           \
                     acc[r][half] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(x->e[at])),             \
                                                    _mm256_cvtepi32_ps(dot), acc[r][half]);                 \
                     if (bits == 8 && !BYTES_DOT_Q)                                                         \
@@ -417,6 +522,20 @@ __attribute__((target("avx2"), always_inline)) static inline __m256i int8_block_
     return dot;
 }
 
+/* Six bits: a pair sum is at most 2 * 63 * 127 = 16002, so two groups add up in 16 bits (32004):
+ * half p's four groups take two vpmaddwd. */
+__attribute__((target("avx2"), always_inline)) static inline __m256i int8_half_sixes_maddubs(const __m256i u[8],
+                                                                                              const int8_t *v, int p)
+{
+    __m256i dot = _mm256_setzero_si256();
+    for (int g = 4 * p; g < 4 * p + 4; g += 2) {
+        const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(u[g], int8_group(v, g)),
+                                               _mm256_maddubs_epi16(u[g + 1], int8_group(v, g + 1)));
+        dot = _mm256_add_epi32(dot, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+    }
+    return dot;
+}
+
 /* sum q v for Q8_0 bytes u = q + 128, by the sign trick: |q| (0x80 reads as 128 unsigned) against
  * v with q's sign; |q| <= 128 and |v| <= 127, so a 16-bit pair sum cannot saturate, but two of
  * them could: each group is widened on its own. */
@@ -440,10 +559,18 @@ __attribute__((target("avx2,avxvnni"), always_inline)) static inline __m256i int
     return dot;
 }
 
+__attribute__((target("avx2,avxvnni"), always_inline)) static inline __m256i int8_half_avxvnni(const __m256i u[8],
+                                                                                                const int8_t *v, int p)
+{
+    __m256i dot = _mm256_setzero_si256();
+    for (int g = 4 * p; g < 4 * p + 4; g++) dot = _mm256_dpbusd_avx_epi32(dot, u[g], int8_group(v, g));
+    return dot;
+}
+
 INT8_DEFINE_AVX2_BODY(int8_rows_avx2_body, "avx2,fma", int8_block_nibbles_maddubs, int8_block_fives_maddubs,
-                      int8_block_bytes_maddubs, 1)
+                      int8_half_sixes_maddubs, int8_block_bytes_maddubs, 1)
 INT8_DEFINE_AVX2_BODY(int8_rows_avxvnni_body, "avx2,fma,avxvnni", int8_block_avxvnni, int8_block_avxvnni,
-                      int8_block_avxvnni, 0)
+                      int8_half_avxvnni, int8_block_avxvnni, 0)
 
 __attribute__((target("avx2,fma"))) static void int8_rows_avx2(
     int rows, float *out, int64_t N, const struct int8_rows *x, int64_t r0, const struct int8_weight *w, int64_t t)
@@ -522,7 +649,7 @@ static void int8_rows(const void *ctx, int rows, int64_t r0, int64_t t)
 }
 
 /* out [M, N] = x [M, K] W^T, fp32, contiguous; K a multiple of 32 (of 256 with K-quant scales),
- * N of 16; W's bits, arrays and scales in the layout above (h NULL unless 5; its tiles and
+ * N of 16; W's bits, arrays and scales in the layout above (h NULL unless 5 or 6; its tiles and
  * blocks are set here); `isa` one this CPU runs (int8_isa_supported). x is quantized once, then
  * the output tiles are cut in about `chunks` pieces for `run` (shared_cpu.h). Returns 0, or -1
  * when out of memory. */
@@ -530,12 +657,15 @@ static int int8_linear(float *out, const float *x, int64_t M, int64_t K, int64_t
                        int isa, pool_runner *run, int64_t chunks)
 {
     const int64_t blocks = K / INT8_BLOCK;
-    int8_t *v = malloc((size_t)(M * K) + 2 * sizeof(float) * (size_t)(M * blocks));
+    const int64_t halves = weight->bits == 6 ? 2 * M * blocks : 0;
+    int8_t *v = malloc((size_t)(M * K) + 2 * sizeof(float) * (size_t)(M * blocks) + sizeof(int32_t) * (size_t)halves);
     if (v == NULL) return -1;
     float *e = (float *)(v + M * K); /* K is a multiple of 32: aligned for floats */
     float *s = e + M * blocks;
+    int32_t *c = halves ? (int32_t *)(s + M * blocks) : NULL;
     int8_quantize_rows(isa, x, M, K, v, e, s);
-    struct int8_job job = {int8_kernel_of(isa), out, N, {K, blocks, v, e, s}, *weight};
+    if (c != NULL) int8_half_sums(v, M, K, c);
+    struct int8_job job = {int8_kernel_of(isa), out, N, {K, blocks, v, e, s, c}, *weight};
     job.w.tiles = N / INT8_TILE_N;
     job.w.blocks = blocks;
     struct tile_loop loop = {int8_rows, &job, M, job.w.tiles, 0, INT8_M_TILE, INT8_ROWS};

@@ -4,9 +4,10 @@ the rest dense, and the token embeddings as rows read from the mapped file.
 Nothing goes through an fp32 copy of the model: each tensor is read from the file on its own
 (trillm/model/gguf_file.py), repacked or converted, and dropped before the next, so loading holds
 at most the model's kernel form and one tensor's worth beside it; a large tensor is repacked a
-slice of rows at a time. Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K blocks are repacked
-exactly into the kernels' layouts (trillm/kernels/quant.py); other formats are requantized to
-8-bit blocks from gguf-py's dequantization, which an INFO line counts. Where llama.cpp's converter
+slice of rows at a time. Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K blocks are
+repacked exactly into the kernels' layouts (trillm/kernels/quant.py) where the kernel reads that
+layout; other formats are requantized to 8-bit blocks from gguf-py's dequantization, which an
+INFO line counts. Where llama.cpp's converter
 permuted q and k rows for its RoPE layout (PERMUTED_QK), they get the reordering transformers
 applies; a repacked weight dequantizes to the tensor transformers loads from the file, which the
 tests check.
@@ -22,6 +23,7 @@ import torch
 from gguf import GGMLQuantizationType
 from transformers import PretrainedConfig
 
+from trillm.heap import trim_c_heap
 from trillm.kernels import quant
 from trillm.model.gguf_file import GGUFFile, TensorInfo, UnservableModel, to_float
 from trillm.model.gguf_model import GEMMA_ARCHITECTURES, PERMUTED_QK
@@ -34,7 +36,7 @@ UNQUANTIZED = frozenset({GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGM
 # the formats the kernels run, repacked into their layouts (trillm/kernels/quant.py)
 FORMATS = {GGMLQuantizationType.Q4_0: "q4_0", GGMLQuantizationType.Q4_1: "q4_1", GGMLQuantizationType.Q5_0: "q5_0",
            GGMLQuantizationType.Q5_1: "q5_1", GGMLQuantizationType.Q8_0: "q8_0", GGMLQuantizationType.Q4_K: "q4_k",
-           GGMLQuantizationType.Q5_K: "q5_k"}
+           GGMLQuantizationType.Q5_K: "q5_k", GGMLQuantizationType.Q6_K: "q6_k"}
 
 LAYER_TENSORS = {
     "attn_qkv": "self_attn.qkv_proj",  # Phi-3's, fused as ours
@@ -60,6 +62,7 @@ GEMMA_LAYER_TENSORS = {**LAYER_TENSORS, "ffn_norm": "pre_feedforward_layernorm",
 PHI3_LAYER_TENSORS = {**LAYER_TENSORS, "ffn_up": "mlp.gate_up_proj"}
 GLOBAL_TENSORS = {"token_embd.weight": "model.embed_tokens.weight", "output.weight": "lm_head.weight",
                   "output_norm.weight": "model.norm.weight"}
+VOCABULARY = frozenset({"output.weight", "token_embd.weight"})
 # derived from the config, not loaded (llama.cpp's frequency factors of Llama 3.1's RoPE)
 IGNORED = frozenset({"rope_freqs.weight"})
 ROWS_AT_ONCE = 4096  # a large tensor is repacked this many rows at a time
@@ -86,23 +89,29 @@ def is_projection(name: str) -> bool:
         name.endswith(".weight") and name.rpartition(".")[0].partition(".layers.")[2].partition(".")[2] in PROJECTIONS)
 
 
-def quantized_weights(file: GGUFFile, config: PretrainedConfig,
-                      requantize: Callable[[torch.Tensor], quant.QuantizedWeight] = quant.requantize,
-                      ) -> Iterator[tuple[str, quant.QuantizedWeight]]:
+def quantized_weights(file: GGUFFile, config: PretrainedConfig, kernel=None) -> Iterator[tuple[str, quant.QuantizedWeight]]:
     """(HF name, weight) for every quantized projection of the file, the token embeddings where
     they are tied (the vocabulary projection then; untied, they are a lookup table): repacked
-    exactly when its format is one of FORMATS, else requantized to 8-bit blocks by `requantize`
-    (quant.requantize, or the kernels' own twin of it). Unquantized tensors (F32, F16, BF16) are
-    left to `dense_weights`."""
+    exactly when its format is one of FORMATS and its layout one of the kernel's, else
+    requantized to 8-bit blocks. `kernel`: the linear class that will take them (its `layouts`,
+    and its twins of quant.from_gguf and quant.requantize, which load faster); None: every
+    layout, by the torch twins. Unquantized tensors (F32, F16, BF16) are left to
+    `dense_weights`."""
+    layouts = frozenset(quant.LAYOUT_BYTES) if kernel is None else kernel.layouts
+    repack = quant.from_gguf if kernel is None else kernel.from_gguf
+    requantize = quant.requantize if kernel is None else kernel.requantize
     requantized: dict[str, int] = {}
-    for info in file.tensors.values():
+    # the vocabulary projection first: converting it holds a second copy of the largest tensor
+    # for a moment, which then sits beside nothing else of the model
+    vocabulary_first = sorted(file.tensors.values(), key=lambda info: info.name not in VOCABULARY)
+    for info in vocabulary_first:
         name = hf_name(info.name, file.architecture)
         if name is None or info.kind in UNQUANTIZED or not is_projection(name):
             continue
         if name == "model.embed_tokens.weight" and not config.tie_word_embeddings:
             continue
-        if info.kind in FORMATS:
-            weight = _by_rows(info, lambda rows: quant.from_gguf(FORMATS[info.kind], torch.from_numpy(file.blocks(
+        if info.kind in FORMATS and quant.LAYOUT_OF[FORMATS[info.kind]] in layouts:
+            weight = _by_rows(info, lambda rows: repack(FORMATS[info.kind], torch.from_numpy(file.blocks(
                 info.name, rows))))
         else:
             weight = _by_rows(info, lambda rows: requantize(torch.from_numpy(to_float(file.blocks(
@@ -110,10 +119,12 @@ def quantized_weights(file: GGUFFile, config: PretrainedConfig,
             requantized[info.kind.name] = requantized.get(info.kind.name, 0) + 1
         order = _unpermute_order(file, config, name)
         yield name, weight if order is None else weight.rows(order)
+        del weight
+        trim_c_heap()  # the slices this tensor's conversion freed, before the next's pile on them
     if requantized:
         log.info("%s projections requantized to 8-bit blocks for the integer kernels, which read %s blocks as "
                  "they are", ", ".join(f"{count} {kind}" for kind, count in sorted(requantized.items())),
-                 ", ".join(k.name for k in FORMATS))
+                 ", ".join(k.name for k, f in FORMATS.items() if quant.LAYOUT_OF[f] in layouts))
 
 
 def dense_weights(file: GGUFFile, config: PretrainedConfig, skip: Callable[[str], bool]

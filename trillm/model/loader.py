@@ -180,7 +180,7 @@ def _load_gguf(args: EngineArgs, tp: TensorParallel, same_as: PretrainedConfig |
         quantized_linear = model.kernels.quantized_linear
         if args.quantized_weights and quantized_linear is not None:
             # first: the projections that move onto the blocks never read their dense tensors
-            blocks = gguf_weights.quantized_weights(file, config, quantized_linear.requantize)
+            blocks = gguf_weights.quantized_weights(file, config, quantized_linear)
             moved = load_quantized_weights(model, rank_shards(model, blocks))
             embeddings = model.model.embed_tokens
             if tp.size == 1 and (not config.tie_word_embeddings or model.lm_head.quantized is not None):
