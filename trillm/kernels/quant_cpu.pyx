@@ -11,13 +11,13 @@ import torch
 from trillm.kernels cimport pool_cpu
 from trillm.kernels.pool_cpu cimport pool_runner
 from trillm.kernels.quant_int8_cpu_h cimport (
-    INT8_AVX2, INT8_AVX512VNNI, INT8_AVXVNNI, INT8_GENERIC, int8_best_isa, int8_isa_supported, int8_linear,
-    int8_quantize_rows, int8_weight, int8_weight_of,
+    INT8_AVX2, INT8_AVX512VNNI, INT8_AVXVNNI, INT8_GENERIC, INT8_MAX_PARTS, int8_best_isa, int8_isa_supported,
+    int8_linear, int8_quantize_rows, int8_weight, int8_weights_of,
 )
 
 from trillm.kernels import quant
 from trillm.kernels.quant import (
-    BLOCK, LAYOUT_BYTES, SUPER_BLOCKS, QuantizedRows, QuantizedWeight, weight_of_rows,
+    BLOCK, LAYOUT_BYTES, SUPER_BLOCKS, QuantizedParts, QuantizedRows, QuantizedWeight, weight_of_rows,
 )
 
 cdef extern from "quant_cpu.h" nogil:
@@ -40,15 +40,17 @@ def isas() -> list[str]:
 
 def runs(weight: QuantizedWeight) -> bool:
     """Whether the fp32 kernel takes this weight: its rows must fill tiles of 16."""
-    return weight.format in FORMATS and weight.out_features % TILE_N == 0
+    return isinstance(weight, QuantizedWeight) and weight.format in FORMATS and weight.out_features % TILE_N == 0
 
 
 # the integer kernel's layouts and their bits (quant_int8_cpu.h)
 INT8_BITS = {"q4_1": 4, "q5_1": 5, "q6_k": 6, "q8_0": 8}
 
 
-def int8_runs(weight: QuantizedWeight) -> bool:
-    """Whether the integer kernel takes this weight: its rows must fill tiles of 16."""
+def int8_runs(weight: QuantizedWeight | QuantizedParts) -> bool:
+    """Whether the integer kernel takes this weight (each part's): its rows must fill tiles of 16."""
+    if isinstance(weight, QuantizedParts):
+        return len(weight.parts) <= INT8_MAX_PARTS and all(int8_runs(w) for w in weight.parts)
     return weight.format in INT8_BITS and weight.out_features % TILE_N == 0
 
 
@@ -211,6 +213,7 @@ class _TiledLinear:
 
     runs = staticmethod(runs)
     layouts = frozenset(FORMATS)  # the layouts of quant.py it multiplies by
+    takes_parts = False  # whether it takes QuantizedParts (else quant.cat promotes mixed shards to one layout)
     from_gguf = staticmethod(from_gguf)
     requantize = staticmethod(requantize)
 
@@ -260,23 +263,51 @@ class QuantizedLinear(_TiledLinear):
 
 
 class Int8QuantizedLinear(_TiledLinear):
-    """x -> x W^T (+ bias) for one QuantizedWeight as integer dot products: each row of x is
-    quantized to 8-bit blocks (quant_int8_cpu.h says how). `isa` picks the kernel's path (one of
-    isas(); the widest by default)."""
+    """x -> x W^T (+ bias) for one QuantizedWeight, or the QuantizedParts of a fused projection
+    whose shards keep different layouts, as integer dot products: each row of x is quantized to
+    8-bit blocks (quant_int8_cpu.h says how). `isa` picks the kernel's path (one of isas(); the
+    widest by default)."""
 
     runs = staticmethod(int8_runs)
     layouts = frozenset(INT8_BITS)
+    takes_parts = True
 
-    def __init__(self, weight: QuantizedWeight, isa: str | None = None):
-        assert int8_runs(weight), (weight.format, weight.out_features)
+    def __init__(self, weight: QuantizedWeight | QuantizedParts, isa: str | None = None):
+        assert int8_runs(weight), (weight, weight.out_features)
         assert isa is None or isa in isas(), (isa, isas())
         self.isa = ISAS[isa] if isa is not None else int8_best_isa()
         self.out_features, self.in_features = weight.out_features, weight.in_features
+        self.parts = tuple(Int8Part(w) for w in (weight.parts if isinstance(weight, QuantizedParts) else (weight,)))
+        assert len(self.parts) <= INT8_MAX_PARTS
+
+    @property
+    def bits(self) -> tuple[int, ...]:
+        """Each part's layout, in bits (quant_int8_cpu.h)."""
+        return tuple(part.bits for part in self.parts)
+
+    def _multiply(self, out, x2) -> int:
+        cdef int64_t M = x2.shape[0], K = self.in_features, N = self.out_features
+        cdef int isa = self.isa, rc = 0
+        cdef float *out_ptr = <float *><uintptr_t>out.data_ptr()
+        cdef const float *x_ptr = <const float *><uintptr_t>x2.data_ptr()
+        cdef int8_weight w[4]  # INT8_MAX_PARTS
+        cdef int parts = int8_weights_of(self, w)
+        cdef int64_t chunks = pool_cpu.chunks()
+        with nogil:
+            rc = int8_linear(out_ptr, x_ptr, M, K, N, w, parts, isa, pool_cpu.run, chunks)
+        return rc
+
+
+class Int8Part:
+    """One QuantizedWeight regrouped into the integer kernel's tiles: its quants as bytes [N / 16,
+    blocks, c, 16, 4] (4 inputs a 32-bit lane), the top bits' planes, the scales as the layout
+    keeps them (quant_int8_cpu.h)."""
+
+    def __init__(self, weight: QuantizedWeight):
+        self.out_features = weight.out_features
         tiles, blocks = weight.out_features // TILE_N, weight.in_features // BLOCK
         self.bits = INT8_BITS[weight.format]
-
-        # the quants as bytes [N / 16, blocks, c, 16, 4]: 4 inputs per 32-bit lane
-        self.h = None  # q5_1's plane of fifth bits, q6_k's two of bit pairs (quant_int8_cpu.h)
+        self.h = None  # q5_1's plane of fifth bits, q6_k's two of bit pairs
         if self.bits != 8:
             nibbles, top = _split_nibbles(weight)
             self.u = _tiled(nibbles, tiles, blocks, lanes=4)
@@ -297,17 +328,6 @@ class Int8QuantizedLinear(_TiledLinear):
         else:  # fp32 scales, and mins where the weight has them (Q4_1, Q5_1, a promoted Q8_0)
             self.d = _tiled(weight.scales, tiles, blocks)
             self.m = None if weight.mins is None else _tiled(weight.mins, tiles, blocks)
-
-    def _multiply(self, out, x2) -> int:
-        cdef int64_t M = x2.shape[0], K = self.in_features, N = self.out_features
-        cdef int isa = self.isa, rc = 0
-        cdef float *out_ptr = <float *><uintptr_t>out.data_ptr()
-        cdef const float *x_ptr = <const float *><uintptr_t>x2.data_ptr()
-        cdef int8_weight w = int8_weight_of(self)
-        cdef int64_t chunks = pool_cpu.chunks()
-        with nogil:
-            rc = int8_linear(out_ptr, x_ptr, M, K, N, &w, isa, pool_cpu.run, chunks)
-        return rc
 
 
 def _bit_pair_planes(pairs, tiles: int, blocks: int):

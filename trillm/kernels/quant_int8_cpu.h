@@ -634,30 +634,42 @@ static int int8_best_isa(void)
     return INT8_GENERIC;
 }
 
+/* A projection's output rows may come in parts of different layouts (a fused q|k|v whose v a
+ * K-quant file keeps in more bits than q and k): each part its own weight, of its own tiles. */
+#define INT8_MAX_PARTS 4
+
 struct int8_job {
     int8_rows_kernel *kernel;
     float *out;
     int64_t N;
     struct int8_rows x;
-    struct int8_weight w;
+    int parts;
+    struct int8_weight w[INT8_MAX_PARTS];
+    int64_t first_tile[INT8_MAX_PARTS + 1];
 };
 
 static void int8_rows(const void *ctx, int rows, int64_t r0, int64_t t)
 {
     const struct int8_job *job = ctx;
-    job->kernel(rows, job->out, job->N, &job->x, r0, &job->w, t);
+    int p = 0;
+    while (t >= job->first_tile[p + 1]) p++;
+    const int64_t first = job->first_tile[p];
+    job->kernel(rows, job->out + first * INT8_TILE_N, job->N, &job->x, r0, &job->w[p], t - first);
 }
 
 /* out [M, N] = x [M, K] W^T, fp32, contiguous; K a multiple of 32 (of 256 with K-quant scales),
- * N of 16; W's bits, arrays and scales in the layout above (h NULL unless 5 or 6; its tiles and
+ * N of 16; W in `parts` (1 to INT8_MAX_PARTS) weights stacked by rows, each's bits, arrays and
+ * scales in the layout above (h NULL unless 5 or 6), its tiles set and together N / 16 (their
  * blocks are set here); `isa` one this CPU runs (int8_isa_supported). x is quantized once, then
- * the output tiles are cut in about `chunks` pieces for `run` (shared_cpu.h). Returns 0, or -1
- * when out of memory. */
-static int int8_linear(float *out, const float *x, int64_t M, int64_t K, int64_t N, const struct int8_weight *weight,
-                       int isa, pool_runner *run, int64_t chunks)
+ * every part's output tiles are cut in about `chunks` pieces for `run` (shared_cpu.h). Returns
+ * 0, or -1 when out of memory. */
+static int int8_linear(float *out, const float *x, int64_t M, int64_t K, int64_t N, const struct int8_weight *weights,
+                       int parts, int isa, pool_runner *run, int64_t chunks)
 {
     const int64_t blocks = K / INT8_BLOCK;
-    const int64_t halves = weight->bits == 6 ? 2 * M * blocks : 0;
+    int six = 0;
+    for (int p = 0; p < parts; p++) six |= weights[p].bits == 6;
+    const int64_t halves = six ? 2 * M * blocks : 0;
     int8_t *v = malloc((size_t)(M * K) + 2 * sizeof(float) * (size_t)(M * blocks) + sizeof(int32_t) * (size_t)halves);
     if (v == NULL) return -1;
     float *e = (float *)(v + M * K); /* K is a multiple of 32: aligned for floats */
@@ -665,10 +677,14 @@ static int int8_linear(float *out, const float *x, int64_t M, int64_t K, int64_t
     int32_t *c = halves ? (int32_t *)(s + M * blocks) : NULL;
     int8_quantize_rows(isa, x, M, K, v, e, s);
     if (c != NULL) int8_half_sums(v, M, K, c);
-    struct int8_job job = {int8_kernel_of(isa), out, N, {K, blocks, v, e, s, c}, *weight};
-    job.w.tiles = N / INT8_TILE_N;
-    job.w.blocks = blocks;
-    struct tile_loop loop = {int8_rows, &job, M, job.w.tiles, 0, INT8_M_TILE, INT8_ROWS};
+    struct int8_job job = {int8_kernel_of(isa), out, N, {K, blocks, v, e, s, c}, parts};
+    job.first_tile[0] = 0;
+    for (int p = 0; p < parts; p++) {
+        job.w[p] = weights[p];
+        job.w[p].blocks = blocks;
+        job.first_tile[p + 1] = job.first_tile[p] + weights[p].tiles;
+    }
+    struct tile_loop loop = {int8_rows, &job, M, job.first_tile[parts], 0, INT8_M_TILE, INT8_ROWS};
     tile_loop_run(run, &loop, chunks);
     free(v);
     return 0;

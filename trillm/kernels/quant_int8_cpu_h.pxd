@@ -19,8 +19,9 @@ cdef extern from "quant_int8_cpu.h" nogil:
         const uint8_t *mn
         const float *dk
         const float *mk
-    int int8_linear(float *out, const float *x, int64_t M, int64_t K, int64_t N, const int8_weight *weight,
-                    int isa, pool_runner *run, int64_t chunks)
+    int INT8_MAX_PARTS
+    int int8_linear(float *out, const float *x, int64_t M, int64_t K, int64_t N, const int8_weight *weights,
+                    int parts, int isa, pool_runner *run, int64_t chunks)
     void int8_quantize_rows(int isa, const float *x, int64_t M, int64_t K, int8_t *v, float *e, float *s)
 
 
@@ -28,18 +29,22 @@ cdef inline uintptr_t _address(t):
     return 0 if t is None else t.data_ptr()
 
 
-cdef inline int8_weight int8_weight_of(linear):
-    """The kernel's view of a quant_cpu.Int8QuantizedLinear's weight, pointing into the tensors
-    that object keeps alive (int8_linear sets tiles and blocks)."""
-    cdef int8_weight w
-    w.bits = linear.bits
-    w.tiles = w.blocks = 0
-    w.u = <const uint8_t *>_address(linear.u)
-    w.h = <const uint8_t *>_address(linear.h)
-    w.d = <const float *>_address(linear.d)
-    w.m = <const float *>_address(linear.m)
-    w.sc = <const uint8_t *>_address(linear.sc)
-    w.mn = <const uint8_t *>_address(linear.mn)
-    w.dk = <const float *>_address(linear.dk)
-    w.mk = <const float *>_address(linear.mk)
-    return w
+cdef inline int int8_weights_of(linear, int8_weight *weights) except -1:
+    """The kernel's view of a quant_cpu.Int8QuantizedLinear's weight, part by part, into weights
+    [INT8_MAX_PARTS], pointing into the tensors that object keeps alive (int8_linear sets their
+    blocks). Returns how many parts."""
+    cdef int p
+    assert len(linear.parts) <= INT8_MAX_PARTS
+    for p, part in enumerate(linear.parts):
+        weights[p].bits = part.bits
+        weights[p].tiles = part.out_features // 16
+        weights[p].blocks = 0
+        weights[p].u = <const uint8_t *>_address(part.u)
+        weights[p].h = <const uint8_t *>_address(part.h)
+        weights[p].d = <const float *>_address(part.d)
+        weights[p].m = <const float *>_address(part.m)
+        weights[p].sc = <const uint8_t *>_address(part.sc)
+        weights[p].mn = <const uint8_t *>_address(part.mn)
+        weights[p].dk = <const float *>_address(part.dk)
+        weights[p].mk = <const float *>_address(part.mk)
+    return len(linear.parts)

@@ -311,8 +311,8 @@ def param_shard(hf_name: str) -> tuple[str, int | None]:
 
 def load_quantized_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str, quant.QuantizedWeight]]) -> int:
     """For kernels with a quantized_linear: puts the projections whose every shard comes
-    quantized onto those blocks (shards in different layouts promoted to one, exactly:
-    quant.cat), and releases their fp32 weights. Called before load_weights, it spares reading
+    quantized onto those blocks (shards in different layouts kept apart in parts where the
+    kernel takes them, else promoted to one: quant.cat), and releases their fp32 weights. Called before load_weights, it spares reading
     those weights at all (load_weights skips them); a projection with a shard missing here or a
     shape the kernel does not take stays on its fp32 weights, which load_weights fills. A
     projection moves as soon as its last shard arrives, so that only the shards of the
@@ -333,7 +333,8 @@ def load_quantized_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str,
                 continue
             del pending[module_name]
             shards = [parts.pop(i) for i in range(module.num_shards)]
-            weight = shards[0] if len(shards) == 1 else quant.cat(shards)  # one shard: no copy
+            kernel = model.kernels.quantized_linear
+            weight = shards[0] if len(shards) == 1 else quant.cat(shards, kernel.takes_parts)  # one: no copy
         if model.kernels.quantized_linear.runs(weight):
             module.quantize(weight, model.kernels.quantized_linear)
             moved += 1
