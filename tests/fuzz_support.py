@@ -107,9 +107,19 @@ def fuzz(url: str, doc: dict, counts: dict, examples: int, share: tuple[int, int
 def hostile_bodies() -> list[tuple[str, bytes]]:
     """(Content-Type, body) pairs no route may answer with a 5xx: nesting past any parser's
     recursion limit and just past the server's own, a key twice, lists of hundreds of thousands
-    of items, and the media types of a browser's cross-site "simple" request."""
+    of items, integers longer than Python converts (as a value, nested, and inside JSON carried
+    as text: a schema, a tool call's arguments), and the media types of a browser's cross-site
+    "simple" request."""
     deep = b'{"model": ' + b"[" * 200 + b"]" * 200 + b"}"
+    huge = b"9" * 5_000
+    as_text = b'\\"x\\": ' + huge  # inside a JSON string: {"x": 999...}
     return [
+        ("application/json", b'{"prompt": "x", "messages": [], "input": "x", "max_tokens": ' + huge + b"}"),
+        ("application/json", b'{"prompt": "x", "logit_bias": {"1": [' + huge + b"]}, \"n\": 1}"),
+        ("application/json", b'{"prompt": "x", "messages": [{"role": "user", "content": "x"}], "guided_json": "{'
+         + as_text + b'}"}'),
+        ("application/json", b'{"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "type": "function", '
+         b'"function": {"name": "f", "arguments": "{' + as_text + b'}"}}]}, {"role": "user", "content": "x"}]}'),
         ("application/json", b"[" * 100_000 + b"]" * 100_000),
         ("application/json", b'{"a": ' * 2_000 + b"1" + b"}" * 2_000),
         ("application/json", deep),

@@ -61,6 +61,30 @@ def test_tool_parser(name, text, content, calls):
         assert len(set(ids)) == len(ids)
 
 
+HUGE = "9" * 5_000  # an integer longer than Python converts (sys.get_int_max_str_digits)
+
+
+@pytest.mark.parametrize("name, text", [
+    ("hermes", f'<tool_call>{{"name": "f", "arguments": {{"x": {HUGE}}}}}</tool_call>'),
+    ("llama3_json", f'{{"name": "f", "parameters": {{"x": {HUGE}}}}}'),
+])
+def test_a_call_holding_an_integer_too_long_to_convert_is_text(name, text):
+    """json.loads raises a bare ValueError on such an integer, not a JSONDecodeError: read as no
+    call (the text stays content), never as an exception that ends the response in a 500."""
+    for pieces in split_ways(text):
+        contents, found = run(TOOL_PARSERS[name](), pieces)
+        assert "".join(contents) == text and not any(found), pieces
+
+
+def test_a_required_call_holding_an_integer_too_long_to_convert_is_text():
+    from trillm.http.chat_output import ForcedCall
+
+    text = f'{{"name": "f", "arguments": {{"x": {HUGE}}}}}'
+    required = ForcedCall(None)
+    assert required.feed(text) == ("", [])
+    assert required.finish() == (text, [])
+
+
 def test_hermes_content_before_a_call_streams_before_it_completes():
     parser = TOOL_PARSERS["hermes"]()
     assert parser.feed("Checking <tool") == ("Checking ", [])  # "<tool" may begin a call: held

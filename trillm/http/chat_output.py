@@ -49,7 +49,7 @@ class ForcedCall:
             return "", [self._call]  # once more: a call whose arguments never came still is one
         try:
             call = call_from_json(json.loads(self._text))
-        except json.JSONDecodeError:
+        except ValueError:  # not JSON, or an integer longer than Python converts
             call = None
         return ("", [call]) if call is not None else (self._text, [])
 

@@ -3,9 +3,10 @@
 Python's `json.loads` takes two things a server must not: duplicate keys (the last one wins,
 so a gateway that reads the first sees another request than the engine runs) and any nesting
 (past ~1000 levels it raises RecursionError, and a few hundred levels inside a field reach
-recursion limits later, in pydantic, jinja or json.dumps). `loads` refuses both with a
-JSONError that names the problem; MAX_DEPTH is far above what any real body needs (a tool's
-schema nested ten objects deep is ~25 levels).
+recursion limits later, in pydantic, jinja or json.dumps); and an integer longer than Python
+converts (sys.get_int_max_str_digits, a guard against quadratic conversion) raises a bare
+ValueError. `loads` refuses all three with a JSONError that names the problem; MAX_DEPTH is far
+above what any real body needs (a tool's schema nested ten objects deep is ~25 levels).
 
 `media_type_is_json` is the Content-Type check: a JSON route refuses any other media type
 (a 415), so a browser's "simple" cross-site POST (text/plain, form-encoded, multipart), which
@@ -14,6 +15,7 @@ needs no CORS preflight, never reaches a route.
 from __future__ import annotations
 
 import json
+import sys
 
 MAX_DEPTH = 64
 
@@ -27,7 +29,10 @@ def loads(text: str):
     arrays and objects. Raises JSONError. Cost grows with the text: run it off the event loop
     for large ones."""
     try:
-        value = json.loads(text, object_pairs_hook=_unique_keys)
+        value = json.loads(text, object_pairs_hook=_unique_keys, parse_int=_integer)
+    except _TooLong as exc:
+        raise JSONError(f"An integer of {exc.digits} digits is longer than this server reads "
+                        f"({sys.get_int_max_str_digits()} digits at most).") from None
     except _DuplicateKey as exc:
         raise JSONError(f"The key {exc.key!r} appears twice in one object; send each key once.") from None
     except RecursionError:
@@ -66,6 +71,18 @@ def media_type_is_json(content_type: str | None) -> bool:
 class _DuplicateKey(Exception):
     def __init__(self, key: str):
         self.key = key
+
+
+class _TooLong(Exception):
+    def __init__(self, digits: int):
+        self.digits = digits
+
+
+def _integer(text: str) -> int:
+    limit = sys.get_int_max_str_digits()
+    if limit and len(text.lstrip("-")) > limit:
+        raise _TooLong(len(text.lstrip("-")))
+    return int(text)
 
 
 def _unique_keys(pairs: list[tuple[str, object]]) -> dict:

@@ -107,7 +107,7 @@ class Llama3JsonParser:
                 return "", calls
             try:
                 value, at = decoder.raw_decode(rest, at)
-            except json.JSONDecodeError:
+            except ValueError:  # not JSON, or an integer longer than Python converts
                 return rest, []
             call = call_from_json(value, "parameters" if "parameters" in value else "arguments")
             if call is None:
@@ -118,7 +118,7 @@ class Llama3JsonParser:
 def _parse_call(body: str, arguments_key: str) -> ToolCall | None:
     try:
         return call_from_json(json.loads(body), arguments_key)
-    except json.JSONDecodeError:
+    except ValueError:  # not JSON, or an integer longer than Python converts
         return None
 
 
