@@ -38,8 +38,9 @@ async def test_api_key_guards_every_route_but_liveness_and_schema(core):
                 response = await http.request(method, path, json={}, headers=headers)
                 assert response.status_code == 401, (method, path, headers)
                 assert response.json()["error"]["type"] == "authentication_error"
-            allowed = await http.request(method, path, json={}, headers={"Authorization": f"Bearer {KEY}"})
-            assert allowed.status_code != 401, (method, path)
+            for scheme in ("Bearer", "bearer", "BEARER"):  # a scheme's name is case-insensitive (RFC 9110)
+                allowed = await http.request(method, path, json={}, headers={"Authorization": f"{scheme} {KEY}"})
+                assert allowed.status_code != 401, (method, path, scheme)
             preflight = await http.options(path, headers={"Origin": "http://example.com",
                                                           "Access-Control-Request-Method": method})
             assert preflight.status_code != 401, ("OPTIONS", path)

@@ -68,6 +68,33 @@ async def test_admin_routes_refuse_other_sites_unless_a_key_guards_them(core):
         assert guarded.status_code == 200
 
 
+async def test_admin_routes_refuse_a_rebound_host_and_preflights_of_other_origins(core):
+    """DNS rebinding: a page of evil.example, its name made to resolve to the server's address,
+    sends Host and Origin that agree. Without a key the admin routes answer only a loopback Host,
+    the bound address or --allowed-hosts, and preflights only from --admin-origins."""
+    async with live_server(core) as server:
+        http = server.http()
+        port = server.url.rsplit(":", 1)[1]
+        rebound = {"Host": f"evil.example:{port}", "Origin": f"http://evil.example:{port}"}
+        for path in ("/abort_request", "/flush_cache"):
+            response = await http.post(path, json={"abort_all": True} if path == "/abort_request" else None,
+                                       headers=rebound)
+            assert response.status_code == 403 and "--allowed-hosts" in response.json()["error"]["message"]
+        for host in ("127.0.0.1", "localhost", "[::1]", "127.8.9.10"):  # loopback by name or address
+            assert (await http.post("/flush_cache", headers={"Host": f"{host}:{port}"})).status_code == 200, host
+        preflight = {"Origin": EVIL, "Access-Control-Request-Method": "POST"}
+        assert (await http.options("/abort_request", headers=preflight)).status_code == 403
+        assert (await http.options("/v1/completions", headers=preflight)).status_code == 200  # generation: open
+    async with live_server(core, allowed_hosts="llm.lan", admin_origins="https://ui.lan") as server:
+        http = server.http()
+        port = server.url.rsplit(":", 1)[1]
+        assert (await http.post("/flush_cache", headers={"Host": f"llm.lan:{port}"})).status_code == 200
+        assert (await http.post("/flush_cache", headers={"Host": f"other.lan:{port}"})).status_code == 403
+        ui = {"Origin": "https://ui.lan", "Access-Control-Request-Method": "POST"}
+        assert (await http.options("/flush_cache", headers=ui)).status_code == 200
+        assert (await http.post("/flush_cache", headers={"Origin": "https://ui.lan"})).status_code == 200
+
+
 async def test_a_duplicate_key_or_deep_nesting_is_a_400_that_says_so(server):
     http = server.http()
     twice = b'{"model": "other", "model": "%s", "prompt": "Hi", "max_tokens": 1}' % server.model.encode()

@@ -38,7 +38,7 @@ from trillm.http import (
     responses,
     weights,
 )
-from trillm.http.auth import check_admin_origin, check_api_key
+from trillm.http.auth import AdminAccess, check_api_key
 from trillm.http.connection import Connection
 from trillm.http.errors import APIError, error_response
 from trillm.http.logs import REQUEST_ID
@@ -70,6 +70,8 @@ def create_app(settings: ServerSettings | None = None, core: EngineCore | None =
                    invocations, openapi, adapters, weights):
         app.register_blueprint(module.blueprint)
 
+    admin = AdminAccess(settings.host, settings.as_list(settings.allowed_hosts), settings.as_list(settings.admin_origins))
+
     @app.before_request
     async def authenticate_and_name():
         g.client_request_id = request.headers.get("X-Request-Id")
@@ -79,7 +81,7 @@ def create_app(settings: ServerSettings | None = None, core: EngineCore | None =
             if refused is not None:
                 return refused
         else:
-            check_admin_origin()
+            admin.check()
         check_media_type()
         return None
 

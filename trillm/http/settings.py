@@ -56,6 +56,11 @@ class ServerSettings:
     allowed_methods: str = "*"
     allowed_headers: str = "*"
     allow_credentials: bool = False
+    # Without --api-key, the admin routes (trillm/http/auth.py) answer requests addressed to a
+    # loopback name, the bound address or these host names (DNS rebinding), and browsers' only
+    # from the server's own pages or these origins
+    allowed_hosts: str = ""
+    admin_origins: str = ""
     # Data parallelism (trillm/http/data_parallel.py): this many engine replicas here, each its own
     # process with its own cores and KV cache, behind vllm-router on --host / --port (0: none
     # here, the router alone in front of --data-parallel-address's)
@@ -78,6 +83,8 @@ class ServerSettings:
 
     def __post_init__(self) -> None:
         self.router_policy = RouterPolicy(self.router_policy)  # its name as a string is taken too
+        if self.api_key == "":  # every request that sends no key would match it
+            raise ValueError("--api-key must not be empty; leave it out to serve without a key.")
         if self.data_parallel_size < 0 or (self.data_parallel_size == 0 and not self.data_parallel_address):
             raise ValueError("--data-parallel-size is the replicas to start here: at least 1, or 0 with "
                              "--data-parallel-address (the router alone, in front of replicas elsewhere).")
