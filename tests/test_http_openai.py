@@ -105,12 +105,27 @@ async def test_chat_logprobs_have_openai_shape_streamed_and_whole(server):
         # Greedy: the chosen token is the most likely one.
         best = entry.top_logprobs[0]
         assert best.token == entry.token and best.logprob == pytest.approx(entry.logprob)
-        assert all(t.bytes == list(t.token.encode()) for t in entry.top_logprobs)
+        # an alternative may hold part of a character: its text is then U+FFFD, its bytes its own
+        assert all(t.bytes == list(t.token.encode()) for t in entry.top_logprobs if "\ufffd" not in t.token)
     assert "".join(e.token for e in content) == whole.choices[0].message.content
 
     chunks = await collect(await client.chat.completions.create(**args, stream=True))
     streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
     assert [(e.token, e.logprob) for e in streamed] == [(e.token, pytest.approx(e.logprob)) for e in content]
+
+
+async def test_chat_logprob_bytes_rebuild_characters_split_between_tokens(server):
+    """Byte-level BPE cuts CJK and emoji between tokens: such a token's text is U+FFFD, but its
+    `bytes` are its own, so that a choice's bytes joined are its text, as OpenAI documents."""
+    answer = "日本 😀"
+    out = await server.openai().chat.completions.create(
+        model=server.model, messages=QUESTION, max_tokens=20, temperature=0, logprobs=True, top_logprobs=2,
+        extra_body={"guided_choice": [answer]})
+    content = out.choices[0].logprobs.content
+    assert out.choices[0].message.content == answer
+    assert any("\ufffd" in e.token and e.bytes != list(e.token.encode()) for e in content)  # a split character
+    joined = b"".join(bytes(e.bytes) for e in content).decode("utf-8")  # the stop token's too, as its text
+    assert joined.startswith(answer) and joined[len(answer):] in ("", content[-1].token)
 
 
 async def test_completion_logprobs_have_openai_shape(server):

@@ -5,27 +5,66 @@ vLLM's `prompt_logprobs` shape: per prompt token null (the first) or `{token id:
 decoded_token}}`, the prompt token and its top ones.
 
 A token is shown as its own decoded text, special tokens included, as vLLM does;
-`bytes` are that text's UTF-8 bytes. A model without a tokenizer shows
+`bytes` are the bytes the token stands for, which is what OpenAI documents them for: a token
+that holds part of a character (byte-level BPE cuts emoji and CJK between tokens; SentencePiece
+falls back to single bytes) decodes to U+FFFD, but its bytes are its own, so that a client
+joining a choice's `bytes` gets its text back. A model without a tokenizer shows
 `token_id:<id>`, vLLM's spelling when it returns tokens as ids. A log-probability of -inf is sent as -9999.0,
 OpenAI's spelling of "very unlikely" (JSON has no infinity).
 """
 from __future__ import annotations
 
+import json
+import re
 from functools import lru_cache
+
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from trillm.engine.api import TokenLogprobs
 
 FLOOR = -9999.0
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback
 
 
 class TokenTexts:
-    """Token id -> text, cached: the vocabulary is finite and the same tokens recur."""
+    """Token id -> text, and -> the bytes it stands for; cached: the vocabulary is finite and
+    the same tokens recur."""
 
     def __init__(self, tokenizer):
         if tokenizer is None:
             self.text = lambda token_id: f"token_id:{token_id}"
-        else:
-            self.text = lru_cache(maxsize=None)(lambda token_id: tokenizer.decode([token_id]))
+            self.bytes = lambda token_id: list(self.text(token_id).encode("utf-8"))
+            return
+        self.text = lru_cache(maxsize=None)(lambda token_id: tokenizer.decode([token_id]))
+        self.bytes = lru_cache(maxsize=None)(_token_bytes(tokenizer, self.text))
+
+
+def _token_bytes(tokenizer, text):
+    """A function from a token id to its bytes, by the tokenizer's decoder: byte-level BPE maps
+    each byte to one printable character (GPT-2's table, inverted here); SentencePiece writes a
+    space as U+2581 and a fallen-back byte as <0xNN>. A special token, or a decoder of another
+    kind, is its decoded text's UTF-8."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    decoder = json.loads(backend.to_str()).get("decoder") if backend is not None else None
+    kinds = {d.get("type") for d in (decoder or {}).get("decoders", [decoder or {}])}
+    special = set(getattr(tokenizer, "added_tokens_decoder", {}))
+    byte_level = "ByteLevel" in kinds
+    if not byte_level and "ByteFallback" not in kinds:
+        return lambda token_id: list(text(token_id).encode("utf-8"))
+    of_char = {c: b for b, c in bytes_to_unicode().items()}
+
+    def token_bytes(token_id: int) -> list[int]:
+        piece = tokenizer.convert_ids_to_tokens(token_id)
+        if token_id in special or piece is None:
+            return list(text(token_id).encode("utf-8"))
+        if byte_level:
+            if all(c in of_char for c in piece):
+                return [of_char[c] for c in piece]
+            return list(text(token_id).encode("utf-8"))
+        byte = _BYTE_PIECE.fullmatch(piece)
+        return [int(byte[1], 16)] if byte else list(piece.replace("\u2581", " ").encode("utf-8"))
+
+    return token_bytes
 
 
 def _logprob(value: float) -> float:
@@ -36,8 +75,7 @@ def chat_logprobs(texts: TokenTexts, token_ids: list[int], logprobs: list[TokenL
     assert len(token_ids) == len(logprobs)
 
     def entry(token_id: int, logprob: float) -> dict:
-        text = texts.text(token_id)
-        return {"token": text, "logprob": _logprob(logprob), "bytes": list(text.encode("utf-8"))}
+        return {"token": texts.text(token_id), "logprob": _logprob(logprob), "bytes": texts.bytes(token_id)}
 
     return {
         "content": [
