@@ -90,7 +90,9 @@ async def test_cache_aware_routing_keeps_a_shared_prefix_on_one_replica(tiny_tex
 async def test_kv_aware_routing_follows_the_blocks_the_replicas_report(tiny_text_model_dir):
     """kv_aware learns from the replicas' KV-cache events, not from what it routed: a prefix
     cached on each replica by a request sent to it directly (the router never saw it) draws
-    every later request that shares it to that replica."""
+    every later request that shares it to that replica, the first included: each finds its
+    prefix cached. The prefixes go to the router in the other order than to the replicas, so
+    that round robin would send the first of each to the wrong one."""
     model = os.path.basename(tiny_text_model_dir)
     prefixes = ["You are a careful assistant. " * 30, "Answer every question in French. " * 30]
     async with trio.open_nursery() as nursery:
@@ -103,8 +105,10 @@ async def test_kv_aware_routing_follows_the_blocks_the_replicas_report(tiny_text
             served = [await requests_served(url) for url in replicas]
             async with openai.AsyncOpenAI(base_url=router + "/v1", api_key="none", max_retries=0) as client:
                 for i in range(3):
-                    for prefix in prefixes:
-                        await client.completions.create(model=model, prompt=f"{prefix}Question {i}?", max_tokens=1)
+                    for prefix in reversed(prefixes):
+                        out = await client.completions.create(model=model, prompt=f"{prefix}Question {i}?",
+                                                              max_tokens=1)
+                        assert out.usage.prompt_tokens_details.cached_tokens >= 64, (i, prefix[:20])
             assert [await requests_served(url) - before for url, before in zip(replicas, served)] == [3, 3]
         finally:
             process.send_signal(signal.SIGTERM)

@@ -328,6 +328,37 @@ def test_files_llama_quantize_made_read_as_transformers_reads_them(kind):
     assert (got - want).abs().max() < 0.3 and (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.85
 
 
+def test_slower_paths_are_logged_at_start(tiny_model_dir, tmp_path, caplog):
+    """A projection the integer kernel cannot take (a vocabulary of 264 rows, not whole tiles of
+    16) stays on fp32 weights; a model the fused decoder stack cannot run (Qwen2's biases)
+    decodes layer by layer: each said at start, with why, never taken silently."""
+    import logging
+
+    from gguf import GGMLQuantizationType
+    from gguf_support import write_gguf
+
+    from trillm.model.runner import ModelRunner
+
+    def load(kind: str, **config) -> tuple[ModelRunner, list]:
+        path = write_gguf(tiny_model_dir(kind, **config), str(tmp_path / f"{kind}-{len(config)}.gguf"),
+                          GGMLQuantizationType.Q8_0)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="trillm"):
+            runner = ModelRunner(EngineArgs(model=path, num_kv_blocks=16))
+        return runner, [r for r in caplog.records if r.name.startswith("trillm.model")]
+
+    runner, records = load("llama", vocab_size=264)
+    assert runner.model.lm_head.quantized is None
+    (moved,) = [r for r in records if "projections run on the file's quantized blocks" in r.getMessage()]
+    assert moved.levelno == logging.WARNING and "stay on fp32 weights" in moved.getMessage()
+    runner, records = load("qwen2")
+    assert runner.model.model.decoder_stack is None
+    assert any("run layer by layer" in r.getMessage() and "biases" in r.getMessage() for r in records)
+    runner, records = load("llama")  # every projection on blocks, the stack runs: nothing to say
+    assert runner.model.model.decoder_stack is not None
+    assert not any("layer by layer" in r.getMessage() or r.levelno >= logging.WARNING for r in records)
+
+
 def test_partial_rotary_embeddings_are_refused_before_loading(tiny_model_dir, tmp_path):
     """Phi-4-mini turns 3/4 of each head's dimensions: refused by check_model (so by `trillm
     serve` at once) rather than failing inside the model's construction."""

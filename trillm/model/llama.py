@@ -20,6 +20,7 @@ and the loader hands Gemma's norms over as 1 + w (a GGUF file stores them so alr
 from __future__ import annotations
 
 import itertools
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +31,8 @@ from trillm.kernels.attention_metadata import AttentionMetadata
 from trillm.model.parallel import SINGLE, TensorParallel
 from trillm.kernels import linear_cpu, quant
 from trillm.kernels.family import Kernels
+
+log = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text")
 GEMMA = frozenset({"gemma3_text"})
@@ -336,19 +339,20 @@ class LlamaModel(nn.Module):
         """Once the weights are loaded (and quantized): let a decode step run every layer in one
         compiled call (the family's decoder_stack) where this model fits it: one rank, every
         projection on the family's integer kernel and without a bias, a Llama layer (Qwen3's
-        per-head q/k norms included; not Gemma's sandwich). Returns whether it does; steps with
+        per-head q/k norms included; not Gemma's sandwich). Returns whether it does, and logs why
+        not where the family has a stack (the layer-by-layer step is the slower path); steps with
         prompt rows or a LoRA adapter keep the layers."""
         stack = self.kernels.decoder_stack
-        if stack is None or self.tp.size != 1:
+        if stack is None:
+            return False
+        reason = self._unfusable()
+        if reason is not None:
+            log.info("decode steps run layer by layer, slower than the fused decoder stack: %s", reason)
             return False
         specs = []
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
             projections = {"qkv": attn.qkv_proj, "o": attn.o_proj, "gate_up": mlp.gate_up_proj, "down": mlp.down_proj}
-            if layer.pre_feedforward_layernorm is not None or self.embed_scale is not None or any(
-                    type(p.quantized) is not self.kernels.quantized_linear or p.bias is not None or p.reduce is not None
-                    for p in projections.values()):
-                return False
             specs.append({
                 **{name: p.quantized for name, p in projections.items()},
                 "input_norm": layer.input_layernorm.weight, "eps": layer.input_layernorm.eps,
@@ -360,6 +364,21 @@ class LlamaModel(nn.Module):
             })
         self.decoder_stack = stack(specs, self.layers[0].self_attn.scale)
         return True
+
+    def _unfusable(self) -> str | None:
+        """Why the decoder stack cannot run this model's layers, None when it can."""
+        if self.tp.size != 1:
+            return "tensor parallelism splits the layers"
+        if self.embed_scale is not None or any(layer.pre_feedforward_layernorm is not None for layer in self.layers):
+            return "Gemma's norms around attention and the MLP are the layers' own"
+        for layer in self.layers:
+            projections = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                           layer.mlp.down_proj)
+            if any(p.bias is not None for p in projections):
+                return "its projections have biases"
+            if any(type(p.quantized) is not self.kernels.quantized_linear or p.reduce is not None for p in projections):
+                return "some projections are not on the integer kernel's blocks (dense weights, or fp32 activations)"
+        return None
 
     def forward(self, input_ids, positions, kv_caches, meta):
         assert len(kv_caches) == len(self.layers)

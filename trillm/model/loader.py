@@ -185,7 +185,11 @@ def _load_gguf(args: EngineArgs, tp: TensorParallel, same_as: PretrainedConfig |
             embeddings = model.model.embed_tokens
             if tp.size == 1 and (not config.tie_word_embeddings or model.lm_head.quantized is not None):
                 embeddings.from_rows(gguf_weights.EmbeddingRows(file, model.model.norm.weight.dtype))
-            log.info("%d of %d projections run on the file's quantized blocks", moved, _num_projections(model))
+            total = _num_projections(model)
+            log.log(logging.INFO if moved == total else logging.WARNING,
+                    "%d of %d projections run on the file's quantized blocks%s", moved, total,
+                    "" if moved == total else "; the others stay on fp32 weights (a shape or format the kernel "
+                                              "does not take): slower, and 8 times the memory of 4-bit blocks")
         load_weights(model, rank_shards(model, gguf_weights.dense_weights(
             file, config, skip=functools.partial(on_quantized_blocks, model))))
     return LoadedModel(model.eval(), _model_config(args, model, gguf_model.eos_token_ids(file),
