@@ -52,6 +52,40 @@ async def test_max_tokens_and_stop_sequences_set_the_stop_reason(server):
     assert word not in text_of(stopped) and text_of(whole).startswith(text_of(stopped))
 
 
+async def test_an_agents_max_tokens_beyond_the_context_is_a_cap():
+    """Claude Code asks max_tokens 32000 of any model: on a model of a smaller context the message
+    is served up to the context's end, its stop_reason max_tokens (a prompt that fills the
+    context is still refused). message_start already counts the prompt, and the SDK reads the
+    response's id from its request-id header."""
+    from trillm.config import EngineArgs
+    from trillm.engine.core import EngineCore
+
+    story = [{"role": "user", "content": "Tell a long story about a clockmaker."}]
+    core = EngineCore(EngineArgs(max_model_len=64, num_kv_blocks=16))
+    try:
+        async with live_server(core) as server:
+            client = server.anthropic()
+            message = await client.messages.create(model=server.model, max_tokens=32000, messages=story,
+                                                   extra_body=GREEDY,
+                                                   timeout=60)  # else the SDK asks to stream so long a cap
+            assert message.stop_reason == "max_tokens"
+            assert message.usage.input_tokens + message.usage.cache_read_input_tokens + message.usage.output_tokens == 64
+            assert message._request_id == message.id
+            body = {"model": server.model, "max_tokens": 32000, "messages": story, "stream": True}
+            async with server.http().stream("POST", "/v1/messages", json=body) as response:
+                assert response.headers["request-id"].startswith("msg_")
+                start = json.loads([line async for line in response.aiter_lines() if line.startswith("data: ")][0][6:])
+            assert start["type"] == "message_start"
+            assert start["message"]["usage"]["input_tokens"] == message.usage.input_tokens + \
+                message.usage.cache_read_input_tokens
+            full = [{"role": "user", "content": "word " * 200}]
+            refused = await server.http().post("/v1/messages", json={"model": server.model, "max_tokens": 32000,
+                                                                     "messages": full})
+            assert refused.status_code == 400 and refused.json()["type"] == "error"
+    finally:
+        core.close()
+
+
 async def test_the_stream_is_anthropics_events_in_order_and_the_sdk_rebuilds_the_message(server):
     client = server.anthropic()
     async with client.messages.stream(model=server.model, max_tokens=12, system=SYSTEM, messages=QUESTION,
@@ -133,6 +167,9 @@ async def test_errors_are_the_sdks_own_exceptions(server, core):
     with pytest.raises(anthropic.BadRequestError, match="max_tokens") as bad:
         await client.messages.create(model=server.model, max_tokens=0, messages=QUESTION)
     assert bad.value.body["type"] == "error" and bad.value.body["error"]["type"] == "invalid_request_error"
+    as_text = await server.http().post("/v1/messages", json={"model": server.model, "max_tokens": "10",
+                                                             "messages": QUESTION})
+    assert as_text.status_code == 400 and "max_tokens" in as_text.json()["error"]["message"]  # a number as a string
     with pytest.raises(anthropic.BadRequestError, match="temperatur"):
         await client.messages.create(model=server.model, max_tokens=5, messages=QUESTION,
                                      extra_body={"temperatur": 0})
@@ -203,8 +240,11 @@ async def test_a_client_that_leaves_or_an_abort_by_id_frees_every_block(server):
         aborted = await http.post("/abort_request", json={"rid": start["message"]["id"]})
         assert aborted.status_code == 200
         with trio.fail_after(10):
-            rest = [line async for line in lines if line.startswith("event: ")]
-    assert rest[-1] == "event: message_stop"
+            rest = [line async for line in lines if line]
+    assert rest[-2:] == ["event: message_stop", 'data: {"type":"message_stop"}']
+    # the turn the server stopped ends as Anthropic's paused one, which a client resends to go on
+    (delta,) = [json.loads(line[6:]) for line in rest if line.startswith('data: {"type":"message_delta"')]
+    assert delta["delta"]["stop_reason"] == "pause_turn"
     assert (await settled_stats(http))["num_used_blocks"] == 0
 
 
@@ -275,7 +315,7 @@ async def test_reasoning_becomes_a_signed_thinking_block(core):
 
     async with live_server(core, reasoning_parser="deepseek_r1") as server:
         req = MessagesRequest(model=server.model, max_tokens=8, messages=QUESTION)
-        builder = MessageBuilder(server.state, req, "msg_x", req.chat(), "none")
+        builder = MessageBuilder(server.state, req, "msg_x", req.chat(), "none", 0)
         events = []
         for text, finished in (("<think>\nsome ", False), ("thought\n</think>\n\nBlue.", True)):
             events += builder.feed(Delta(text=text, token_ids=[], logprobs=None, finished=finished,

@@ -46,6 +46,34 @@ async def test_a_body_over_the_limit_is_413(core):
         assert small.status_code == 200
 
 
+async def test_a_text_longer_than_any_context_allows_is_refused_before_it_is_tokenized(server):
+    """A prompt whose length alone proves it cannot fit (each token covers at most the
+    tokenizer's longest token's characters) is a 400 from that bound, on every route that
+    tokenizes text, before any tokenizing: the message is the bound's, not the engine's count.
+    One just under the bound is tokenized and refused by its count; a truncated one serves."""
+    bound = server.state.prompt_bound
+    assert bound.longest > 1 and bound.max_model_len == server.state.max_model_len
+    long = "ab " * (bound.longest * bound.max_model_len // 3 + 1)
+    http = server.http()
+    calls = [("/v1/completions", {"prompt": long, "max_tokens": 1}),
+             ("/v1/completions", {"prompt": ["Hi", long], "max_tokens": 1}),
+             ("/v1/chat/completions", {"messages": [{"role": "user", "content": long}], "max_tokens": 1}),
+             ("/v1/messages", {"messages": [{"role": "user", "content": long}], "max_tokens": 1}),
+             ("/v1/responses", {"input": long, "max_output_tokens": 1}), ("/v1/embeddings", {"input": long})]
+    for path, body in calls:
+        response = await http.post(path, json={"model": server.model, **body})
+        assert response.status_code == 400, (path, response.text)
+        message = response.text
+        assert f"at most {bound.longest} characters" in message and "at least" in message, (path, message)
+    under = await http.post("/v1/completions", json={"model": server.model, "max_tokens": 1,
+                                                     "prompt": "ab " * bound.max_model_len})
+    assert under.status_code == 400 and "characters" not in under.json()["error"]["message"]
+    truncated = await http.post("/v1/completions", json={"model": server.model, "max_tokens": 1, "prompt": long,
+                                                         "truncate_prompt_tokens": 8})
+    assert truncated.status_code == 200, truncated.text
+    assert truncated.json()["usage"]["prompt_tokens"] == 8
+
+
 @pytest.mark.parametrize(
     ("data", "words"),
     [

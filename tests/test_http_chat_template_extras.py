@@ -44,9 +44,11 @@ async def test_a_request_template_needs_the_servers_trust(core):
                                add_generation_prompt=False, enable_thinking=False)
         assert tokenizer.decode(ids) == ("[user] What is the capital of France?\n"
                                          "<doc>Atlas: Paris is the capital.</doc>\n(no thinking)\n")
-        broken = await server.http().post("/v1/chat/completions", json={
-            "model": server.model, "messages": ASK, "chat_template": "{% for %}"})
-        assert broken.status_code == 400 and broken.json()["error"]["param"] == "chat_template"
+        for template in ("{% for %}", "{% for i in range(10**9) %}{% endfor %}",  # the sandbox's range bound
+                         "{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}"):  # recursion without end
+            broken = await server.http().post("/v1/chat/completions", json={
+                "model": server.model, "messages": ASK, "chat_template": template})
+            assert broken.status_code == 400 and broken.json()["error"]["param"] == "chat_template", template
 
 
 async def test_generation_prompt_and_continued_final_message(server):

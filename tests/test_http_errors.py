@@ -64,6 +64,11 @@ BAD_REQUESTS = [
     ("/generate", {"text": "hi", "return_logprob": True, "logprob_start_len": -2}, 422, "logprob_start_len"),
     (COMPLETIONS, {"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
     (COMPLETIONS, {"prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
+    # a number or a flag sent as a string is refused, as OpenAI refuses it, not read for what it may mean
+    (COMPLETIONS, {"prompt": "hi", "max_tokens": "10"}, 400, "max_tokens"),
+    (CHAT, {"messages": HELLO, "stream": "yes"}, 400, "stream"),
+    (CHAT, {"messages": HELLO, "n": "2"}, 400, "n"),
+    ("/v1/responses", {"input": "hi", "stream": "true"}, 400, "stream"),
     (COMPLETIONS, {"prompt": "hi", "max_tokens": 10**9}, 400, "max_tokens"),
     (CHAT, {"messages": HELLO, "max_tokens": 8192}, 400, "max_tokens"),
     (CHAT, {"messages": HELLO, "max_completion_tokens": 10**9}, 400, "max_completion_tokens"),

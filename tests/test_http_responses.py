@@ -224,6 +224,7 @@ async def test_abort_request_and_a_disconnect_end_a_streaming_response(server):
     ({"input": "Hi", "max_output_tokens": 10**9}, 400, "max_output_tokens"),
     ({"input": "Hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}}}, 400,
      "text.format"),
+    ({"input": "Hi", "text": {"format": {"type": "json_schema", "name": "x"}}}, 400, "text.format.schema"),
     ({"input": [{"role": "wizard", "content": "Hi"}]}, 400, None),
     ({"input": "Hi", "model": "other"}, 404, "model"),
 ])

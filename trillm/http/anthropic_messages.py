@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import copy
+import dataclasses
 import hashlib
 import json
 import logging
@@ -25,6 +26,7 @@ from trillm.engine.api import EngineUnavailableError, FinishReason
 from trillm.http.chat_output import ChatDelta, chat_output
 from trillm.http.errors import anthropic_error_body
 from trillm.http.generation import Generation, in_client_terms
+from trillm.http.logs import clipped
 from trillm.http.prompts import chat_prompt
 from trillm.http.protocol.anthropic import FIELD_NAMES, CountTokensRequest, MessagesRequest, tool_use_id
 from trillm.http.protocol.chat import ChatCompletionRequest
@@ -45,12 +47,13 @@ async def create_message():
     generation = Generation(state, msg_id, client_id, [prompt], params, field_names=FIELD_NAMES,
                             lora_name=await state.requested_lora(req.model))
     if req.metadata is not None and req.metadata.user_id is not None:
-        log.info("%s user=%r", msg_id, req.metadata.user_id)
-    builder = MessageBuilder(state, req, msg_id, chat, choice)
+        log.info("%s user=%s", msg_id, clipped(req.metadata.user_id))
+    builder = MessageBuilder(state, req, msg_id, chat, choice, len(prompt))
     await generation.start()
+    headers = {"request-id": msg_id}  # where Anthropic's SDKs read a response's id (`_request_id`)
     if req.stream:
         response = Response(_events(generation, builder), content_type="text/event-stream",
-                            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
         response.timeout = None  # as chat streams: a message lasts as long as its generation
         return response
     try:
@@ -59,7 +62,7 @@ async def create_message():
     finally:
         generation.close()
     builder.end(generation)
-    return builder.message()
+    return builder.message(), 200, headers
 
 
 @blueprint.post("/v1/messages/count_tokens")
@@ -77,7 +80,14 @@ def _prepare(state: ServerState, req: MessagesRequest) -> tuple:
     chat = req.chat()
     params = chat.to_sampling_params(state.vocab_size, state.tokenizer)
     choice, params = tool_choice(chat, state.tool_call_parser, params)
-    return chat, params, choice, _prompt(state, chat, choice)
+    prompt = _prompt(state, chat, choice)
+    # max_tokens is a cap, never a demand: coding agents ask 32000 of any model (Claude Code's
+    # default), and a model of a smaller context serves what fits after the prompt, its
+    # stop_reason "max_tokens" where the context ran out (a prompt that fills it is still refused)
+    room = state.max_model_len - len(prompt)
+    if params.max_tokens is not None and params.max_tokens > room > 0:
+        params = dataclasses.replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))
+    return chat, params, choice, prompt
 
 
 def _count(state: ServerState, req: CountTokensRequest) -> list[int]:
@@ -87,7 +97,8 @@ def _count(state: ServerState, req: CountTokensRequest) -> list[int]:
 
 def _prompt(state: ServerState, chat: ChatCompletionRequest, choice) -> list[int]:
     options = chat.template_options(state.chat_template, trust_request_template=False)
-    return chat_prompt(state.tokenizer, chat.messages, options, tools=chat.tools if choice != "none" else None)
+    return chat_prompt(state.tokenizer, chat.messages, options, tools=chat.tools if choice != "none" else None,
+                       bound=state.prompt_bound)
 
 
 async def _events(generation: Generation, builder: MessageBuilder):
@@ -134,7 +145,10 @@ class MessageBuilder:
     """One message's content blocks, stop reason and usage, built from its choice's deltas;
     each step also returns the stream events it makes (a whole message ignores them)."""
 
-    def __init__(self, state: ServerState, req: MessagesRequest, msg_id: str, chat: ChatCompletionRequest, choice):
+    def __init__(self, state: ServerState, req: MessagesRequest, msg_id: str, chat: ChatCompletionRequest, choice,
+                 prompt_tokens: int):
+        """`prompt_tokens`: the prompt's length, which message_start already reports (how much of
+        it the prefix cache held comes with the end)."""
         self.state = state
         self.req = req
         self.id = msg_id
@@ -143,7 +157,7 @@ class MessageBuilder:
         self.content: list[dict] = []
         self.stop_reason: str | None = None
         self.stop_sequence: str | None = None
-        self.usage = {"input_tokens": 0, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0,
+        self.usage = {"input_tokens": prompt_tokens, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0,
                       "output_tokens": 0}
         self._open: dict | None = None  # the block being streamed
         self._held_whitespace = ""  # content before a text block opens: around tool calls, none
@@ -185,8 +199,8 @@ class MessageBuilder:
         for index, block in self._calls.items():
             try:
                 block["input"] = json.loads(self._arguments[index] or "{}")
-            except json.JSONDecodeError:  # cut short by max_tokens: what arrived stays in the stream's deltas
-                block["input"] = {}
+            except ValueError:  # cut short by max_tokens (what arrived stays in the stream's deltas), or an
+                block["input"] = {}  # integer longer than Python converts
         completion = generation.choices[0].completion
         reason = completion.finish_reason
         if reason == FinishReason.LENGTH:
@@ -197,6 +211,8 @@ class MessageBuilder:
             self.stop_reason, self.stop_sequence = "stop_sequence", completion.stop_reason
         elif reason == FinishReason.STOP:
             self.stop_reason = "end_turn"
+        elif reason == FinishReason.ABORT:  # /abort_request, a drain: Anthropic's paused turn, which a
+            self.stop_reason = "pause_turn"  # client resends as it is to go on
         usage = generation.usage()
         cached = usage["prompt_tokens_details"]["cached_tokens"]
         self.usage = {"input_tokens": usage["prompt_tokens"] - cached, "cache_creation_input_tokens": 0,

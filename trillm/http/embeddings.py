@@ -45,7 +45,7 @@ async def pooled_vectors(
 
 def _prompts(state: ServerState, value, param: str) -> list[list[int]]:
     try:
-        return completion_prompts(state.tokenizer, value)
+        return completion_prompts(state.tokenizer, value, state.prompt_bound)
     except SamplingParamError as exc:
         raise SamplingParamError(param, str(exc), exc.status) from None
 

@@ -28,3 +28,14 @@ def configure(level: str) -> None:
     logging.basicConfig(level=level.upper(), format=FORMAT)
     for handler in logging.getLogger().handlers:
         handler.addFilter(RequestIdFilter())
+
+
+LOGGED_CHARS = 200  # of a value a client chose (user, metadata): a log line stays a line
+
+
+def clipped(value) -> str:
+    """`value`'s repr, cut to LOGGED_CHARS characters (and how many more there were)."""
+    text = repr(value)
+    if len(text) <= LOGGED_CHARS:
+        return text
+    return f"{text[:LOGGED_CHARS]}... ({len(text) - LOGGED_CHARS} more characters)"

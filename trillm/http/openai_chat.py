@@ -12,7 +12,8 @@ from trillm.engine.api import Delta
 from trillm.http.chat_output import chat_output
 from trillm.http.generation import Generation
 from trillm.http.logprobs import TokenTexts, chat_logprobs, vllm_prompt_logprobs
-from trillm.http.prompts import chat_prompt, encode
+from trillm.http.logs import clipped
+from trillm.http.prompts import NO_BOUND, chat_prompt, encode
 from trillm.http.protocol.chat import ChatCompletionRequest
 from trillm.http.sse import UsageChunks, stream_response
 from trillm.http.state import ServerState, model_request, request_id
@@ -29,7 +30,7 @@ async def chat_completions():
     generation = Generation(state, *request_id("chatcmpl", req.session_name), [prompt], params,
                             field_names=req.field_names, lora_name=await state.requested_lora(req.model, req.lora_request))
     if req.user is not None or req.metadata:
-        log.info("%s user=%r metadata=%s", generation.request_id, req.user, req.metadata or {})
+        log.info("%s user=%s metadata=%s", generation.request_id, clipped(req.user), clipped(req.metadata or {}))
     await generation.start()
     chunks = ChatChunks(generation, req, state, choice)
     if req.stream:
@@ -45,11 +46,12 @@ def _prepare(state: ServerState, req: ChatCompletionRequest) -> tuple:
     choice, params = tool_choice(req, state.tool_call_parser, params)
     tools = req.tools if choice != "none" else None
     raw = req.raw_prompt()
+    bound = state.prompt_bound if req.truncate_prompt_tokens is None else NO_BOUND  # truncated: any length
     if raw is not None:
-        prompt = encode(state.tokenizer, raw, "messages")
+        prompt = encode(state.tokenizer, raw, "messages", bound=bound)
     else:
         options = req.template_options(state.chat_template, state.settings.trust_request_chat_template)
-        prompt = chat_prompt(state.tokenizer, req.messages, options, tools=tools)
+        prompt = chat_prompt(state.tokenizer, req.messages, options, tools=tools, bound=bound)
     return params, choice, req.truncated(prompt, state.max_model_len)
 
 

@@ -14,7 +14,7 @@ from quart import Blueprint
 from trillm.engine.api import Delta
 from trillm.http.generation import Generation
 from trillm.http.logprobs import TokenTexts, completion_logprobs, join_completion_logprobs, vllm_prompt_logprobs
-from trillm.http.prompts import completion_prompts, decode
+from trillm.http.prompts import NO_BOUND, completion_prompts, decode
 from trillm.http.protocol.completions import CompletionRequest
 from trillm.http.sse import UsageChunks, stream_response
 from trillm.http.state import model_request, request_id
@@ -40,7 +40,8 @@ def _prepare(state, req: CompletionRequest) -> tuple:
     """The sampling params, each prompt's token ids and its echo (off the event loop: the work
     grows with the request)."""
     params = req.to_sampling_params(state.vocab_size, state.tokenizer)
-    prompts = [req.truncated(p, state.max_model_len) for p in completion_prompts(state.tokenizer, req.prompt)]
+    bound = state.prompt_bound if req.truncate_prompt_tokens is None else NO_BOUND  # truncated: any length
+    prompts = [req.truncated(p, state.max_model_len) for p in completion_prompts(state.tokenizer, req.prompt, bound)]
     # A truncated prompt is echoed as what the model saw: its remaining tokens.
     sent = req.prompt if req.truncate_prompt_tokens is None else prompts
     echoes = [_prompt_text(state.tokenizer, sent, k, ids) if req.echo else "" for k, ids in enumerate(prompts)]

@@ -6,8 +6,17 @@ one again would change what the model sees (the offline `LLM.chat` does the same
 
 A model made from a bare config has no tokenizer: it takes token ids only, and
 anything that needs text is a 400 naming the field that carried it.
+
+A text too long for the model's context is refused before it is tokenized (`PromptBound`):
+tokenizing costs about a second a megabyte on one core, and a prompt of megabytes would spend
+it, and its memory, only to be refused by its length afterwards.
 """
 from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import dataclass
 
 import jinja2
 
@@ -17,14 +26,60 @@ from trillm.http.tools import template_inputs
 from trillm.sampling_params import SamplingParamError
 
 
+log = logging.getLogger(__name__)
+# normalizers that map a character to at least one (a text's length then bounds its tokens)
+_KEEPS_LENGTH = frozenset({"Replace", "Prepend"})
+
+
+@dataclass(frozen=True)
+class PromptBound:
+    """What a text can become at the fewest: each token covers at most `longest` characters of
+    the text it was cut from (byte-level BPE: one a byte; SentencePiece: its piece's; a byte
+    fallback's six-character name covers one), so a text of n characters is at least
+    n / longest tokens. `check` refuses a text that is certainly longer than the context, from
+    its length alone."""
+
+    longest: int  # 0: no bound (no tokenizer, or a normalizer that may shorten a text)
+    max_model_len: int
+
+    @classmethod
+    def of(cls, tokenizer, max_model_len: int) -> PromptBound:
+        """The bound for this tokenizer (its vocabulary walked once: a fraction of a second)."""
+        if tokenizer is None:
+            return cls(0, max_model_len)
+        normalizer = json.loads(tokenizer.backend_tokenizer.to_str()).get("normalizer") \
+            if hasattr(tokenizer, "backend_tokenizer") else {"type": "unknown"}
+        steps = [] if normalizer is None else normalizer.get("normalizers", [normalizer])
+        if any(step.get("type") not in _KEEPS_LENGTH for step in steps):
+            log.info("prompts are tokenized whole before their length is checked: this tokenizer's normalizer "
+                     "(%s) may shorten a text", ", ".join(step.get("type", "?") for step in steps))
+            return cls(0, max_model_len)
+        return cls(max(map(len, tokenizer.get_vocab())), max_model_len)
+
+    def check(self, text: str, param: str) -> None:
+        """A 400 for `text` when even its fewest tokens exceed the context."""
+        if self.longest and len(text) > self.longest * self.max_model_len:
+            fewest = math.ceil(len(text) / self.longest)
+            raise SamplingParamError(
+                param, f"This model's maximum context length is {self.max_model_len} tokens. However, your "
+                       f"prompt of {len(text)} characters is at least {fewest} tokens long (this model's "
+                       f"tokens are at most {self.longest} characters). Please reduce the length of the "
+                       "prompt.")
+
+
+NO_BOUND = PromptBound(0, 0)
+
+
 def chat_prompt(
     tokenizer,
     messages: list[ChatMessage],
     options: TemplateOptions = TemplateOptions(),
     tools: list[Tool] | None = None,
+    bound: PromptBound = NO_BOUND,
 ) -> list[int]:
     """`options` say which template renders the messages and how (see TemplateOptions); `tools`
-    are shown to the model as trillm.http.tools describes."""
+    are shown to the model as trillm.http.tools describes. A rendered text longer than `bound`
+    allows is refused before it is tokenized."""
     if not messages:
         raise SamplingParamError("messages", "messages must hold at least one message.")
     require_tokenizer(tokenizer, "messages")
@@ -41,21 +96,28 @@ def chat_prompt(
             **tool_kwargs,
             **(options.kwargs or {}),
         )
-    except (jinja2.TemplateError, TypeError, ValueError) as exc:
-        # The template refused these messages (e.g. roles that do not alternate), or did not parse.
+    except (jinja2.TemplateError, TypeError, ValueError, OverflowError, RecursionError) as exc:
+        # The template refused these messages (e.g. roles that do not alternate), did not parse, or
+        # (one a request brought) asked its sandbox for a range past its bound or recursed without end.
         param = "chat_template" if options.chat_template is not None else "messages"
         raise SamplingParamError(param, f"The chat template cannot render these messages: {exc}") from None
+    bound.check(text, "messages")
     return tokenizer.encode(text, add_special_tokens=options.add_special_tokens)
 
 
-def completion_prompts(tokenizer, prompt: str | list[str] | list[int] | list[list[int]]) -> list[list[int]]:
-    """One token-id list per prompt. An empty one is left for the engine to refuse with its own words."""
+def completion_prompts(tokenizer, prompt: str | list[str] | list[int] | list[list[int]],
+                       bound: PromptBound = NO_BOUND) -> list[list[int]]:
+    """One token-id list per prompt (a text longer than `bound` allows refused before any is
+    tokenized). An empty one is left for the engine to refuse with its own words."""
     if isinstance(prompt, str):
-        return [encode(tokenizer, prompt, "prompt")]
+        return [encode(tokenizer, prompt, "prompt", bound=bound)]
     if not prompt:
         raise SamplingParamError("prompt", "The prompt is empty.")
     if isinstance(prompt[0], int):
         return [list(prompt)]
+    for p in prompt:
+        if isinstance(p, str):
+            bound.check(p, "prompt")
     return [encode(tokenizer, p, "prompt") if isinstance(p, str) else list(p) for p in prompt]
 
 
@@ -64,8 +126,9 @@ def require_tokenizer(tokenizer, param: str) -> None:
         raise SamplingParamError(param, "This model has no tokenizer: send prompts as token ids.")
 
 
-def encode(tokenizer, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+def encode(tokenizer, text: str, param: str, add_special_tokens: bool = True, bound: PromptBound = NO_BOUND) -> list[int]:
     require_tokenizer(tokenizer, param)
+    bound.check(text, param)
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 

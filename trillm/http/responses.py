@@ -22,7 +22,7 @@ from trillm.engine.api import EngineUnavailableError, FinishReason
 from trillm.http.chat_output import ChatDelta, chat_output
 from trillm.http.errors import APIError
 from trillm.http.generation import Generation, in_client_terms
-from trillm.http.prompts import chat_prompt
+from trillm.http.prompts import NO_BOUND, chat_prompt
 from trillm.http.protocol.chat import ChatCompletionRequest, ChatMessage, FunctionCall, ToolCallMessage
 from trillm.http.protocol.responses import FIELD_NAMES, ResponsesRequest, item_id, items_to_messages, with_ids
 from trillm.http.responses_store import StoredResponse
@@ -98,7 +98,8 @@ def _prompt(state: ServerState, req: ResponsesRequest, chat: ChatCompletionReque
     options = chat.template_options(state.chat_template, trust_request_template=False)
     limit = state.max_model_len - (max_tokens or 1)
     while True:
-        ids = chat_prompt(state.tokenizer, messages, options, tools=tools)
+        ids = chat_prompt(state.tokenizer, messages, options, tools=tools,
+                          bound=state.prompt_bound if req.truncation != "auto" else NO_BOUND)
         droppable = [i for i, m in enumerate(messages[:-1]) if m.role not in ("system", "developer")]
         if req.truncation != "auto" or len(ids) <= limit or not droppable:
             return ids

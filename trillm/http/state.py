@@ -21,6 +21,7 @@ from trillm.http.errors import APIError, from_validation_error
 from trillm.http.logprobs import TokenTexts
 from trillm.http.logs import REQUEST_ID
 from trillm.http.metrics import Metrics
+from trillm.http.prompts import PromptBound
 from trillm.http.reasoning import REASONING_PARSERS
 from trillm.http.responses_store import ResponseStore
 from trillm.http.settings import ServerSettings
@@ -55,6 +56,7 @@ class ServerState:
         self.token_texts = TokenTexts(engine.tokenizer)
         self.vocab_size = engine.config.hf_config.vocab_size
         self.max_model_len = engine.config.max_model_len
+        self.prompt_bound = PromptBound.of(engine.tokenizer, self.max_model_len)  # texts too long refused untokenized
         self.model_name = settings.served_model_name or engine.config.name
         args = engine.args
         self.metrics = Metrics(self.model_name, engine.stats, settings.metrics_prefix,

@@ -24,7 +24,7 @@ import json
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 from trillm.http.protocol.chat import (
     ChatCompletionRequest,
@@ -287,9 +287,9 @@ def _tool_choice(choice) -> tuple[str | NamedToolChoice | None, bool | None]:
 
 
 class MessagesRequest(CountTokensRequest):
-    max_tokens: int = Field(ge=1)
+    max_tokens: StrictInt = Field(ge=1)
     stop_sequences: list[str] | None = Field(None, max_length=MAX_LIST_ITEMS)
-    stream: bool = False
+    stream: StrictBool = False
     # Anthropic's own API no longer takes these; older clients and llama.cpp's users send them.
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = None

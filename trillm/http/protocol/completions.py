@@ -1,7 +1,7 @@
 """POST /v1/completions' body."""
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, StrictInt
 
 from trillm.http.protocol.common import MAX_N, Prompt
 from trillm.http.protocol.sampling import SamplingFields
@@ -12,7 +12,7 @@ class CompletionRequest(SamplingFields):
     prompt: Prompt
     echo: bool | None = False
     logprobs: int | None = None
-    max_tokens: int | None = 16
+    max_tokens: StrictInt | None = 16
     best_of: int | None = Field(None, ge=1, le=MAX_N)  # only = n: more samples than returned is not done here
     suffix: None = None  # no fill-in-the-middle: a suffix is refused rather than ignored
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import Field, StrictBool, StrictInt
 
 from trillm.http.protocol.chat import (
     ChatCompletionRequest,
@@ -25,6 +25,7 @@ from trillm.http.protocol.chat import (
 )
 from trillm.http.protocol.common import MAX_LIST_ITEMS, MAX_TOOLS, Strict
 from trillm.http.protocol.structured import JSONSchemaFormat, ResponseFormat
+from trillm.sampling_params import SamplingParamError
 
 # What a client's Responses field is called on the chat path, so a refusal names the client's field.
 FIELD_NAMES = {
@@ -139,7 +140,7 @@ class ResponsesRequest(Strict):
     input: str | Annotated[list[MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem],
                            Field(max_length=MAX_LIST_ITEMS)]
     instructions: str | None = None
-    max_output_tokens: int | None = Field(None, ge=1)
+    max_output_tokens: StrictInt | None = Field(None, ge=1)
     temperature: float | None = None
     top_p: float | None = None
     tools: list[FunctionTool] | None = Field(None, max_length=MAX_TOOLS)
@@ -151,7 +152,7 @@ class ResponsesRequest(Strict):
     user: str | None = None
     store: bool = True
     previous_response_id: str | None = None
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: ResponsesStreamOptions | None = None
     truncation: Literal["auto", "disabled"] = "disabled"
     background: bool = False
@@ -196,6 +197,8 @@ class ResponsesRequest(Strict):
             return None
         if fmt.type == "json_object":
             return ResponseFormat(type="json_object")
+        if fmt.schema_ is None:  # as chat's response_format needs its json_schema
+            raise SamplingParamError("text.format.schema", "A text.format of type json_schema needs a schema.")
         return ResponseFormat(type="json_schema", json_schema=JSONSchemaFormat(
             name=fmt.name or "response", description=fmt.description, schema=fmt.schema_, strict=fmt.strict,
         ))

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import Field
+from pydantic import Field, StrictBool, StrictInt
 
 from trillm.http.protocol.common import (
     MAX_CHOICES,
@@ -81,13 +81,13 @@ class SamplingFields(PenaltyKnobs):
     """What chat and completions requests share, beside the knobs."""
 
     model: str | None = None
-    n: int = Field(1, ge=1, le=MAX_N)
-    stream: bool | None = False
+    n: StrictInt = Field(1, ge=1, le=MAX_N)
+    stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None  # chat's name, accepted by completions too; it wins
+    max_tokens: StrictInt | None = None
+    max_completion_tokens: StrictInt | None = None  # chat's name, accepted by completions too; it wins
     # vLLM / LMDeploy extras
     min_tokens: int = 0
     response_format: ResponseFormat | None = None
