@@ -202,7 +202,58 @@ def from_gguf(format: str, blocks) -> QuantizedWeight:
             _q5_k_quants(src, supers, out)
         else:
             _q6_k_quants(src, supers, out)
-    return quant.with_scales_of(format, blocks, quants)
+    return _with_k_scales(format, blocks, quants)
+
+
+def _with_k_scales(format: str, blocks, quants) -> QuantizedWeight:
+    """quant.with_scales_of, bit for bit: the fp16 d (and dmin) converted by torch, the 6-bit
+    factors unpacked and multiplied out into the fp32 scales (and mins) by the loop below."""
+    cdef int64_t rows = blocks.shape[0]
+    cdef int64_t stride = quant.GGUF_BLOCKS[format][1]
+    grouped = blocks.reshape(rows, -1, stride)
+    cdef int64_t supers = grouped.shape[1] * rows
+    six = format == "q6_k"
+    at = 208 if six else 0
+    d = grouped[..., at : at + 2].contiguous().view(torch.float16).reshape(rows, -1).float()
+    if six:
+        sc = grouped[..., 192:208].contiguous().view(torch.int8).reshape(rows, -1)
+        scales = (d.repeat_interleave(16, dim=1) * sc.float()).contiguous()
+        return QuantizedWeight("q6_k", quants, scales, None, quant.KScales(sc, None, d, None))
+    mk = -grouped[..., 2:4].contiguous().view(torch.float16).reshape(rows, -1).float()
+    sc = torch.empty(rows, supers // rows * 8, dtype=torch.uint8)
+    mn = torch.empty_like(sc)
+    scales = torch.empty(rows, supers // rows * 8, dtype=torch.float32)
+    mins = torch.empty_like(scales)
+    cdef const uint8_t *src = <const uint8_t *><uintptr_t>blocks.data_ptr()
+    cdef const float *d_ptr = <const float *><uintptr_t>d.data_ptr()
+    cdef const float *mk_ptr = <const float *><uintptr_t>mk.data_ptr()
+    cdef uint8_t *sc_ptr = <uint8_t *><uintptr_t>sc.data_ptr()
+    cdef uint8_t *mn_ptr = <uint8_t *><uintptr_t>mn.data_ptr()
+    cdef float *scales_ptr = <float *><uintptr_t>scales.data_ptr()
+    cdef float *mins_ptr = <float *><uintptr_t>mins.data_ptr()
+    with nogil:
+        _k_scales(src, supers, stride, d_ptr, mk_ptr, sc_ptr, mn_ptr, scales_ptr, mins_ptr)
+    return QuantizedWeight(quant.LAYOUT_OF[format], quants, scales, mins, quant.KScales(sc, mn, d, mk))
+
+
+cdef void _k_scales(const uint8_t *src, int64_t supers, int64_t stride, const float *d, const float *mk,
+                    uint8_t *sc, uint8_t *mn, float *scales, float *mins) noexcept nogil:
+    """Q4_K / Q5_K super-blocks' 12 bytes at 4 (eight 6-bit scales and eight 6-bit mins: quant.py's
+    _k_scales says how they pack) -> each block's factor and min factor, and the fp32 products
+    d sc and mk mn (mk = -dmin), exact."""
+    cdef int64_t n
+    cdef int j
+    cdef const uint8_t *p
+    for n in range(supers):
+        p = src + n * stride + 4
+        for j in range(4):
+            sc[8 * n + j] = p[j] & 0x3F
+            sc[8 * n + 4 + j] = (p[8 + j] & 0x0F) | ((p[j] >> 2) & 0x30)
+            mn[8 * n + j] = p[4 + j] & 0x3F
+            mn[8 * n + 4 + j] = (p[8 + j] >> 4) | ((p[4 + j] >> 2) & 0x30)
+        for j in range(8):
+            scales[8 * n + j] = d[n] * <float>sc[8 * n + j]
+            mins[8 * n + j] = mk[n] * <float>mn[8 * n + j]
 
 
 class _TiledLinear:

@@ -66,6 +66,9 @@ VOCABULARY = frozenset({"output.weight", "token_embd.weight"})
 # derived from the config, not loaded (llama.cpp's frequency factors of Llama 3.1's RoPE)
 IGNORED = frozenset({"rope_freqs.weight"})
 ROWS_AT_ONCE = 4096  # a large tensor is repacked this many rows at a time
+# file bytes converted between two trims of the C heap: each trim costs a few milliseconds and
+# the pages it hands back fault in again, so it waits for a few tensors' worth
+TRIM_EVERY = 128 << 20
 
 
 def hf_name(gguf_name: str, architecture: str) -> str | None:
@@ -101,6 +104,7 @@ def quantized_weights(file: GGUFFile, config: PretrainedConfig, kernel=None) -> 
     repack = quant.from_gguf if kernel is None else kernel.from_gguf
     requantize = quant.requantize if kernel is None else kernel.requantize
     requantized: dict[str, int] = {}
+    unfreed = 0  # bytes of tensors converted since the C heap was last trimmed
     # the vocabulary projection first: converting it holds a second copy of the largest tensor
     # for a moment, which then sits beside nothing else of the model
     vocabulary_first = sorted(file.tensors.values(), key=lambda info: info.name not in VOCABULARY)
@@ -120,7 +124,10 @@ def quantized_weights(file: GGUFFile, config: PretrainedConfig, kernel=None) -> 
         order = _unpermute_order(file, config, name)
         yield name, weight if order is None else weight.rows(order)
         del weight
-        trim_c_heap()  # the slices this tensor's conversion freed, before the next's pile on them
+        unfreed += info.nbytes
+        if unfreed >= TRIM_EVERY:  # the slices these tensors' conversions freed, before the next's pile on them
+            trim_c_heap()
+            unfreed = 0
     if requantized:
         log.info("%s projections requantized to 8-bit blocks for the integer kernels, which read %s blocks as "
                  "they are", ", ".join(f"{count} {kind}" for kind, count in sorted(requantized.items())),
