@@ -116,6 +116,11 @@ async def test_json_object_regex_and_ebnf(server):
     ({"type": "ebnf", "ebnf": "root ::= undefined_rule"}, "response_format"),
     ({"type": "regex"}, "response_format.regex"),
     ({"type": "json_schema"}, "response_format.json_schema"),
+    # unsatisfiable: no output can begin (it ran to content "" with finish_reason "stop")
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#"}}}, "response_format"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}}}, "response_format"),
+    ({"type": "ebnf", "ebnf": "root ::= a\na ::= root"}, "response_format"),
 ])
 async def test_a_spec_that_cannot_compile_is_a_400(server, response_format, param):
     with pytest.raises(openai.BadRequestError) as info:

@@ -190,6 +190,18 @@ def _compile_structural_tag(compiler, tag: dict):
     return compiler.compile_structural_tag(items, tag["triggers"])
 
 
+def _admits_a_start(compiled) -> bool:
+    """Whether any token may begin an output of the compiled grammar, or it may end at once. A
+    grammar that allows neither ({"$ref": "#"}, two definitions that only refer to each other)
+    would leave every token masked: refused here rather than run to an empty answer."""
+    import xgrammar
+
+    matcher = xgrammar.GrammarMatcher(compiled)
+    mask = xgrammar.allocate_token_bitmask(1, compiled.tokenizer_info.vocab_size)
+    matcher.fill_next_token_bitmask(mask)
+    return bool(mask.any()) or matcher.is_terminated()
+
+
 def _reason(exc: RuntimeError) -> str:
     """xgrammar's message without its time, C++ source location and failed-check prefixes."""
     text = _LOCATION.sub("", str(exc).strip())
@@ -227,8 +239,10 @@ def _fork_compile(compiler, request: dict, reply_to: Connection) -> _Fork:
             die_with_parent()  # the worker may be killed while its forks compile
             os.close(read_fd)
             try:
-                reply = {"grammar": _compile_spec(compiler, request["kind"], request["spec"], request["strict"])
-                         .serialize_json()}
+                compiled = _compile_spec(compiler, request["kind"], request["spec"], request["strict"])
+                reply = {"grammar": compiled.serialize_json()} if _admits_a_start(compiled) else {
+                    "error": "it admits no output at all (a schema that only refers to itself, or rules that "
+                             "only refer to each other)"}
             except RuntimeError as exc:  # xgrammar's errors for a bad schema, pattern or grammar
                 reply = {"error": _reason(exc)}
             Connection(write_fd, readable=False).send_bytes(json.dumps(reply).encode())
