@@ -45,10 +45,15 @@ async def test_a_request_template_needs_the_servers_trust(core):
         assert tokenizer.decode(ids) == ("[user] What is the capital of France?\n"
                                          "<doc>Atlas: Paris is the capital.</doc>\n(no thinking)\n")
         for template in ("{% for %}", "{% for i in range(10**9) %}{% endfor %}",  # the sandbox's range bound
-                         "{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}"):  # recursion without end
+                         "{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}",  # recursion without end
+                         "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}"):  # 10**10
             broken = await server.http().post("/v1/chat/completions", json={
                 "model": server.model, "messages": ASK, "chat_template": template})
             assert broken.status_code == 400 and broken.json()["error"]["param"] == "chat_template", template
+        assert "did not render within" in broken.json()["error"]["message"]  # the last: stopped at its deadline
+        # and the template itself still serves: what the deadline bounds is only the request's own run
+        ids = await prompt_ids(server, messages=ASK, chat_template=ECHO_TEMPLATE)
+        assert tokenizer.decode(ids) == "[user] What is the capital of France?\n[assistant]"
 
 
 async def test_generation_prompt_and_continued_final_message(server):

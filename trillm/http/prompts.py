@@ -13,9 +13,12 @@ it, and its memory, only to be refused by its length afterwards.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
+import sys
+import time
 from dataclasses import dataclass
 
 import jinja2
@@ -68,6 +71,32 @@ class PromptBound:
 
 
 NO_BOUND = PromptBound(0, 0)
+REQUEST_TEMPLATE_SECONDS = 2.0  # a template a request brought renders within this, or is a 400
+
+
+class _TemplateTimeout(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def _time_bound(seconds: float):
+    """Python's trace hook in this thread, for the block: every line the template's compiled
+    code runs checks the deadline, and past it the line raises, so a template's loop of 10**8
+    rounds is stopped where a thread could not be. Tracing slows the rendering several times,
+    which a template of any real conversation spends in milliseconds."""
+    deadline = time.monotonic() + seconds
+
+    def trace(frame, event, arg):
+        if time.monotonic() > deadline:
+            raise _TemplateTimeout()
+        return trace
+
+    previous = sys.gettrace()
+    sys.settrace(trace)
+    try:
+        yield
+    finally:
+        sys.settrace(previous)
 
 
 def chat_prompt(
@@ -85,17 +114,23 @@ def chat_prompt(
     require_tokenizer(tokenizer, "messages")
     template = options.chat_template or tokenizer.chat_template
     rendered, tool_kwargs = template_inputs(template, [m.for_template() for m in messages], tools)
+    # a template a request brought (--trust-request-chat-template) runs under a deadline
+    bounded = _time_bound(REQUEST_TEMPLATE_SECONDS) if options.chat_template is not None else contextlib.nullcontext()
     try:
-        text = tokenizer.apply_chat_template(
-            rendered,
-            chat_template=options.chat_template,
-            add_generation_prompt=options.add_generation_prompt,
-            continue_final_message=options.continue_final_message,
-            documents=options.documents,
-            tokenize=False,
-            **tool_kwargs,
-            **(options.kwargs or {}),
-        )
+        with bounded:
+            text = tokenizer.apply_chat_template(
+                rendered,
+                chat_template=options.chat_template,
+                add_generation_prompt=options.add_generation_prompt,
+                continue_final_message=options.continue_final_message,
+                documents=options.documents,
+                tokenize=False,
+                **tool_kwargs,
+                **(options.kwargs or {}),
+            )
+    except _TemplateTimeout:
+        raise SamplingParamError("chat_template", f"The chat template did not render within "
+                                                  f"{REQUEST_TEMPLATE_SECONDS:g} s.") from None
     except (jinja2.TemplateError, TypeError, ValueError, OverflowError, RecursionError) as exc:
         # The template refused these messages (e.g. roles that do not alternate), did not parse, or
         # (one a request brought) asked its sandbox for a range past its bound or recursed without end.
