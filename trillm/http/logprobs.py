@@ -14,13 +14,13 @@ OpenAI's spelling of "very unlikely" (JSON has no infinity).
 """
 from __future__ import annotations
 
-import json
 import re
 from functools import lru_cache
 
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from trillm.engine.api import TokenLogprobs
+from trillm.http.prompts import tokenizer_part
 
 FLOOR = -9999.0
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback
@@ -44,8 +44,7 @@ def _token_bytes(tokenizer, text):
     each byte to one printable character (GPT-2's table, inverted here); SentencePiece writes a
     space as U+2581 and a fallen-back byte as <0xNN>. A special token, or a decoder of another
     kind, is its decoded text's UTF-8."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    decoder = json.loads(backend.to_str()).get("decoder") if backend is not None else None
+    decoder = tokenizer_part(tokenizer, "decoder")
     kinds = {d.get("type") for d in (decoder or {}).get("decoders", [decoder or {}])}
     special = set(getattr(tokenizer, "added_tokens_decoder", {}))
     byte_level = "ByteLevel" in kinds

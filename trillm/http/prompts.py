@@ -50,8 +50,7 @@ class PromptBound:
         """The bound for this tokenizer (its vocabulary walked once: a fraction of a second)."""
         if tokenizer is None:
             return cls(0, max_model_len)
-        normalizer = json.loads(tokenizer.backend_tokenizer.to_str()).get("normalizer") \
-            if hasattr(tokenizer, "backend_tokenizer") else {"type": "unknown"}
+        normalizer = tokenizer_part(tokenizer, "normalizer")
         steps = [] if normalizer is None else normalizer.get("normalizers", [normalizer])
         if any(step.get("type") not in _KEEPS_LENGTH for step in steps):
             log.info("prompts are tokenized whole before their length is checked: this tokenizer's normalizer "
@@ -68,6 +67,17 @@ class PromptBound:
                        f"prompt of {len(text)} characters is at least {fewest} tokens long (this model's "
                        f"tokens are at most {self.longest} characters). Please reduce the length of the "
                        "prompt.")
+
+
+def tokenizer_part(tokenizer, name: str) -> dict | None:
+    """A fast tokenizer's normalizer or decoder as its JSON (that part alone: the whole
+    tokenizer's is megabytes for a large vocabulary); None where it has none, {"type": "unknown"}
+    for a tokenizer that is not a fast one."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return {"type": "unknown"}
+    part = getattr(backend, name)
+    return None if part is None else json.loads(part.__getstate__())
 
 
 NO_BOUND = PromptBound(0, 0)
