@@ -206,19 +206,16 @@ def from_gguf(format: str, blocks) -> QuantizedWeight:
 
 
 def _with_k_scales(format: str, blocks, quants) -> QuantizedWeight:
-    """quant.with_scales_of, bit for bit: the fp16 d (and dmin) converted by torch, the 6-bit
-    factors unpacked and multiplied out into the fp32 scales (and mins) by the loop below."""
+    """quant.with_scales_of, bit for bit: for Q4_K / Q5_K the fp16 d and dmin converted by torch,
+    the 6-bit factors unpacked and multiplied out into the fp32 scales and mins by the loop below
+    (Q6_K's signed factors are whole bytes: the twin's own reading of them serves)."""
+    if format == "q6_k":
+        return quant.with_scales_of(format, blocks, quants)
     cdef int64_t rows = blocks.shape[0]
     cdef int64_t stride = quant.GGUF_BLOCKS[format][1]
     grouped = blocks.reshape(rows, -1, stride)
     cdef int64_t supers = grouped.shape[1] * rows
-    six = format == "q6_k"
-    at = 208 if six else 0
-    d = grouped[..., at : at + 2].contiguous().view(torch.float16).reshape(rows, -1).float()
-    if six:
-        sc = grouped[..., 192:208].contiguous().view(torch.int8).reshape(rows, -1)
-        scales = (d.repeat_interleave(16, dim=1) * sc.float()).contiguous()
-        return QuantizedWeight("q6_k", quants, scales, None, quant.KScales(sc, None, d, None))
+    d = grouped[..., 0:2].contiguous().view(torch.float16).reshape(rows, -1).float()
     mk = -grouped[..., 2:4].contiguous().view(torch.float16).reshape(rows, -1).float()
     sc = torch.empty(rows, supers // rows * 8, dtype=torch.uint8)
     mn = torch.empty_like(sc)
