@@ -42,6 +42,8 @@ def assert_error(path: str, status: int, body: dict) -> None:
     """An error body in the shape of the API that `path` belongs to."""
     if path == "/v1/messages" or path.startswith("/v1/messages/"):
         assert_anthropic_error(status, body)
+    elif path.startswith("/api/"):  # Ollama's: the message alone
+        assert list(body) == ["error"] and isinstance(body["error"], str) and body["error"], (status, body)
     else:
         assert_openai_error(status, body)
 
@@ -83,7 +85,7 @@ def cases(doc: dict, examples: int, share: tuple[int, int] = (0, 1)) -> list[tup
 
 def send(url: str, made: list[tuple[str, dict]], counts: dict) -> None:
     """Each case of `cases` (or `hostile_cases`) to the server at `url`; raises on the first 5xx
-    or malformed error (OpenAI's shape, Anthropic's on its Messages routes), or a stream that
+    or malformed error (OpenAI's shape, Anthropic's and Ollama's on their routes), or a stream that
     carried an error."""
     import requests
 

@@ -10,13 +10,18 @@ next test.
 from __future__ import annotations
 
 import functools
+import json
+import os
 import re
+import shutil
+import subprocess
 import threading
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 
 import httpx
 import openai
+import pytest
 import trio
 from hypercorn.trio import serve
 from prometheus_client.parser import text_string_to_metric_families
@@ -28,6 +33,7 @@ from trillm.http.app import create_app
 from trillm.http.serve import hypercorn_config
 from trillm.http.settings import ServerSettings
 from trillm.http.state import EXTENSION, ServerState
+from trillm.model.conversion import cache_root
 
 NUM_KV_BLOCKS = 256  # 4096 tokens: room for every test, small enough to allocate at once
 TINY_KV_BLOCKS = 128  # 2048 tokens: fewer than a soak's requests want at once, so some are preempted
@@ -80,6 +86,13 @@ class LiveServer:
 
         client = anthropic.AsyncAnthropic(base_url=self.url, api_key=kwargs.pop("api_key", "none"), max_retries=0,
                                           **kwargs)
+        self.clients.append(client)
+        return client
+
+    def ollama(self, **kwargs):
+        import ollama
+
+        client = ollama.AsyncClient(host=self.url, **kwargs)
         self.clients.append(client)
         return client
 
@@ -181,3 +194,33 @@ def frozen_engine(core):
     finally:
         gate.set()
         core.runner.fault_hook = None
+
+
+def node_modules(spec: str, package: str) -> str:
+    """A node_modules folder holding the npm package `spec` (imported as `package`), installed once
+    per machine under trillm's cache; the test skips where node or npm is missing."""
+    if shutil.which("node") is None or shutil.which("npm") is None:
+        pytest.skip("node and npm are not installed")
+    folder = os.path.join(cache_root(), "node", spec.replace("/", "_"))
+    if not os.path.isdir(os.path.join(folder, "node_modules", *package.split("/"))):
+        os.makedirs(folder, exist_ok=True)
+        subprocess.run(["npm", "install", "--silent", "--no-audit", "--no-fund", "--prefix", folder, spec],
+                       check=True, capture_output=True, timeout=300)
+    return os.path.join(folder, "node_modules")
+
+
+async def run_node(script: str, modules: str, *args: str) -> dict:
+    """tests/node/`script` run by node with the packages of `modules`, and the one JSON line it
+    prints. An ES module resolves packages from its own folder up, not NODE_PATH: a copy of the
+    script runs beside a link to them."""
+    workdir = os.path.join(os.path.dirname(modules), "run")
+    os.makedirs(workdir, exist_ok=True)
+    link = os.path.join(workdir, "node_modules")
+    if not os.path.exists(link):
+        os.symlink(modules, link)
+    copy = os.path.join(workdir, script)
+    shutil.copyfile(os.path.join(os.path.dirname(__file__), "node", script), copy)
+    with trio.fail_after(SETTLE_TIMEOUT):  # a client that hangs fails the test rather than the run
+        result = await trio.run_process(["node", copy, *args], capture_stdout=True, capture_stderr=True, check=False)
+    assert result.returncode == 0, result.stderr.decode()[-2000:]
+    return json.loads(result.stdout)

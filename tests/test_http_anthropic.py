@@ -7,7 +7,7 @@ import jsonschema
 import pytest
 import trio
 
-from http_support import failing_engine, live_server, settled_stats
+from http_support import failing_engine, live_server, node_modules, run_node, settled_stats
 
 WEATHER = {"name": "get_weather", "description": "The weather in a city.",
            "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
@@ -254,39 +254,11 @@ NODE_SDK = "@anthropic-ai/sdk@1.14.0"
 @pytest.fixture(scope="session")
 def node_sdk() -> str:
     """A node_modules folder holding the Anthropic Node SDK, installed once per machine."""
-    import os
-    import shutil
-    import subprocess
-
-    from trillm.model.conversion import cache_root
-
-    if shutil.which("node") is None or shutil.which("npm") is None:
-        pytest.skip("node and npm are not installed")
-    folder = os.path.join(cache_root(), "node", NODE_SDK.replace("/", "_"))
-    if not os.path.isdir(os.path.join(folder, "node_modules", "@anthropic-ai", "sdk")):
-        os.makedirs(folder, exist_ok=True)
-        subprocess.run(["npm", "install", "--silent", "--no-audit", "--no-fund", "--prefix", folder, NODE_SDK],
-                       check=True, capture_output=True, timeout=300)
-    return os.path.join(folder, "node_modules")
+    return node_modules(NODE_SDK, "@anthropic-ai/sdk")
 
 
 async def test_the_node_sdk_creates_and_streams(server, node_sdk):
-    import os
-
-    script = os.path.join(os.path.dirname(__file__), "node", "anthropic_sdk.mjs")
-    # an ES module resolves packages from its own folder up, not NODE_PATH: link the SDK beside a copy
-    workdir = os.path.join(os.path.dirname(node_sdk), "run")
-    os.makedirs(workdir, exist_ok=True)
-    link = os.path.join(workdir, "node_modules")
-    if not os.path.exists(link):
-        os.symlink(node_sdk, link)
-    copy = os.path.join(workdir, "anthropic_sdk.mjs")
-    with open(script) as src, open(copy, "w") as dst:
-        dst.write(src.read())
-    result = await trio.run_process(["node", copy, server.url, server.model], capture_stdout=True,
-                                    capture_stderr=True, check=False)
-    assert result.returncode == 0, result.stderr.decode()[-2000:]
-    out = json.loads(result.stdout)
+    out = await run_node("anthropic_sdk.mjs", node_sdk, server.url, server.model)
     text = "".join(b["text"] for b in out["created"]["content"] if b["type"] == "text")
     assert out["created"]["id"].startswith("msg_") and text
     assert out["streamed"] == text == "".join(b["text"] for b in out["final"]["content"] if b["type"] == "text")

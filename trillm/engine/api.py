@@ -14,13 +14,15 @@ from trillm.engine.kv_events import KVEventsConfig, offset_endpoint
 from trillm.engine.output import Delta, OutputProcessor, PoolingProcessor, output_processor
 from trillm.engine.sampler import TokenLogprobs
 from trillm.engine.stats import ServingStats
+from trillm.model.facts import ModelFacts, read_facts
 from trillm.model.lora import LoRAError
 from trillm.model.tp_worker import launcher_init_method, launcher_rank, run_worker
 from trillm.sched_ext import FinishReason
 
 __all__ = [
     "AsyncEngine", "Delta", "EngineCore", "EngineUnavailableError", "FinishReason", "KVEventsConfig", "LoRAError",
-    "OutputProcessor", "Params", "PoolingProcessor", "QueueFullError", "RequestGroup", "RequestStream",
+    "ModelFacts", "OutputProcessor", "Params", "PoolingProcessor", "QueueFullError", "RequestGroup", "RequestStream",
     "ServingStats", "StepOutput", "TokenLogprobs", "WeightsError", "held_prefix_len",
-    "launcher_init_method", "launcher_rank", "num_samples", "offset_endpoint", "output_processor", "run_worker",
+    "launcher_init_method", "launcher_rank", "num_samples", "offset_endpoint", "output_processor", "read_facts",
+    "run_worker",
 ]

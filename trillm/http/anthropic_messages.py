@@ -56,11 +56,7 @@ async def create_message():
                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
         response.timeout = None  # as chat streams: a message lasts as long as its generation
         return response
-    try:
-        async for _, delta in generation:
-            builder.feed(delta)
-    finally:
-        generation.close()
+    await generation.run(builder.feed)
     builder.end(generation)
     return builder.message(), 200, headers
 

@@ -27,11 +27,13 @@ from trillm.heap import freeze_heap
 from trillm.http import (
     adapters,
     anthropic_messages,
+    chat_page,
     embeddings,
     http1_only,
     info,
     invocations,
     native,
+    ollama,
     openai_chat,
     openai_completions,
     openapi,
@@ -67,8 +69,10 @@ def create_app(settings: ServerSettings | None = None, core: EngineCore | None =
     settings = state.settings
     app.extensions[EXTENSION] = state
     for module in (openai_chat, openai_completions, responses, anthropic_messages, embeddings, native, info,
-                   invocations, openapi, adapters, weights):
+                   invocations, openapi, adapters, weights, ollama):
         app.register_blueprint(module.blueprint)
+    if settings.ui:
+        app.register_blueprint(chat_page.blueprint)
 
     admin = AdminAccess(settings.host, settings.as_list(settings.allowed_hosts), settings.as_list(settings.admin_origins))
 

@@ -31,8 +31,11 @@ from quart import Response, request
 from trillm.http.errors import APIError, error_response
 
 # /get_load: vllm-router polls it without the key (its api_key reaches no call of its own); it
-# tells what /metrics already does
-OPEN_PATHS = frozenset({"/health", "/ping", "/version", "/metrics", "/get_load", "/openapi.json"})
+# tells what /metrics already does. /api/version is Ollama's /version. The chat page's files hold
+# no data (the page asks for the key before it calls anything else).
+OPEN_PATHS = frozenset({"/health", "/ping", "/version", "/api/version", "/metrics", "/get_load", "/openapi.json",
+                        "/"})
+OPEN_PREFIXES = ("/ui/",)
 ADMIN_PATHS = frozenset({
     "/update_weights_from_disk", "/update_weights", "/v1/load_lora_adapter", "/v1/unload_lora_adapter",
     "/sleep", "/wake_up", "/wakeup", "/flush_cache", "/reset_prefix_cache", "/abort_request",
@@ -41,7 +44,7 @@ ADMIN_PATHS = frozenset({
 
 def check_api_key(api_key: str) -> Response | None:
     """A 401 response when the request needs the key and lacks it; None to let it through."""
-    if request.method == "OPTIONS" or request.path in OPEN_PATHS:
+    if request.method == "OPTIONS" or request.path in OPEN_PATHS or request.path.startswith(OPEN_PREFIXES):
         return None
     scheme, _, token = request.headers.get("Authorization", "").partition(" ")
     # an auth scheme's name is case-insensitive (RFC 9110 11.1): bearer and BEARER are Bearer

@@ -13,6 +13,7 @@ so a load balancer can tell overload from failure.
 Anthropic's Messages routes (/v1/messages and what lies under it) answer in Anthropic's shape,
 `{"type": "error", "error": {"type", "message"}}`, with its type names, and 529
 `overloaded_error` where other routes say 503: its SDKs pick their exception class from these.
+Ollama's routes (/api/...) answer `{"error": "..."}`, its one shape, with the same statuses.
 `error_response` chooses by the request's path, so every handler and the key check speak the
 right one without knowing which API they serve.
 """
@@ -50,6 +51,7 @@ ANTHROPIC_ERROR_TYPES = {
     529: "overloaded_error",
 }
 ANTHROPIC_PATH = "/v1/messages"
+OLLAMA_PREFIX = "/api/"
 
 
 class APIError(Exception):
@@ -85,9 +87,13 @@ def speaks_anthropic() -> bool:
 
 
 def error_response(status: int, message: str, param: str | None = None) -> Response:
-    """The error in the shape of the API the request called (OpenAI's, or Anthropic's on its routes)."""
+    """The error in the shape of the API the request called (OpenAI's, or Anthropic's or Ollama's
+    on their routes)."""
     if speaks_anthropic():
         body, status = anthropic_error_body(status, message), anthropic_status(status)
+    elif has_request_context() and request.path.startswith(OLLAMA_PREFIX):
+        # Ollama's shape has no `param`: the message names the field
+        body = {"error": message if param is None or param in message else f"{param}: {message}"}
     else:
         body = error_body(status, message, param)
     return Response(json.dumps(body), status=status, content_type="application/json")

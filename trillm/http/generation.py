@@ -12,6 +12,7 @@ finished, failed, or its client went away.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
@@ -97,11 +98,13 @@ class Generation:
             self._stream = await self._engine.add(self._requests, self._param)
         self._metrics.prompt_tokens.inc(sum(map(len, self.prompts)))
 
-    async def run(self) -> None:
-        """For a response that is not streamed: every choice to its end, then close."""
+    async def run(self, each: Callable[[Delta], object] | None = None) -> None:
+        """For a response that is not streamed: every choice to its end (each delta handed to
+        `each`, where given), then close."""
         try:
-            async for _ in self:
-                pass
+            async for _, delta in self:
+                if each is not None:
+                    each(delta)
         finally:
             self.close()
 

@@ -26,7 +26,7 @@ blueprint = Blueprint("openai_chat", __name__)
 @blueprint.post("/v1/chat/completions")
 async def chat_completions():
     state, req = await model_request(ChatCompletionRequest)
-    params, choice, prompt = await state.off_loop(_prepare, state, req)
+    params, choice, prompt = await state.off_loop(prepare, state, req)
     generation = Generation(state, *request_id("chatcmpl", req.session_name), [prompt], params,
                             field_names=req.field_names, lora_name=await state.requested_lora(req.model, req.lora_request))
     if req.user is not None or req.metadata:
@@ -39,9 +39,9 @@ async def chat_completions():
     return chunks.response()
 
 
-def _prepare(state: ServerState, req: ChatCompletionRequest) -> tuple:
+def prepare(state: ServerState, req: ChatCompletionRequest) -> tuple:
     """The sampling params, the tool choice and the prompt's token ids (off the event loop: the
-    template and the tokenizer work in proportion to the request)."""
+    template and the tokenizer work in proportion to the request; Ollama's chat runs it too)."""
     params = req.to_sampling_params(state.vocab_size, state.tokenizer)
     choice, params = tool_choice(req, state.tool_call_parser, params)
     tools = req.tools if choice != "none" else None

@@ -16,7 +16,7 @@ from pydantic.json_schema import models_json_schema
 from quart import Blueprint, current_app
 
 import trillm
-from trillm.http.errors import ERROR_TYPES
+from trillm.http.errors import ERROR_TYPES, OLLAMA_PREFIX
 from trillm.http.protocol.anthropic import CountTokensRequest, MessagesRequest
 from trillm.http.protocol.responses import ResponsesRequest
 from trillm.http.protocol.admin import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest, UpdateWeightsRequest
@@ -24,6 +24,7 @@ from trillm.http.protocol.chat import ChatCompletionRequest
 from trillm.http.protocol.completions import CompletionRequest
 from trillm.http.protocol.embeddings import EmbeddingRequest, RerankRequest, ScoreRequest
 from trillm.http.protocol.native import AbortRequest, DetokenizeRequest, GenerateRequest, LMDeployGenerateRequest, TokenizeRequest
+from trillm.http.protocol import ollama
 
 blueprint = Blueprint("openapi", __name__)
 
@@ -50,6 +51,11 @@ BODIES: dict[str, type[BaseModel] | tuple[type[BaseModel], ...]] = {
     "/v1/unload_lora_adapter": UnloadLoRAAdapterRequest,
     "/update_weights": UpdateWeightsRequest,
     "/update_weights_from_disk": UpdateWeightsRequest,
+    "/api/chat": ollama.ChatRequest,
+    "/api/generate": ollama.GenerateRequest,
+    "/api/embed": ollama.EmbedRequest,
+    "/api/embeddings": ollama.EmbeddingsRequest,
+    "/api/show": ollama.ShowRequest,
 }
 BODILESS_POSTS = {"/flush_cache", "/reset_prefix_cache", "/ping", "/v1/responses/<response_id>/cancel", "/sleep",
                   "/wake_up", "/wakeup"}
@@ -73,11 +79,15 @@ ERROR_SCHEMA = {
 }
 
 
+# Ollama's routes answer errors in its one shape (trillm.http.errors)
+OLLAMA_ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error": {"type": "string"}}}
+
+
 def openapi_document(url_map) -> dict:
     """The document for the routes in `url_map` (a Quart app's)."""
     models = dict.fromkeys(m for body in BODIES.values() for m in (body if isinstance(body, tuple) else (body,)))
     refs, defs = models_json_schema([(m, "validation") for m in models], ref_template=REF_TEMPLATE)
-    schemas = {**defs.get("$defs", {}), "ErrorResponse": ERROR_SCHEMA}
+    schemas = {**defs.get("$defs", {}), "ErrorResponse": ERROR_SCHEMA, "OllamaErrorResponse": OLLAMA_ERROR_SCHEMA}
     paths: dict[str, dict] = {}
     for rule in url_map.iter_rules():
         if rule.endpoint == "static" or rule.rule == "/openapi.json":
@@ -101,10 +111,7 @@ def _operation(rule, path: str, method: str, refs: dict) -> dict:
         "operationId": method.lower() + re.sub(r"\W+", "_", path).rstrip("_"),  # /health and /ping share an endpoint
         "responses": {
             "200": {"description": "Success"},
-            "default": {
-                "description": "An error, in OpenAI's shape",
-                "content": {"application/json": {"schema": {"$ref": REF_TEMPLATE.format(model="ErrorResponse")}}},
-            },
+            "default": _error_response(path),
         },
     }
     if rule.arguments:
@@ -124,6 +131,13 @@ def _operation(rule, path: str, method: str, refs: dict) -> dict:
                 "content": {"application/json": {"schema": schemas[0] if len(schemas) == 1 else {"anyOf": schemas}}},
             }
     return operation
+
+
+def _error_response(path: str) -> dict:
+    ollama_route = path.startswith(OLLAMA_PREFIX)
+    return {"description": "An error, in Ollama's shape" if ollama_route else "An error, in OpenAI's shape",
+            "content": {"application/json": {"schema": {"$ref": REF_TEMPLATE.format(
+                model="OllamaErrorResponse" if ollama_route else "ErrorResponse")}}}}
 
 
 @blueprint.get("/openapi.json")

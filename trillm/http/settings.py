@@ -50,6 +50,7 @@ class ServerSettings:
     reasoning_parser: str | None = None  # deepseek_r1 | qwen3: <think>...</think> -> reasoning_content
     trust_request_chat_template: bool = False  # let requests bring their own chat_template (code we run)
     normalize_embeddings: bool = True  # /v1/embeddings vectors L2-normalised (off: as pooled)
+    ui: bool = True  # the chat page at / (trillm/http/chat_page.py); --no-ui leaves it out
     responses_store_size: int = 1024  # /v1/responses kept for GET and previous_response_id (LRU)
     # CORS, with vLLM's flags and defaults: lists as JSON ('["https://a.example"]') or comma-separated
     allowed_origins: str = "*"

@@ -15,7 +15,7 @@ import pydantic
 import trio
 from quart import current_app, g, request
 
-from trillm.engine.api import AsyncEngine, EngineCore, LoRAError
+from trillm.engine.api import AsyncEngine, EngineCore, LoRAError, ModelFacts, read_facts
 from trillm.http import json_body, paths
 from trillm.http.errors import APIError, from_validation_error
 from trillm.http.logprobs import TokenTexts
@@ -67,6 +67,7 @@ class ServerState:
         # A limiter of its own, so a flood of large requests waits here and never takes the
         # threads the engine's step and grammar compiles run on.
         self.prepare_limiter = trio.CapacityLimiter(PREPARE_THREADS)
+        self._facts: ModelFacts | None = None
 
     async def off_loop(self, fn: Callable[..., T], *args) -> T:
         """`fn(*args)` in a worker thread (at most PREPARE_THREADS at once): for work that grows
@@ -80,6 +81,13 @@ class ServerState:
     def weights_path(self) -> str:
         """Where the served weights came from (a path, or the default model's name)."""
         return self.engine.args.model or self.engine.config.name
+
+    async def model_facts(self) -> ModelFacts:
+        """What the served file says about the model (trillm.model.facts), read once, off the loop."""
+        if self._facts is None:
+            self._facts = await self.off_loop(read_facts, self.engine.args.model, self.engine.config.hf_config,
+                                              self.max_model_len)
+        return self._facts
 
     @property
     def chat_template(self) -> str | None:

@@ -157,6 +157,10 @@ class GGUFFile:
         return metadata, tensors
 
 
+class StringCount(int):
+    """An array of strings the header reader skipped (a vocabulary, its merges): its length."""
+
+
 def to_float(blocks: np.ndarray, kind: GGMLQuantizationType) -> np.ndarray:
     """[rows, bytes of a row] of `kind` -> [rows, values of a row] fp32, as gguf-py dequantizes."""
     if kind == GGMLQuantizationType.F32:
@@ -195,4 +199,4 @@ def _value(data: np.ndarray, pos: int, kind: int):
     for _ in range(count):
         (length,) = struct.unpack_from("<Q", data, pos)
         pos += 8 + length
-    return count, pos
+    return StringCount(count), pos
