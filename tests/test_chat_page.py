@@ -9,7 +9,7 @@ import os
 import pytest
 import trio
 
-from http_support import live_server, settled_stats
+from http_support import live_server, requests_served, settled_stats
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
@@ -26,7 +26,6 @@ def browser(tmp_path):
 
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
-    options.unhandled_prompt_behavior = "ignore"  # the key's prompt waits for the test to answer it
     # without the background-networking flags Chromium keeps dialling out, and a closed network refuses it
     for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-quic",
                  "--no-first-run", "--disable-background-networking", "--disable-component-update", "--disable-sync",
@@ -145,29 +144,48 @@ async def test_chat_streams_stops_edits_and_is_remembered(server, browser):
     assert titles == ["Name three colors."] and contents == ["Name two animals.", edited]
 
 
+async def test_reasoning_shows_apart_and_regenerate_asks_again(core, browser):
+    """With a reasoning parser that reads the whole of this model's output as reasoning
+    (deepseek_r1: the template is taken to open <think>), the answer's text is in the collapsed
+    reasoning block; Regenerate replaces the answer with a new request's."""
+    async with live_server(core, reasoning_parser="deepseek_r1") as server:
+        def reasoned():
+            open_page(browser, server.url, server.model)
+            find(browser, "#settings-toggle")[0].click()
+            set_field(browser, "temperature", "0")
+            set_field(browser, "max_tokens", "8")
+            ask(browser, "Name three colors.")
+            finished_answer(browser, 1)
+            return browser.execute_script(
+                "const d = document.querySelector('.message.assistant details.reasoning');"
+                "return d && [d.open, d.querySelector('summary').textContent, d.lastChild.textContent];")
+
+        is_open, summary, reasoning = await in_browser(reasoned)
+        assert is_open is False and summary == "Reasoning" and reasoning.strip()
+        served = await requests_served(server.url)
+
+        def regenerated():
+            find(browser, ".message.assistant .actions .regenerate")[0].click()
+            return finished_answer(browser, 1), len(find(browser, ".message"))
+
+        (_, stats), messages = await in_browser(regenerated)
+        assert stats.startswith("8 tokens") and messages == 2
+        assert await requests_served(server.url) == served + 1
+
+
 async def test_a_server_with_a_key_is_asked_for_it_once(core, browser):
     async with live_server(core, api_key="sk-page") as server:
         def log_in():
             browser.get(server.url + "/")
-            wait(browser, lambda d: _alert(d) is not None)
-            alert = browser.switch_to.alert
-            alert.send_keys("sk-page")
-            alert.accept()
+            wait(browser, lambda d: d.execute_script("return document.getElementById('key-dialog').open"))
+            set_field(browser, "api-key", "sk-page")
+            find(browser, "#key-save")[0].click()
             wait(browser, lambda d: [o.get_attribute("value") for o in find(d, "#model option")] == [server.model])
             browser.refresh()  # the key is kept: no second question
             wait(browser, lambda d: find(d, "#model option"))
-            return _alert(browser)
+            return browser.execute_script("return document.getElementById('key-dialog').open")
 
-        assert await in_browser(log_in) is None
-
-
-def _alert(driver):
-    from selenium.common.exceptions import NoAlertPresentException
-
-    try:
-        return driver.switch_to.alert
-    except NoAlertPresentException:
-        return None
+        assert await in_browser(log_in) is False
 
 
 async def test_the_page_is_the_shipped_files_alone_and_no_ui_removes_it(core):

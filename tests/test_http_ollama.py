@@ -240,6 +240,22 @@ async def test_the_javascript_client(server):
     assert out["details"]["format"] == "gguf" and out["chat"]["done"] and out["chat"]["message"]["content"]
     assert out["streamed"] == out["chat"]["message"]["content"] and out["last"]["done"]
     assert out["last"]["eval_count"] == out["chat"]["eval_count"] and out["generated"]["response"]
+    assert [c["function"] for c in out["calls"]] == [{"index": 0, "name": "get_weather", "arguments": {"city": "Tokyo"}}]
+    assert out["answered"]["content"] and not out["answered"].get("tool_calls")
+    assert isinstance(out["person"]["name"], str) and isinstance(out["person"]["age"], int)
     assert out["embedded"] == [576, 576]
     assert out["missing"]["status"] == 404 and "not found" in out["missing"]["message"]
 
+
+
+async def test_think_splits_the_reasoning_out_with_a_reasoning_parser(core):
+    """deepseek_r1 reads the whole of this model's output as reasoning (its template is taken to
+    open <think>): it comes as `thinking`, whole and streamed, and show lists the capability."""
+    async with live_server(core, reasoning_parser="deepseek_r1") as server:
+        client = server.ollama()
+        assert "thinking" in (await client.show(server.model)).capabilities
+        answer = await client.chat(server.model, messages=QUESTION, think=True, options=GREEDY)
+        assert answer.message.thinking and answer.message.content == "" and answer.eval_count == 12
+        parts = [p async for p in await client.chat(server.model, messages=QUESTION, think="high", options=GREEDY,
+                                                    stream=True)]
+        assert "".join(p.message.thinking or "" for p in parts) == answer.message.thinking
