@@ -61,9 +61,6 @@ class LiveGroups:
     def __contains__(self, group: LiveGroup) -> bool:
         return self._by_id.get(group.request_id) is group
 
-    def has_id(self, request_id: str) -> bool:
-        return request_id in self._by_id
-
     def owner(self, engine_id: str) -> LiveGroup:
         """The group of the member with this engine id (a live one: KeyError otherwise)."""
         return self._owner[engine_id]

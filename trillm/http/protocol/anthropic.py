@@ -47,10 +47,6 @@ FIELD_NAMES = {"prompt": "messages", "stop": "stop_sequences", "response_format"
 EFFORTS = {"low": "low", "medium": "medium", "high": "high", "xhigh": "xhigh", "max": "xhigh"}
 
 
-def message_id() -> str:
-    return f"msg_{uuid.uuid4().hex}"
-
-
 def tool_use_id() -> str:
     return f"toolu_{uuid.uuid4().hex}"
 
