@@ -1,5 +1,5 @@
-"""Random-weight GGUF files of real models' shapes (Llama, Qwen2.5, Qwen3), quantized by llama.cpp's
-own llama-quantize, for
+"""Random-weight GGUF files of real models' shapes (Llama, Qwen2.5, Qwen3, Phi-3), quantized by
+llama.cpp's own llama-quantize, for
 measuring trillm and llama.cpp at the sizes people run (the files are never committed).
 
     .venv/bin/python benchmarks/shaped_gguf.py --llama-cpp PATH --shape smollm2-1.7b --type Q4_K_M --out DIR
@@ -21,7 +21,9 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFWriter
 
 # hidden, intermediate, layers, heads, KV heads, vocabulary, tied embeddings, RoPE base, context;
-# arch: llama.cpp's architecture (qwen2: q/k/v biases; qwen3: q/k norms and head_dim of its own)
+# arch: llama.cpp's architecture (qwen2: q/k/v biases; qwen3: q/k norms and head_dim of its own;
+# phi3: q|k|v and gate|up fused, attention within a sliding window). Phi-3-mini's shape keeps the
+# default model's 49152-token vocabulary, not its own 32064: the tokenizer comes from that file.
 SHAPES = {
     "smollm2-1.7b": dict(hidden=2048, inter=8192, layers=24, heads=32, kv_heads=32, vocab=49152, tied=True,
                          rope_base=130000.0, context=8192),
@@ -33,6 +35,8 @@ SHAPES = {
                          tied=True, rope_base=1000000.0, context=32768),
     "qwen3-1.7b": dict(arch="qwen3", hidden=2048, inter=6144, layers=28, heads=16, kv_heads=8, head_dim=128,
                        vocab=151936, tied=True, rope_base=1000000.0, context=40960),
+    "phi-3-mini": dict(arch="phi3", hidden=3072, inter=8192, layers=32, heads=32, kv_heads=32, vocab=49152,
+                       tied=False, rope_base=10000.0, context=4096, sliding_window=2047),
 }
 TOKENIZER_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.bos_token_id",
                   "tokenizer.ggml.eos_token_id", "tokenizer.ggml.padding_token_id", "tokenizer.ggml.add_bos_token")
@@ -44,6 +48,11 @@ def tensors(shape: dict) -> list[tuple[str, tuple[int, ...]]]:
     q, kv = shape["heads"] * head_dim, shape["kv_heads"] * head_dim
     out = [("token_embd.weight", (shape["vocab"], hidden))]
     for i in range(shape["layers"]):
+        if shape.get("arch") == "phi3":
+            out += [(f"blk.{i}.attn_norm.weight", (hidden,)), (f"blk.{i}.attn_qkv.weight", (q + 2 * kv, hidden)),
+                    (f"blk.{i}.attn_output.weight", (hidden, q)), (f"blk.{i}.ffn_norm.weight", (hidden,)),
+                    (f"blk.{i}.ffn_up.weight", (2 * inter, hidden)), (f"blk.{i}.ffn_down.weight", (hidden, inter))]
+            continue
         out += [(f"blk.{i}.attn_norm.weight", (hidden,)), (f"blk.{i}.attn_q.weight", (q, hidden)),
                 (f"blk.{i}.attn_k.weight", (kv, hidden)), (f"blk.{i}.attn_v.weight", (kv, hidden)),
                 (f"blk.{i}.attn_output.weight", (hidden, q)), (f"blk.{i}.ffn_norm.weight", (hidden,)),
@@ -70,7 +79,9 @@ def write_f16(name: str, path: Path) -> None:
 
     shape = SHAPES[name]
     writer = GGUFWriter(str(path), shape.get("arch", "llama"))
-    writer.add_name(f"random {name}")
+    # llama.cpp sets Phi-3's special tokens' attributes by a name holding "phi-3", and this file has
+    # another model's vocabulary, without them: the name leaves out the hyphens
+    writer.add_name(f"random {name}".replace("-", " "))
     writer.add_block_count(shape["layers"])
     writer.add_context_length(shape["context"])
     writer.add_embedding_length(shape["hidden"])
@@ -84,6 +95,8 @@ def write_f16(name: str, path: Path) -> None:
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_vocab_size(shape["vocab"])
     writer.add_file_type(1)  # mostly F16
+    if "sliding_window" in shape:
+        writer.add_sliding_window(shape["sliding_window"])
     with GGUFFile(default_model_path()) as source:
         metadata = source.metadata
     from gguf import GGUFReader  # the vocabulary's strings, which GGUFFile only counts
