@@ -41,9 +41,9 @@ async function api(path, init = {}, retried = false) {
   if (key) headers.Authorization = `Bearer ${key}`;
   const response = await fetch(path, { ...init, headers });
   if (response.status === 401 && !retried) {
-    const entered = window.prompt('This server needs an API key:');
+    const entered = await askKey();
     if (entered) {
-      localStorage.setItem(STORE.key, entered.trim());
+      localStorage.setItem(STORE.key, entered);
       return api(path, init, true);
     }
   }
@@ -53,6 +53,16 @@ async function api(path, init = {}, retried = false) {
     throw new Error(message);
   }
   return response;
+}
+
+// The key, asked in the page's own dialog (a browser's prompt() would block the page).
+function askKey() {
+  const dialog = $('key-dialog');
+  $('api-key').value = '';
+  dialog.showModal();
+  return new Promise((resolve) => {
+    dialog.addEventListener('close', () => resolve($('api-key').value.trim()), { once: true });
+  });
 }
 
 async function loadModels() {
