@@ -17,8 +17,9 @@ WAIT_S = 60  # how long a step may take before the test fails (not a speed check
 OUTPUT = os.environ.get("TRILLM_TEST_OUTPUT", os.path.join(os.path.dirname(__file__), os.pardir, "test-output"))
 
 
-@pytest.fixture
-def browser(tmp_path):
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):
+    """One Chromium for the file (each test's server is its own origin, so its own storage)."""
     if not (os.path.exists(CHROMIUM) and os.path.exists(CHROMEDRIVER)):
         pytest.skip("Chromium is not installed (Debian: apt-get install chromium chromium-driver; .ci/run installs it)")
     from selenium import webdriver
@@ -29,7 +30,7 @@ def browser(tmp_path):
     # without the background-networking flags Chromium keeps dialling out, and a closed network refuses it
     for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-quic",
                  "--no-first-run", "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                 "--window-size=1280,860", f"--user-data-dir={tmp_path / 'profile'}"):
+                 "--window-size=1280,860", f"--user-data-dir={tmp_path_factory.mktemp('profile')}"):
         options.add_argument(flag)
     driver = webdriver.Chrome(options=options, service=Service(CHROMEDRIVER))
     try:
@@ -71,8 +72,16 @@ def set_field(driver, element_id: str, value: str) -> None:
     field.send_keys(value)
 
 
-def open_page(driver, url: str, model: str) -> None:
+def fresh_page(driver, url: str) -> None:
+    """The page with nothing kept from before: a port an earlier test's server had is the same
+    origin, with the same storage."""
+    driver.get(url + "/ui/style.css")  # the origin, without the page's scripts
+    driver.execute_script("localStorage.clear()")
     driver.get(url + "/")
+
+
+def open_page(driver, url: str, model: str) -> None:
+    fresh_page(driver, url)
     wait(driver, lambda d: [o.get_attribute("value") for o in find(d, "#model option")] == [model])
 
 
@@ -176,7 +185,7 @@ async def test_reasoning_shows_apart_and_regenerate_asks_again(core, browser):
 async def test_a_server_with_a_key_is_asked_for_it_once(core, browser):
     async with live_server(core, api_key="sk-page") as server:
         def log_in():
-            browser.get(server.url + "/")
+            fresh_page(browser, server.url)
             wait(browser, lambda d: d.execute_script("return document.getElementById('key-dialog').open"))
             set_field(browser, "api-key", "sk-page")
             find(browser, "#key-save")[0].click()

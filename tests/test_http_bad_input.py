@@ -12,7 +12,7 @@ from fuzz_support import assert_openai_error, cases, fuzz_in_a_process, kept_cas
 from http_support import live_server, settled_stats, tiny_core
 from openapi_spec_validator import validate
 
-EXAMPLES_PER_ROUTE_AND_MODE = 30  # benchmarks/soak.py runs more
+EXAMPLES_PER_ROUTE_AND_MODE = 24  # benchmarks/soak.py runs more
 
 
 @pytest.fixture(scope="session")
