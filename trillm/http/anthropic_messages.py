@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import base64
 import copy
-import dataclasses
 import hashlib
 import json
 import logging
@@ -25,7 +24,7 @@ from quart import Blueprint, Response
 from trillm.engine.api import EngineUnavailableError, FinishReason
 from trillm.http.chat_output import ChatDelta, chat_output
 from trillm.http.errors import anthropic_error_body
-from trillm.http.generation import Generation, in_client_terms
+from trillm.http.generation import Generation, capped, in_client_terms
 from trillm.http.logs import clipped
 from trillm.http.prompts import chat_prompt
 from trillm.http.protocol.anthropic import FIELD_NAMES, CountTokensRequest, MessagesRequest, tool_use_id
@@ -81,8 +80,8 @@ def _prepare(state: ServerState, req: MessagesRequest) -> tuple:
     # default), and a model of a smaller context serves what fits after the prompt, its
     # stop_reason "max_tokens" where the context ran out (a prompt that fills it is still refused)
     room = state.max_model_len - len(prompt)
-    if params.max_tokens is not None and params.max_tokens > room > 0:
-        params = dataclasses.replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))
+    if room > 0:
+        params = capped(params, room)
     return chat, params, choice, prompt
 
 

@@ -65,21 +65,34 @@ def _head(rid: str, state: ServerState) -> dict:
     return {"id": rid, "object": "list", "created": int(time.time()), "model": state.model_name}
 
 
+def check_dimensions(state: ServerState, dimensions: int | None) -> None:
+    hidden_size = state.engine.config.hf_config.hidden_size
+    if dimensions is not None and dimensions > hidden_size:
+        raise SamplingParamError("dimensions", f"dimensions must be at most this model's {hidden_size}.")
+
+
+def trimmed(vectors: list[torch.Tensor], dimensions: int | None) -> list[torch.Tensor]:
+    """Each vector's first `dimensions` (all without)."""
+    return vectors if dimensions is None else [v[:dimensions] for v in vectors]
+
+
+def normalized(state: ServerState, vectors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The vectors as embeddings are served: L2-normalised, unless --no-normalize-embeddings."""
+    return [F.normalize(v, dim=0) for v in vectors] if state.settings.normalize_embeddings else vectors
+
+
 async def _embedding_request(kind: str) -> tuple[EmbeddingRequest, ServerState, list[list[int]], str, list[torch.Tensor]]:
     state, req = await model_request(EmbeddingRequest)
-    hidden_size = state.engine.config.hf_config.hidden_size
-    if req.dimensions is not None and req.dimensions > hidden_size:
-        raise SamplingParamError("dimensions", f"dimensions must be at most this model's {hidden_size}.")
+    check_dimensions(state, req.dimensions)
     prompts = await state.off_loop(_prompts, state, req.input, "input")
     rid, vectors = await pooled_vectors(state, kind, prompts, "input", await state.requested_lora(req.model))
-    return req, state, prompts, rid, [v if req.dimensions is None else v[: req.dimensions] for v in vectors]
+    return req, state, prompts, rid, trimmed(vectors, req.dimensions)
 
 
 @blueprint.post("/v1/embeddings")
 async def embeddings():
     req, state, prompts, rid, vectors = await _embedding_request("embd")
-    if state.settings.normalize_embeddings:
-        vectors = [F.normalize(v, dim=0) for v in vectors]
+    vectors = normalized(state, vectors)
     data = [{"object": "embedding", "index": i, "embedding": _encode(v, req.encoding_format)} for i, v in enumerate(vectors)]
     return {**_head(rid, state), "data": data, "usage": _usage(prompts)}
 

@@ -55,6 +55,16 @@ class Choice:
         return self.processor.finished
 
 
+def capped(params: SamplingParams, room: int) -> SamplingParams:
+    """`params` asking for at most `room` new tokens (min_tokens within it too), for routes that
+    read a limit as a cap, never a demand (Anthropic's max_tokens, Ollama's num_ctx). Unset,
+    max_tokens means the context's end, so capping it to the room left there changes nothing."""
+    assert room > 0
+    if params.max_tokens is not None and params.max_tokens <= room:
+        return params
+    return replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))
+
+
 class Generation:
     def __init__(self, state, request_id: str, client_id: str | None | list[str | None], prompts: list[list[int]],
                  params: Params | list[Params], field_names: dict[str, str] | None = None,

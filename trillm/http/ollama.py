@@ -16,13 +16,11 @@ object, in the chunk where the model finished writing them. Errors on these rout
 """
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import hashlib
 import json
 
 import pydantic
-import torch.nn.functional as F
 import trio
 from quart import Blueprint, Response
 
@@ -30,16 +28,16 @@ import trillm
 from trillm.engine.api import EngineUnavailableError, FinishReason
 from trillm.http import openai_chat
 from trillm.http.chat_output import ChatOutput, chat_output
-from trillm.http.embeddings import pooled_vectors
-from trillm.http.errors import APIError, from_validation_error
-from trillm.http.generation import Generation, in_client_terms
+from trillm.http.embeddings import check_dimensions, normalized, pooled_vectors, trimmed
+from trillm.http.errors import APIError
+from trillm.http.generation import Generation, capped, in_client_terms
 from trillm.http.logprobs import chat_logprobs
 from trillm.http.prompts import encode
 from trillm.http.protocol.chat import ChatCompletionRequest
 from trillm.http.protocol.ollama import (
     FIELD_NAMES, ChatRequest, EmbeddingsRequest, EmbedRequest, GenerateRequest, Generating, ShowRequest,
 )
-from trillm.http.state import ServerState, current, parse_body, request_id
+from trillm.http.state import ServerState, current, parse_body, request_id, validated
 from trillm.sampling_params import SamplingParamError
 
 blueprint = Blueprint("ollama", __name__)
@@ -94,7 +92,7 @@ async def chat():
     if not req.messages:
         return _loaded(req, {"message": {"role": "assistant", "content": ""}})
     with in_client_terms(CHAT_FIELDS):
-        chat_req, params, choice, prompt = await state.off_loop(_prepare, state, req, req.to_chat)
+        chat_req, params, choice, prompt = await state.off_loop(_prepare, state, req)
     output = chat_output(state.settings.reasoning_parser, state.tool_call_parser, choice, chat_req.parallel_tool_calls)
     return await _answer(state, req, Answer(state, req, output, started, chat=True), prompt, params, lora, CHAT_FIELDS)
 
@@ -106,46 +104,27 @@ async def generate():
     if not req.prompt and not req.context:
         return _loaded(req, {"response": ""})
     with in_client_terms(GENERATE_FIELDS):
-        if req.raw:
-            chat_req, params, choice, prompt = await state.off_loop(_prepare_raw, state, req)
-        else:
-            chat_req, params, choice, prompt = await state.off_loop(_prepare, state, req, req.to_chat)
+        _, params, choice, prompt = await state.off_loop(_prepare, state, req)
     output = chat_output(state.settings.reasoning_parser, None, choice, None)
     answer = Answer(state, req, output, started, chat=False, context=None if req.raw else prompt)
     return await _answer(state, req, answer, prompt, params, lora, GENERATE_FIELDS)
 
 
-def _validated_chat(to_chat) -> ChatCompletionRequest:
-    try:
-        return to_chat()
-    except pydantic.ValidationError as exc:
-        raise from_validation_error(exc, 400) from None
-
-
-def _check_think(state: ServerState, req: Generating) -> None:
+def _prepare(state: ServerState, req: ChatRequest | GenerateRequest) -> tuple:
+    """The chat request, its sampling params, tool choice and prompt (off the event loop: the work
+    grows with the messages): the template's, or generate's raw prompt as it is, after its
+    `context`; `num_ctx` bounds prompt and answer together."""
     if req.think not in (None, False) and state.settings.reasoning_parser is None:
         raise SamplingParamError("think", f'"{req.model}" does not support thinking')
-
-
-def _prepare(state: ServerState, req: Generating, to_chat) -> tuple:
-    """The chat request, its sampling params, tool choice and prompt (off the event loop: the work
-    grows with the messages); `num_ctx` bounds prompt and answer together."""
-    _check_think(state, req)
-    chat_req = _validated_chat(to_chat)
-    params, choice, prompt = openai_chat.prepare(state, chat_req)
+    chat_req = validated(ChatCompletionRequest, req.chat_body())
+    if isinstance(req, GenerateRequest) and req.raw:
+        params, choice = chat_req.to_sampling_params(state.vocab_size, state.tokenizer), "none"
+        prompt = encode(state.tokenizer, req.prompt, "prompt", bound=state.prompt_bound)
+    else:
+        params, choice, prompt = openai_chat.prepare(state, chat_req)
     if isinstance(req, GenerateRequest) and req.context:
         prompt = _checked_context(state, req.context) + prompt
     return chat_req, _within_num_ctx(state, req, params, prompt), choice, prompt
-
-
-def _prepare_raw(state: ServerState, req: GenerateRequest) -> tuple:
-    """generate's `raw`: the prompt as it is, no template."""
-    _check_think(state, req)
-    chat_req = _validated_chat(lambda: ChatCompletionRequest.model_validate(
-        {"messages": [{"role": "user", "content": ""}], "model": req.model, **req.chat_fields()}))
-    params = chat_req.to_sampling_params(state.vocab_size, state.tokenizer)
-    prompt = encode(state.tokenizer, req.prompt, "prompt", bound=state.prompt_bound)
-    return chat_req, _within_num_ctx(state, req, params, prompt), "none", prompt
 
 
 def _checked_context(state: ServerState, context: list[int]) -> list[int]:
@@ -168,9 +147,7 @@ def _within_num_ctx(state: ServerState, req: Generating, params, prompt: list[in
     if room <= 0:
         raise SamplingParamError("options.num_ctx", f"The prompt is {len(prompt)} tokens, which fills "
                                                     f"options.num_ctx of {num_ctx}.")
-    if params.max_tokens is None or params.max_tokens > room:
-        params = dataclasses.replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))
-    return params
+    return capped(params, room)
 
 
 async def _answer(state: ServerState, req: Generating, answer: Answer, prompt: list[int], params, lora: str | None,
@@ -241,17 +218,20 @@ class Answer:
         calls = self._finished_calls(delta.finished)
         if not (parts.content or parts.reasoning or calls or logprobs):
             return []
-        chunk = self._head()
-        body = {"content": parts.content} if self.chat else {"response": parts.content}
-        if parts.reasoning:
-            body["thinking"] = parts.reasoning
-        if calls:
-            body["tool_calls"] = calls
-        chunk.update({"message": {"role": "assistant", **body}} if self.chat else body)
+        chunk = {**self._head(), **self._body(parts.content, parts.reasoning, calls)}
         if logprobs:
             chunk["logprobs"] = logprobs
         chunk["done"] = False
         return [chunk]
+
+    def _body(self, content: str, reasoning: str = "", calls: list[dict] | None = None) -> dict:
+        """Chat's `message` or generate's `response` (and `thinking`, and the calls, where there are)."""
+        body = {"content": content} if self.chat else {"response": content}
+        if reasoning:
+            body["thinking"] = reasoning
+        if calls:
+            body["tool_calls"] = calls
+        return {"message": {"role": "assistant", **body}} if self.chat else body
 
     def _finished_calls(self, finished: bool) -> list[dict]:
         """Calls the model has finished writing and not yet sent: all but the last one it began,
@@ -288,17 +268,12 @@ class Answer:
         return closing
 
     def final(self) -> dict:
-        body = {"message": {"role": "assistant", "content": ""}} if self.chat else {"response": ""}
-        return {**self._head(), **body, **self._closing()}
+        return {**self._head(), **self._body(""), **self._closing()}
 
     def whole(self) -> dict:
         output = self.output
-        body = {"content": output.content} if self.chat else {"response": output.content}
-        if output.reasoning:
-            body["thinking"] = output.reasoning
-        if output.tool_calls:
-            body["tool_calls"] = [self._call(k) for k in range(len(output.tool_calls))]
-        answer = {**self._head(), **({"message": {"role": "assistant", **body}} if self.chat else body)}
+        calls = [self._call(k) for k in range(len(output.tool_calls))]
+        answer = {**self._head(), **self._body(output.content, output.reasoning, calls)}
         if self.req.logprobs:
             answer["logprobs"] = self.logprobs
         return {**answer, **self._closing()}
@@ -312,15 +287,10 @@ async def embed():
     texts = [req.input] if isinstance(req.input, str) else req.input
     if not texts:
         return {"model": req.model, "embeddings": []}
-    hidden_size = state.engine.config.hf_config.hidden_size
-    if req.dimensions is not None and req.dimensions > hidden_size:
-        raise SamplingParamError("dimensions", f"dimensions must be at most this model's {hidden_size}.")
+    check_dimensions(state, req.dimensions)
     prompts = await state.off_loop(_embed_prompts, state, texts, req.truncate)
     _, vectors = await pooled_vectors(state, "embed", prompts, "input", lora)
-    if req.dimensions is not None:
-        vectors = [v[: req.dimensions] for v in vectors]
-    if state.settings.normalize_embeddings:
-        vectors = [F.normalize(v, dim=0) for v in vectors]
+    vectors = normalized(state, trimmed(vectors, req.dimensions))
     return {"model": req.model, "embeddings": [v.tolist() for v in vectors],
             "total_duration": _nanoseconds(trio.current_time() - started),
             "prompt_eval_count": sum(map(len, prompts))}

@@ -5,7 +5,8 @@ An Ollama chat is a chat request in other words, as an Anthropic message is: eac
 `role`, `content`, `thinking` (an earlier answer's reasoning), `tool_calls` (arguments as an
 object) and `tool_name` / `tool_call_id` become chat turns; `tools` are chat's function tools under
 tool_choice auto; `format` "json" or a schema becomes a response_format; `think` the template's
-thinking switch or reasoning effort. The ChatCompletionRequest then takes the chat path's own
+thinking switch or reasoning effort. The route validates that body as a ChatCompletionRequest,
+which then takes the chat path's own
 checks, template, tool handling and params. A generate request is the same chat of one user
 turn (and its `system`), or with `raw` the prompt as it is.
 
@@ -25,7 +26,7 @@ from typing import Any, Literal
 
 from pydantic import Field, StrictBool, StrictInt, field_validator
 
-from trillm.http.protocol.chat import ChatCompletionRequest, ChatMessage, FunctionCall, ToolCallMessage
+from trillm.http.protocol.chat import ChatMessage, FunctionCall, ToolCallMessage
 from trillm.http.protocol.common import MAX_LIST_ITEMS, MAX_TOOLS, Strict
 from trillm.sampling_params import SamplingParamError
 
@@ -159,9 +160,10 @@ class Generating(Strict):
     def num_ctx(self) -> int | None:
         return None if self.options is None else self.options.num_ctx
 
-    def chat_fields(self) -> dict[str, Any]:
-        """The chat request's fields for options, format, think and logprobs."""
-        fields = {**(self.options.sampling() if self.options else {}), **format_field(self.format)}
+    def chat_fields(self, turns: list[ChatMessage]) -> dict[str, Any]:
+        """A ChatCompletionRequest's body: `turns`, and the fields for options, format, think and logprobs."""
+        fields = {"messages": turns, "model": self.model, **(self.options.sampling() if self.options else {}),
+                  **format_field(self.format)}
         if isinstance(self.think, bool):
             fields["enable_thinking"] = self.think
         elif self.think is not None:
@@ -175,7 +177,8 @@ class ChatRequest(Generating):
     messages: list[Message] = Field(default_factory=list, max_length=MAX_LIST_ITEMS)
     tools: list[dict[str, Any]] | None = Field(None, max_length=MAX_TOOLS)
 
-    def to_chat(self) -> ChatCompletionRequest:
+    def chat_body(self) -> dict[str, Any]:
+        """The ChatCompletionRequest's body (the route validates it)."""
         turns: list[ChatMessage] = []
         calls: dict[str, str] = {}  # a tool's name -> the id of the last call to it (Ollama's results name the tool)
         for k, message in enumerate(self.messages):
@@ -195,10 +198,10 @@ class ChatRequest(Generating):
                 role=message.role, content=message.content if message.content or not tool_calls else None,
                 name=message.tool_name if message.role == "tool" else None, tool_calls=tool_calls,
                 tool_call_id=tool_call_id if message.role == "tool" else None, reasoning_content=message.thinking))
-        chat = {"messages": turns, "model": self.model, **self.chat_fields()}
+        body = self.chat_fields(turns)
         if self.tools:
-            chat["tools"] = self.tools
-        return ChatCompletionRequest.model_validate(chat)
+            body["tools"] = self.tools
+        return body
 
 
 class GenerateRequest(Generating):
@@ -220,11 +223,15 @@ class GenerateRequest(Generating):
         if self.raw and (self.system or self.context):
             raise SamplingParamError("raw", "raw mode does not support system or context.")
 
-    def to_chat(self) -> ChatCompletionRequest:
-        """The prompt as one user turn after `system`, through the model's template."""
+    def chat_body(self) -> dict[str, Any]:
+        """The ChatCompletionRequest's body (the route validates it): the prompt as one user turn
+        after `system`, which the model's template renders; with `raw` the template renders
+        nothing, and the body carries the sampling fields alone (the route tokenizes the prompt)."""
+        if self.raw:
+            return self.chat_fields([ChatMessage(role="user", content="")])
         turns = ([ChatMessage(role="system", content=self.system)] if self.system else []) + \
             [ChatMessage(role="user", content=self.prompt)]
-        return ChatCompletionRequest.model_validate({"messages": turns, "model": self.model, **self.chat_fields()})
+        return self.chat_fields(turns)
 
 
 class EmbedRequest(Strict):
