@@ -12,6 +12,7 @@ import re
 import tempfile
 
 import pytest
+import trio
 
 from http_support import TINY_KV_BLOCKS, live_server, tiny_core
 from process_support import children
@@ -267,3 +268,37 @@ async def test_a_grammar_too_long_or_too_slow_to_compile_is_refused_and_its_comp
                                                            extra_body={"guided_regex": "[0-9]{4}"})
             assert re.fullmatch("[0-9]{4}", out.choices[0].text)
     assert grammar_compilers() <= others, "the compiler process stops with its engine"
+
+
+async def test_slow_schemas_leave_the_quick_compiles_to_ordinary_ones(tiny_text_model_dir):
+    """Two schemas that compile for seconds hold no slot an ordinary schema needs: past the quick
+    try they go on one at a time in the slow lane, and the ordinary one is answered first."""
+    from trillm.config import EngineArgs
+    from trillm.engine.core import EngineCore
+    from trillm.engine.structured_output import COMPILE_SLOTS
+
+    others = grammar_compilers()
+    with EngineCore(EngineArgs(model=tiny_text_model_dir, num_kv_blocks=TINY_KV_BLOCKS,
+                               grammar_compile_timeout=60)) as core:
+        async with live_server(core) as server:
+            http = server.http()
+            answered = []
+
+            async def post(name: str, schema: dict) -> None:
+                body = {**completion(server), "max_tokens": 3,
+                        "response_format": {"type": "json_schema", "json_schema": {"name": name, "schema": schema}}}
+                response = await http.post("/v1/completions", json=body)
+                answered.append((name, response.status_code))
+
+            async with trio.open_nursery() as nursery:
+                for i in range(COMPILE_SLOTS):
+                    slow = nested_schema(7)
+                    slow["properties"][f"lane{i}"] = {"type": "integer"}  # two different specs
+                    nursery.start_soon(post, f"slow{i}", slow)
+                with trio.fail_after(30):  # both compile: every quick slot is taken
+                    while len(compilers := grammar_compilers() - others) != 1 or \
+                            len(children(next(iter(compilers)))) < COMPILE_SLOTS:
+                        await trio.sleep(0.02)
+                await post("ordinary", {"type": "object", "properties": {"n": {"type": "integer"}}})
+                assert answered == [("ordinary", 200)], answered
+                nursery.cancel_scope.cancel()  # the slow ones' compiles stop with the engine

@@ -5,9 +5,10 @@ In order: the waiting limit (`check_room`: a 400 for a group larger than the lim
 between two steps finds them cached), and the gate a weight update closes while it swaps the model
 (`held`), so that the new weights serve a group that arrives meanwhile.
 
-Ownership: used on the Trio thread only; compiles run in worker threads on a limiter of their own,
+Ownership: used on the Trio thread only; compiles run in worker threads on limiters of their own,
 because on Trio's default limiter (shared by every to_thread call in the process) slow compiles
-could take every token and starve the engine's steps.
+could take every token and starve the engine's steps. A compile tries the quick lane first and
+goes on in the slow lane, one at a time, when it needs longer (structured_output.Grammars).
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import trio
 
 from trillm.engine.errors import QueueFullError
 from trillm.engine.group import RequestGroup
-from trillm.engine.structured_output import COMPILE_SLOTS, Grammars
+from trillm.engine.structured_output import COMPILE_SLOTS, Grammars, SlowCompile
 from trillm.sampling_params import SamplingParamError, SamplingParams
 
 
@@ -27,6 +28,7 @@ class Admission:
         self.max_waiting = max_waiting
         self._grammars = grammars
         self.compile_limiter = trio.CapacityLimiter(COMPILE_SLOTS)  # LoRA adapters are read on it too
+        self._slow_compile_limiter = trio.CapacityLimiter(1)
         self._open = trio.Event()
         self._open.set()
 
@@ -52,8 +54,12 @@ class Admission:
         and leaves its thread to finish that compile, within the same timeout."""
         specs = {m.params.structured_output for m in requests.members if isinstance(m.params, SamplingParams)}
         for spec in specs - {None}:
-            await trio.to_thread.run_sync(self._grammars.compile, spec, limiter=self.compile_limiter,
-                                          abandon_on_cancel=True)
+            try:
+                await trio.to_thread.run_sync(self._grammars.compile, spec, True, limiter=self.compile_limiter,
+                                              abandon_on_cancel=True)
+            except SlowCompile:
+                await trio.to_thread.run_sync(self._grammars.compile, spec, limiter=self._slow_compile_limiter,
+                                              abandon_on_cancel=True)
 
     async def wait_open(self) -> None:
         """Return once no weight update holds admissions."""

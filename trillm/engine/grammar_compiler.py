@@ -45,6 +45,10 @@ class CompileTimeout(Exception):
     """The compile ran past its time and was stopped."""
 
 
+class CompilerClosed(RuntimeError):
+    """The process was closed by its owner while the compile waited or ran."""
+
+
 class CompileFailed(Exception):
     """The spec is not a valid grammar of its kind; the message says why (xgrammar's words)."""
 
@@ -107,14 +111,16 @@ class CompilerProcess:
     def compile(self, kind: str, spec: str, strict: bool, timeout: float) -> str:
         """xgrammar's serialized CompiledGrammar for the spec. Raises CompileFailed for an
         invalid spec, CompileTimeout if it compiled for longer than `timeout` seconds (that
-        compile was killed), RuntimeError if the worker failed or was closed. Blocks until a slot
-        is free, then for at most `timeout` + REPLY_GRACE_S."""
+        compile was killed), CompilerClosed if it was closed, RuntimeError if the worker failed.
+        Blocks until a slot is free, then for at most `timeout` + REPLY_GRACE_S."""
         slot = self._take_slot()
         try:
             slot.requests.send_bytes(json.dumps({"kind": kind, "spec": spec, "strict": strict,
                                                  "timeout": timeout}).encode())
             reply = _reply(slot, timeout + REPLY_GRACE_S)
         except (OSError, EOFError, RuntimeError) as exc:
+            if self.closed:
+                raise CompilerClosed("the grammar compiler process was closed") from None
             self.close()  # it no longer answers as it should: none of its slots is trusted
             raise RuntimeError(f"the grammar compiler process failed: {exc}") from None
         finally:
@@ -135,7 +141,7 @@ class CompilerProcess:
                 return self._free.get(timeout=1.0)
             except queue.Empty:
                 pass
-        raise RuntimeError("the grammar compiler process was closed")
+        raise CompilerClosed("the grammar compiler process was closed")
 
     def close(self) -> None:
         self.closed = True

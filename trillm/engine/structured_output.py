@@ -32,18 +32,29 @@ from collections import OrderedDict
 
 import torch
 
-from trillm.engine.grammar_compiler import CompileFailed, CompilerProcess, CompileTimeout
+from trillm.engine.grammar_compiler import CompileFailed, CompilerClosed, CompilerProcess, CompileTimeout
 from trillm.sampling_params import SamplingParamError, StructuredOutput
 
 log = logging.getLogger(__name__)
 CACHE_SIZE = 64  # compiled grammars kept; one costs from kilobytes to a few megabytes
 MAX_SPEC_CHARS = 128 << 10  # a schema, pattern or grammar longer than this is refused: its compile grows with it
-COMPILE_SLOTS = 2  # compiles at once (in one compiler process, started when first needed)
+COMPILE_SLOTS = 2  # quick compiles at once (in one compiler process, started when first needed)
+QUICK_COMPILE_S = 1.0  # a compile's first try; one that needs longer is done again in the slow lane
+SLOW_MEMORY = 256  # specs remembered as slow, which go to the slow lane at once
+
+
+class SlowCompile(Exception):
+    """The spec did not compile within QUICK_COMPILE_S: compile it again in the slow lane."""
 
 
 class Grammars:
     """The engine's grammar compiler and its cache; each request's matcher lives on its record.
-    `close()` stops the compiler process (idempotent; a compile after it starts a new one)."""
+    `close()` stops the compiler process (idempotent; a compile after it starts a new one).
+
+    Two lanes, so that slow schemas cannot hold every compile slot while an ordinary one waits:
+    a quick compile (`quick=True`) gets COMPILE_SLOTS slots and QUICK_COMPILE_S; a spec that
+    needs longer is stopped and raises SlowCompile, and the caller compiles it again with the
+    whole timeout in the slow lane, whose one slot the caller keeps to one compile at a time."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], compile_timeout: float):
         self._tokenizer = tokenizer
@@ -52,31 +63,43 @@ class Grammars:
         self._compile_timeout = compile_timeout
         self._info = None  # the tokenizer's xgrammar view, built on first use
         self._cache: OrderedDict[StructuredOutput, object] = OrderedDict()
+        self._slow: OrderedDict[StructuredOutput, None] = OrderedDict()  # known to need the slow lane
         self._process: CompilerProcess | None = None
         self._lock = threading.Lock()  # compile runs in worker threads, admission on the engine's
         self._start_lock = threading.Lock()  # one process start at a time, without holding up admission
 
-    def compile(self, spec: StructuredOutput):
+    def compile(self, spec: StructuredOutput, quick: bool = False):
         """The compiled grammar, from the cache or compiled now; SamplingParamError if it is
-        invalid or does not compile within the timeout (the compile is then stopped).
-        Thread-safe: the server calls it from worker threads. Blocks while COMPILE_SLOTS other
-        compiles run, and for at most the timeout (plus a process start) once its own runs."""
+        invalid or does not compile within the timeout (the compile is then stopped); with
+        `quick`, SlowCompile if it needs longer than QUICK_COMPILE_S (or did so before).
+        Thread-safe: the server calls it from worker threads. Blocks while every slot of its lane
+        is busy, and for at most its time (plus a process start) once its own compile runs."""
         if len(spec.spec or "") > MAX_SPEC_CHARS:
             raise SamplingParamError(spec.param, f"The {spec.kind} is {len(spec.spec)} characters long; this server "
                                                  f"compiles at most {MAX_SPEC_CHARS}.")
+        budget = min(QUICK_COMPILE_S, self._compile_timeout) if quick else self._compile_timeout
         with self._lock:
             if spec in self._cache:
                 self._cache.move_to_end(spec)
                 return self._cache[spec]
+            if budget < self._compile_timeout and spec in self._slow:
+                raise SlowCompile
             info = self._tokenizer_info()
         try:
-            serialized = self._compiler_process(info).compile(spec.kind, spec.spec, spec.strict,
-                                                                   self._compile_timeout)
+            serialized = self._compiler_process(info).compile(spec.kind, spec.spec, spec.strict, budget)
         except CompileFailed as exc:
             raise SamplingParamError(spec.param, f"The {spec.kind} cannot be compiled: {exc}") from None
         except CompileTimeout:
+            if budget < self._compile_timeout:
+                with self._lock:
+                    self._slow[spec] = None
+                    while len(self._slow) > SLOW_MEMORY:
+                        self._slow.popitem(last=False)
+                raise SlowCompile from None
             raise SamplingParamError(spec.param, f"The {spec.kind} did not compile within "
                                                  f"{self._compile_timeout:g} s; send a simpler one.") from None
+        except CompilerClosed:  # the engine is closing
+            raise SamplingParamError(spec.param, f"The {spec.kind} was not compiled: the server is stopping.") from None
         except RuntimeError:
             log.exception("Compiling a %s failed", spec.kind)
             raise SamplingParamError(spec.param, f"The {spec.kind} could not be compiled.") from None
@@ -99,7 +122,7 @@ class Grammars:
         the tokenizer's view `info`."""
         with self._start_lock:
             if self._process is None or not self._process.alive:
-                self._process = CompilerProcess(info.serialize_json(), COMPILE_SLOTS)
+                self._process = CompilerProcess(info.serialize_json(), COMPILE_SLOTS + 1)  # + the slow lane
             return self._process
 
     def matcher(self, spec: StructuredOutput):
