@@ -121,6 +121,12 @@ async def test_json_object_regex_and_ebnf(server):
     ({"type": "json_schema", "json_schema": {"name": "x", "schema": {
         "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}}}, "response_format"),
     ({"type": "ebnf", "ebnf": "root ::= a\na ::= root"}, "response_format"),
+    # unsatisfiable deeper down: each output may begin, none may end (it ran to its length limit)
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}}}, "response_format"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "array", "items": {"$ref": "#"}, "minItems": 1}}}, "response_format"),
+    ({"type": "ebnf", "ebnf": 'root ::= "(" root ")" | "[" root "]"'}, "response_format"),
 ])
 async def test_a_spec_that_cannot_compile_is_a_400(server, response_format, param):
     with pytest.raises(openai.BadRequestError) as info:

@@ -32,6 +32,7 @@ import warnings
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 
+from trillm.engine.grammar_productive import admits_output
 from trillm.subprocesses import die_with_parent, spawn
 
 START_TIMEOUT_S = 120.0  # importing xgrammar (and torch, which it imports) on a busy machine
@@ -196,12 +197,16 @@ def _compile_structural_tag(compiler, tag: dict):
     return compiler.compile_structural_tag(items, tag["triggers"])
 
 
-def _admits_a_start(compiled) -> bool:
-    """Whether any token may begin an output of the compiled grammar, or it may end at once. A
-    grammar that allows neither ({"$ref": "#"}, two definitions that only refer to each other)
-    would leave every token masked: refused here rather than run to an empty answer."""
+def _admits_an_output(compiled) -> bool:
+    """Whether the compiled grammar admits a finite output that this vocabulary can begin. A
+    grammar whose rules never end (a required property that is the schema itself) would run a
+    request to its length limit without valid JSON; one that lets no token begin nor may end at
+    once ({"$ref": "#"}, two definitions that only refer to each other) would leave every token
+    masked: both refused here rather than run."""
     import xgrammar
 
+    if not admits_output(str(compiled.grammar)):
+        return False
     matcher = xgrammar.GrammarMatcher(compiled)
     mask = xgrammar.allocate_token_bitmask(1, compiled.tokenizer_info.vocab_size)
     matcher.fill_next_token_bitmask(mask)
@@ -246,9 +251,9 @@ def _fork_compile(compiler, request: dict, reply_to: Connection) -> _Fork:
             os.close(read_fd)
             try:
                 compiled = _compile_spec(compiler, request["kind"], request["spec"], request["strict"])
-                reply = {"grammar": compiled.serialize_json()} if _admits_a_start(compiled) else {
-                    "error": "it admits no output at all (a schema that only refers to itself, or rules that "
-                             "only refer to each other)"}
+                reply = {"grammar": compiled.serialize_json()} if _admits_an_output(compiled) else {
+                    "error": "it admits no finite output (a schema that requires itself, or rules that only "
+                             "refer to each other)"}
             except RuntimeError as exc:  # xgrammar's errors for a bad schema, pattern or grammar
                 reply = {"error": _reason(exc)}
             Connection(write_fd, readable=False).send_bytes(json.dumps(reply).encode())
