@@ -7,6 +7,9 @@ on a loaded heap each full collection stalls the event loop and every stream wit
 of a few hundred thousand JSON items was enough to set one off). `freeze_heap()` moves what
 exists after startup into the collector's permanent generation, which collections skip; what
 requests allocate later is collected as before. vLLM's engine and API server do the same.
+`thaw_heap()` gives them back when serving stops: the interpreter's last collections at exit
+skip frozen objects, so cycles among them (Triton's bindings hold some) would outlive their
+extension modules, which then report them as leaks.
 
 Loading also leaves freed memory in the C heap (a GGUF tensor's repacking slices, the tokenizer's
 conversion), which glibc keeps for later allocations: resident, and counted against the memory a
@@ -31,6 +34,12 @@ def freeze_heap() -> None:
     gc.collect()
     gc.freeze()
     trim_c_heap()
+
+
+def thaw_heap() -> None:
+    """Make what freeze_heap() froze collectable again: call it when serving stops, so that
+    exit frees it (a later freeze_heap() freezes it again)."""
+    gc.unfreeze()
 
 
 @functools.cache
