@@ -10,6 +10,8 @@ import sys
 import httpx
 import openai
 import trio
+from hypothesis import given
+from hypothesis import strategies as st
 from process_support import descendants, live, start_server, started_by
 
 
@@ -165,3 +167,19 @@ async def test_a_tensor_parallel_server_stops_every_rank_on_sigterm(tiny_text_mo
         with trio.fail_after(10):
             while any(map(live, workers)):
                 await trio.sleep(0.05)
+
+
+@given(start=st.floats(0, 1e6), drain_timeout=st.floats(0.01, 3600), drained=st.floats(0, 1))
+def test_the_shutdown_budget_ends_within_the_drain_timeout(start, drain_timeout, drained):
+    """Running requests get most of the drain timeout; the last chunks' grace, wherever the drain
+    ended, leaves half the reserve for closing, so the process is gone by the deadline."""
+    from trillm.http.serve import FLUSH_GRACE, STOP_RESERVE, ShutdownBudget
+
+    budget = ShutdownBudget.starting(start, drain_timeout)
+    assert budget.deadline == start + drain_timeout
+    assert start + drain_timeout / 2 - 1e-6 <= budget.finish_by <= budget.deadline
+    assert budget.deadline - budget.finish_by <= STOP_RESERVE + 1e-6
+    flushing_from = start + drained * (budget.finish_by - start)  # the drain ended here (all finished, or cut)
+    grace = budget.flush_grace(flushing_from)
+    assert 0 <= grace <= FLUSH_GRACE
+    assert flushing_from + grace <= budget.deadline - (budget.deadline - budget.finish_by) / 2 + 1e-6

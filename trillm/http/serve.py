@@ -1,10 +1,13 @@
 """`trillm serve`: Hypercorn's trio worker, in this process, with a graceful shutdown.
 
 On the first SIGTERM or SIGINT the engine drains: it takes no new requests (they
-and /health get 503), running ones may finish for up to `drain_timeout` seconds,
-then the rest are aborted and their streams end with finish_reason "abort" and
-`[DONE]`. Only then does Hypercorn close its listeners and, after a short grace
-for those last chunks, its connections. A second signal cuts the drain short.
+and /health get 503), running ones may finish, then the rest are aborted and their
+streams end with finish_reason "abort" and `[DONE]`. Only then does Hypercorn close
+its listeners and, after a short grace for those last chunks, its connections. The
+process is gone within `drain_timeout` of the signal (an orchestrator kills it at
+its own grace period, which operators set to the same number): `ShutdownBudget`
+keeps the end of it for the aborts, the last chunks and closing, and the process
+exits without the interpreter's teardown. A second signal cuts the drain short.
 
 The drain runs inside Hypercorn's shutdown trigger, not after it, because
 Hypercorn holds idle keep-alive connections open for its whole grace period:
@@ -13,8 +16,10 @@ a grace as long as the drain would delay every exit by the full drain timeout.
 from __future__ import annotations
 
 import logging
+import os
 import signal
-from dataclasses import replace
+import sys
+from dataclasses import dataclass, replace
 
 import trio
 from hypercorn.config import Config
@@ -25,6 +30,27 @@ from trillm.http.settings import ServerSettings
 
 log = logging.getLogger(__name__)
 FLUSH_GRACE = 3.0  # seconds after the drain for aborted streams to send their last chunk
+STOP_RESERVE = 1.0  # seconds of the drain timeout kept for aborting, the last chunks and closing
+
+
+@dataclass(frozen=True)
+class ShutdownBudget:
+    """How the seconds between a signal and `deadline` (Trio's clock) are spent: running
+    requests may finish until `finish_by`; then the aborted streams' last chunks get what is
+    left, less half the reserve, which closing the engine and exiting take."""
+
+    finish_by: float
+    deadline: float
+
+    @classmethod
+    def starting(cls, now: float, drain_timeout: float) -> ShutdownBudget:
+        reserve = min(STOP_RESERVE, drain_timeout / 2)
+        return cls(finish_by=now + drain_timeout - reserve, deadline=now + drain_timeout)
+
+    def flush_grace(self, now: float) -> float:
+        """Seconds Hypercorn may wait, from `now`, for the last chunks before closing connections."""
+        reserve = self.deadline - self.finish_by
+        return max(0.0, min(FLUSH_GRACE, self.deadline - reserve / 2 - now))
 
 
 def hypercorn_config(settings: ServerSettings) -> Config:
@@ -47,11 +73,14 @@ async def serve(settings: ServerSettings, *, task_status=trio.TASK_STATUS_IGNORE
     core = await trio.to_thread.run_sync(EngineCore, settings.engine)
     app = create_app(settings, core)
     engine = app.extensions[EXTENSION].engine
+    config = hypercorn_config(settings)
 
     async def shutdown_trigger() -> None:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             signum = await anext(signals)
-            log.info("%s: draining for up to %.0f s", signal.Signals(signum).name, settings.drain_timeout)
+            budget = ShutdownBudget.starting(trio.current_time(), settings.drain_timeout)
+            log.info("%s: draining; the process stops within %g s", signal.Signals(signum).name,
+                     settings.drain_timeout)
             async with trio.open_nursery() as nursery:
 
                 async def cut_short() -> None:
@@ -60,13 +89,14 @@ async def serve(settings: ServerSettings, *, task_status=trio.TASK_STATUS_IGNORE
                     nursery.cancel_scope.cancel()
 
                 nursery.start_soon(cut_short)
-                await engine.drain(settings.drain_timeout)
+                await engine.drain(max(0.0, budget.finish_by - trio.current_time()))
                 nursery.cancel_scope.cancel()
         engine.abort_all()  # a no-op after a full drain
+        # Hypercorn reads its grace once this trigger returns.
+        config.graceful_timeout = budget.flush_grace(trio.current_time())
 
     try:
-        await hypercorn_serve(app, hypercorn_config(settings), shutdown_trigger=shutdown_trigger,
-                              task_status=task_status)
+        await hypercorn_serve(app, config, shutdown_trigger=shutdown_trigger, task_status=task_status)
     finally:
         await trio.to_thread.run_sync(core.close)  # the other tensor-parallel ranks stop with the server
 
@@ -89,3 +119,9 @@ def run(settings: ServerSettings) -> None:
         run_worker(replace(engine, tp_init_method=engine.tp_init_method or launcher_init_method()), rank)
         return
     trio.run(serve, settings)
+    # Served and closed: skip the interpreter's teardown, whose full collection of what the server
+    # loaded takes most of a second of the drain's bound and frees nothing the system would not.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
