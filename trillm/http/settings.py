@@ -44,7 +44,7 @@ class ServerSettings:
     backlog: int = 2048  # connections the kernel queues before we accept them (Hypercorn's 100 resets bursts)
     max_body_bytes: int = 8 << 20  # larger request bodies get 413 (a prompt of 8192 token ids is ~60 KB)
     served_model_name: str | None = None  # None: the model's name
-    drain_timeout: float = 30.0  # on SIGTERM/SIGINT: seconds running requests may finish in
+    drain_timeout: float = 30.0  # on SIGTERM/SIGINT: seconds within which the process is gone
     log_level: str = "info"
     tool_call_parser: str | None = None  # hermes | llama3_json | none (auto refused); unset: the template's
     reasoning_parser: str | None = None  # deepseek_r1 | qwen3: <think>...</think> -> reasoning_content
