@@ -1,5 +1,5 @@
 """What the processes trillm starts itself share (tensor-parallel ranks, data-parallel replicas
-and their router, the grammar compiler): a free loopback port to meet at, an even share of the
+and their router, the workers of forked jobs): a free loopback port to meet at, an even share of the
 cores, and a death tied to their parent's, so that no child outlives the server however it ends."""
 from __future__ import annotations
 

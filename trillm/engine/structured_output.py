@@ -13,7 +13,7 @@ Why compile off the engine: a schema compiles in milliseconds to minutes, and th
 step must not wait on it. The server compiles in a worker thread before admission
 (`compile`, which also turns a bad spec into a SamplingParamError); admission then finds
 the compiled grammar in a small LRU keyed by the spec. The compile itself runs in a process of
-its own (trillm/engine/grammar_compiler.py), which is killed when it runs past the engine's
+its own (trillm/engine/grammar_compiler.py, trillm/fork_jobs.py), which is killed when it runs past the engine's
 `grammar_compile_timeout`: xgrammar cannot be interrupted in-process, and an abandoned compile
 would hold a core for as long as it ran. The tokenizer's xgrammar view, which takes most of a
 second to build, is made once per engine, on first use, and handed to each compiler process.
@@ -32,7 +32,8 @@ from collections import OrderedDict
 
 import torch
 
-from trillm.engine.grammar_compiler import CompileFailed, CompilerClosed, CompilerProcess, CompileTimeout
+from trillm.engine.grammar_compiler import CompileFailed, CompilerProcess, CompileTimeout
+from trillm.fork_jobs import WorkerClosed
 from trillm.sampling_params import SamplingParamError, StructuredOutput
 
 log = logging.getLogger(__name__)
@@ -98,7 +99,7 @@ class Grammars:
                 raise SlowCompile from None
             raise SamplingParamError(spec.param, f"The {spec.kind} did not compile within "
                                                  f"{self._compile_timeout:g} s; send a simpler one.") from None
-        except CompilerClosed:  # the engine is closing
+        except WorkerClosed:  # the engine is closing
             raise SamplingParamError(spec.param, f"The {spec.kind} was not compiled: the server is stopping.") from None
         except RuntimeError:
             log.exception("Compiling a %s failed", spec.kind)
