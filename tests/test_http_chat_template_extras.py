@@ -51,9 +51,21 @@ async def test_a_request_template_needs_the_servers_trust(core):
                 "model": server.model, "messages": ASK, "chat_template": template})
             assert broken.status_code == 400 and broken.json()["error"]["param"] == "chat_template", template
         assert "did not render within" in broken.json()["error"]["message"]  # the last: stopped at its deadline
-        # and the template itself still serves: what the deadline bounds is only the request's own run
+        for template in ("{{ 'x' * 300000000 }}",  # one allocation past the bound
+                         "{% set ns = namespace(s='x') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}"
+                         "{% endfor %}{{ ns.s | length }}"):  # doubling, line by line
+            hungry = await server.http().post("/v1/chat/completions", json={
+                "model": server.model, "messages": ASK, "chat_template": template})
+            assert hungry.status_code == 400 and hungry.json()["error"]["param"] == "chat_template", template
+            assert "needed more than 256 MiB" in hungry.json()["error"]["message"], hungry.text
+        # and the template itself still serves: what the bounds stop is only the request's own run
         ids = await prompt_ids(server, messages=ASK, chat_template=ECHO_TEMPLATE)
         assert tokenizer.decode(ids) == "[user] What is the capital of France?\n[assistant]"
+        # rendered out of the server as the server renders its own: the model's template brought along
+        chat = [{"role": "system", "content": "Be brief."}, *ASK, {"role": "assistant", "content": "Paris."},
+                {"role": "user", "content": "And of Spain?"}]
+        assert await prompt_ids(server, messages=chat, chat_template=tokenizer.chat_template) == \
+            await prompt_ids(server, messages=chat)
 
 
 async def test_generation_prompt_and_continued_final_message(server):

@@ -108,6 +108,8 @@ def create_app(settings: ServerSettings | None = None, core: EngineCore | None =
     @app.after_serving
     async def stop_engine():
         await state.engine.aclose()
+        if state.request_templates is not None:
+            state.request_templates.close()
         thaw_heap()
         if owns_core:
             await trio.to_thread.run_sync(core.close)

@@ -51,7 +51,8 @@ def prepare(state: ServerState, req: ChatCompletionRequest) -> tuple:
         prompt = encode(state.tokenizer, raw, "messages", bound=bound)
     else:
         options = req.template_options(state.chat_template, state.settings.trust_request_chat_template)
-        prompt = chat_prompt(state.tokenizer, req.messages, options, tools=tools, bound=bound)
+        prompt = chat_prompt(state.tokenizer, req.messages, options, tools=tools, bound=bound,
+                             templates=state.request_templates)
     return params, choice, req.truncated(prompt, state.max_model_len)
 
 

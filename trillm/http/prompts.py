@@ -13,18 +13,16 @@ it, and its memory, only to be refused by its length afterwards.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
-import sys
-import time
 from dataclasses import dataclass
 
 import jinja2
 
 from trillm.http.protocol.chat import ChatMessage, Tool
 from trillm.http.protocol.common import TemplateOptions
+from trillm.http.request_templates import RequestTemplates
 from trillm.http.tools import template_inputs
 from trillm.sampling_params import SamplingParamError
 
@@ -81,32 +79,6 @@ def tokenizer_part(tokenizer, name: str) -> dict | None:
 
 
 NO_BOUND = PromptBound(0, 0)
-REQUEST_TEMPLATE_SECONDS = 2.0  # a template a request brought renders within this, or is a 400
-
-
-class _TemplateTimeout(Exception):
-    pass
-
-
-@contextlib.contextmanager
-def _time_bound(seconds: float):
-    """Python's trace hook in this thread, for the block: every line the template's compiled
-    code runs checks the deadline, and past it the line raises, so a template's loop of 10**8
-    rounds is stopped where a thread could not be. Tracing slows the rendering several times,
-    which a template of any real conversation spends in milliseconds."""
-    deadline = time.monotonic() + seconds
-
-    def trace(frame, event, arg):
-        if time.monotonic() > deadline:
-            raise _TemplateTimeout()
-        return trace
-
-    previous = sys.gettrace()
-    sys.settrace(trace)
-    try:
-        yield
-    finally:
-        sys.settrace(previous)
 
 
 def chat_prompt(
@@ -115,22 +87,24 @@ def chat_prompt(
     options: TemplateOptions = TemplateOptions(),
     tools: list[Tool] | None = None,
     bound: PromptBound = NO_BOUND,
+    templates: RequestTemplates | None = None,
 ) -> list[int]:
     """`options` say which template renders the messages and how (see TemplateOptions); `tools`
-    are shown to the model as trillm.http.tools describes. A rendered text longer than `bound`
-    allows is refused before it is tokenized."""
+    are shown to the model as trillm.http.tools describes. A template the request brought renders
+    in `templates` (trillm.http.request_templates), bounded in time and memory; the model's
+    renders here. A rendered text longer than `bound` allows is refused before it is tokenized."""
     if not messages:
         raise SamplingParamError("messages", "messages must hold at least one message.")
     require_tokenizer(tokenizer, "messages")
     template = options.chat_template or tokenizer.chat_template
     rendered, tool_kwargs = template_inputs(template, [m.for_template() for m in messages], tools)
-    # a template a request brought (--trust-request-chat-template) runs under a deadline
-    bounded = _time_bound(REQUEST_TEMPLATE_SECONDS) if options.chat_template is not None else contextlib.nullcontext()
-    try:
-        with bounded:
+    if options.chat_template is not None:
+        assert templates is not None, "a server that takes request templates renders them in a RequestTemplates"
+        text = templates.render(options.chat_template, rendered, options, tool_kwargs.get("tools"))
+    else:
+        try:
             text = tokenizer.apply_chat_template(
                 rendered,
-                chat_template=options.chat_template,
                 add_generation_prompt=options.add_generation_prompt,
                 continue_final_message=options.continue_final_message,
                 documents=options.documents,
@@ -138,14 +112,9 @@ def chat_prompt(
                 **tool_kwargs,
                 **(options.kwargs or {}),
             )
-    except _TemplateTimeout:
-        raise SamplingParamError("chat_template", f"The chat template did not render within "
-                                                  f"{REQUEST_TEMPLATE_SECONDS:g} s.") from None
-    except (jinja2.TemplateError, TypeError, ValueError, OverflowError, RecursionError) as exc:
-        # The template refused these messages (e.g. roles that do not alternate), did not parse, or
-        # (one a request brought) asked its sandbox for a range past its bound or recursed without end.
-        param = "chat_template" if options.chat_template is not None else "messages"
-        raise SamplingParamError(param, f"The chat template cannot render these messages: {exc}") from None
+        except (jinja2.TemplateError, TypeError, ValueError, OverflowError, RecursionError) as exc:
+            # e.g. roles that do not alternate
+            raise SamplingParamError("messages", f"The chat template cannot render these messages: {exc}") from None
     bound.check(text, "messages")
     return tokenizer.encode(text, add_special_tokens=options.add_special_tokens)
 

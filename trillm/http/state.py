@@ -23,6 +23,7 @@ from trillm.http.logs import REQUEST_ID
 from trillm.http.metrics import Metrics
 from trillm.http.prompts import PromptBound
 from trillm.http.reasoning import REASONING_PARSERS
+from trillm.http.request_templates import RequestTemplates
 from trillm.http.responses_store import ResponseStore
 from trillm.http.settings import ServerSettings
 from trillm.http.tool_parsers import TOOL_PARSERS, default_parser
@@ -57,6 +58,9 @@ class ServerState:
         self.vocab_size = engine.config.hf_config.vocab_size
         self.max_model_len = engine.config.max_model_len
         self.prompt_bound = PromptBound.of(engine.tokenizer, self.max_model_len)  # texts too long refused untokenized
+        # Templates requests bring render out of the server, bounded (closed when the app stops).
+        self.request_templates = (RequestTemplates(engine.tokenizer) if settings.trust_request_chat_template
+                                  and engine.tokenizer is not None else None)
         self.model_name = settings.served_model_name or engine.config.name
         args = engine.args
         self.metrics = Metrics(self.model_name, engine.stats, settings.metrics_prefix,
