@@ -110,8 +110,8 @@ def hostile_bodies() -> list[tuple[str, bytes]]:
     """(Content-Type, body) pairs no route may answer with a 5xx: nesting past any parser's
     recursion limit and just past the server's own, a key twice, lists of hundreds of thousands
     of items, integers longer than Python converts (as a value, nested, and inside JSON carried
-    as text: a schema, a tool call's arguments), and the media types of a browser's cross-site
-    "simple" request."""
+    as text: a schema, a tool call's arguments), schemas that admit no output (at once, or only
+    deeper down), and the media types of a browser's cross-site "simple" request."""
     deep = b'{"model": ' + b"[" * 200 + b"]" * 200 + b"}"
     huge = b"9" * 5_000
     as_text = b'\\"x\\": ' + huge  # inside a JSON string: {"x": 999...}
@@ -122,6 +122,10 @@ def hostile_bodies() -> list[tuple[str, bytes]]:
          + as_text + b'}"}'),
         ("application/json", b'{"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "type": "function", '
          b'"function": {"name": "f", "arguments": "{' + as_text + b'}"}}]}, {"role": "user", "content": "x"}]}'),
+        *(("application/json", json.dumps({
+            "prompt": "x", "messages": [{"role": "user", "content": "x"}], "input": "x", "max_tokens": 4,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "u", "schema": schema}}}).encode())
+          for schema in ({"$ref": "#"}, {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]})),
         ("application/json", b"[" * 100_000 + b"]" * 100_000),
         ("application/json", b'{"a": ' * 2_000 + b"1" + b"}" * 2_000),
         ("application/json", deep),
@@ -141,8 +145,14 @@ def hostile_cases(doc: dict, share: tuple[int, int] = (0, 1)) -> list[tuple[str,
 
     paths = [re.sub(r"\{[^}]+\}", "resp_none", path) for path, ops in doc["paths"].items() if "post" in ops]
     bodies = hostile_bodies()
+    # DNS rebinding: another site's page, its name resolving to the server, sends a Host and an
+    # Origin that agree, with a body an admin route would act on.
+    rebound = {"Content-Type": "application/json", "Host": "evil.example:8000", "Origin": "http://evil.example:8000"}
     return [(path, {"method": "POST", "url": path, "data": body, "headers": {"Content-Type": content_type}})
-            for path in paths[share[0]::share[1]] for content_type, body in bodies]
+            for path in paths[share[0]::share[1]] for content_type, body in bodies] + [
+        (path, {"method": "POST", "url": path, "headers": rebound,
+                "data": b'{"prompt": "x", "max_tokens": 1, "abort_all": true, "rid": "x"}'})
+        for path in paths[share[0]::share[1]]]
 
 
 async def probe_health(url: str, probes: list[float]) -> None:
