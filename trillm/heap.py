@@ -7,9 +7,10 @@ on a loaded heap each full collection stalls the event loop and every stream wit
 of a few hundred thousand JSON items was enough to set one off). `freeze_heap()` moves what
 exists after startup into the collector's permanent generation, which collections skip; what
 requests allocate later is collected as before. vLLM's engine and API server do the same.
-`thaw_heap()` gives them back when serving stops: the interpreter's last collections at exit
+At exit they go back to the collector (an atexit hook): the interpreter's last collections
 skip frozen objects, so cycles among them (Triton's bindings hold some) would outlive their
-extension modules, which then report them as leaks.
+extension modules, which then report them as leaks. Not sooner: a process that serves again
+(tests start hundreds of servers) would walk the whole heap in each freeze's collection.
 
 Loading also leaves freed memory in the C heap (a GGUF tensor's repacking slices, the tokenizer's
 conversion), which glibc keeps for later allocations: resident, and counted against the memory a
@@ -19,6 +20,7 @@ under the next.
 """
 from __future__ import annotations
 
+import atexit
 import ctypes
 import ctypes.util
 import functools
@@ -34,12 +36,12 @@ def freeze_heap() -> None:
     gc.collect()
     gc.freeze()
     trim_c_heap()
+    _thaw_at_exit()
 
 
-def thaw_heap() -> None:
-    """Make what freeze_heap() froze collectable again: call it when serving stops, so that
-    exit frees it (a later freeze_heap() freezes it again)."""
-    gc.unfreeze()
+@functools.cache
+def _thaw_at_exit() -> None:
+    atexit.register(gc.unfreeze)
 
 
 @functools.cache

@@ -23,7 +23,7 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
 from trillm.engine.api import EngineCore, EngineUnavailableError, QueueFullError, WeightsError
-from trillm.heap import freeze_heap, thaw_heap
+from trillm.heap import freeze_heap
 from trillm.http import (
     adapters,
     anthropic_messages,
@@ -110,7 +110,6 @@ def create_app(settings: ServerSettings | None = None, core: EngineCore | None =
         await state.engine.aclose()
         if state.request_templates is not None:
             state.request_templates.close()
-        thaw_heap()
         if owns_core:
             await trio.to_thread.run_sync(core.close)
 

@@ -19,7 +19,7 @@ import multiprocessing.connection
 import os
 
 from trillm.config import EngineArgs
-from trillm.heap import freeze_heap, thaw_heap
+from trillm.heap import freeze_heap
 from trillm.model import parallel
 from trillm.subprocesses import free_port, start_preloaded
 
@@ -51,7 +51,6 @@ def run_worker(args: EngineArgs, rank: int) -> None:
     except RuntimeError as exc:  # a collective failed: rank 0 is gone
         log.info("tensor-parallel rank %d stops: %s", rank, exc)
     finally:
-        thaw_heap()
         parallel.leave()
 
 
