@@ -1,6 +1,7 @@
 """Jobs in forks of a worker process: answered, stopped at their deadline, held to their memory,
 their crashes reported, and none of it taking the worker down."""
 import os
+import signal
 import threading
 import time
 
@@ -8,6 +9,7 @@ import pytest
 from process_support import children
 
 from trillm.fork_jobs import ForkWorker, JobOutOfMemory, JobTimeout, WorkerClosed
+from trillm.subprocesses import spawn
 
 
 @pytest.fixture
@@ -45,15 +47,53 @@ def test_a_crashed_job_fails_alone(worker):
 
 
 def test_closing_ends_the_jobs_in_flight_and_waiting(worker):
+    failures = run_then_close(worker)
+    assert len(failures) == 3 and all(isinstance(f, WorkerClosed) for f in failures), failures
+    assert not worker.alive
+
+
+@pytest.mark.filterwarnings("ignore:.*fork:DeprecationWarning")
+def test_closing_ends_the_jobs_even_while_a_stray_fork_holds_the_pipes(monkeypatch):
+    """A process forked from the server while a worker starts (multiprocessing forks keep every
+    descriptor) holds the worker's ends of the pipes open, so the worker's death brings no
+    end-of-file: the jobs end all the same."""
+    from trillm import fork_jobs
+
+    holders = []
+
+    def spawn_beside_a_fork(*args, **kwargs):
+        process = spawn(*args, **kwargs)
+        holder = os.fork()  # the worker's descriptors are still open here
+        if holder == 0:
+            time.sleep(60)
+            os._exit(0)
+        holders.append(holder)
+        return process
+
+    monkeypatch.setenv("PYTHONPATH", os.path.dirname(__file__))
+    monkeypatch.setattr(fork_jobs, "spawn", spawn_beside_a_fork)
+    try:
+        with ForkWorker("fork_job_handler", b"ready state", 2, "test worker") as worker:
+            failures = run_then_close(worker)
+        assert len(failures) == 3 and all(isinstance(f, WorkerClosed) for f in failures), failures
+    finally:
+        for holder in holders:
+            os.kill(holder, signal.SIGKILL)
+            os.waitpid(holder, 0)
+
+
+def run_then_close(worker: ForkWorker) -> list[BaseException]:
+    """Three long jobs (two run, one waits for a slot), then the worker closed twice: what
+    each job raised."""
     failures = []
 
     def job() -> None:
         try:
             worker.run({"do": "sleep", "seconds": 60}, timeout=120)
-        except WorkerClosed as exc:
+        except BaseException as exc:  # noqa: BLE001  (the callers' assertions name any other)
             failures.append(exc)
 
-    threads = [threading.Thread(target=job) for _ in range(3)]  # two run, one waits for a slot
+    threads = [threading.Thread(target=job) for _ in range(3)]
     for thread in threads:
         thread.start()
     deadline = time.monotonic() + 30
@@ -63,4 +103,4 @@ def test_closing_ends_the_jobs_in_flight_and_waiting(worker):
     worker.close()  # idempotent
     for thread in threads:
         thread.join(timeout=30)
-    assert len(failures) == 3 and not worker.alive
+    return failures

@@ -40,6 +40,7 @@ from trillm.subprocesses import die_with_parent, spawn
 
 START_TIMEOUT_S = 120.0  # a handler's imports (xgrammar brings torch) on a busy machine
 REPLY_GRACE_S = 5.0  # beyond a job's timeout, for the worker to stop the fork and answer
+CLOSE_CHECK_S = 0.5  # how often a wait for an answer looks whether the worker was closed
 
 
 class JobTimeout(Exception):
@@ -101,7 +102,7 @@ class ForkWorker:
         first = server_ends[0]
         try:
             first.requests.send_bytes(setup)
-            if _reply(first, START_TIMEOUT_S) != {"ready": True}:
+            if self._reply(first, START_TIMEOUT_S) != {"ready": True}:
                 raise RuntimeError("it answered something else")
         except (OSError, EOFError, RuntimeError) as exc:
             self.close()
@@ -120,7 +121,7 @@ class ForkWorker:
         slot = self._take_slot()
         try:
             slot.requests.send_bytes(json.dumps({"job": job, "timeout": timeout, "memory": memory}).encode())
-            reply = _reply(slot, timeout + REPLY_GRACE_S)
+            reply = self._reply(slot, timeout + REPLY_GRACE_S)
         except (OSError, EOFError, RuntimeError) as exc:
             if self.closed:
                 raise WorkerClosed(f"the {self.name} process was closed") from None
@@ -137,6 +138,20 @@ class ForkWorker:
         if reply.get("crashed") is True:
             raise RuntimeError(f"the {self.name} crashed on this job")
         return reply
+
+    def _reply(self, slot: _Slot, timeout: float) -> dict:
+        """The next message on `slot`. Looks every CLOSE_CHECK_S whether the worker was closed or
+        exited: a process forked from this one meanwhile (multiprocessing forks keep every
+        descriptor) may hold the worker's end of the pipe open, so no end-of-file need come."""
+        deadline = time.monotonic() + timeout
+        while not slot.replies.poll(min(CLOSE_CHECK_S, max(0.0, deadline - time.monotonic()))):
+            if self.closed:
+                raise WorkerClosed(f"the {self.name} process was closed")
+            if self._process.poll() is not None:
+                raise RuntimeError(f"it exited with status {self._process.returncode}")
+            if time.monotonic() >= deadline:
+                raise RuntimeError(f"no answer within {timeout:g} s")
+        return json.loads(slot.replies.recv_bytes())
 
     def _take_slot(self) -> _Slot:
         while not self.closed:
@@ -165,12 +180,6 @@ class ForkWorker:
 
     def __exit__(self, *exc_info) -> None:
         self.close()
-
-
-def _reply(slot: _Slot, timeout: float) -> dict:
-    if not slot.replies.poll(timeout):
-        raise RuntimeError(f"no answer within {timeout:g} s")
-    return json.loads(slot.replies.recv_bytes())
 
 
 @dataclass
