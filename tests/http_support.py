@@ -30,7 +30,7 @@ from quart_trio import QuartTrio
 from trillm.config import EngineArgs
 from trillm.engine.core import EngineCore
 from trillm.http.app import create_app
-from trillm.http.serve import hypercorn_config
+from trillm.launch.serve import hypercorn_config
 from trillm.http.settings import ServerSettings
 from trillm.http.state import EXTENSION, ServerState
 from trillm.model.conversion import cache_root

@@ -173,7 +173,7 @@ async def test_a_tensor_parallel_server_stops_every_rank_on_sigterm(tiny_text_mo
 def test_the_shutdown_budget_ends_within_the_drain_timeout(start, drain_timeout, drained):
     """Running requests get most of the drain timeout; the last chunks' grace, wherever the drain
     ended, leaves half the reserve for closing, so the process is gone by the deadline."""
-    from trillm.http.serve import FLUSH_GRACE, STOP_RESERVE, ShutdownBudget
+    from trillm.launch.serve import FLUSH_GRACE, STOP_RESERVE, ShutdownBudget
 
     budget = ShutdownBudget.starting(start, drain_timeout)
     assert budget.deadline == start + drain_timeout

@@ -4,7 +4,9 @@ inside functions alike, in .py and Cython .pyx files):
 - the lower layers (kernels, sched_ext, model) import nothing from the engine or the HTTP layer;
 - the HTTP layer reaches the engine through its one door, `trillm.engine.api`, and never the
   model, the kernels or the scheduler directly;
-- the engine imports nothing from the HTTP layer.
+- the engine imports nothing from the HTTP layer;
+- the launcher (what `trillm serve` runs around the app) imports the HTTP layer, never the
+  other way round, and nothing below either imports it.
 """
 import re
 import sys
@@ -45,6 +47,11 @@ def test_http_reaches_the_engine_through_its_door_alone():
 
 def test_engine_imports_no_http():
     assert crossing("engine", ("trillm.http",)) == []
+
+
+@pytest.mark.parametrize("package", ["http", "engine", "model", "kernels"])
+def test_nothing_under_the_launcher_imports_it(package):
+    assert crossing(package, ("trillm.launch",)) == []
 
 
 def test_the_scanner_sees_a_crossing(tmp_path, monkeypatch):

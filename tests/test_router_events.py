@@ -7,7 +7,7 @@ import pytest
 import zmq
 
 from trillm.engine.kv_events import KVEventsConfig
-from trillm.http.router_events import RouterEvents
+from trillm.launch.router_events import RouterEvents
 
 URLS = ["http://127.0.0.1:9001", "http://127.0.0.1:9002"]
 

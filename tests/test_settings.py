@@ -48,8 +48,8 @@ def test_an_unknown_policy_is_refused_everywhere(capsys):
 ])
 def test_serve_refuses_a_bad_engine_flag_before_loading_anything(flags, words, capsys, monkeypatch):
     """argparse's way (usage, the reason, exit 2) at once, not a traceback after the model loaded."""
-    from trillm.__main__ import main
-    from trillm.http import serve
+    from trillm.launch.cli import main
+    from trillm.launch import serve
 
     monkeypatch.setattr(serve, "run", lambda _: pytest.fail("the server started"))
     with pytest.raises(SystemExit) as exited:

@@ -53,7 +53,7 @@ def spawn(command: list[str], cpus: set[int] | None = None, **popen_args) -> sub
 # model's config imports (transformers loads it lazily, on the first AutoConfig, which every rank
 # makes); for a data-parallel replica, the server around them too.
 MODEL_SIDE = ("trillm.model.runner", "transformers.models.llama.configuration_llama")
-SERVER = (*MODEL_SIDE, "trillm.engine.api", "trillm.http.app", "trillm.http.serve")
+SERVER = (*MODEL_SIDE, "trillm.engine.api", "trillm.http.app", "trillm.launch.serve")
 
 
 def start_preloaded(target, *args, preload: tuple[str, ...] = MODEL_SIDE, daemon: bool = True,

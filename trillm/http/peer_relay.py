@@ -1,6 +1,6 @@
 """Admin calls relayed to the other data-parallel replicas (`--data-parallel-peers`).
 
-Behind the router (trillm/http/data_parallel.py) a client sees one server, but each replica has
+Behind the router (trillm/launch/data_parallel.py) a client sees one server, but each replica has
 its own adapters, prefix cache, weights and running requests. The router forwards a route it
 does not balance (`/v1/load_lora_adapter`, `/abort_request`, `/sleep`, ...) to one replica, so
 that replica hands the call on to the others: an adapter loaded through the front door is
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import trio
 from quart import request
 
-from trillm.http.direct_http import open_direct
+from trillm.direct_http import open_direct
 from trillm.http.errors import APIError
 from trillm.http.settings import ServerSettings
 

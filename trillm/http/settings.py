@@ -62,7 +62,7 @@ class ServerSettings:
     # from the server's own pages or these origins
     allowed_hosts: str = ""
     admin_origins: str = ""
-    # Data parallelism (trillm/http/data_parallel.py): this many engine replicas here, each its own
+    # Data parallelism (trillm/launch/data_parallel.py): this many engine replicas here, each its own
     # process with its own cores and KV cache, behind vllm-router on --host / --port (0: none
     # here, the router alone in front of --data-parallel-address's)
     data_parallel_size: int = 1
@@ -92,7 +92,7 @@ class ServerSettings:
 
     @property
     def supervises(self) -> bool:
-        """Whether `trillm serve` supervises replicas behind a router (trillm/http/data_parallel.py)
+        """Whether `trillm serve` supervises replicas behind a router (trillm/launch/data_parallel.py)
         rather than serving itself."""
         return self.data_parallel_size != 1 or bool(self.data_parallel_address)
 

@@ -15,14 +15,14 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.command == "serve":
         from trillm.engine.flag_check import check_flags
-        from trillm.http.serve import run  # torch is imported only when serving, not for --help
+        from trillm.launch.serve import run  # torch is imported only when serving, not for --help
         from trillm.model.loader import check_model
 
         try:
             server_settings = settings.from_args(args)
             check_flags(server_settings.engine)
             if server_settings.supervises and server_settings.router_policy == settings.RouterPolicy.KV_AWARE:
-                from trillm.http.router_events import check_config
+                from trillm.launch.router_events import check_config
 
                 check_config(server_settings.engine.kv_events_config)
         except ValueError as exc:
@@ -33,7 +33,3 @@ def main(argv: list[str] | None = None) -> None:
             except (ValueError, OSError) as exc:  # in one line: a model is no usage mistake
                 serve.exit(2, f"{serve.prog}: error: {exc}\n")
         run(server_settings)
-
-
-if __name__ == "__main__":
-    main()

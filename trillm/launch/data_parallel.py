@@ -8,7 +8,7 @@ once (trillm.subprocesses.start_preloaded), rather than N + 1 interpreters each 
 the log names each one's process id. The router routes each request to a replica by
 --router-policy: cache_aware (by the longest prefix it sent there before, unless the load is
 uneven), kv_aware (by the blocks each replica reports it caches, from their KV-cache events:
-trillm/http/router_events.py), round_robin, power_of_two or random. URLs in
+trillm/launch/router_events.py), round_robin, power_of_two or random. URLs in
 --data-parallel-address, which are `trillm serve` processes on other machines, join the
 router's worker list beside the local ones; with `--data-parallel-size 0` there are no local
 ones, and this host is the front door alone.
@@ -53,12 +53,12 @@ from dataclasses import replace
 from multiprocessing import Process
 from typing import TYPE_CHECKING
 
-from trillm.http.direct_http import PROXY_VARIABLES, open_direct
+from trillm.direct_http import PROXY_VARIABLES, open_direct
 from trillm.http.settings import API_KEY_VARIABLE, RouterPolicy, ServerSettings, to_argv
 from trillm.subprocesses import SERVER, cpu_share, free_port, start_preloaded
 
 if TYPE_CHECKING:
-    from trillm.http.router_events import RouterEvents
+    from trillm.launch.router_events import RouterEvents
 
 log = logging.getLogger(__name__)
 READY_TIMEOUT = 600.0  # seconds for a replica to load its model and answer /health
@@ -88,7 +88,7 @@ def run(settings: ServerSettings) -> int:
     events = None
     if settings.router_policy == RouterPolicy.KV_AWARE and count > 0:
         # here, not above: through the engine's door it imports torch, which other supervisors skip
-        from trillm.http.router_events import RouterEvents
+        from trillm.launch.router_events import RouterEvents
 
         events = RouterEvents(settings.engine.kv_events_config, count)
     replicas = []
@@ -156,7 +156,7 @@ def _supervise(settings: ServerSettings, urls: list[str], workers: list[str], re
 def _replica_main(argv: list[str], api_key: str | None) -> None:
     """A replica, in its forked process: `trillm serve` with `argv`, with the key (if any) where
     a replica reads it, in its environment (and no key it was not given)."""
-    from trillm.__main__ import main
+    from trillm.launch.cli import main
 
     os.environ.pop(API_KEY_VARIABLE, None)
     if api_key is not None:

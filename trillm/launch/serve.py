@@ -102,13 +102,13 @@ async def serve(settings: ServerSettings, *, task_status=trio.TASK_STATUS_IGNORE
 
 
 def run(settings: ServerSettings) -> None:
-    """Serve; or supervise data-parallel replicas behind a router (trillm.http.data_parallel); or,
+    """Serve; or supervise data-parallel replicas behind a router (trillm.launch.data_parallel); or,
     on a rank other than 0 that a launcher (torchrun) started, be that rank's tensor-parallel
     worker (rank 0 serves HTTP for all of them). The engine (and torch) is imported only past the
     supervisor's branch: a supervisor runs no model, and its replicas import their own."""
     logs.configure(settings.log_level)
     if settings.supervises:
-        from trillm.http import data_parallel
+        from trillm.launch import data_parallel
 
         raise SystemExit(data_parallel.run(settings))
     from trillm.engine.api import launcher_init_method, launcher_rank, run_worker
