@@ -36,6 +36,17 @@ def reference(path: str):
     return model, tokenizer
 
 
+@functools.cache
+def greedy_reference(path: str, prompt: str) -> tuple[list[int], list[int], torch.Tensor]:
+    """transformers' prompt ids, its greedy continuation (prompt included) and that sequence's
+    logits, once per prompt for every test here."""
+    hf, tokenizer = reference(path)
+    ids = tokenizer.encode(prompt)
+    with torch.inference_mode():
+        want = hf.generate(torch.tensor([ids]), max_new_tokens=NUM_DECODE, do_sample=False)[0].tolist()
+        return ids, want, hf(torch.tensor([want])).logits[0]
+
+
 @pytest.mark.parametrize("path", ["exact", "blocks"])
 def test_gemma3_270m_greedy_tokens_equal_transformers_on_its_dequantized_weights(gemma3_gguf, path):
     """The exact path (dense fp32 weights, fp32 activations and KV cache): transformers' logits
@@ -43,16 +54,13 @@ def test_gemma3_270m_greedy_tokens_equal_transformers_on_its_dequantized_weights
     fp16 KV cache), teacher-forced on transformers' tokens: its greedy tokens, but where
     transformers' own two best are a near tie (8-bit activations move a logit by up to about 1),
     where it may pick the runner-up, once a prompt at most."""
-    hf, tokenizer = reference(gemma3_gguf)
+    _, tokenizer = reference(gemma3_gguf)
     args = dict(quantized_weights=False, quantized_activations=False, kv_cache_dtype="float32") \
         if path == "exact" else {}
     runner = ModelRunner(EngineArgs(model=gemma3_gguf, num_kv_blocks=32, **args))
     for prompt in PROMPTS if path == "blocks" else PROMPTS[:2]:  # the exact path's dense weights cost more
-        ids = tokenizer.encode(prompt)
+        ids, want, want_logits = greedy_reference(gemma3_gguf, prompt)
         assert ids[0] == tokenizer.bos_token_id == 2  # the file asks for BOS
-        with torch.inference_mode():
-            want = hf.generate(torch.tensor([ids]), max_new_tokens=NUM_DECODE, do_sample=False)[0].tolist()
-            want_logits = hf(torch.tensor([want])).logits[0]
         got_logits = runner.teacher_forced_logits(want)
         got = got_logits[len(ids) - 1 : -1].argmax(-1).tolist()
         flips = [i for i, (g, w) in enumerate(zip(got, want[len(ids):])) if g != w]
@@ -71,10 +79,8 @@ async def test_gemma3_270m_serves_completions_and_chat_through_openai_and_anthro
     """A greedy completion is transformers' continuation; chat (the file has no template: ChatML,
     as llama.cpp's server renders it) answers on the OpenAI route, whole and streamed, and on the
     Anthropic route, with their usage counted."""
-    hf, tokenizer = reference(gemma3_gguf)
-    ids = tokenizer.encode(PROMPTS[0])
-    with torch.inference_mode():
-        want = hf.generate(torch.tensor([ids]), max_new_tokens=NUM_DECODE, do_sample=False)[0].tolist()
+    _, tokenizer = reference(gemma3_gguf)
+    ids, want, _ = greedy_reference(gemma3_gguf, PROMPTS[0])
     core = EngineCore(EngineArgs(model=gemma3_gguf, num_kv_blocks=64))
     try:
         async with live_server(core) as server:
