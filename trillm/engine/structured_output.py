@@ -13,10 +13,11 @@ Why compile off the engine: a schema compiles in milliseconds to minutes, and th
 step must not wait on it. The server compiles in a worker thread before admission
 (`compile`, which also turns a bad spec into a SamplingParamError); admission then finds
 the compiled grammar in a small LRU keyed by the spec. The compile itself runs in a process of
-its own (trillm/engine/grammar_compiler.py, trillm/fork_jobs.py), which is killed when it runs past the engine's
-`grammar_compile_timeout`: xgrammar cannot be interrupted in-process, and an abandoned compile
-would hold a core for as long as it ran. The tokenizer's xgrammar view, which takes most of a
-second to build, is made once per engine, on first use, and handed to each compiler process.
+its own (trillm/engine/grammar_compiler.py, a handler of trillm/fork_jobs.py), which is killed
+when it runs past the engine's `grammar_compile_timeout`: xgrammar cannot be interrupted
+in-process, and an abandoned compile would hold a core for as long as it ran. The tokenizer's
+xgrammar view, which takes most of a second to build, is made once per engine, on first use,
+and handed to each compiler process.
 
 A matcher's state depends only on the request's output tokens, which a preempted request
 keeps, so preemption needs nothing here. When a grammar is complete, only the stop tokens
