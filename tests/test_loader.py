@@ -83,6 +83,17 @@ def test_a_gguf_files_tokenizer_is_saved_alone_for_the_tools_that_need_a_directo
     assert not [n for n in os.listdir(folder) if n.endswith((".safetensors", ".bin", ".gguf"))]
     assert AutoTokenizer.from_pretrained(folder)("Hello world")["input_ids"] == [19556, 905]
     assert tokenizer_dir(None) == folder and tokenizer_dir(tiny_model_dir("llama")) == tiny_model_dir("llama")
+    # keyed by the file's content: a copy elsewhere (a fresh checkout's environment) finds it; a
+    # changed file gets its own
+    (tmp_path / "elsewhere").mkdir()
+    copy = shutil.copy(default_model_path(), tmp_path / "elsewhere")
+    assert tokenizer_dir(str(copy)) == folder
+    with open(copy, "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 1]))
+    assert tokenizer_dir(str(copy)) != folder
 
 
 def test_fused_weights_hold_the_hf_projections(tiny_model_dir):

@@ -5,8 +5,10 @@ trillm never serves from them (it reads the file in place); they are made only w
 once per file, under the cache root.
 
 Each is written to a temporary directory renamed into place, behind a lock, so that concurrent
-processes wait for one writer and none ever sees half a directory; a changed file (another size
-or mtime) gets a new one.
+processes wait for one writer and none ever sees half a directory. A directory is keyed by the
+file's content, not its path: a file of up to CONTENT_HASH_BYTES by its whole bytes, so another
+copy of it (a fresh checkout's environment installs the default model anew) finds the one
+made before; a larger one by its size, mtime, first and last MiB. A changed file gets a new one.
 """
 from __future__ import annotations
 
@@ -62,11 +64,30 @@ def hf_directory(gguf_path: str) -> str:
     return _made_once(gguf_path, "hf", write)
 
 
+CONTENT_HASH_BYTES = 512 << 20  # files up to this are keyed by their whole content (~0.3 s a 100 MB file)
+_EDGE_BYTES = 1 << 20
+
+
+def _content_digest(path: str) -> str:
+    """What keys `path`'s directories: its content's hash, or for a large file its size, mtime
+    and the hash of its first and last MiB (see the module's docstring)."""
+    stat = os.stat(path)
+    digest = hashlib.sha256(str(stat.st_size).encode())
+    with open(path, "rb") as f:
+        if stat.st_size <= CONTENT_HASH_BYTES:
+            hashlib.file_digest(f, lambda: digest)
+        else:
+            digest.update(str(stat.st_mtime_ns).encode())
+            digest.update(f.read(_EDGE_BYTES))
+            f.seek(-_EDGE_BYTES, os.SEEK_END)
+            digest.update(f.read(_EDGE_BYTES))
+    return digest.hexdigest()[:12]
+
+
 def _made_once(gguf_path: str, kind: str, write: Callable[[str], None]) -> str:
     """The directory `write` fills for this file, made the first time it is asked for."""
     path = os.path.abspath(gguf_path)
-    stat = os.stat(path)
-    digest = hashlib.sha256(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    digest = _content_digest(path)
     root = os.path.join(cache_root(), kind)
     target = os.path.join(root, f"{os.path.splitext(os.path.basename(path))[0]}-{digest}")
     if os.path.isdir(target):
