@@ -116,16 +116,43 @@ async def test_kv_aware_routing_follows_the_blocks_the_replicas_report(tiny_text
                 await process.wait()
 
 
-async def test_replicas_serve_survive_a_death_free_blocks_and_stop_with_the_server(tiny_text_model_dir):
-    """With --api-key: no process's command line carries the key, the router reads the replicas'
-    load (an open route, as /metrics), clients need the key, and the router lists the served
-    model by its name."""
+async def replica_models(url: str, headers: dict) -> list[str]:
+    async with httpx.AsyncClient(base_url=url, headers=headers) as http:
+        return [m["id"] for m in (await http.get("/v1/models")).json()["data"]]
+
+
+async def replica_holding_a_request(replicas: list[str], headers: dict) -> str:
+    """The replica with a live request, once there is one."""
+    with trio.fail_after(30):
+        while True:
+            for url in replicas:
+                async with httpx.AsyncClient(base_url=url, headers=headers) as http:
+                    if (await http.get("/load")).json()["server_load"]:
+                        return url
+            await trio.sleep(0.05)
+
+
+async def test_replicas_relay_admin_calls_serve_survive_a_death_and_stop_with_the_server(tiny_text_model_dir):
+    """One deployment, round-robin, with --api-key and runtime adapters, in the order a life takes:
+    no process's command line carries the key, the router reads the replicas' load (an open
+    route, as /metrics), clients need the key, and the router lists the served model by its name.
+    The router forwards an admin route to one replica, which relays it to the others: an adapter
+    loaded or unloaded at the front door (or at either replica) is on both and listed once; an
+    abort sent to the replica that does not hold the request ends it all the same. A proxy the
+    environment names, which answers nothing, is bypassed by the supervisor's checks, the router
+    and the relay alike. A client that leaves mid-stream frees the replica's blocks; a killed
+    replica leaves the other serving; SIGTERM stops the router and every replica."""
+    from lora_support import make_adapter
+
     model = os.path.basename(tiny_text_model_dir)
+    adapter = make_adapter(tiny_text_model_dir, seed=1)
     key = "dp-secret-" + os.urandom(4).hex()
     auth = {"Authorization": f"Bearer {key}"}
     async with trio.open_nursery() as nursery:
-        process, router, replicas, log = await start_replicated(nursery, tiny_text_model_dir, "round_robin",
-                                                                "--api-key", key)
+        process, router, replicas, log = await start_replicated(
+            nursery, tiny_text_model_dir, "round_robin", "--api-key", key, "--enable-lora", "--max-loras", "2",
+            "--allow-runtime-lora", "--allowed-weights-dir", os.path.dirname(adapter),
+            env={**os.environ, **{name: "http://127.0.0.1:9" for name in ("http_proxy", "HTTP_PROXY")}})
         children = started_by(process.pid)
         assert len(children) == 3, "two replicas and the router"
         everything = descendants(process.pid)  # with the fork server they came from
@@ -144,6 +171,38 @@ async def test_replicas_serve_survive_a_death_free_blocks_and_stop_with_the_serv
         chat = await client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}],
                                                     max_tokens=3)
         assert chat.choices[0].message.content is not None
+
+        # Admin calls: adapters and aborts reach every replica.
+        async with httpx.AsyncClient(base_url=router, headers=auth) as http:
+            for name, where in (("front", router), ("direct", replicas[1])):
+                async with httpx.AsyncClient(base_url=where, headers=auth) as at:
+                    loaded = await at.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": adapter})
+                assert loaded.status_code == 200, loaded.text
+                for url in replicas:
+                    assert name in await replica_models(url, auth), (name, url)
+                assert [m["id"] for m in (await http.get("/v1/models")).json()["data"]].count(name) == 1
+            for _ in range(4):  # both replicas serve it
+                out = await client.completions.create(model="front", prompt="Hello", max_tokens=2)
+                assert out.usage.completion_tokens == 2
+            assert (await http.post("/v1/unload_lora_adapter", json={"lora_name": "front"})).status_code == 200
+            for url in replicas:
+                assert "front" not in await replica_models(url, auth) and "direct" in await replica_models(url, auth)
+            again = await http.post("/v1/load_lora_adapter", json={"lora_name": "direct", "lora_path": adapter})
+            assert again.status_code == 400, "the replica that got it says it is loaded, and relays nothing"
+
+            for where in ("other", "front"):
+                stream = await client.completions.create(model=model, prompt="Once upon a time", max_tokens=240, n=8,
+                                                         stream=True, extra_body={"ignore_eos": True})
+                first = await stream.__anext__()
+                holder = await replica_holding_a_request(replicas, auth)
+                target = router if where == "front" else next(url for url in replicas if url != holder)
+                async with httpx.AsyncClient(base_url=target, headers=auth) as at:
+                    aborted = await at.post("/abort_request", json={"rid": first.id})
+                assert aborted.status_code == 200 and aborted.json() == {"num_aborted": 1}, aborted.text
+                reasons = [c.choices[0].finish_reason async for c in stream if c.choices]
+                assert reasons[-1] == "abort", where
+            missing = await http.post("/abort_request", json={"rid": "no-such-request"})
+            assert missing.status_code == 404, missing.text
 
         # A client that leaves mid-stream: the replica serving it frees its blocks.
         stream = await client.completions.create(model=model, prompt="Once upon a time", max_tokens=200,
@@ -176,76 +235,6 @@ async def test_replicas_serve_survive_a_death_free_blocks_and_stop_with_the_serv
         with trio.fail_after(10):
             while any(map(live, everything)):
                 await trio.sleep(0.05)
-
-
-async def replica_models(url: str) -> list[str]:
-    async with httpx.AsyncClient(base_url=url) as http:
-        return [m["id"] for m in (await http.get("/v1/models")).json()["data"]]
-
-
-async def replica_holding_a_request(replicas: list[str]) -> str:
-    """The replica with a live request, once there is one."""
-    with trio.fail_after(30):
-        while True:
-            for url in replicas:
-                async with httpx.AsyncClient(base_url=url) as http:
-                    if (await http.get("/load")).json()["server_load"]:
-                        return url
-            await trio.sleep(0.05)
-
-
-async def test_admin_calls_reach_every_replica_through_the_front_door_or_any_replica(tiny_text_model_dir):
-    """The router forwards an admin route to one replica, which relays it to the others: an
-    adapter loaded or unloaded at the front door (or at either replica) is on both and listed
-    once; an abort sent to the replica that does not hold the request ends it all the same. A
-    proxy the environment names, which answers nothing, is bypassed by the supervisor's checks,
-    the router and the relay alike: they talk to the replicas straight."""
-    from lora_support import make_adapter
-
-    model = os.path.basename(tiny_text_model_dir)
-    adapter = make_adapter(tiny_text_model_dir, seed=1)
-    async with trio.open_nursery() as nursery:
-        process, router, replicas, log = await start_replicated(
-            nursery, tiny_text_model_dir, "round_robin", "--enable-lora", "--max-loras", "2", "--allow-runtime-lora",
-            "--allowed-weights-dir", os.path.dirname(adapter),
-            env={**os.environ, **{name: "http://127.0.0.1:9" for name in ("http_proxy", "HTTP_PROXY")}})
-        try:
-            async with httpx.AsyncClient(base_url=router) as http:
-                for name, where in (("front", router), ("direct", replicas[1])):
-                    async with httpx.AsyncClient(base_url=where) as at:
-                        loaded = await at.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": adapter})
-                    assert loaded.status_code == 200, loaded.text
-                    for url in replicas:
-                        assert name in await replica_models(url), (name, url)
-                    assert [m["id"] for m in (await http.get("/v1/models")).json()["data"]].count(name) == 1
-                client = openai.AsyncOpenAI(base_url=router + "/v1", api_key="none", max_retries=0)
-                for _ in range(4):  # both replicas serve it
-                    out = await client.completions.create(model="front", prompt="Hello", max_tokens=2)
-                    assert out.usage.completion_tokens == 2
-                assert (await http.post("/v1/unload_lora_adapter", json={"lora_name": "front"})).status_code == 200
-                for url in replicas:
-                    assert "front" not in await replica_models(url) and "direct" in await replica_models(url)
-                again = await http.post("/v1/load_lora_adapter", json={"lora_name": "direct", "lora_path": adapter})
-                assert again.status_code == 400, "the replica that got it says it is loaded, and relays nothing"
-
-                for where in ("other", "front"):
-                    stream = await client.completions.create(model=model, prompt="Once upon a time", max_tokens=240, n=8,
-                                                             stream=True, extra_body={"ignore_eos": True})
-                    first = await stream.__anext__()
-                    holder = await replica_holding_a_request(replicas)
-                    target = router if where == "front" else next(url for url in replicas if url != holder)
-                    async with httpx.AsyncClient(base_url=target) as at:
-                        aborted = await at.post("/abort_request", json={"rid": first.id})
-                    assert aborted.status_code == 200 and aborted.json() == {"num_aborted": 1}, aborted.text
-                    reasons = [c.choices[0].finish_reason async for c in stream if c.choices]
-                    assert reasons[-1] == "abort", where
-                missing = await http.post("/abort_request", json={"rid": "no-such-request"})
-                assert missing.status_code == 404, missing.text
-                await client.close()
-        finally:
-            process.send_signal(signal.SIGTERM)
-            with trio.fail_after(60):
-                await process.wait()
 
 
 async def test_a_replica_elsewhere_joins_the_router_and_round_robin_spreads_a_prefix(tiny_text_model_dir):
