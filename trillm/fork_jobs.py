@@ -31,8 +31,10 @@ import resource
 import signal
 import subprocess
 import sys
+import threading
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 
@@ -176,6 +178,34 @@ class ForkWorker:
                 return
 
     def __enter__(self) -> ForkWorker:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+class WorkerOnDemand:
+    """A worker started on first use, and again after one failed or was closed. Thread-safe
+    (one start at a time); `close()` stops the current one (idempotent; a later `get` starts
+    another); a context manager."""
+
+    def __init__(self):
+        self._worker: ForkWorker | None = None
+        self._lock = threading.Lock()
+
+    def get(self, start: Callable[[], ForkWorker]) -> ForkWorker:
+        """The running worker, or the one `start` makes now if there is none alive."""
+        with self._lock:
+            if self._worker is None or not self._worker.alive:
+                self._worker = start()
+            return self._worker
+
+    def close(self) -> None:
+        with self._lock:
+            if self._worker is not None:
+                self._worker.close()
+
+    def __enter__(self) -> WorkerOnDemand:
         return self
 
     def __exit__(self, *exc_info) -> None:

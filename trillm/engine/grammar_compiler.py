@@ -29,17 +29,12 @@ class CompileFailed(Exception):
     """The spec is not a valid grammar of its kind; the message says why (xgrammar's words)."""
 
 
-class CompilerProcess:
+class CompilerProcess(ForkWorker):
     """The worker process with `slots` compiles at once, given the tokenizer's xgrammar view
-    (RuntimeError if it does not start). Thread-safe; `alive` turns False if it fails; `close()`
-    kills it (idempotent; compiles in flight raise WorkerClosed); a context manager."""
+    (RuntimeError if it does not start); a ForkWorker whose jobs are compiles."""
 
     def __init__(self, tokenizer_info_json: str, slots: int):
-        self._worker = ForkWorker(__name__, tokenizer_info_json.encode(), slots, "grammar compiler")
-
-    @property
-    def alive(self) -> bool:
-        return self._worker.alive
+        super().__init__(__name__, tokenizer_info_json.encode(), slots, "grammar compiler")
 
     def compile(self, kind: str, spec: str, strict: bool, timeout: float) -> str:
         """xgrammar's serialized CompiledGrammar for the spec. Raises CompileFailed for an
@@ -47,7 +42,7 @@ class CompilerProcess:
         compile was killed), WorkerClosed if the process was closed, RuntimeError if it failed.
         Blocks until a slot is free, then for at most the timeout and the worker's grace."""
         try:
-            reply = self._worker.run({"kind": kind, "spec": spec, "strict": strict}, timeout)
+            reply = self.run({"kind": kind, "spec": spec, "strict": strict}, timeout)
         except JobTimeout:
             raise CompileTimeout from None
         except JobOutOfMemory:  # no limit is set: xgrammar's own allocation failed
@@ -55,15 +50,6 @@ class CompilerProcess:
         if "grammar" in reply:
             return reply["grammar"]
         raise CompileFailed(reply["error"])
-
-    def close(self) -> None:
-        self._worker.close()
-
-    def __enter__(self) -> CompilerProcess:
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.close()
 
 
 def setup(tokenizer_info_json: bytes):

@@ -34,7 +34,7 @@ from collections import OrderedDict
 import torch
 
 from trillm.engine.grammar_compiler import CompileFailed, CompilerProcess, CompileTimeout
-from trillm.fork_jobs import WorkerClosed
+from trillm.fork_jobs import WorkerClosed, WorkerOnDemand
 from trillm.sampling_params import SamplingParamError, StructuredOutput
 
 log = logging.getLogger(__name__)
@@ -66,9 +66,8 @@ class Grammars:
         self._info = None  # the tokenizer's xgrammar view, built on first use
         self._cache: OrderedDict[StructuredOutput, object] = OrderedDict()
         self._slow: OrderedDict[StructuredOutput, None] = OrderedDict()  # known to need the slow lane
-        self._process: CompilerProcess | None = None
+        self._compilers = WorkerOnDemand()  # started on the first compile that misses the cache
         self._lock = threading.Lock()  # compile runs in worker threads, admission on the engine's
-        self._start_lock = threading.Lock()  # one process start at a time, without holding up admission
 
     def compile(self, spec: StructuredOutput, quick: bool = False):
         """The compiled grammar, from the cache or compiled now; SamplingParamError if it is
@@ -88,7 +87,9 @@ class Grammars:
                 raise SlowCompile
             info = self._tokenizer_info()
         try:
-            serialized = self._compiler_process(info).compile(spec.kind, spec.spec, spec.strict, budget)
+            # COMPILE_SLOTS quick slots and the slow lane's one
+            compiler = self._compilers.get(lambda: CompilerProcess(info.serialize_json(), COMPILE_SLOTS + 1))
+            serialized = compiler.compile(spec.kind, spec.spec, spec.strict, budget)
         except CompileFailed as exc:
             raise SamplingParamError(spec.param, f"The {spec.kind} cannot be compiled: {exc}") from None
         except CompileTimeout:
@@ -115,17 +116,7 @@ class Grammars:
         return compiled
 
     def close(self) -> None:
-        with self._start_lock:
-            if self._process is not None:
-                self._process.close()
-
-    def _compiler_process(self, info) -> CompilerProcess:
-        """The running compiler process, started (again, if it failed) now if need be, given
-        the tokenizer's view `info`."""
-        with self._start_lock:
-            if self._process is None or not self._process.alive:
-                self._process = CompilerProcess(info.serialize_json(), COMPILE_SLOTS + 1)  # + the slow lane
-            return self._process
+        self._compilers.close()
 
     def matcher(self, spec: StructuredOutput):
         """A new matcher for one request (each of n samples has its own), at the grammar's start."""

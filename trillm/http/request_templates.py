@@ -19,9 +19,8 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 
-from trillm.fork_jobs import ForkWorker, JobOutOfMemory, JobTimeout, WorkerClosed
+from trillm.fork_jobs import ForkWorker, JobOutOfMemory, JobTimeout, WorkerClosed, WorkerOnDemand
 from trillm.http.protocol.common import TemplateOptions
 from trillm.sampling_params import SamplingParamError
 
@@ -38,8 +37,7 @@ class RequestTemplates:
 
     def __init__(self, tokenizer):
         self._special_tokens = json.dumps(dict(tokenizer.special_tokens_map), default=str).encode()
-        self._worker: ForkWorker | None = None
-        self._lock = threading.Lock()
+        self._workers = WorkerOnDemand()  # started on the first render
 
     def render(self, template: str, messages: list[dict], options: TemplateOptions,
                tools: list[dict] | None) -> str:
@@ -50,7 +48,9 @@ class RequestTemplates:
                "add_generation_prompt": options.add_generation_prompt,
                "continue_final_message": options.continue_final_message, "kwargs": options.kwargs}
         try:
-            reply = self._running().run(job, RENDER_SECONDS, RENDER_MEMORY)
+            worker = self._workers.get(lambda: ForkWorker(__name__, self._special_tokens, RENDER_SLOTS,
+                                                          "chat template renderer"))
+            reply = worker.run(job, RENDER_SECONDS, RENDER_MEMORY)
         except JobTimeout:
             raise SamplingParamError("chat_template", f"The chat template did not render within "
                                                       f"{RENDER_SECONDS:g} s.") from None
@@ -68,16 +68,8 @@ class RequestTemplates:
                                                       f"{reply['error']}")
         return reply["text"]
 
-    def _running(self) -> ForkWorker:
-        with self._lock:
-            if self._worker is None or not self._worker.alive:
-                self._worker = ForkWorker(__name__, self._special_tokens, RENDER_SLOTS, "chat template renderer")
-            return self._worker
-
     def close(self) -> None:
-        with self._lock:
-            if self._worker is not None:
-                self._worker.close()
+        self._workers.close()
 
     def __enter__(self) -> RequestTemplates:
         return self
