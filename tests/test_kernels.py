@@ -5,13 +5,18 @@ shapes stay small: few heads, short sequences, and a chosen subset of the cross 
 block size x head dim x GQA ratio x batch mix x window x split-KV x dtype, where each value
 appears in several combinations, rather than all of it.
 """
+import dis
+import types
+
 import pytest
 import torch
+import triton
+import triton.language as tl
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from trillm.kernels import activation, attention, cache, norm, rotary
-from trillm.kernels import activation_triton, attention_triton, cache_triton, norm_triton, rotary_triton
+from trillm.kernels import activation_triton, attention_triton, cache_triton, lora_triton, norm_triton, rotary_triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CUDA_CHECK = pytest.mark.cuda(cpu_too=True)  # the Triton kernels: on the device there, in the interpreter here
@@ -942,3 +947,27 @@ def test_quantized_linear_keeps_leading_dims_and_refuses_what_it_cannot_run():
     assert not quant_cpu.QuantizedLinear.runs(weight.rows(slice(0, 24)))  # 24 outputs: not whole tiles of 16
     with pytest.raises(AssertionError):
         quant_cpu.QuantizedLinear(weight)(x.to(torch.bfloat16))
+
+
+# --- what the interpreter lets through and the compiler does not ------------------------------
+
+TRITON_MODULES = [activation_triton, attention_triton, cache_triton, norm_triton, rotary_triton, lora_triton]
+
+
+def compiler_accepts_global(value) -> bool:
+    """Triton's code generator lets a kernel read a module global only if it is a module, another
+    kernel, a `tl.constexpr` or something of triton.language; the interpreter runs the kernel as
+    Python and reads any global, so a plain float constant passes here and fails on a GPU."""
+    return (isinstance(value, (types.ModuleType, tl.constexpr, triton.runtime.KernelInterface))
+            or getattr(value, "__module__", "").startswith("triton.language"))
+
+
+@pytest.mark.parametrize("module", TRITON_MODULES, ids=lambda m: m.__name__.rsplit(".", 1)[1])
+def test_kernels_read_only_globals_the_compiler_accepts(module):
+    kernels = [value for value in vars(module).values() if isinstance(value, triton.runtime.KernelInterface)]
+    assert kernels
+    for kernel in kernels:
+        for instruction in dis.get_instructions(kernel.fn):
+            if instruction.opname == "LOAD_GLOBAL" and instruction.argval in vars(module):
+                assert compiler_accepts_global(vars(module)[instruction.argval]), \
+                    f"{kernel.fn.__name__} reads the global {instruction.argval}: make it a tl.constexpr"
