@@ -30,6 +30,14 @@ def assert_every_block_back(stats: dict) -> None:
     assert stats["num_cached_blocks"] > 0, "the chat prompt's full blocks were cached"
 
 
+def device_bytes_of_weights_and_cache(runner) -> int:
+    """Device bytes the KV cache and the weights hold, each storage once (tied embeddings, K and V
+    carved from one allocation). A function of its own so that no tensor it looks at outlives
+    it: a test that kept them in a local kept them all on the device through the sleep."""
+    tensors = [t for kv in runner.kv_caches for t in kv] + list(runner.model.state_dict().values())
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t.is_cuda}.values())
+
+
 async def test_the_default_model_streams_on_cuda_and_aborts_free_their_blocks():
     with cuda_core() as core:
         assert core.config.device.type == "cuda" and core.runner.model.kernels.name == "triton"
@@ -81,11 +89,7 @@ async def test_sleep_gives_device_memory_back_and_wakes_to_the_same_tokens(level
                 return out.choices[0].model_extra["token_ids"]
 
             before = await greedy()
-            runner = core.runner
-            tensors = [t for kv in runner.kv_caches for t in kv] + list(runner.model.state_dict().values())
-            # by storage: tied embeddings, and K and V carved from one allocation, count once
-            storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t.is_cuda}
-            on_device = sum(storages.values())
+            on_device = device_bytes_of_weights_and_cache(core.runner)
             torch.cuda.synchronize()
             awake = torch.cuda.memory_allocated()
             response = await http.post(f"/sleep?level={level}")
