@@ -6,7 +6,10 @@ CUDA graphs) and measures it with this project's load generator (benchmarks/benc
 one output token each (their TTFT is the prefill). Beside each level, the decode roof: a decode
 step reads every weight once and each request's KV cache, so at batch c it makes at most
 c x bandwidth / (weight bytes + c x KV bytes per request) tokens a second, with the bandwidth a
-device-to-device copy measures here. Writes everything to OUT/<device name>/gpu_bench.json and
+device-to-device copy measures here. Then the engine alone on the same device and weights
+(`EngineCore` stepped by hand, as benchmarks/bench_offline.py does: 128-token prompts, 128 tokens
+each, prefill included) at the served levels' batches, so that each served level is also a share
+of what its own engine makes offline. Writes everything to OUT/<device name>/gpu_bench.json and
 prints a table for benchmarks/README.md.
 
     python -m benchmarks.bench_gpu --out gpu-results       (scripts/gpu_check.py bench runs it)
@@ -24,6 +27,7 @@ from pathlib import Path
 import torch
 import trio
 
+from benchmarks.bench_offline import run_batch
 from benchmarks.bench_serving import BenchConfig, format_summary, run_benchmark
 from benchmarks.compare_peer import REPO, free_port, stop, wait_ready
 
@@ -77,6 +81,23 @@ def measure(base_url: str) -> dict:
     return runs
 
 
+def offline(batches: list[int]) -> dict:
+    """Output tok/s of the engine alone at each batch (128/128, greedy, ignore_eos), on the
+    server's weights and defaults; a batch of 8 first compiles and captures what it needs."""
+    from trillm.config import EngineArgs
+    from trillm.engine.core import EngineCore
+
+    rates = {}
+    with EngineCore(EngineArgs(device="cuda", dtype="bfloat16")) as core:
+        run_batch(core, 8, 128, 8, seed=0, device="cuda")
+        for batch in batches:
+            run = run_batch(core, batch, 128, 128, seed=batch, device="cuda")
+            rates[f"c{batch}"] = batch * 128 / run["total_s"]
+            print(f"offline batch {batch}: {rates[f'c{batch}']:.0f} output tok/s", flush=True)
+    torch.cuda.empty_cache()
+    return rates
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("gpu-results"))
@@ -99,17 +120,21 @@ def main() -> None:
             runs = measure(base_url)
         finally:
             stop(server)
+    engine = offline(LEVELS)
     context = 128 + 128 // 2  # a request's mean context while it decodes
     roofs = {f"c{c}": decode_roof(bandwidth, weights, kv_per_token, c, context) for c in LEVELS}
     result = {"device": device, "copy_bandwidth_gb_s": bandwidth / 1e9, "weight_bytes": weights,
-              "kv_bytes_per_token": kv_per_token, "startup_s": ready_s, "runs": runs, "decode_roof_tok_s": roofs}
+              "kv_bytes_per_token": kv_per_token, "startup_s": ready_s, "runs": runs, "decode_roof_tok_s": roofs,
+              "offline_tok_s": engine}
     (out / "gpu_bench.json").write_text(json.dumps(result, indent=1))
     print(f"\n{device}: copy bandwidth {bandwidth / 1e9:.0f} GB/s, bf16 weights {weights / 2**20:.0f} MiB")
-    print("| c | output tok/s | decode roof tok/s | share of roof | TTFT mean ms | TPOT mean ms |")
-    print("|---:|---:|---:|---:|---:|---:|")
+    print("| c | output tok/s | offline engine tok/s | served / offline | decode roof tok/s | share of roof "
+          "| TTFT mean ms | TPOT mean ms |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for c in LEVELS:
         s = runs[f"c{c}"]
-        print(f"| {c} | {s['output_throughput']:.0f} | {roofs[f'c{c}']:.0f} | "
+        print(f"| {c} | {s['output_throughput']:.0f} | {engine[f'c{c}']:.0f} | "
+              f"{s['output_throughput'] / engine[f'c{c}']:.2f} | {roofs[f'c{c}']:.0f} | "
               f"{s['output_throughput'] / roofs[f'c{c}']:.2f} | {s['ttft_ms']['mean']:.1f} | {s['tpot_ms']['mean']:.2f} |")
     print(f"prefill of {PREFILL_LEN} tokens: TTFT mean {runs['prefill']['ttft_ms']['mean']:.1f} ms")
 
