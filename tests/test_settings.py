@@ -4,8 +4,9 @@ import argparse
 
 import pytest
 
-from trillm.config import EngineArgs
+from trillm.config import AttentionBackend, Device, DType, EngineArgs, KVCacheDType, LoadFormat
 from trillm.http import settings
+from trillm.pooling_params import PoolingType
 from trillm.sched_ext import SchedulingPolicy
 
 
@@ -25,6 +26,22 @@ def test_the_scheduling_policy_is_an_enum_by_flag_by_variable_and_in_argv():
     assert EngineArgs(scheduling_policy="fcfs").scheduling_policy is SchedulingPolicy.FCFS
 
 
+@pytest.mark.parametrize(("field", "value", "member"), [
+    ("dtype", "bfloat16", DType.BFLOAT16), ("kv_cache_dtype", "int8", KVCacheDType.INT8),
+    ("attention_backend", "torch", AttentionBackend.TORCH), ("load_format", "dummy", LoadFormat.DUMMY),
+    ("device", "cpu", Device.CPU), ("pooling_type", "mean", PoolingType.MEAN),
+])
+def test_every_fixed_choice_is_an_enum_checked_once_when_the_args_are_made(field, value, member):
+    """A name becomes its member, by flag, by variable and in code; anything else is refused there,
+    naming the field and the choices, not later by the loader or the kernels."""
+    assert getattr(EngineArgs(**{field: value}), field) is member
+    flag = "--" + field.replace("_", "-")
+    assert getattr(settings.from_args(parser().parse_args([flag, value])).engine, field) is member
+    assert getattr(settings.from_env({"TRILLM_" + field.upper(): value}).engine, field) is member
+    with pytest.raises(ValueError, match=f"{field} is one of .*; got 'nonsense'"):
+        EngineArgs(**{field: "nonsense"})
+
+
 def test_an_unknown_policy_is_refused_everywhere(capsys):
     with pytest.raises(SystemExit):
         parser().parse_args(["--scheduling-policy", "lifo"])
@@ -42,6 +59,12 @@ def test_an_unknown_policy_is_refused_everywhere(capsys):
     (["--prefix-caching-hash-algo", "md5"], "invalid choice: 'md5' (choose from 'builtin', 'sha256_cbor')"),
     (["--data-parallel-size", "0"], "or 0 with --data-parallel-address"),
     (["--router-policy", "least_loaded"], "invalid choice: 'least_loaded'"),
+    (["--dtype", "float8"], "invalid choice: 'float8' (choose from 'auto', 'float32', 'bfloat16', 'float16')"),
+    (["--kv-cache-dtype", "fp8"], "invalid choice: 'fp8'"),
+    (["--attention-backend", "flash_attn"], "invalid choice: 'flash_attn' (choose from 'auto', 'torch', 'cpu', 'triton')"),
+    (["--load-format", "pt"], "invalid choice: 'pt' (choose from 'auto', 'dummy')"),
+    (["--device", "tpu"], "invalid choice: 'tpu' (choose from 'auto', 'cpu', 'cuda')"),
+    (["--pooling-type", "max"], "invalid choice: 'max' (choose from 'last', 'mean', 'cls')"),
     (["--data-parallel-size", "2", "--router-policy", "kv_aware", "--kv-events-config",
       '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://10.0.0.5:5557"}'],
      "give --kv-events-config an endpoint they bind"),

@@ -1,20 +1,76 @@
 """Engine settings: one dataclass shared by the offline API, the server's flags and the benchmarks;
-and the reading of the flags that take a JSON object (--speculative-config, --kv-events-config)."""
+the enums of the fields that take one of a fixed set of names; and the reading of the flags that
+take a JSON object (--speculative-config, --kv-events-config).
+
+A field's value is checked once, here, when EngineArgs is made (a flag's by argparse before
+that, from the enum's names): the loader and the kernels take the members as they are."""
 from __future__ import annotations
 
+import enum
 import json
+import typing
 from dataclasses import dataclass, fields
 
+from trillm.pooling_params import PoolingType
 from trillm.sched_ext.status import PrefixHashAlgo, SchedulingPolicy
+
+
+class DType(enum.StrEnum):
+    """The weights' and activations' dtype (`--dtype`)."""
+
+    AUTO = "auto"  # fp32 on CPU, bf16 on CUDA
+    FLOAT32 = "float32"
+    BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"
+
+
+class KVCacheDType(enum.StrEnum):
+    """The KV cache's element type (`--kv-cache-dtype`)."""
+
+    AUTO = "auto"  # fp16 on the cpu family when the model is fp32, else the model's dtype
+    FLOAT32 = "float32"
+    FLOAT16 = "float16"
+    BFLOAT16 = "bfloat16"
+    INT8 = "int8"  # each token's row of each head quantized with its own scale
+
+
+class LoadFormat(enum.StrEnum):
+    AUTO = "auto"  # the weights in the model's file or directory
+    DUMMY = "dummy"  # random weights from the config
+
+
+class Device(enum.StrEnum):
+    """Where the model runs (`--device`); a CUDA machine's GPU is chosen by CUDA_VISIBLE_DEVICES."""
+
+    AUTO = "auto"  # CUDA where torch sees a device, else the CPU
+    CPU = "cpu"
+    CUDA = "cuda"
+
+
+class AttentionBackend(enum.StrEnum):
+    """The kernel family every op runs on (trillm.kernels.family, `--attention-backend`)."""
+
+    AUTO = "auto"  # triton on CUDA; on CPU the cpu family where it is built and runs the dtype, else torch
+    TORCH = "torch"  # the torch twins, the reference
+    CPU = "cpu"  # the compiled CPU kernels
+    TRITON = "triton"
+
+
+def _member(kind: type[enum.StrEnum], field: str, value):
+    """`value` as a member of `kind`; ValueError naming the field and the choices otherwise."""
+    try:
+        return kind(value)
+    except ValueError:
+        raise ValueError(f"{field} is one of {', '.join(kind)}; got {value!r}.") from None
 
 
 @dataclass
 class EngineArgs:
     model: str | None = None  # HF directory, .gguf file, or None for the default model
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: fp32 on CPU, bf16 on CUDA)
-    load_format: str = "auto"  # auto | dummy (random weights from the config)
-    device: str = "auto"  # auto | cpu | cuda
-    attention_backend: str = "auto"  # the kernel family (trillm.kernels.family): auto | torch | cpu | triton
+    dtype: DType = DType.AUTO
+    load_format: LoadFormat = LoadFormat.AUTO
+    device: Device = Device.AUTO
+    attention_backend: AttentionBackend = AttentionBackend.AUTO
     # A GGUF model's Q4_1 / Q8_0 projections run on their blocks where the kernels can (the cpu
     # family, fp32); off: on the fp32 weights they dequantize to, as every other model does
     quantized_weights: bool = True
@@ -23,10 +79,9 @@ class EngineArgs:
     quantized_activations: bool = True
     seed: int = 0  # seeds dummy weights and unseeded sampling
     block_size: int = 16
-    # auto | float32 | float16 | bfloat16 | int8. auto: fp16 on the cpu family when the model is
-    # fp32 (decode attention streams the cache, and fp16 halves it), else the model's dtype. int8:
-    # each token's row of each head quantized with its own scale (trillm/kernels/cache.py)
-    kv_cache_dtype: str = "auto"
+    # auto: fp16 on the cpu family when the model is fp32 (decode attention streams the cache, and
+    # fp16 halves it), else the model's dtype; int8: trillm/kernels/cache.py
+    kv_cache_dtype: KVCacheDType = KVCacheDType.AUTO
     kv_cache_memory: int = 1 << 30  # bytes of KV cache on CPU
     gpu_memory_utilization: float = 0.9  # share of GPU memory for weights + activations + KV on CUDA
     num_kv_blocks: int | None = None  # overrides both budgets (tests use tiny pools)
@@ -52,9 +107,9 @@ class EngineArgs:
     # threads of the compiled CPU kernels (trillm/kernels/pool_cpu.h), the step's included;
     # None: one per core this process may run on
     kernel_threads: int | None = None
-    # How embedding requests pool the prompt's final hidden states: last | mean | cls. None: the
-    # model's sentence-transformers config (modules.json's Pooling module), else last
-    pooling_type: str | None = None
+    # How embedding requests pool the prompt's final hidden states. None: the model's
+    # sentence-transformers config (modules.json's Pooling module), else last
+    pooling_type: PoolingType | None = None
     # Tensor parallelism (trillm/model/parallel.py): ranks that shard the model. With more than
     # one, the engine starts the other ranks itself unless a launcher (torchrun) started them.
     tensor_parallel_size: int = 1
@@ -89,13 +144,28 @@ class EngineArgs:
     data_parallel_rank: int = 0
 
     def __post_init__(self) -> None:
-        self.scheduling_policy = SchedulingPolicy(self.scheduling_policy)  # its name as a string is taken too
-        self.prefix_caching_hash_algo = PrefixHashAlgo(self.prefix_caching_hash_algo)
+        # a member's name as a string is taken too, and becomes the member
+        for field, kind in _CHOICES.items():
+            value = getattr(self, field)
+            if value is not None:
+                setattr(self, field, _member(kind, field, value))
 
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
 
+
+def _enum_fields(cls) -> dict[str, type[enum.StrEnum]]:
+    """The fields annotated with a StrEnum (or one or None): name -> the enum."""
+    chosen = {}
+    for name, hint in typing.get_type_hints(cls).items():
+        kinds = [k for k in typing.get_args(hint) or (hint,) if isinstance(k, type) and issubclass(k, enum.StrEnum)]
+        if kinds:
+            (chosen[name],) = kinds
+    return chosen
+
+
+_CHOICES = _enum_fields(EngineArgs)
 
 # A JSON flag's field types (as annotated, a string) -> the JSON values each takes, and their name
 _JSON_KINDS = {

@@ -65,7 +65,7 @@ class ServerState:
         args = engine.args
         self.metrics = Metrics(self.model_name, engine.stats, settings.metrics_prefix,
                                args.max_loras if engine.lora_enabled else None,
-                               {"block_size": str(args.block_size), "cache_dtype": args.kv_cache_dtype,
+                               {"block_size": str(args.block_size), "cache_dtype": args.kv_cache_dtype.value,
                                 "enable_prefix_caching": str(args.enable_prefix_caching)})
         self.responses = ResponseStore(settings.responses_store_size)
         # A limiter of its own, so a flood of large requests waits here and never takes the

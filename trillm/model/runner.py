@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from trillm.config import EngineArgs
+from trillm.config import EngineArgs, LoadFormat
 from trillm.kernels.attention_metadata import AttentionMetadata
 from trillm.kernels.cache import row_width
 from trillm.model.cuda_graphs import DecodeGraphs, use_cuda_graphs
@@ -147,12 +147,12 @@ class ModelRunner:
         ValueError (before any weight is read) when `path` holds another architecture or other
         shapes; the loader's own errors for a path that cannot be read."""
         assert self.tp.size == 1, "updating weights under tensor parallelism is refused before this"
-        args = replace(self.args, model=path, load_format="auto")
+        args = replace(self.args, model=path, load_format=LoadFormat.AUTO)
         return self._prepared(load_model(args, same_as=self.config.hf_config).model)
 
     def swap_in(self, model: LlamaForCausalLM, path: str) -> None:
         """Serve `model` (from load_replacement) from the next step on; the old one is dropped."""
-        self.args = replace(self.args, model=path, load_format="auto")
+        self.args = replace(self.args, model=path, load_format=LoadFormat.AUTO)
         self._serve(model)
 
     def sleep(self, level: int) -> None:
