@@ -55,8 +55,10 @@ async def test_sleep_frees_memory_refuses_requests_and_wakes_to_the_same_tokens(
             await greedy(client, server.model, PROMPT)
         assert refused.value.status_code == 503
         assert (await http.post(route)).json() == {"is_sleeping": False}
-        if level == 2:  # the weights are back (level 1's KV cache comes back as untouched, unresident pages)
-            assert resident_bytes() > asleep + (80 << 20)
+        # level 2: the weights are back, 106 MiB of kernel blocks, some of them in heap pages the
+        # process held through the sleep (level 1's KV cache comes back as untouched pages)
+        if level == 2:
+            assert resident_bytes() > asleep + (64 << 20)
         assert await greedy(client, server.model, long_prompt) == before_tokens
         assert (await http.get("/is_sleeping")).json() == {"is_sleeping": False}
 

@@ -677,6 +677,38 @@ def test_quantized_linear_matches_its_twin(format, rows, tiles, blocks, bias, se
     assert_close(quant_cpu.QuantizedLinear(weight)(x, b), quant.linear(x, weight, b), torch.float32)
 
 
+@settings(max_examples=20, deadline=None)
+@given(format=st.sampled_from(["q4_0", "q5_0", "q8_0", "q4_k", "q5_k", "q6_k"]), tiles=st.integers(1, 9),
+       step_tiles=st.integers(1, 4), supers=st.integers(1, 2), seed=st.integers(0, 2**16))
+def test_a_weight_from_row_slices_is_the_weight_regrouped_whole(format, tiles, step_tiles, supers, seed):
+    """RowSlices (how a vocabulary projection reaches the kernels, so that its blocks are never
+    held twice): both linears made from slices of any number of tiles, the last one short, hold
+    the arrays the whole weight's regrouping holds, to the bit, and multiply alike; whole() is
+    the weight itself."""
+    from trillm.kernels import quant, quant_cpu
+
+    blocks = random_gguf_blocks(format, 16 * tiles, 256 * supers, seed)
+    whole = quant_cpu.from_gguf(format, blocks)
+    sliced = quant.RowSlices(whole.format, whole.out_features, whole.in_features,
+                             lambda rows: quant_cpu.from_gguf(format, blocks[rows]), 16 * step_tiles)
+    for got, want in zip(quant._arrays(sliced.whole()), quant._arrays(whole)):
+        assert (got is None and want is None) or torch.equal(got, want)
+    x = torch.randn(3, whole.in_features, generator=torch.Generator().manual_seed(seed))
+    kinds = [quant_cpu.Int8QuantizedLinear] + ([quant_cpu.QuantizedLinear] if quant_cpu.runs(whole) else [])
+    for kind in kinds:
+        by_slices, at_once = kind(sliced), kind(whole)
+        assert by_slices.out_features == at_once.out_features == 16 * tiles
+        arrays = [(name, array) for _, name, array in quant_cpu._tile_arrays(at_once)]
+        assert [(name, array.shape) for _, name, array in quant_cpu._tile_arrays(by_slices)] == \
+            [(name, array.shape) for name, array in arrays]
+        for (_, _, got), (name, want) in zip(quant_cpu._tile_arrays(by_slices), arrays):
+            assert torch.equal(got, want), (kind.__name__, name)
+        assert torch.equal(by_slices(x), at_once(x))
+    if tiles > 1:  # a rank's shard of rows, still by slices
+        narrow = sliced.rows(slice(16, 16 * tiles))
+        assert torch.equal(narrow.whole().quants, whole.quants[16:])
+
+
 def test_activation_blocks_as_llama_cpp_makes_them():
     """quant.quantize_rows (the twin of the kernel's quantization): |v| <= 127, the block's
     largest |x| maps to +-127, an all-zero block stays zero, and e * v is x within e / 2."""

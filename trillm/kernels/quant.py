@@ -40,6 +40,8 @@ instead of the fp32 ones: 3 bytes a block and row where those take 8.
 """
 from __future__ import annotations
 
+import itertools
+from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 import torch
@@ -128,6 +130,59 @@ class QuantizedWeight(NamedTuple):
             self.format, self.quants[index], self.scales[index], None if self.mins is None else self.mins[index],
             None if self.k_scales is None else self.k_scales.rows(index),
         )
+
+
+class RowSlices(NamedTuple):
+    """A weight too large to hold twice (a vocabulary projection) as its rows come: `slice_of(rows)`
+    makes the QuantizedWeight of a slice of rows, `step` rows at a time. A kernel that regroups
+    weights into a layout of its own takes it slice by slice, so that only one slice's blocks are
+    held beside its regrouped whole; anything else takes `whole()`."""
+
+    format: str  # the layout each slice has
+    out_features: int
+    in_features: int
+    slice_of: Callable[[slice], QuantizedWeight]
+    step: int
+
+    def slices(self) -> Iterator[tuple[int, QuantizedWeight]]:
+        """(first row, the slice's weight), in order."""
+        for start in range(0, self.out_features, self.step):
+            part = self.slice_of(slice(start, min(start + self.step, self.out_features)))
+            assert part.format == self.format and part.in_features == self.in_features, (part.format, self.format)
+            yield start, part
+
+    def whole(self) -> QuantizedWeight:
+        """The weight, its slices written into one: the conversion's intermediate arrays stay a
+        slice's size whatever the weight's."""
+        slices = self.slices()
+        _, first = next(slices)
+        if first.out_features == self.out_features:
+            return first
+        whole = _with_arrays(first, [None if t is None else t.new_empty((self.out_features, *t.shape[1:]))
+                                     for t in _arrays(first)])
+        for start, part in itertools.chain([(0, first)], slices):
+            for into, rows in zip(_arrays(whole), _arrays(part)):
+                if into is not None:
+                    into[start : start + rows.shape[0]] = rows
+        return whole
+
+    def rows(self, index: slice) -> RowSlices:
+        """The rows of a contiguous range (a rank's shard), still by slices."""
+        start, stop, stride = index.indices(self.out_features)
+        assert stride == 1, "a shard is a contiguous range of rows"
+        return self._replace(out_features=stop - start,
+                             slice_of=lambda rows: self.slice_of(slice(start + rows.start, start + rows.stop)))
+
+
+def _arrays(weight: QuantizedWeight) -> list[torch.Tensor | None]:
+    """Every array of the weight, each [rows, ...]: quants, scales, mins, then the K scales'."""
+    return [weight.quants, weight.scales, weight.mins, *(weight.k_scales or (None,) * len(KScales._fields))]
+
+
+def _with_arrays(weight: QuantizedWeight, arrays: list[torch.Tensor | None]) -> QuantizedWeight:
+    quants, scales, mins, *k_scales = arrays
+    return weight._replace(quants=quants, scales=scales, mins=mins,
+                           k_scales=None if k_scales[0] is None else KScales(*k_scales))
 
 
 def from_gguf(format: str, blocks: torch.Tensor) -> QuantizedWeight:

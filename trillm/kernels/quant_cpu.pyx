@@ -17,7 +17,7 @@ from trillm.kernels.quant_int8_cpu_h cimport (
 
 from trillm.kernels import quant
 from trillm.kernels.quant import (
-    BLOCK, LAYOUT_BYTES, SUPER_BLOCKS, QuantizedParts, QuantizedRows, QuantizedWeight, weight_of_rows,
+    BLOCK, LAYOUT_BYTES, SUPER_BLOCKS, QuantizedParts, QuantizedRows, QuantizedWeight, RowSlices, weight_of_rows,
 )
 
 cdef extern from "quant_cpu.h" nogil:
@@ -38,16 +38,17 @@ def isas() -> list[str]:
     return [name for name, isa in ISAS.items() if int8_isa_supported(isa)]
 
 
-def runs(weight: QuantizedWeight) -> bool:
+def runs(weight: QuantizedWeight | RowSlices) -> bool:
     """Whether the fp32 kernel takes this weight: its rows must fill tiles of 16."""
-    return isinstance(weight, QuantizedWeight) and weight.format in FORMATS and weight.out_features % TILE_N == 0
+    return (isinstance(weight, (QuantizedWeight, RowSlices)) and weight.format in FORMATS
+            and weight.out_features % TILE_N == 0)
 
 
 # the integer kernel's layouts and their bits (quant_int8_cpu.h)
 INT8_BITS = {"q4_1": 4, "q5_1": 5, "q6_k": 6, "q8_0": 8}
 
 
-def int8_runs(weight: QuantizedWeight | QuantizedParts) -> bool:
+def int8_runs(weight: QuantizedWeight | QuantizedParts | RowSlices) -> bool:
     """Whether the integer kernel takes this weight (each part's): its rows must fill tiles of 16."""
     if isinstance(weight, QuantizedParts):
         return len(weight.parts) <= INT8_MAX_PARTS and all(int8_runs(w) for w in weight.parts)
@@ -61,8 +62,9 @@ def _tiled(per_row, tiles: int, blocks: int, lanes: int = 1, transform=None):
     """[N, blocks * c * lanes] -> [N / 16, blocks, c, 16] (lanes > 1: [N / 16, blocks, c, 16,
     lanes], `lanes` bytes of a row kept together, moved as one 32-bit word where there are 4):
     a tile's 16 rows side by side, block by block. Regrouped TILES_AT_ONCE tiles at a time into
-    one tensor, `transform` applied to each slice first, so that a large weight (a vocabulary
-    projection) holds one slice beside it while it is regrouped, not a second copy of itself."""
+    one tensor, `transform` applied to each slice first, so that the permuted temporaries are a
+    slice's size, not the weight's. (The input itself stays whole until it is dropped: a
+    vocabulary projection comes as RowSlices, _TiledLinear._regroup_by_rows.)"""
     words = lanes == 4
     out = None
     for start in range(0, tiles, TILES_AT_ONCE):
@@ -254,10 +256,33 @@ cdef void _k_scales(const uint8_t *src, int64_t supers, int64_t stride, const fl
 
 
 class _TiledLinear:
-    """What both linears share: the input's checks and shape, the output, the bias. A subclass
-    regroups its weight once and multiplies in `_multiply(out, x2)`, which returns the C
-    kernel's code (0, or -1 when out of memory). `requantize` makes 8-bit blocks of a format
-    the kernels do not read."""
+    """What both linears share: the input's checks and shape, the output, the bias, the
+    regrouping of RowSlices. A subclass regroups its weight once and multiplies in
+    `_multiply(out, x2)`, which returns the C kernel's code (0, or -1 when out of memory).
+    `requantize` makes 8-bit blocks of a format the kernels do not read."""
+
+    def _regroup_by_rows(self, weight: RowSlices) -> None:
+        """Become the projection of `weight` (RowSlices), regrouped one slice at a time: every array
+        of a regrouped weight is [tiles, ...], rows in tiles of 16 and tiles in row order, so a
+        slice of rows regrouped on its own is a range of the whole's tiles. Only one slice's
+        blocks are held beside the whole, not the weight's blocks as well as its regrouping."""
+        assert weight.step % TILE_N == 0 and weight.out_features % TILE_N == 0, (weight.step, weight.out_features)
+        kind = type(self)
+        whole = None
+        for start, part in weight.slices():
+            tiled = kind(part)
+            if whole is None:
+                whole = tiled
+                arrays = [(holder, name, array.new_empty((weight.out_features // TILE_N, *array.shape[1:])))
+                          for holder, name, array in _tile_arrays(tiled)]
+            for (_, _, into), (_, _, array) in zip(arrays, _tile_arrays(tiled)):
+                into[start // TILE_N : start // TILE_N + array.shape[0]] = array
+            del tiled
+        for holder, name, array in arrays:
+            setattr(holder, name, array)
+            holder.out_features = weight.out_features
+        self.__dict__.update(vars(whole))
+        self.out_features = weight.out_features
 
     runs = staticmethod(runs)
     layouts = frozenset(FORMATS)  # the layouts of quant.py it multiplies by
@@ -281,8 +306,11 @@ class QuantizedLinear(_TiledLinear):
     """x -> x W^T (+ bias) for one QuantizedWeight with fp32 activations, regrouped once into the
     kernel's tiles."""
 
-    def __init__(self, weight: QuantizedWeight):
+    def __init__(self, weight: QuantizedWeight | RowSlices):
         assert runs(weight), (weight.format, weight.out_features)
+        if isinstance(weight, RowSlices):
+            self._regroup_by_rows(weight)
+            return
         self.format = FORMATS[weight.format]
         self.out_features, self.in_features = weight.out_features, weight.in_features
         tiles, blocks = weight.out_features // TILE_N, weight.in_features // BLOCK
@@ -320,9 +348,14 @@ class Int8QuantizedLinear(_TiledLinear):
     layouts = frozenset(INT8_BITS)
     takes_parts = True
 
-    def __init__(self, weight: QuantizedWeight | QuantizedParts, isa: str | None = None):
+    def __init__(self, weight: QuantizedWeight | QuantizedParts | RowSlices, isa: str | None = None):
         assert int8_runs(weight), (weight, weight.out_features)
         assert isa is None or isa in isas(), (isa, isas())
+        if isinstance(weight, RowSlices):
+            self._regroup_by_rows(weight)
+            if isa is not None:
+                self.isa = ISAS[isa]
+            return
         self.isa = ISAS[isa] if isa is not None else int8_best_isa()
         self.out_features, self.in_features = weight.out_features, weight.in_features
         self.parts = tuple(Int8Part(w) for w in (weight.parts if isinstance(weight, QuantizedParts) else (weight,)))
@@ -344,6 +377,14 @@ class Int8QuantizedLinear(_TiledLinear):
         with nogil:
             rc = int8_linear(out_ptr, x_ptr, M, K, N, w, parts, isa, pool_cpu.run, chunks)
         return rc
+
+
+def _tile_arrays(linear: _TiledLinear):
+    """(holder, attribute, array) for every regrouped array of a linear: its own, or its parts'."""
+    for holder in getattr(linear, "parts", (linear,)):
+        for name, value in vars(holder).items():
+            if isinstance(value, torch.Tensor):
+                yield holder, name, value
 
 
 class Int8Part:

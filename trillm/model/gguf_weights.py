@@ -14,11 +14,11 @@ tests check.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import re
 from collections.abc import Callable, Iterator
 
-import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 from transformers import PretrainedConfig
@@ -66,9 +66,11 @@ VOCABULARY = frozenset({"output.weight", "token_embd.weight"})
 # derived from the config, not loaded (llama.cpp's frequency factors of Llama 3.1's RoPE)
 IGNORED = frozenset({"rope_freqs.weight"})
 ROWS_AT_ONCE = 4096  # a large tensor is repacked this many rows at a time
-# file bytes converted between two trims of the C heap: each trim costs a few milliseconds and
-# the pages it hands back fault in again, so it waits for a few tensors' worth
+# file bytes, or tensors, converted between two trims of the C heap: each trim costs a few
+# milliseconds and the pages it hands back fault in again, so it waits for a few tensors' worth;
+# small tensors leave more garbage than their size (a 270M model's 145 leave twice theirs)
 TRIM_EVERY = 128 << 20
+TRIM_EVERY_TENSORS = 16
 
 
 def hf_name(gguf_name: str, architecture: str) -> str | None:
@@ -92,11 +94,14 @@ def is_projection(name: str) -> bool:
         name.endswith(".weight") and name.rpartition(".")[0].partition(".layers.")[2].partition(".")[2] in PROJECTIONS)
 
 
-def quantized_weights(file: GGUFFile, config: PretrainedConfig, kernel=None) -> Iterator[tuple[str, quant.QuantizedWeight]]:
+def quantized_weights(file: GGUFFile, config: PretrainedConfig,
+                      kernel=None) -> Iterator[tuple[str, quant.QuantizedWeight | quant.RowSlices]]:
     """(HF name, weight) for every quantized projection of the file, the token embeddings where
     they are tied (the vocabulary projection then; untied, they are a lookup table): repacked
     exactly when its format is one of FORMATS and its layout one of the kernel's, else
-    requantized to 8-bit blocks. `kernel`: the linear class that will take them (its `layouts`,
+    requantized to 8-bit blocks. Converted ROWS_AT_ONCE rows at a time; the vocabulary projection
+    goes to a kernel as RowSlices, which it regroups slice by slice, so that the largest tensor is
+    never held twice. `kernel`: the linear class that will take them (its `layouts`,
     and its twins of quant.from_gguf and quant.requantize, which load faster); None: every
     layout, by the torch twins. Unquantized tensors (F32, F16, BF16) are left to
     `dense_weights`."""
@@ -104,9 +109,9 @@ def quantized_weights(file: GGUFFile, config: PretrainedConfig, kernel=None) -> 
     repack = quant.from_gguf if kernel is None else kernel.from_gguf
     requantize = quant.requantize if kernel is None else kernel.requantize
     requantized: dict[str, int] = {}
-    unfreed = 0  # bytes of tensors converted since the C heap was last trimmed
-    # the vocabulary projection first: converting it holds a second copy of the largest tensor
-    # for a moment, which then sits beside nothing else of the model
+    unfreed, untrimmed = 0, 0  # bytes and tensors converted since the C heap was last trimmed
+    # the vocabulary projection first: where it is converted whole (no kernel takes its slices),
+    # its transient second copy then sits beside nothing else of the model
     vocabulary_first = sorted(file.tensors.values(), key=lambda info: info.name not in VOCABULARY)
     for info in vocabulary_first:
         name = hf_name(info.name, file.architecture)
@@ -115,19 +120,22 @@ def quantized_weights(file: GGUFFile, config: PretrainedConfig, kernel=None) -> 
         if name == "model.embed_tokens.weight" and not config.tie_word_embeddings:
             continue
         if info.kind in FORMATS and quant.LAYOUT_OF[FORMATS[info.kind]] in layouts:
-            weight = _by_rows(info, lambda rows: repack(FORMATS[info.kind], torch.from_numpy(file.blocks(
-                info.name, rows))))
+            layout = quant.LAYOUT_OF[FORMATS[info.kind]]
+            slice_of = functools.partial(_repacked, file, info, repack)
         else:
-            weight = _by_rows(info, lambda rows: requantize(torch.from_numpy(to_float(file.blocks(
-                info.name, rows), info.kind))))
+            layout = "q8_0"
+            slice_of = functools.partial(_requantized, file, info, requantize)
             requantized[info.kind.name] = requantized.get(info.kind.name, 0) + 1
-        order = _unpermute_order(file, config, name)
-        yield name, weight if order is None else weight.rows(order)
+        weight = quant.RowSlices(layout, info.rows, info.shape[1], slice_of, ROWS_AT_ONCE)
+        if kernel is None or info.name not in VOCABULARY:
+            order = _unpermute_order(file, config, name)
+            weight = weight.whole() if order is None else weight.whole().rows(order)
+        yield name, weight
         del weight
-        unfreed += info.nbytes
-        if unfreed >= TRIM_EVERY:  # the slices these tensors' conversions freed, before the next's pile on them
-            trim_c_heap()
-            unfreed = 0
+        unfreed, untrimmed = unfreed + info.nbytes, untrimmed + 1
+        if unfreed >= TRIM_EVERY or untrimmed >= TRIM_EVERY_TENSORS:
+            trim_c_heap()  # what these conversions freed, before the next ones pile on it
+            unfreed, untrimmed = 0, 0
     if requantized:
         log.info("%s projections requantized to 8-bit blocks for the integer kernels, which read %s blocks as "
                  "they are", ", ".join(f"{count} {kind}" for kind, count in sorted(requantized.items())),
@@ -162,31 +170,12 @@ class EmbeddingRows:
         return torch.from_numpy(to_float(rows, self.kind)).to(self.dtype)
 
 
-def _by_rows(info: TensorInfo, convert: Callable[[slice], quant.QuantizedWeight]) -> quant.QuantizedWeight:
-    """`convert` applied to the tensor's rows ROWS_AT_ONCE at a time, the slices written into one
-    weight: its intermediate arrays then stay a slice's size whatever the tensor's."""
-    if info.rows <= ROWS_AT_ONCE:
-        return convert(slice(None))
-    first = convert(slice(0, ROWS_AT_ONCE))
-    whole = _with_arrays(first, [None if t is None else t.new_empty((info.rows, *t.shape[1:])) for t in _arrays(first)])
-    for start in range(0, info.rows, ROWS_AT_ONCE):
-        part = first if start == 0 else convert(slice(start, start + ROWS_AT_ONCE))
-        assert part.format == whole.format
-        for into, rows in zip(_arrays(whole), _arrays(part)):
-            if into is not None:
-                into[start : start + rows.shape[0]] = rows
-    return whole
+def _repacked(file: GGUFFile, info: TensorInfo, repack, rows: slice) -> quant.QuantizedWeight:
+    return repack(FORMATS[info.kind], torch.from_numpy(file.blocks(info.name, rows)))
 
 
-def _arrays(weight: quant.QuantizedWeight) -> list[torch.Tensor | None]:
-    """Every array of the weight, each [rows, ...]: quants, scales, mins, then the K scales'."""
-    return [weight.quants, weight.scales, weight.mins, *(weight.k_scales or (None,) * len(quant.KScales._fields))]
-
-
-def _with_arrays(weight: quant.QuantizedWeight, arrays: list[torch.Tensor | None]) -> quant.QuantizedWeight:
-    quants, scales, mins, *k_scales = arrays
-    return weight._replace(quants=quants, scales=scales, mins=mins,
-                           k_scales=None if k_scales[0] is None else quant.KScales(*k_scales))
+def _requantized(file: GGUFFile, info: TensorInfo, requantize, rows: slice) -> quant.QuantizedWeight:
+    return requantize(torch.from_numpy(to_float(file.blocks(info.name, rows), info.kind)))
 
 
 def _unpermute_order(file: GGUFFile, config: PretrainedConfig, name: str) -> torch.Tensor | None:

@@ -26,6 +26,7 @@ from tqdm import tqdm
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from trillm.config import DType, Device, EngineArgs, LoadFormat
+from trillm.heap import trim_c_heap
 from trillm.model import gguf_model, gguf_weights
 from trillm.model.gguf_file import GGUFFile, UnservableModel
 from trillm.model.gguf_model import check_servable
@@ -155,7 +156,8 @@ def load_model(args: EngineArgs, tp: TensorParallel = SINGLE, same_as: Pretraine
         with GGUFFile(path) as file:
             return _load_gguf(args, tp, same_as, path, file)
     config = AutoConfig.from_pretrained(path)
-    model = _build(args, tp, same_as, config)
+    _check_config(args, same_as, config)
+    model = _build(args, tp, config)
     if args.load_format is LoadFormat.AUTO:
         load_weights(model, rank_shards(model, _norms_as_multipliers(config, _safetensors_weights(path))))
     pooling = args.pooling_type or sentence_transformers_pooling(path) or PoolingType.LAST
@@ -170,10 +172,12 @@ def _load_gguf(args: EngineArgs, tp: TensorParallel, same_as: PretrainedConfig |
     blocks and the token embeddings read from the mapped file (one rank); everything else
     dequantized one tensor at a time. Nothing is written to disk."""
     config = gguf_model.hf_config(file)
-    model = _build(args, tp, same_as, config)
-    # before the weights: its conversion's transient Python objects then peak beside the model's
-    # empty frame, not beside its weights
+    _check_config(args, same_as, config)
+    # first: its conversion's transient objects (a large vocabulary's merges, recovered from its
+    # scores) then peak beside nothing of the model's, and the heap they leave is handed back
     tokenizer = gguf_model.tokenizer(path, file)
+    trim_c_heap()
+    model = _build(args, tp, config)
     if args.load_format is LoadFormat.AUTO:
         quantized_linear = model.kernels.quantized_linear
         if args.quantized_weights and quantized_linear is not None:
@@ -195,12 +199,17 @@ def _load_gguf(args: EngineArgs, tp: TensorParallel, same_as: PretrainedConfig |
                        tokenizer, path)
 
 
-def _build(args: EngineArgs, tp: TensorParallel, same_as: PretrainedConfig | None,
-           config: PretrainedConfig) -> LlamaForCausalLM:
-    """The model for `config`, its weights not loaded (random ones for --load-format dummy)."""
+def _check_config(args: EngineArgs, same_as: PretrainedConfig | None, config: PretrainedConfig) -> None:
+    """ValueError, before anything is built or read, for a config these weights cannot serve
+    with: another architecture than `same_as`'s, or a context beyond the model's."""
     if same_as is not None:
         check_same_architecture(same_as, config)
-    _max_model_len(args, config)  # refused before any weight is read
+    _max_model_len(args, config)
+
+
+def _build(args: EngineArgs, tp: TensorParallel, config: PretrainedConfig) -> LlamaForCausalLM:
+    """The model for `config` (checked: _check_config), its weights not loaded (random ones for
+    --load-format dummy)."""
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     kernels = get_kernels(args.attention_backend, device, dtype, args.quantized_activations, args.kv_cache_dtype)
