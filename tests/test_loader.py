@@ -144,6 +144,36 @@ def test_dtype_applies_to_weights_but_not_to_the_rope_cache(tiny_model_dir, dtyp
         load_model(EngineArgs(model=model_dir, dtype="float64"))
 
 
+@pytest.mark.parametrize("kind", ["llama", "gemma3_text"])
+def test_rope_tables_grow_on_cpu_as_contexts_do_and_decode_the_same(tiny_model_dir, monkeypatch, kind):
+    """On CPU the RoPE tables start at ROPE_ROWS positions and double as steps reach further (a
+    128k-position model's table would otherwise be 64 MiB from the start): a 40-token context
+    grows a 16-row start to 64 rows (both of Gemma 3's, each at its own base), equal to the whole
+    table's first rows, and greedy decoding gives what whole tables give."""
+    import trillm
+    from trillm.model import llama
+    from trillm.sampling_params import SamplingParams
+
+    model_dir = tiny_model_dir(kind)
+    prompt = [[(7 * i) % 250 + 3 for i in range(40)]]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    monkeypatch.setattr(llama, "ROPE_ROWS", 16)
+    with trillm.LLM(model=model_dir, num_kv_blocks=16) as llm:
+        model = llm.engine.runner.model.model
+        config = model.config
+        layer_types = [None] if kind == "llama" else ["full_attention", "sliding_attention"]
+        tables = lambda: [t for t in (model.cos_sin_cache, model.cos_sin_cache_sliding) if t is not None]  # noqa: E731
+        assert [t.shape[0] for t in tables()] == [16] * len(layer_types)
+        grown = llm.generate(prompt, params)[0].outputs[0].token_ids
+        assert [t.shape[0] for t in tables()] == [64] * len(layer_types)
+        for table, layer_type in zip(tables(), layer_types):
+            assert torch.equal(table, rope_cos_sin_cache(config, config.max_position_embeddings, layer_type)[:64])
+    monkeypatch.setattr(llama, "ROPE_ROWS", 1 << 20)
+    with trillm.LLM(model=model_dir, num_kv_blocks=16) as llm:
+        assert llm.engine.runner.model.model.cos_sin_cache.shape[0] == config.max_position_embeddings
+        assert llm.generate(prompt, params)[0].outputs[0].token_ids == grown
+
+
 def test_eos_token_ids_come_from_the_generation_config(tiny_model_dir, tmp_path):
     model_dir = tmp_path / "model"
     shutil.copytree(tiny_model_dir("llama"), model_dir)

@@ -161,6 +161,9 @@ def rope_parameters_of(config: PretrainedConfig, layer_type: str | None = None) 
     return parameters[layer_type] if layer_type in parameters else parameters
 
 
+ROPE_ROWS = 1024  # the RoPE tables' first size on CPU (LlamaModel)
+
+
 def rope_cos_sin_cache(config: PretrainedConfig, max_positions: int, layer_type: str | None = None) -> torch.Tensor:
     """[max_positions, head_dim] fp32: cos | sin of every position, times the RoPE type's
     attention scaling (1 except yarn / longrope), for the layers of `layer_type` where the
@@ -324,11 +327,19 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, i, kernels, tp) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
         # Gemma 3's sliding layers turn at a base of their own, its full ones at the main one
-        per_type = "sliding_attention" in config.rope_parameters
-        self.register_buffer("cos_sin_cache", rope_cos_sin_cache(
-            config, config.max_position_embeddings, "full_attention" if per_type else None), persistent=False)
-        self.register_buffer("cos_sin_cache_sliding", rope_cos_sin_cache(
-            config, config.max_position_embeddings, "sliding_attention") if per_type else None, persistent=False)
+        self.rope_layer_types = ("full_attention", "sliding_attention") if "sliding_attention" in config.rope_parameters \
+            else (None,)
+        # The RoPE tables hold the positions steps have reached: on CPU they start at ROPE_ROWS and
+        # double as contexts grow (a 128k-position model's table alone is 64 MiB, resident for a
+        # server that never goes past a few thousand); on a GPU whole, since a CUDA graph keeps
+        # the address it captured.
+        rows = config.max_position_embeddings
+        if self.embed_tokens.weight.device.type == "cpu":
+            rows = min(rows, ROPE_ROWS)
+        tables = [rope_cos_sin_cache(config, rows, layer_type) for layer_type in self.rope_layer_types]
+        self.register_buffer("cos_sin_cache", tables[0], persistent=False)
+        self.register_buffer("cos_sin_cache_sliding", tables[1] if len(tables) > 1 else None, persistent=False)
+        self.config = config
         # Gemma scales the embeddings by sqrt(hidden), rounded to the model's dtype as transformers does
         self.embed_scale = config.hidden_size**0.5 if config.model_type in GEMMA else None
         self.kernels = kernels
@@ -382,6 +393,8 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids, positions, kv_caches, meta):
         assert len(kv_caches) == len(self.layers)
+        if meta.max_seq_len > self.cos_sin_cache.shape[0]:
+            self._grow_rope_tables(meta.max_seq_len)
         hidden, residual = self.embed_tokens(input_ids), None
         if self.embed_scale is not None:
             hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
@@ -393,6 +406,18 @@ class LlamaModel(nn.Module):
                 hidden, residual = layer(positions, hidden, residual, self._rope_cache(layer), kv_cache, meta)
         hidden, _ = self.norm(hidden, residual)
         return hidden
+
+    def _grow_rope_tables(self, positions: int) -> None:
+        """Tables of at least `positions` rows: the next power of two, within the model's
+        positions. Each row depends on its position alone, so the rows already served stay
+        what they were."""
+        assert positions <= self.config.max_position_embeddings, (positions, self.config.max_position_embeddings)
+        rows = min(1 << (positions - 1).bit_length(), self.config.max_position_embeddings)
+        device = self.cos_sin_cache.device
+        tables = [rope_cos_sin_cache(self.config, rows, layer_type).to(device) for layer_type in self.rope_layer_types]
+        self.cos_sin_cache = tables[0]
+        if len(tables) > 1:
+            self.cos_sin_cache_sliding = tables[1]
 
     def _rope_cache(self, layer: DecoderLayer) -> torch.Tensor:
         if self.cos_sin_cache_sliding is not None and layer.self_attn.layer_type == "sliding_attention":
