@@ -53,6 +53,8 @@ async def test_a_text_longer_than_any_context_allows_is_refused_before_it_is_tok
     One just under the bound is tokenized and refused by its count; a truncated one serves."""
     bound = server.state.prompt_bound
     assert bound.longest > 1 and bound.max_model_len == server.state.max_model_len
+    # read id by id at start-up (no dict of the whole vocabulary), the vocabulary's longest token
+    assert bound.longest == max(map(len, server.state.tokenizer.get_vocab()))
     long = "ab " * (bound.longest * bound.max_model_len // 3 + 1)
     http = server.http()
     calls = [("/v1/completions", {"prompt": long, "max_tokens": 1}),

@@ -54,7 +54,7 @@ class PromptBound:
             log.info("prompts are tokenized whole before their length is checked: this tokenizer's normalizer "
                      "(%s) may shorten a text", ", ".join(step.get("type", "?") for step in steps))
             return cls(0, max_model_len)
-        return cls(max(map(len, tokenizer.get_vocab())), max_model_len)
+        return cls(_longest_token(tokenizer), max_model_len)
 
     def check(self, text: str, param: str) -> None:
         """A 400 for `text` when even its fewest tokens exceed the context."""
@@ -65,6 +65,16 @@ class PromptBound:
                        f"prompt of {len(text)} characters is at least {fewest} tokens long (this model's "
                        f"tokens are at most {self.longest} characters). Please reduce the length of the "
                        "prompt.")
+
+
+def _longest_token(tokenizer) -> int:
+    """The most characters a token of the vocabulary spells, added tokens included: id by id
+    through a fast tokenizer's backend (a 262k vocabulary's dict of strings would be tens of
+    MiB at start-up, for one number), else through the vocabulary's dict."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return max(map(len, tokenizer.get_vocab()))
+    return max(len(backend.id_to_token(i) or "") for i in range(backend.get_vocab_size(with_added_tokens=True)))
 
 
 def tokenizer_part(tokenizer, name: str) -> dict | None:
