@@ -522,12 +522,13 @@ def test_cpu_norms_match_their_twins(rows, hidden, row_gap, seed):
 
 @settings(max_examples=25, deadline=None)
 @given(rows=st.integers(1, 40), inter=st.integers(1, 300), scale=st.sampled_from([1.0, 30.0]), seed=st.integers(0, 2**16))
-def test_cpu_silu_and_mul_matches_its_twin(rows, inter, scale, seed):
+def test_cpu_silu_and_gelu_and_mul_match_their_twins(rows, inter, scale, seed):
     """scale 30: gates far out on both sides, where exp is clamped."""
     from trillm.kernels import ops_cpu
 
     x = randn(rows, 2 * inter, seed=seed) * scale
     assert_close(ops_cpu.silu_and_mul(x), activation.silu_and_mul(x), torch.float32)
+    assert_close(ops_cpu.gelu_tanh_and_mul(x), activation.gelu_tanh_and_mul(x), torch.float32)
 
 
 @pytest.mark.parametrize("head_dim,is_neox", [(64, True), (128, True), (64, False), (6, True)])

@@ -330,23 +330,25 @@ def test_default_model_matches_transformers(default_model_dir, source):
 
 @pytest.mark.parametrize("model, lengths, bits", [
     ("default", [57], {4, 8}), ("default", [40, 7, 23], {4, 8}), ("tiny-Q5_K_M", [40, 7], {5, 6}),
-    ("qwen3-Q8_0", [40, 7], {8}),
-], ids=["one", "three", "five_bit_blocks", "qk_norms"])
+    ("qwen3-Q8_0", [40, 7], {8}), ("gemma3_text-Q8_0", [40, 7], {8}),
+], ids=["one", "three", "five_bit_blocks", "qk_norms", "gemma_sandwich"])
 def test_the_fused_decoder_stack_gives_the_layers_logits_to_the_bit(model, lengths, bits, tiny_model_dir, tmp_path):
     """A decode step of the default model runs every layer in one compiled call (DecoderStack);
     its logits are the layer-by-layer path's, bit for bit, alone and beside other requests of
     other lengths, and steps with prompt rows keep the layers. So does a file whose projections
     are Q5_K (the 5-bit layout) and Q6_K (its own 6-bit layout, a part of its own where a fused
-    projection mixes it with Q5_K), and a Qwen3 file, whose layers norm each head's queries and
-    keys."""
+    projection mixes it with Q5_K), a Qwen3 file, whose layers norm each head's queries and
+    keys, and a Gemma 3 file (sandwich norms, GeGLU, a sliding layer at its own RoPE base, contexts
+    past its window)."""
     from gguf import GGMLQuantizationType
     from gguf_support import write_gguf
 
     model_path = {"default": None, "tiny-Q5_K_M": os.path.join(os.path.dirname(__file__), "data", "gguf",
                                                                "tiny-Q5_K_M.gguf")}.get(model)
-    if model == "qwen3-Q8_0":
-        model_path = write_gguf(tiny_model_dir("qwen3", hidden_size=128, intermediate_size=256),
-                                str(tmp_path / "qwen3.gguf"), GGMLQuantizationType.Q8_0)
+    if model.endswith("-Q8_0"):
+        kind = model.removesuffix("-Q8_0")
+        model_path = write_gguf(tiny_model_dir(kind, hidden_size=128, intermediate_size=256),
+                                str(tmp_path / f"{kind}.gguf"), GGMLQuantizationType.Q8_0)
     runner = ModelRunner(EngineArgs(model=model_path, num_kv_blocks=64))
     model = runner.model.model
     stack = model.decoder_stack

@@ -9,8 +9,10 @@ buffers of its own, with the GIL released once for the whole stack: its result i
 the bit (tests/test_model.py holds this), only the Python between the kernels is gone.
 
 It runs what trillm.model.llama builds it for (`fuse_layers`): every projection on 8-bit integer
-dot products with no bias, a per-head q/k norm or none (Qwen3's), one rank, a fp32 or fp16 cache,
-and only steps where every row decodes (one query per request) with no LoRA adapter in the step.
+dot products with no bias, a per-head q/k norm or none (Qwen3's, Gemma's), Gemma's sandwich (the
+attention's and the MLP's outputs normed too, GeGLU, each layer's RoPE table by its type), one
+rank, a fp32 or fp16 cache, and only steps where every row decodes (one query per request) with no
+LoRA adapter in the step.
 """
 from libc.stdint cimport int32_t, int64_t, uint8_t, uintptr_t
 from libc.stdlib cimport free, malloc
@@ -22,7 +24,9 @@ from trillm.kernels cimport pool_cpu
 from trillm.kernels.attention_cpu import cache_kind
 from trillm.kernels.attention_cpu_h cimport paged_attention_c
 from trillm.kernels.cache import row_width
-from trillm.kernels.ops_cpu_h cimport rms_norm_f32, rotary_embedding_f32, silu_and_mul_f32, write_kv_c
+from trillm.kernels.ops_cpu_h cimport (
+    gelu_tanh_and_mul_f32, rms_norm_f32, rotary_embedding_f32, silu_and_mul_f32, write_kv_c,
+)
 from trillm.kernels.quant_int8_cpu_h cimport int8_linear, int8_weight, int8_weights_of
 
 
@@ -36,9 +40,13 @@ cdef struct Projection:
 
 cdef struct Layer:
     const float *input_norm
-    const float *post_norm
+    const float *post_norm  # the norm the MLP's input gets, with the residual added (Gemma's pre-feedforward)
+    const float *attn_out_norm  # Gemma's norm of the attention's output, before the residual add; NULL: none
+    const float *mlp_out_norm  # Gemma's norm of the MLP's output; NULL: none
     const float *q_norm  # NULL: none (then k_norm is none too)
     const float *k_norm
+    bint gelu  # the MLP's activation: GeLU (tanh), else SiLU
+    bint sliding_rope  # rotates by the second RoPE table (Gemma's sliding layers)
     Projection qkv
     Projection o
     Projection gate_up
@@ -89,8 +97,10 @@ cdef class DecoderStack:
 
     def __init__(self, layers, float scale):
         """`layers`: per decoder layer, a dict: input_norm, post_norm (weights), eps, post_eps,
-        q_norm, k_norm (per-head weights, or None), qkv, o, gate_up, down (Int8QuantizedLinear),
-        num_heads, num_kv_heads, head_dim, window (None: none). Every layer has the same shapes."""
+        attn_out_norm, mlp_out_norm (weights, or None; at post_eps), q_norm, k_norm (per-head
+        weights, or None), qkv, o, gate_up, down (Int8QuantizedLinear), gelu (bool), sliding_rope
+        (bool), num_heads, num_kv_heads, head_dim, window (None: none). Every layer has the same
+        shapes."""
         cdef int64_t i
         first = layers[0]
         self.num_layers = len(layers)
@@ -112,10 +122,15 @@ cdef class DecoderStack:
             assert (spec["o"].in_features, spec["o"].out_features) == (self.q_size, self.hidden)
             assert (spec["gate_up"].in_features, spec["gate_up"].out_features) == (self.hidden, 2 * self.inter)
             assert (spec["down"].in_features, spec["down"].out_features) == (self.inter, self.hidden)
-            for norm in (spec["input_norm"], spec["post_norm"]):
-                assert norm.dtype == torch.float32 and norm.is_contiguous() and norm.shape == (self.hidden,)
+            for norm in (spec["input_norm"], spec["post_norm"], spec["attn_out_norm"], spec["mlp_out_norm"]):
+                assert norm is None or (norm.dtype == torch.float32 and norm.is_contiguous()
+                                        and norm.shape == (self.hidden,))
             self.layers[i].input_norm = _address(spec["input_norm"])
             self.layers[i].post_norm = _address(spec["post_norm"])
+            self.layers[i].attn_out_norm = NULL if spec["attn_out_norm"] is None else _address(spec["attn_out_norm"])
+            self.layers[i].mlp_out_norm = NULL if spec["mlp_out_norm"] is None else _address(spec["mlp_out_norm"])
+            self.layers[i].gelu = spec["gelu"]
+            self.layers[i].sliding_rope = spec["sliding_rope"]
             self.layers[i].q_norm = self.layers[i].k_norm = NULL
             if spec["q_norm"] is not None:
                 for norm in (spec["q_norm"], spec["k_norm"]):
@@ -134,20 +149,23 @@ cdef class DecoderStack:
     def __dealloc__(self):
         free(self.layers)
 
-    def run(self, hidden, positions, slot_mapping, block_tables, seq_lens, kv_caches, cos_sin_cache):
+    def run(self, hidden, positions, slot_mapping, block_tables, seq_lens, kv_caches, cos_sin_cache,
+            cos_sin_sliding=None):
         """hidden [T, hidden] fp32 (the embeddings of T decoding requests, one row each);
         positions, slot_mapping [T] int64; block_tables [T, max_blocks] int32; seq_lens [T] int32;
         kv_caches: per layer (K, V) [num_blocks, block_size, Hk, row_width], fp32, fp16 or int8
-        (cache.py's layouts). Writes each
+        (cache.py's layouts); cos_sin_cache [positions, head_dim] fp32, and cos_sin_sliding the
+        sliding layers' where they have their own. Writes each
         layer's keys and values to the caches; returns (hidden, residual) after the last layer,
         as the layer-by-layer path hands them to the final norm."""
         cdef int64_t i, T = hidden.shape[0]
         assert hidden.dtype == torch.float32 and hidden.is_contiguous() and hidden.shape[1] == self.hidden
+        sliding = cos_sin_cache if cos_sin_sliding is None else cos_sin_sliding
         for tensor, dtype in ((positions, torch.int64), (slot_mapping, torch.int64), (block_tables, torch.int32),
-                              (seq_lens, torch.int32), (cos_sin_cache, torch.float32)):
+                              (seq_lens, torch.int32), (cos_sin_cache, torch.float32), (sliding, torch.float32)):
             assert tensor.dtype == dtype and tensor.device.type == "cpu" and tensor.is_contiguous(), tensor.dtype
         assert positions.shape[0] == slot_mapping.shape[0] == block_tables.shape[0] == seq_lens.shape[0] == T
-        assert cos_sin_cache.shape[1] == self.head_dim and len(kv_caches) == self.num_layers
+        assert cos_sin_cache.shape[1] == sliding.shape[1] == self.head_dim and len(kv_caches) == self.num_layers
         k0 = kv_caches[0][0]
         cdef int kind = cache_kind(k0, kv_caches[0][1])
         assert k0.shape[2:] == (self.num_kv_heads, row_width(self.head_dim, k0.dtype)), k0.shape
@@ -158,12 +176,15 @@ cdef class DecoderStack:
             self.layers[i].k_cache = <void *><uintptr_t>k_cache.data_ptr()
             self.layers[i].v_cache = <void *><uintptr_t>v_cache.data_ptr()
         cdef int64_t block_size = k0.shape[1], num_slots = k0.shape[0] * k0.shape[1]
-        cdef int64_t max_blocks = block_tables.shape[1], max_positions = cos_sin_cache.shape[0]
+        cdef int64_t max_blocks = block_tables.shape[1]
+        cdef int64_t max_positions[2]
+        max_positions[0], max_positions[1] = cos_sin_cache.shape[0], sliding.shape[0]
         # The step's buffers. residual ping-pongs between two: the norm's sum may not alias its input.
         f32 = torch.float32
         out_hidden = torch.empty(T, self.hidden, dtype=f32)
         residuals = (torch.empty(T, self.hidden, dtype=f32), torch.empty(T, self.hidden, dtype=f32))
         normed = torch.empty(T, self.hidden, dtype=f32)
+        sandwiched = torch.empty(T, self.hidden, dtype=f32)  # Gemma's normed attention output
         qkv = torch.empty(T, self.qkv_size, dtype=f32)
         q = torch.empty(T, self.q_size, dtype=f32)
         k = torch.empty(T, self.kv_size, dtype=f32)  # normed keys, where the layers norm them
@@ -176,6 +197,8 @@ cdef class DecoderStack:
         res[0] = _address(residuals[0])
         res[1] = _address(residuals[1])
         cdef float *normed_p = _address(normed)
+        cdef float *sandwiched_p = _address(sandwiched)
+        cdef const float *to_add
         cdef float *qkv_p = _address(qkv)
         cdef float *q_p = _address(q)
         cdef float *k_p = _address(k)
@@ -190,7 +213,9 @@ cdef class DecoderStack:
         cdef const int64_t *slots_p = <const int64_t *><uintptr_t>slot_mapping.data_ptr()
         cdef const int32_t *tables_p = <const int32_t *><uintptr_t>block_tables.data_ptr()
         cdef const int32_t *lens_p = <const int32_t *><uintptr_t>seq_lens.data_ptr()
-        cdef const float *cos_sin_p = _address(cos_sin_cache)
+        cdef const float *cos_sin[2]
+        cos_sin[0], cos_sin[1] = _address(cos_sin_cache), _address(sliding)
+        cdef int table
         cdef int64_t chunks = pool_cpu.chunks()
         cdef int64_t t, cur = 0
         cdef Failure failure = FAILED_NOT
@@ -223,9 +248,10 @@ cdef class DecoderStack:
                                      layer.k_norm, self.num_kv_heads, self.head_dim, self.head_dim, self.eps)
                 if layer.q_norm != NULL:
                     keys, keys_stride = k_p, self.kv_size
-                if (rotary_embedding_f32(q_p, pos_p, cos_sin_p, max_positions, T, self.num_heads, self.head_dim,
-                                         self.q_size, 1) != 0
-                        or rotary_embedding_f32(keys, pos_p, cos_sin_p, max_positions, T,
+                table = 1 if layer.sliding_rope else 0
+                if (rotary_embedding_f32(q_p, pos_p, cos_sin[table], max_positions[table], T, self.num_heads,
+                                         self.head_dim, self.q_size, 1) != 0
+                        or rotary_embedding_f32(keys, pos_p, cos_sin[table], max_positions[table], T,
                                                 self.num_kv_heads, self.head_dim, keys_stride, 1) != 0):
                     failure = FAILED_POSITION
                     break
@@ -244,16 +270,28 @@ cdef class DecoderStack:
                 if _linear(proj_p, attn_p, T, &layer.o, chunks) != 0:
                     failure = FAILED_MEMORY
                     break
-                rms_norm_f32(normed_p, res[1 - cur], proj_p, res[cur], layer.post_norm, T, self.hidden, self.hidden,
+                to_add = proj_p
+                if layer.attn_out_norm != NULL:
+                    rms_norm_f32(sandwiched_p, NULL, proj_p, NULL, layer.attn_out_norm, T, self.hidden, self.hidden,
+                                 self.post_eps)
+                    to_add = sandwiched_p
+                rms_norm_f32(normed_p, res[1 - cur], to_add, res[cur], layer.post_norm, T, self.hidden, self.hidden,
                              self.post_eps)
                 cur = 1 - cur
                 if _linear(gate_up_p, normed_p, T, &layer.gate_up, chunks) != 0:
                     failure = FAILED_MEMORY
                     break
-                silu_and_mul_f32(act_p, gate_up_p, T, self.inter)
-                if _linear(out_p, act_p, T, &layer.down, chunks) != 0:
+                if layer.gelu:
+                    gelu_tanh_and_mul_f32(act_p, gate_up_p, T, self.inter)
+                else:
+                    silu_and_mul_f32(act_p, gate_up_p, T, self.inter)
+                # the MLP's output, normed into out where the layers norm it (proj is free again by now)
+                if _linear(proj_p if layer.mlp_out_norm != NULL else out_p, act_p, T, &layer.down, chunks) != 0:
                     failure = FAILED_MEMORY
                     break
+                if layer.mlp_out_norm != NULL:
+                    rms_norm_f32(out_p, NULL, proj_p, NULL, layer.mlp_out_norm, T, self.hidden, self.hidden,
+                                 self.post_eps)
                 layer_in = out_p
         if failure == FAILED_MEMORY:
             raise MemoryError("DecoderStack.run: no memory for a kernel's scratch")

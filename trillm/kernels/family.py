@@ -123,7 +123,7 @@ class CpuKernels(TorchKernels):
     (trillm/kernels/quant_cpu.pyx); attention by the compiled kernel (trillm/kernels/attention_cpu.pyx), which reads the
     paged cache without a gather and computes each query row the same whatever else the step
     holds; norms,
-    SiLU-and-mul, rotary and the KV write each one compiled pass (trillm/kernels/ops_cpu.pyx); the
+    SiLU- and GeLU-and-mul, rotary and the KV write each one compiled pass (trillm/kernels/ops_cpu.pyx); the
     grouped LoRA multiply, row by row (trillm/kernels/lora_cpu.pyx).
     fp32 only for the compiled kernels; other dtypes keep packed weights and the twins. The
     quantized projections multiply 8-bit activations in integers (quant_int8_cpu.h) unless
@@ -152,6 +152,7 @@ class CpuKernels(TorchKernels):
             self.rms_norm = ops_cpu.rms_norm
             self.fused_add_rms_norm = ops_cpu.fused_add_rms_norm
             self.silu_and_mul = ops_cpu.silu_and_mul
+            self.gelu_tanh_and_mul = ops_cpu.gelu_tanh_and_mul
             self.rotary_embedding = ops_cpu.rotary_embedding
             self.lora_add = lora_cpu.lora_add
 

@@ -55,6 +55,23 @@ static void silu_and_mul_f32(float *restrict out, const float *restrict x, int64
     }
 }
 
+/* out[t][i] = gelu_tanh(x[t][i]) * x[t][inter + i], x: [T, 2 * inter] holding gate | up: GELU in
+ * its tanh approximation, 0.5 g (1 + tanh(u)) = g sigmoid(2 u) with u = sqrt(2 / pi) (g + 0.044715
+ * g^3), as the Triton kernel computes it (no tanh instruction). */
+TRILLM_MULTIVERSION
+static void gelu_tanh_and_mul_f32(float *restrict out, const float *restrict x, int64_t T, int64_t inter)
+{
+    for (int64_t t = 0; t < T; t++) {
+        const float *gate = x + t * 2 * inter, *up = gate + inter;
+        float *ot = out + t * inter;
+#pragma omp simd
+        for (int64_t i = 0; i < inter; i++) {
+            const float g = gate[i], u = 0.7978845608028654f * (g + 0.044715f * g * g * g);
+            ot[i] = g / (1.0f + exp_clamped(-2.0f * u)) * up[i];
+        }
+    }
+}
+
 /* Rotates the `heads` heads of token t (head_dim floats each, the token's row starting at
  * x + t * row_stride) by position positions[t]: cos_sin holds cos | sin, head_dim / 2 each, for
  * each of max_positions positions. neox pairs element i with i + head_dim / 2; otherwise (GPT-J)

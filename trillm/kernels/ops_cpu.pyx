@@ -8,7 +8,9 @@ import torch
 
 from trillm.kernels.attention_cpu import cache_kind
 from trillm.kernels.cache import row_width
-from trillm.kernels.ops_cpu_h cimport rms_norm_f32, rotary_embedding_f32, silu_and_mul_f32, write_kv_c
+from trillm.kernels.ops_cpu_h cimport (
+    gelu_tanh_and_mul_f32, rms_norm_f32, rotary_embedding_f32, silu_and_mul_f32, write_kv_c,
+)
 
 
 cdef inline float *address(t):
@@ -59,6 +61,15 @@ def fused_add_rms_norm(x, residual, weight, float eps):
 
 def silu_and_mul(x):
     """As activation.silu_and_mul: x [T, 2 * I] (gate | up) -> [T, I]."""
+    return _act_and_mul(x, False)
+
+
+def gelu_tanh_and_mul(x):
+    """As activation.gelu_tanh_and_mul: x [T, 2 * I] (gate | up) -> [T, I]."""
+    return _act_and_mul(x, True)
+
+
+def _act_and_mul(x, bint gelu):
     check(x)
     assert x.is_contiguous() and x.shape[-1] % 2 == 0, (x.shape, x.stride())
     x2 = x.view(-1, x.shape[-1])
@@ -67,7 +78,10 @@ def silu_and_mul(x):
     cdef float *out_ptr = address(out)
     cdef const float *x_ptr = address(x2)
     with nogil:
-        silu_and_mul_f32(out_ptr, x_ptr, T, inter)
+        if gelu:
+            gelu_tanh_and_mul_f32(out_ptr, x_ptr, T, inter)
+        else:
+            silu_and_mul_f32(out_ptr, x_ptr, T, inter)
     return out
 
 

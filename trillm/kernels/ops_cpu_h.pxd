@@ -6,6 +6,7 @@ cdef extern from "ops_cpu.h" nogil:
     void rms_norm_f32(float *out, float *sum_out, const float *x, const float *residual, const float *weight,
                       int64_t T, int64_t size, int64_t x_stride, float eps)
     void silu_and_mul_f32(float *out, const float *x, int64_t T, int64_t inter)
+    void gelu_tanh_and_mul_f32(float *out, const float *x, int64_t T, int64_t inter)
     int rotary_embedding_f32(float *x, const int64_t *positions, const float *cos_sin, int64_t max_positions,
                              int64_t T, int64_t heads, int64_t head_dim, int64_t row_stride, int neox)
     int write_kv_c "write_kv"(void *k_cache, void *v_cache, int kind, const float *k, const float *v,

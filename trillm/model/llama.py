@@ -287,6 +287,7 @@ class MLP(nn.Module):
         inter = end - start
         self.gate_up_proj = Linear(config.hidden_size, [inter, inter], bias)
         self.down_proj = Linear(inter, [config.hidden_size], bias, reduce=tp)
+        self.activation = activation
         self.act_and_mul = getattr(kernels, ACTIVATIONS[activation])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -349,10 +350,10 @@ class LlamaModel(nn.Module):
     def fuse_layers(self) -> bool:
         """Once the weights are loaded (and quantized): let a decode step run every layer in one
         compiled call (the family's decoder_stack) where this model fits it: one rank, every
-        projection on the family's integer kernel and without a bias, a Llama layer (Qwen3's
-        per-head q/k norms included; not Gemma's sandwich). Returns whether it does, and logs why
-        not where the family has a stack (the layer-by-layer step is the slower path); steps with
-        prompt rows or a LoRA adapter keep the layers."""
+        projection on the family's integer kernel and without a bias (Qwen3's per-head q/k norms,
+        Gemma's sandwich norms, GeGLU and two RoPE tables included). Returns whether it does, and
+        logs why not where the family has a stack (the layer-by-layer step is the slower path);
+        steps with prompt rows or a LoRA adapter keep the layers."""
         stack = self.kernels.decoder_stack
         if stack is None:
             return False
@@ -364,12 +365,21 @@ class LlamaModel(nn.Module):
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
             projections = {"qkv": attn.qkv_proj, "o": attn.o_proj, "gate_up": mlp.gate_up_proj, "down": mlp.down_proj}
+            sandwich = layer.pre_feedforward_layernorm is not None
+            # Gemma: the attention's output normed, then the MLP's input with the residual added; Llama: the latter
+            post_norm = layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm
+            if sandwich:
+                assert layer.post_attention_layernorm.eps == layer.post_feedforward_layernorm.eps == post_norm.eps
             specs.append({
                 **{name: p.quantized for name, p in projections.items()},
                 "input_norm": layer.input_layernorm.weight, "eps": layer.input_layernorm.eps,
                 "q_norm": None if attn.q_norm is None else attn.q_norm.weight,
                 "k_norm": None if attn.k_norm is None else attn.k_norm.weight,
-                "post_norm": layer.post_attention_layernorm.weight, "post_eps": layer.post_attention_layernorm.eps,
+                "post_norm": post_norm.weight, "post_eps": post_norm.eps,
+                "attn_out_norm": layer.post_attention_layernorm.weight if sandwich else None,
+                "mlp_out_norm": layer.post_feedforward_layernorm.weight if sandwich else None,
+                "gelu": mlp.activation == "gelu_pytorch_tanh",
+                "sliding_rope": self._rope_cache(layer) is self.cos_sin_cache_sliding,
                 "num_heads": attn.num_heads, "num_kv_heads": attn.num_kv_heads, "head_dim": attn.head_dim,
                 "window": attn.sliding_window,
             })
@@ -380,8 +390,6 @@ class LlamaModel(nn.Module):
         """Why the decoder stack cannot run this model's layers, None when it can."""
         if self.tp.size != 1:
             return "tensor parallelism splits the layers"
-        if self.embed_scale is not None or any(layer.pre_feedforward_layernorm is not None for layer in self.layers):
-            return "Gemma's norms around attention and the MLP are the layers' own"
         for layer in self.layers:
             projections = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                            layer.mlp.down_proj)
@@ -400,7 +408,8 @@ class LlamaModel(nn.Module):
             hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
         if self._fused(meta):
             hidden, residual = self.decoder_stack.run(hidden, positions, meta.slot_mapping, meta.block_tables,
-                                                      meta.seq_lens, kv_caches, self.cos_sin_cache)
+                                                      meta.seq_lens, kv_caches, self.cos_sin_cache,
+                                                      self.cos_sin_cache_sliding)
         else:
             for layer, kv_cache in zip(self.layers, kv_caches):
                 hidden, residual = layer(positions, hidden, residual, self._rope_cache(layer), kv_cache, meta)
