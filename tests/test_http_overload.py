@@ -114,3 +114,31 @@ async def test_a_refused_chat_group_names_messages(core):
     async with live_server(core, max_waiting=0) as server:
         chat = await server.http().post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
         assert chat.status_code == 400 and chat.json()["error"]["param"] == "messages"
+
+
+async def test_a_request_that_can_never_run_is_refused_while_a_step_is_held(core):
+    """What the core refuses of a request by itself (prompt + max_tokens past the context, a token
+    id outside the vocabulary, a prompt as long as the context) is a 400 naming the field while
+    the engine is held inside a step: it is checked before it waits for one, not when the step in
+    flight ends (at a large model's prefill, seconds)."""
+    async with live_server(core) as server:
+        client, state = server.openai(), server.state
+        with frozen_engine(core):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(lambda: client.completions.create(
+                    model=server.model, prompt=[10, 11, 12], max_tokens=MAX_TOKENS, extra_body={"ignore_eos": True}))
+                with trio.fail_after(SETTLE_TIMEOUT):
+                    while not state.engine._stepping:
+                        await trio.sleep(0.01)
+                refusals = [
+                    ({"prompt": [10, 11], "max_tokens": state.max_model_len}, "max_tokens"),
+                    ({"prompt": [10, state.vocab_size], "max_tokens": 1}, "prompt"),
+                    ({"prompt": [10] * state.max_model_len, "max_tokens": 1}, "prompt"),
+                ]
+                with trio.fail_after(SETTLE_TIMEOUT):  # without the check up front: held until the gate opens
+                    for body, param in refusals:
+                        with pytest.raises(openai.BadRequestError) as refused:
+                            await client.completions.create(model=server.model, **body)
+                        assert refused.value.body["param"] == param, refused.value.body
+                assert state.engine._stepping, "the step is still held"
+                nursery.cancel_scope.cancel()

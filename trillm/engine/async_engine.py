@@ -41,6 +41,8 @@ from trillm.sched_ext import FinishReason
 
 log = logging.getLogger(__name__)
 
+CHECK_THREADS = 2  # requests checked at once before they queue (AsyncEngine.add)
+
 
 # The engine task's commands, queued by handlers and applied between two steps, in order.
 @dataclass(frozen=True)
@@ -132,6 +134,9 @@ class AsyncEngine:
         self._cancel_scope = trio.CancelScope()
         self._stats = core.stats()
         self._step_limiter = trio.CapacityLimiter(1)  # the step's thread, and what must not run beside it
+        # the threads that check requests before they queue (never Trio's default limiter, which
+        # anything else in the process may fill)
+        self._check_limiter = trio.CapacityLimiter(CHECK_THREADS)
 
     # --- what is served (read-only) --------------------------------------------------------------
 
@@ -177,12 +182,16 @@ class AsyncEngine:
         Raises SamplingParamError (a ValueError with .param) if the engine refuses it (`param`
         names the field that made the group too large), QueueFullError when the waiting limit
         has no room for the whole group, EngineUnavailableError when dead or closing. Nothing is
-        compiled or queued for a group that is refused. Cancelled while it waits, it queues
-        nothing, or aborts what it queued.
+        compiled or queued for a group that is refused. What the core would refuse of a member by
+        itself (EngineCore.check_request) is refused first, in a worker thread, so that such a
+        400 never waits for the step in flight (a long prefill's seconds). Cancelled while it
+        waits, it queues nothing, or aborts what it queued.
         """
         size = len(requests.members)
         self._check_open()
         self.check_room(size, param)
+        await trio.to_thread.run_sync(self._check_members, requests, limiter=self._check_limiter,
+                                      abandon_on_cancel=True)
         await self.admission.compile_grammars(requests)
         await self.admission.wait_open()
         # The world may have changed meanwhile; from here to registering there is no checkpoint.
@@ -202,6 +211,11 @@ class AsyncEngine:
             receive.close()
             raise group.error
         return stream
+
+    def _check_members(self, requests: RequestGroup) -> None:
+        """EngineCore.check_request for every member (read-only: safe beside a step)."""
+        for member in requests.members:
+            self.core.check_request(member.prompt_token_ids, member.params)
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT, note: dict | None = None) -> int:
         """Abort the live group with this server id, or else every live member a client named

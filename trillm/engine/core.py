@@ -182,18 +182,13 @@ class EngineCore:
             self.workers.stop(wait)
             self.workers = None
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | PoolingParams) -> None:
-        """Queue a request; raises ValueError (SamplingParamError with .param) if it can never run.
-        SamplingParams generate (max_tokens 0: the prompt alone, for its logprobs); PoolingParams
-        make a prefill-only request that ends with its pooled hidden state.
-
-        All or nothing: every check, and everything that can raise (the grammar's matcher
-        too), comes before the scheduler takes the request, so a refused request leaves no
-        trace (a half-added one would be stepped with no record and kill the engine)."""
-        if request_id in self.requests:
-            raise SamplingParamError("request_id", f"A request with id {request_id!r} is already running.")
-        if self.is_sleeping:
-            raise SamplingParamError("model", "The engine is sleeping: wake it up first.")
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams | PoolingParams) -> None:
+        """ValueError (SamplingParamError with .param) for a request that can never run, by itself:
+        an empty prompt, a token id outside the vocabulary, a prompt or prompt + max_tokens beyond
+        the context, a priority without the priority policy, an adapter not loaded. Reads only
+        what a step never changes (the model's config, the settings, the adapters' registry), so
+        any thread may call it while a step runs: a front refuses such a request at once, not
+        after the step it would wait for. add_request checks again, as the authority."""
         if not prompt_token_ids:
             raise SamplingParamError("prompt", "The prompt is empty.")
         vocab_size = self.config.hf_config.vocab_size
@@ -212,27 +207,42 @@ class EngineCore:
             )
         if sampling and params.priority and self.args.scheduling_policy != SchedulingPolicy.PRIORITY:
             raise SamplingParamError("priority", "priority needs a server started with --scheduling-policy priority.")
+        self._adapter(params.lora_name)
+        if sampling and params.max_tokens is not None and len(prompt_token_ids) + params.max_tokens > self.config.max_model_len:
+            # Refused, not clamped: a client asking for more than fits should hear so.
+            raise SamplingParamError(
+                "max_tokens",
+                f"This model's maximum context length is {self.config.max_model_len} tokens. However, you "
+                f"requested {len(prompt_token_ids) + params.max_tokens} tokens ({len(prompt_token_ids)} in "
+                f"the prompt, {params.max_tokens} in the completion). Reduce the prompt or max_tokens.",
+            )
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | PoolingParams) -> None:
+        """Queue a request; raises ValueError (SamplingParamError with .param) if it can never run
+        (check_request) or its id is taken. SamplingParams generate (max_tokens 0: the prompt
+        alone, for its logprobs); PoolingParams make a prefill-only request that ends with its
+        pooled hidden state.
+
+        All or nothing: every check, and everything that can raise (the grammar's matcher
+        too), comes before the scheduler takes the request, so a refused request leaves no
+        trace (a half-added one would be stepped with no record and kill the engine)."""
+        if request_id in self.requests:
+            raise SamplingParamError("request_id", f"A request with id {request_id!r} is already running.")
+        if self.is_sleeping:
+            raise SamplingParamError("model", "The engine is sleeping: wake it up first.")
+        self.check_request(prompt_token_ids, params)
         lora = self._adapter(params.lora_name)
         # An adapter's KV differs from the base model's: its id roots its blocks' chain and identity.
         lora_salt = "" if lora is None else f"\0lora-{lora.lora_id}"
         lora_id = 0 if lora is None else lora.lora_id
-        if not sampling:
+        if not isinstance(params, SamplingParams):
             request = Request(request_id, list(prompt_token_ids), 0, prefix_hit_limit=params.pooling.prefix_hit_limit,
                               cache_salt=lora_salt, lora_id=lora_id, hash_extra_keys=self._hash_extra_keys(lora, ""))
             self._add(EngineRequest(request, params, None, pooler=Pooler(params.pooling, len(prompt_token_ids)),
                                     lora=lora))
             return
-        max_tokens = self.config.max_model_len - len(prompt_token_ids)  # none asked: to the end of the context
-        if params.max_tokens is not None:
-            if params.max_tokens > max_tokens:
-                # Refused, not clamped: a client asking for more than fits should hear so.
-                raise SamplingParamError(
-                    "max_tokens",
-                    f"This model's maximum context length is {self.config.max_model_len} tokens. However, you "
-                    f"requested {len(prompt_token_ids) + params.max_tokens} tokens ({len(prompt_token_ids)} in "
-                    f"the prompt, {params.max_tokens} in the completion). Reduce the prompt or max_tokens.",
-                )
-            max_tokens = params.max_tokens
+        # none asked: to the end of the context
+        max_tokens = self.config.max_model_len - len(prompt_token_ids) if params.max_tokens is None else params.max_tokens
         request = Request(
             request_id,
             list(prompt_token_ids),
