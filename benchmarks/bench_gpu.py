@@ -9,8 +9,10 @@ c x bandwidth / (weight bytes + c x KV bytes per request) tokens a second, with 
 device-to-device copy measures here. Then the engine alone on the same device and weights
 (`EngineCore` stepped by hand, as benchmarks/bench_offline.py does: 128-token prompts, 128 tokens
 each, prefill included) at the served levels' batches, so that each served level is also a share
-of what its own engine makes offline. Writes everything to OUT/<device name>/gpu_bench.json and
-prints a table for benchmarks/README.md.
+of what its own engine makes offline, with drafting as served and without it (what drafting is
+worth at each batch on this device). Where py-spy came with the check, it samples the server's
+threads at the last level (pyspy-c128.txt: where the host's time goes). Writes everything to
+OUT/<device name>/gpu_bench.json and prints a table for benchmarks/README.md.
 
     python -m benchmarks.bench_gpu --out gpu-results       (scripts/gpu_check.py bench runs it)
 """
@@ -20,6 +22,7 @@ import argparse
 import json
 import math
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -32,6 +35,7 @@ from benchmarks.bench_serving import BenchConfig, format_summary, run_benchmark
 from benchmarks.compare_peer import REPO, free_port, stop, wait_ready
 
 LEVELS = [1, 8, 32, 128]
+PROFILE_S = 8  # seconds py-spy samples the server at the last level
 PREFILL_LEN = 1024
 
 
@@ -69,11 +73,14 @@ def decode_roof(bandwidth: float, weights: int, kv_per_token: int, concurrency: 
     return concurrency * bandwidth / (weights + concurrency * context * kv_per_token)
 
 
-def measure(base_url: str) -> dict:
+def measure(base_url: str, server_pid: int, out: Path) -> dict:
     runs = {}
     for c in LEVELS:
         config = BenchConfig(base_url, num_prompts=max(8, 4 * c), input_len=128, output_len=128, concurrency=c)
+        profiler = profile_host_path(server_pid, out / f"pyspy-c{c}.txt") if c == LEVELS[-1] else None
         runs[f"c{c}"] = trio.run(run_benchmark, config)["summary"]
+        if profiler is not None:
+            profiler.wait()
         print(format_summary(f"c={c}, 128/128", runs[f"c{c}"]), flush=True)
     config = BenchConfig(base_url, num_prompts=8, input_len=PREFILL_LEN, output_len=1, concurrency=1)
     runs["prefill"] = trio.run(run_benchmark, config)["summary"]
@@ -81,19 +88,33 @@ def measure(base_url: str) -> dict:
     return runs
 
 
-def offline(batches: list[int]) -> dict:
+def profile_host_path(pid: int, path: Path) -> subprocess.Popen | None:
+    """py-spy sampling the server's threads for PROFILE_S seconds (raw, idle samples kept: the
+    loop's waits are the point), where the check brought it; None without it."""
+    binary = shutil.which("py-spy")
+    if binary is None:
+        print("py-spy is not here: the host path goes unprofiled", flush=True)
+        return None
+    return subprocess.Popen([binary, "record", "-p", str(pid), "-d", str(PROFILE_S), "-r", "250", "-f", "raw",
+                             "--threads", "--idle", "-o", str(path)], stdout=subprocess.DEVNULL)
+
+
+def offline(batches: list[int], speculative_config: str | None = None) -> dict:
     """Output tok/s of the engine alone at each batch (128/128, greedy, ignore_eos), on the
-    server's weights and defaults; a batch of 8 first compiles and captures what it needs."""
+    server's weights and defaults (`speculative_config`: other drafting than the default, "" for
+    none); a batch of 8 first compiles and captures what it needs."""
     from trillm.config import EngineArgs
     from trillm.engine.core import EngineCore
 
     rates = {}
-    with EngineCore(EngineArgs(device="cuda", dtype="bfloat16")) as core:
+    drafting = {} if speculative_config is None else {"speculative_config": speculative_config}
+    with EngineCore(EngineArgs(device="cuda", dtype="bfloat16", **drafting)) as core:
         run_batch(core, 8, 128, 8, seed=0, device="cuda")
         for batch in batches:
             run = run_batch(core, batch, 128, 128, seed=batch, device="cuda")
             rates[f"c{batch}"] = batch * 128 / run["total_s"]
-            print(f"offline batch {batch}: {rates[f'c{batch}']:.0f} output tok/s", flush=True)
+            print(f"offline batch {batch}{'' if speculative_config is None else ', drafting off'}: "
+                  f"{rates[f'c{batch}']:.0f} output tok/s", flush=True)
     torch.cuda.empty_cache()
     return rates
 
@@ -117,24 +138,25 @@ def main() -> None:
                                    "--log-level", "warning"], stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
         try:
             ready_s = wait_ready(server, base_url, args.startup_timeout)
-            runs = measure(base_url)
+            runs = measure(base_url, server.pid, out)
         finally:
             stop(server)
     engine = offline(LEVELS)
+    undrafted = offline(LEVELS, speculative_config="")  # what drafting is worth per batch on this device
     context = 128 + 128 // 2  # a request's mean context while it decodes
     roofs = {f"c{c}": decode_roof(bandwidth, weights, kv_per_token, c, context) for c in LEVELS}
     result = {"device": device, "copy_bandwidth_gb_s": bandwidth / 1e9, "weight_bytes": weights,
               "kv_bytes_per_token": kv_per_token, "startup_s": ready_s, "runs": runs, "decode_roof_tok_s": roofs,
-              "offline_tok_s": engine}
+              "offline_tok_s": engine, "offline_without_drafting_tok_s": undrafted}
     (out / "gpu_bench.json").write_text(json.dumps(result, indent=1))
     print(f"\n{device}: copy bandwidth {bandwidth / 1e9:.0f} GB/s, bf16 weights {weights / 2**20:.0f} MiB")
-    print("| c | output tok/s | offline engine tok/s | served / offline | decode roof tok/s | share of roof "
-          "| TTFT mean ms | TPOT mean ms |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| c | output tok/s | offline engine tok/s | served / offline | offline, no drafting | decode roof tok/s "
+          "| share of roof | TTFT mean ms | TPOT mean ms |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for c in LEVELS:
         s = runs[f"c{c}"]
         print(f"| {c} | {s['output_throughput']:.0f} | {engine[f'c{c}']:.0f} | "
-              f"{s['output_throughput'] / engine[f'c{c}']:.2f} | {roofs[f'c{c}']:.0f} | "
+              f"{s['output_throughput'] / engine[f'c{c}']:.2f} | {undrafted[f'c{c}']:.0f} | {roofs[f'c{c}']:.0f} | "
               f"{s['output_throughput'] / roofs[f'c{c}']:.2f} | {s['ttft_ms']['mean']:.1f} | {s['tpot_ms']['mean']:.2f} |")
     print(f"prefill of {PREFILL_LEN} tokens: TTFT mean {runs['prefill']['ttft_ms']['mean']:.1f} ms")
 

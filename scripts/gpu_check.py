@@ -35,7 +35,9 @@ def environment() -> dict:
     """The stages' environment: the installed wheels first on the path, the model's conversion
     cached inside the tree (kept between runs on the same machine), nothing fetched."""
     path = os.pathsep.join(p for p in (str(SITE), str(REPO), os.environ.get("PYTHONPATH")) if p)
-    return {**os.environ, "PYTHONPATH": path, "TRILLM_CACHE": str(GPU / "cache"), "HF_HUB_OFFLINE": "1"}
+    programs = os.pathsep.join((str(SITE / "bin"), os.environ.get("PATH", "")))  # the wheels' own (py-spy)
+    return {**os.environ, "PYTHONPATH": path, "PATH": programs, "TRILLM_CACHE": str(GPU / "cache"),
+            "HF_HUB_OFFLINE": "1"}
 
 
 def run(*command: str, log: Path | None = None) -> None:
