@@ -208,13 +208,14 @@ class EngineCore:
         if sampling and params.priority and self.args.scheduling_policy != SchedulingPolicy.PRIORITY:
             raise SamplingParamError("priority", "priority needs a server started with --scheduling-policy priority.")
         self._adapter(params.lora_name)
-        if sampling and params.max_tokens is not None and len(prompt_token_ids) + params.max_tokens > self.config.max_model_len:
+        asked = params.max_tokens if sampling else None  # None: to the end of the context
+        if asked is not None and len(prompt_token_ids) + asked > self.config.max_model_len:
             # Refused, not clamped: a client asking for more than fits should hear so.
             raise SamplingParamError(
                 "max_tokens",
                 f"This model's maximum context length is {self.config.max_model_len} tokens. However, you "
-                f"requested {len(prompt_token_ids) + params.max_tokens} tokens ({len(prompt_token_ids)} in "
-                f"the prompt, {params.max_tokens} in the completion). Reduce the prompt or max_tokens.",
+                f"requested {len(prompt_token_ids) + asked} tokens ({len(prompt_token_ids)} in "
+                f"the prompt, {asked} in the completion). Reduce the prompt or max_tokens.",
             )
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | PoolingParams) -> None:
@@ -242,7 +243,9 @@ class EngineCore:
                                     lora=lora))
             return
         # none asked: to the end of the context
-        max_tokens = self.config.max_model_len - len(prompt_token_ids) if params.max_tokens is None else params.max_tokens
+        max_tokens = params.max_tokens
+        if max_tokens is None:
+            max_tokens = self.config.max_model_len - len(prompt_token_ids)
         request = Request(
             request_id,
             list(prompt_token_ids),

@@ -200,7 +200,8 @@ def get_kernels(
     `quantized_activations` and `kv_cache_dtype` go to the family (Kernels.__init__)."""
     cpu_runs = device.type == "cpu" and _cpu_family_runs(dtype)
     if name == AttentionBackend.AUTO:
-        name = AttentionBackend.TRITON if device.type == "cuda" else AttentionBackend.CPU if cpu_runs else AttentionBackend.TORCH
+        name = (AttentionBackend.TRITON if device.type == "cuda" else
+                AttentionBackend.CPU if cpu_runs else AttentionBackend.TORCH)
         if device.type == "cpu" and not cpu_runs:
             log.warning("the compiled CPU kernels are not built, or do not run %s here: every op runs on the "
                         "torch reference kernels, several times slower (build them: setup.py build_ext)", dtype)

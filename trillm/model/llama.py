@@ -328,8 +328,8 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, i, kernels, tp) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
         # Gemma 3's sliding layers turn at a base of their own, its full ones at the main one
-        self.rope_layer_types = ("full_attention", "sliding_attention") if "sliding_attention" in config.rope_parameters \
-            else (None,)
+        per_type = "sliding_attention" in config.rope_parameters
+        self.rope_layer_types = ("full_attention", "sliding_attention") if per_type else (None,)
         # The RoPE tables hold the positions steps have reached: on CPU they start at ROPE_ROWS and
         # double as contexts grow (a 128k-position model's table alone is 64 MiB, resident for a
         # server that never goes past a few thousand); on a GPU whole, since a CUDA graph keeps
