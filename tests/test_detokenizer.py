@@ -154,20 +154,31 @@ def test_each_decode_sees_a_bounded_window(smollm2):
     """O(new tokens) per call: the decoder never sees more than the window, however long the output."""
 
     class Recording:
-        def __init__(self, tokenizer):
-            self.tokenizer, self.lengths = tokenizer, []
+        """The tokenizer, its backend's decoder counting the tokens of each decode (what the
+        detokenizer calls, as HF's convert_tokens_to_string would)."""
+
+        def __init__(self, wrapped, lengths):
+            self.wrapped, self.lengths = wrapped, lengths
 
         def __getattr__(self, name):
-            return getattr(self.tokenizer, name)
+            return getattr(self.wrapped, name)
 
         def __len__(self):
-            return len(self.tokenizer)
+            return len(self.wrapped)
 
-        def convert_tokens_to_string(self, tokens):
+        @property
+        def backend_tokenizer(self):
+            return Recording(self.wrapped.backend_tokenizer, self.lengths)
+
+        @property
+        def decoder(self):
+            return Recording(self.wrapped.decoder, self.lengths)
+
+        def decode(self, tokens):
             self.lengths.append(len(tokens))
-            return self.tokenizer.convert_tokens_to_string(tokens)
+            return self.wrapped.decode(tokens)
 
-    recording = Recording(smollm2)
+    recording = Recording(smollm2, [])
     output_ids = encode(smollm2, "Long text with 世界 and 🤖 emoji, over and over. " * 40)
     detok, _ = stream(recording, encode(smollm2, CHAT_PROMPT), output_ids, SamplingParams())
     assert detok.output_text == smollm2.decode(output_ids)

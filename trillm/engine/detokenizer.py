@@ -37,6 +37,17 @@ class IncrementalDetokenizer:
         self._added_tokens = {token.content for token in tokenizer.added_tokens_decoder.values()}
         self._skipped_ids = _special_ids(tokenizer) if params.skip_special_tokens else set()
         self._separator = " " if params.spaces_between_special_tokens else ""
+        # What HF's own convert_ids_to_tokens / convert_tokens_to_string call for a fast tokenizer,
+        # bound once: each token goes through both twice, and the wrappers' lookups (a new Python
+        # object for the backend's decoder at every access) cost more than the decoding itself.
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            self._id_to_token = tokenizer.convert_ids_to_tokens
+            self._tokens_to_text = tokenizer.convert_tokens_to_string
+        else:
+            decoder = backend.decoder
+            self._id_to_token = backend.id_to_token
+            self._tokens_to_text = " ".join if decoder is None else decoder.decode
         # Prompt tokens are scanned from the end until the window is full, so a
         # few skipped special tokens at the end do not shrink it.
         self._tokens: list[str] = []
@@ -84,7 +95,7 @@ class IncrementalDetokenizer:
         """The token's string, or None when it makes no text (a skipped special token, an id past the vocabulary)."""
         if token_id in self._skipped_ids or not 0 <= token_id < self._vocab_size:
             return None
-        return self.tokenizer.convert_ids_to_tokens(token_id)
+        return self._id_to_token(token_id)
 
     def _decode_next(self, token_id: int) -> str:
         """The new text this token completes, "" while the window ends in half a character."""
@@ -112,13 +123,13 @@ class IncrementalDetokenizer:
         for token in tokens:
             if token in self._added_tokens:
                 if run:
-                    parts.append(self.tokenizer.convert_tokens_to_string(run))
+                    parts.append(self._tokens_to_text(run))
                     run = []
                 parts.append(token)
             else:
                 run.append(token)
         if run:
-            parts.append(self.tokenizer.convert_tokens_to_string(run))
+            parts.append(self._tokens_to_text(run))
         return self._separator.join(parts)
 
     def _append(self, text: str) -> None:
