@@ -1,6 +1,7 @@
 """GGUF files read in place: the families' tensor layouts against transformers, and a served file
 that writes nothing to disk and holds no more memory than the file, its KV cache and a fixed
 allowance."""
+import json
 import math
 import os
 import subprocess
@@ -95,18 +96,36 @@ async def test_a_served_gguf_writes_nothing_and_stays_within_its_memory_bound(tm
     assert written == [], written
 
 
+SERVE_EACH = """
+import contextlib, io, json, sys
+from trillm.launch.cli import main
+for model in sys.argv[1:]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            main(["serve", "--model", model])
+            code = None
+        except SystemExit as exc:
+            code = exc.code
+    print(json.dumps([model, code, out.getvalue(), err.getvalue()]))
+"""
+
+
 def test_serve_refuses_a_model_it_cannot_serve_in_one_line_before_loading(tmp_path):
     """`trillm serve` on a file of another architecture, a cut file or a missing path: exit 2, one
-    line on stderr saying why, no traceback."""
+    line on stderr saying why, no traceback. One process runs the command line for each (each
+    start would import torch again); anything but a SystemExit would end it with a traceback."""
     from gguf_support import write_foreign_gguf
 
     data = open(write_foreign_gguf(str(tmp_path / "bert.gguf")), "rb").read()
     (tmp_path / "cut.gguf").write_bytes(data[: len(data) // 2])
     cases = {"bert.gguf": "architecture is 'bert'", "cut.gguf": "past the end", "missing": "neither"}
-    started = {model: subprocess.Popen([sys.executable, "-m", "trillm", "serve", "--model", str(tmp_path / model)],
-                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-               for model in cases}  # at once: each start imports torch
-    for model, process in started.items():
-        stdout, stderr = process.communicate(timeout=120)
-        assert process.returncode == 2 and stdout == "", (model, process.returncode, stdout, stderr)
-        assert len(stderr.splitlines()) == 1 and cases[model] in stderr and "Traceback" not in stderr, stderr
+    run = subprocess.run([sys.executable, "-c", SERVE_EACH, *(str(tmp_path / model) for model in cases)],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stderr == "", run.stderr[-2000:]
+    outcomes = [json.loads(line) for line in run.stdout.splitlines()]
+    assert [os.path.basename(model) for model, *_ in outcomes] == list(cases)
+    for model, code, stdout, stderr in outcomes:
+        assert code == 2 and stdout == "", (model, code, stdout, stderr)
+        name = os.path.basename(model)
+        assert len(stderr.splitlines()) == 1 and cases[name] in stderr and "Traceback" not in stderr, stderr
