@@ -41,7 +41,7 @@ instead of the fp32 ones: 3 bytes a block and row where those take 8.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import NamedTuple
 
 import torch
@@ -158,13 +158,8 @@ class RowSlices(NamedTuple):
         _, first = next(slices)
         if first.out_features == self.out_features:
             return first
-        whole = _with_arrays(first, [None if t is None else t.new_empty((self.out_features, *t.shape[1:]))
-                                     for t in _arrays(first)])
-        for start, part in itertools.chain([(0, first)], slices):
-            for into, rows in zip(_arrays(whole), _arrays(part)):
-                if into is not None:
-                    into[start : start + rows.shape[0]] = rows
-        return whole
+        parts = itertools.chain([(0, first)], slices)
+        return _with_arrays(first, stacked(((start, _arrays(part)) for start, part in parts), self.out_features))
 
     def rows(self, index: slice) -> RowSlices:
         """The rows of a contiguous range (a rank's shard), still by slices."""
@@ -172,6 +167,20 @@ class RowSlices(NamedTuple):
         assert stride == 1, "a shard is a contiguous range of rows"
         return self._replace(out_features=stop - start,
                              slice_of=lambda rows: self.slice_of(slice(start + rows.start, start + rows.stop)))
+
+
+def stacked(parts: Iterable[tuple[int, list[torch.Tensor | None]]], rows: int) -> list[torch.Tensor | None]:
+    """Arrays of `rows` rows, each [rows, ...], from parts that come one at a time as (first
+    row, the part's arrays): shaped and typed as the first part's (None where it has None), each
+    part written where it starts. Lazy parts keep one beside the whole, never all of them."""
+    whole = None
+    for start, arrays in parts:
+        if whole is None:
+            whole = [None if a is None else a.new_empty((rows, *a.shape[1:])) for a in arrays]
+        for into, part in zip(whole, arrays, strict=True):
+            if into is not None:
+                into[start : start + part.shape[0]] = part
+    return whole
 
 
 def _arrays(weight: QuantizedWeight) -> list[torch.Tensor | None]:

@@ -6,6 +6,8 @@ quant.py's `linear` and `linear_int8`. Both share their output tiles among the t
 pool_cpu; the GIL is released while a kernel runs."""
 from libc.stdint cimport int8_t, int64_t, uint8_t, uint32_t, uintptr_t
 
+import itertools
+
 import torch
 
 from trillm.kernels cimport pool_cpu
@@ -268,21 +270,18 @@ class _TiledLinear:
         blocks are held beside the whole, not the weight's blocks as well as its regrouping."""
         assert weight.step % TILE_N == 0 and weight.out_features % TILE_N == 0, (weight.step, weight.out_features)
         kind = type(self)
-        whole = None
-        for start, part in weight.slices():
-            tiled = kind(part)
-            if whole is None:
-                whole = tiled
-                arrays = [(holder, name, array.new_empty((weight.out_features // TILE_N, *array.shape[1:])))
-                          for holder, name, array in _tile_arrays(tiled)]
-            for (_, _, into), (_, _, array) in zip(arrays, _tile_arrays(tiled)):
-                into[start // TILE_N : start // TILE_N + array.shape[0]] = array
-            del tiled
-        for holder, name, array in arrays:
+        slices = weight.slices()
+        _, part = next(slices)
+        first = kind(part)  # its holders take the whole's arrays
+        del part
+        tiled = itertools.chain([(0, first)], ((start, kind(part)) for start, part in slices))
+        arrays = quant.stacked(((start // TILE_N, [array for _, _, array in _tile_arrays(linear)])
+                                for start, linear in tiled), weight.out_features // TILE_N)
+        for (holder, name, _), array in zip(list(_tile_arrays(first)), arrays, strict=True):
             setattr(holder, name, array)
             holder.out_features = weight.out_features
-        self.__dict__.update(vars(whole))
-        self.out_features = weight.out_features
+        self.__dict__.update(vars(first))
+        self.out_features = weight.out_features  # the integer linear's own, beside its part's
 
     runs = staticmethod(runs)
     layouts = frozenset(FORMATS)  # the layouts of quant.py it multiplies by
