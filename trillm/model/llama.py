@@ -334,13 +334,12 @@ class LlamaModel(nn.Module):
         # double as contexts grow (a 128k-position model's table alone is 64 MiB, resident for a
         # server that never goes past a few thousand); on a GPU whole, since a CUDA graph keeps
         # the address it captured.
-        rows = config.max_position_embeddings
-        if self.embed_tokens.weight.device.type == "cpu":
-            rows = min(rows, ROPE_ROWS)
-        tables = [rope_cos_sin_cache(config, rows, layer_type) for layer_type in self.rope_layer_types]
-        self.register_buffer("cos_sin_cache", tables[0], persistent=False)
-        self.register_buffer("cos_sin_cache_sliding", tables[1] if len(tables) > 1 else None, persistent=False)
         self.config = config
+        self.register_buffer("cos_sin_cache", None, persistent=False)
+        self.register_buffer("cos_sin_cache_sliding", None, persistent=False)
+        device = self.embed_tokens.weight.device
+        rows = config.max_position_embeddings
+        self._set_rope_tables(min(rows, ROPE_ROWS) if device.type == "cpu" else rows, device)
         # Gemma scales the embeddings by sqrt(hidden), rounded to the model's dtype as transformers does
         self.embed_scale = config.hidden_size**0.5 if config.model_type in GEMMA else None
         self.kernels = kernels
@@ -422,7 +421,10 @@ class LlamaModel(nn.Module):
         what they were."""
         assert positions <= self.config.max_position_embeddings, (positions, self.config.max_position_embeddings)
         rows = min(1 << (positions - 1).bit_length(), self.config.max_position_embeddings)
-        device = self.cos_sin_cache.device
+        self._set_rope_tables(rows, self.cos_sin_cache.device)
+
+    def _set_rope_tables(self, rows: int, device: torch.device) -> None:
+        """The RoPE tables of the first `rows` positions: one, or Gemma's full and sliding ones."""
         tables = [rope_cos_sin_cache(self.config, rows, layer_type).to(device) for layer_type in self.rope_layer_types]
         self.cos_sin_cache = tables[0]
         if len(tables) > 1:
