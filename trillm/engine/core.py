@@ -182,8 +182,9 @@ class EngineCore:
             self.workers.stop(wait)
             self.workers = None
 
-    def check_request(self, prompt_token_ids: list[int], params: SamplingParams | PoolingParams) -> None:
-        """ValueError (SamplingParamError with .param) for a request that can never run, by itself:
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams | PoolingParams) -> LoRAAdapter | None:
+        """The adapter the request names (None: none), or ValueError (SamplingParamError with
+        .param) for a request that can never run, by itself:
         an empty prompt, a token id outside the vocabulary, a prompt or prompt + max_tokens beyond
         the context, a priority without the priority policy, an adapter not loaded. Reads only
         what a step never changes (the model's config, the settings, the adapters' registry), so
@@ -207,7 +208,7 @@ class EngineCore:
             )
         if sampling and params.priority and self.args.scheduling_policy != SchedulingPolicy.PRIORITY:
             raise SamplingParamError("priority", "priority needs a server started with --scheduling-policy priority.")
-        self._adapter(params.lora_name)
+        adapter = self._adapter(params.lora_name)
         asked = params.max_tokens if sampling else None  # None: to the end of the context
         if asked is not None and len(prompt_token_ids) + asked > self.config.max_model_len:
             # Refused, not clamped: a client asking for more than fits should hear so.
@@ -217,6 +218,7 @@ class EngineCore:
                 f"requested {len(prompt_token_ids) + asked} tokens ({len(prompt_token_ids)} in "
                 f"the prompt, {asked} in the completion). Reduce the prompt or max_tokens.",
             )
+        return adapter
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | PoolingParams) -> None:
         """Queue a request; raises ValueError (SamplingParamError with .param) if it can never run
@@ -231,8 +233,7 @@ class EngineCore:
             raise SamplingParamError("request_id", f"A request with id {request_id!r} is already running.")
         if self.is_sleeping:
             raise SamplingParamError("model", "The engine is sleeping: wake it up first.")
-        self.check_request(prompt_token_ids, params)
-        lora = self._adapter(params.lora_name)
+        lora = self.check_request(prompt_token_ids, params)
         # An adapter's KV differs from the base model's: its id roots its blocks' chain and identity.
         lora_salt = "" if lora is None else f"\0lora-{lora.lora_id}"
         lora_id = 0 if lora is None else lora.lora_id
