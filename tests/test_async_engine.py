@@ -102,7 +102,11 @@ async def test_waiting_queue_limit(core, prompt):
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(first_request)
-        await trio.testing.wait_all_tasks_blocked()  # "first" is queued; the engine task is not running yet
+        # "first" is registered once its checks' worker thread has returned; the engine task is
+        # not running yet, so it stays waiting.
+        with trio.fail_after(30):
+            while engine.live.unfinished_members == 0:
+                await trio.sleep(0.001)
         with pytest.raises(QueueFullError):
             await engine.add(RequestGroup("second", [(prompt, SamplingParams(max_tokens=2))]))
         await nursery.start(engine.run)
