@@ -670,7 +670,7 @@ def scheduler_machine(num_blocks: int, max_num_batched_tokens: int, max_num_seqs
     return SchedulerMachine
 
 
-STATEFUL = settings(max_examples=200, stateful_step_count=50, deadline=None,
+STATEFUL = settings(max_examples=100, stateful_step_count=50, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -701,7 +701,7 @@ def test_stateful_vllm_hashes_in_a_tiny_pool():
     """vLLM's sha256_cbor keys: the same invariants, hits and events as Python's hash."""
     machine = scheduler_machine(num_blocks=5, max_num_batched_tokens=8, max_num_seqs=4, max_model_len=24,
                                 hash_algo="sha256_cbor")
-    run_state_machine_as_test(machine, settings=settings(STATEFUL, max_examples=100))
+    run_state_machine_as_test(machine, settings=settings(STATEFUL, max_examples=50))
     assert machine.preemptions > 0 and machine.prefix_hits > 0
 
 
@@ -717,7 +717,7 @@ def test_stateful_priority_policy_in_a_tiny_pool():
 def test_stateful_drafts_and_rollbacks_in_a_tiny_pool():
     machine = scheduler_machine(num_blocks=6, max_num_batched_tokens=8, max_num_seqs=4, max_model_len=24,
                                 drafts=True)
-    run_state_machine_as_test(machine, settings=settings(STATEFUL, max_examples=100))
+    run_state_machine_as_test(machine, settings=settings(STATEFUL, max_examples=50))
     assert machine.accepted_drafts > 0 and machine.rejected_drafts > 0
     assert machine.preemptions > 0 and machine.prefix_hits > 0
 
@@ -726,7 +726,7 @@ def test_stateful_drafts_and_rollbacks_in_a_tiny_pool():
 def test_stateful_attention_budget_cuts_late_chunks_and_every_prompt_finishes():
     machine = scheduler_machine(num_blocks=64, max_num_batched_tokens=16, max_num_seqs=4, max_model_len=40,
                                 max_prefill_pairs=60)
-    run_state_machine_as_test(machine, settings=settings(STATEFUL, max_examples=100))
+    run_state_machine_as_test(machine, settings=settings(STATEFUL, max_examples=50))
     assert machine.max_pairs > 40  # the budget was approached
 
 
@@ -767,7 +767,7 @@ def test_a_prompt_with_no_decode_beside_it_spends_tokens_only():
 @pytest.mark.slow
 def test_stateful_max_loras_bounds_the_adapters_running_at_once():
     machine = scheduler_machine(num_blocks=16, max_num_batched_tokens=16, max_num_seqs=4, max_model_len=24, max_loras=2)
-    run_state_machine_as_test(machine, settings=settings(STATEFUL, max_examples=100))
+    run_state_machine_as_test(machine, settings=settings(STATEFUL, max_examples=50))
     assert machine.max_adapters == 2  # the bound was reached, never passed
 
 
@@ -787,5 +787,5 @@ def test_a_request_of_one_adapter_too_many_waits_for_a_slot_and_nobody_overtakes
 def test_stateful_tiny_pool_without_prefix_caching():
     machine = scheduler_machine(num_blocks=5, max_num_batched_tokens=8, max_num_seqs=4, max_model_len=24,
                                 enable_prefix_caching=False)
-    run_state_machine_as_test(machine, settings=settings(STATEFUL, max_examples=50))
+    run_state_machine_as_test(machine, settings=settings(STATEFUL, max_examples=30))
     assert machine.preemptions > 0
