@@ -9,6 +9,7 @@ import pytest
 import torch
 from http_support import live_server
 from transformers import AutoModelForCausalLM
+from transformers.initialization import no_init_weights
 
 from trillm.config import EngineArgs
 from trillm.engine.core import EngineCore
@@ -28,7 +29,8 @@ def reference(path: str):
     norms back from the file's 1 + w to w), with the tokenizer read from the file."""
     with GGUFFile(path) as file:
         config = gguf_model.hf_config(file)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+        with no_init_weights():  # every parameter is loaded below (the assert): a random start is waste
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
         state = {name: tensor - 1 if name.endswith("norm.weight") else tensor
                  for name, tensor in dense_weights(file, config, skip=lambda name: False)}
         tokenizer = gguf_model.tokenizer(path, file)
