@@ -8,11 +8,27 @@ from __future__ import annotations
 
 import enum
 import json
+import os
 import typing
 from dataclasses import dataclass, fields
 
 from trillm.pooling_params import PoolingType
 from trillm.sched_ext.status import PrefixHashAlgo, SchedulingPolicy
+
+CPU_KV_CACHE_SHARE = 0.5  # of the memory available: kv_cache_memory's default on CPU
+
+
+def available_memory() -> int:
+    """Bytes the system can hand out without swapping (Linux's MemAvailable; elsewhere its free
+    pages)."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 class DType(enum.StrEnum):
@@ -82,7 +98,10 @@ class EngineArgs:
     # auto: fp16 on the cpu family when the model is fp32 (decode attention streams the cache, and
     # fp16 halves it), else the model's dtype; int8: trillm/kernels/cache.py
     kv_cache_dtype: KVCacheDType = KVCacheDType.AUTO
-    kv_cache_memory: int = 1 << 30  # bytes of KV cache on CPU
+    # bytes of KV cache on CPU, all tensor-parallel ranks together; None: CPU_KV_CACHE_SHARE of the
+    # memory available once the weights are in, up to what max_num_seqs full-length sequences fill
+    # (its pages become resident only as blocks are written: the budget itself costs nothing)
+    kv_cache_memory: int | None = None
     gpu_memory_utilization: float = 0.9  # share of GPU memory for weights + activations + KV on CUDA
     num_kv_blocks: int | None = None  # overrides both budgets (tests use tiny pools)
     max_model_len: int | None = None  # None: the model's max_position_embeddings

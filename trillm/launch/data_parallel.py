@@ -53,6 +53,7 @@ from dataclasses import replace
 from multiprocessing import Process
 from typing import TYPE_CHECKING
 
+from trillm.config import CPU_KV_CACHE_SHARE, available_memory
 from trillm.direct_http import PROXY_VARIABLES, open_direct
 from trillm.http.settings import API_KEY_VARIABLE, RouterPolicy, ServerSettings, to_argv
 from trillm.subprocesses import SERVER, cpu_share, free_port, start_preloaded
@@ -94,8 +95,12 @@ def run(settings: ServerSettings) -> int:
     replicas = []
     children = []
     try:
+        # the replicas share this machine's memory: each takes its part of the KV cache's default budget
+        kv_cache_memory = settings.engine.kv_cache_memory
+        if kv_cache_memory is None and count > 0:
+            kv_cache_memory = int(CPU_KV_CACHE_SHARE * available_memory()) // count
         for index, (port, url) in enumerate(zip(ports, urls)):
-            engine = replace(settings.engine, data_parallel_rank=index)
+            engine = replace(settings.engine, data_parallel_rank=index, kv_cache_memory=kv_cache_memory)
             if events is not None:  # vllm-router takes each replica for a worker of rank 0
                 engine = replace(engine, data_parallel_rank=0, kv_events_config=events.engine_config(index))
             replica = replace(settings, host="127.0.0.1", port=port, data_parallel_size=1,

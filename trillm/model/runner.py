@@ -9,6 +9,7 @@ reach the end of its prompt needs none. On CUDA, pure-decode steps replay CUDA g
 from __future__ import annotations
 
 import enum
+import logging
 import math
 import mmap
 import os
@@ -17,7 +18,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from trillm.config import EngineArgs, LoadFormat
+from trillm.config import CPU_KV_CACHE_SHARE, EngineArgs, LoadFormat, available_memory
 from trillm.kernels.attention_metadata import AttentionMetadata
 from trillm.kernels.cache import row_width
 from trillm.model.cuda_graphs import DecodeGraphs, use_cuda_graphs
@@ -26,6 +27,8 @@ from trillm.model.loader import load_model, pack_linear_weights, resolve_device
 from trillm.model.lora import LoRASlots, attach_lora
 from trillm.model.parallel import SINGLE, TensorParallel, rank_cpus
 from trillm.sched_ext import SchedulerOutput
+
+log = logging.getLogger(__name__)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -111,6 +114,9 @@ class ModelRunner:
         self.num_kv_blocks = args.num_kv_blocks or tp.minimum(self._num_blocks_in_budget())
         if self.num_kv_blocks < 1:
             raise ValueError("The KV cache budget holds no block: raise the memory budget or lower block_size.")
+        if tp.rank == 0:
+            log.info("KV cache: %d blocks of %d tokens, %.2f GiB", self.num_kv_blocks, self.block_size,
+                     self.num_kv_blocks * self.block_bytes * tp.size / (1 << 30))
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = self._allocate_kv_cache(self.num_kv_blocks)
         self._serve(self.model)
 
@@ -219,9 +225,14 @@ class ModelRunner:
         return [(layer[0], layer[1]) for layer in cache]
 
     def _num_blocks_in_budget(self) -> int:
-        if self.config.device.type != "cuda":
-            return self.args.kv_cache_memory // self.block_bytes
-        return self._profile_free_cuda_bytes() // self.block_bytes
+        if self.config.device.type == "cuda":
+            return self._profile_free_cuda_bytes() // self.block_bytes
+        # each rank holds its heads' part of every block, so each takes its part of the budget
+        if self.args.kv_cache_memory is not None:
+            return self.args.kv_cache_memory // self.tp.size // self.block_bytes
+        blocks = int(CPU_KV_CACHE_SHARE * available_memory()) // self.tp.size // self.block_bytes
+        # more blocks than max_num_seqs sequences of full length fill are never all in use
+        return min(blocks, _cdiv(self.args.max_num_seqs * self.config.max_model_len, self.block_size))
 
     def _profile_free_cuda_bytes(self) -> int:
         """GPU bytes left for the KV cache: the share gpu_memory_utilization of the device, less
