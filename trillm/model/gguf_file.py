@@ -4,10 +4,12 @@ Why not gguf-py's GGUFReader: it parses every metadata array element by element 
 vocabulary, the merges), seconds of every start-up for a 50k-token vocabulary; transformers'
 reader is fast but refuses formats a file may hold (Q5_0, Q5_1) and names the path in its errors.
 This one walks the header once (string arrays only counted), and reads a tensor's bytes when
-asked: with pread into memory of our own (`blocks`), so the file's pages stay in the page cache
-and out of the process's resident set, or as a view of the mapped file (`mapped`), for a tensor
-read a few rows at a time (the token embeddings). gguf-py still gives the formats' block sizes
-and the dequantization.
+asked, with pread into memory of our own, so the file's pages stay in the page cache and out of
+the process's resident set: whole (`blocks`), or row by row for a tensor read a few rows at a
+time for as long as the model serves (`row_reader`: the token embeddings). Not through the
+mapping: a fault on a mapped file maps the pages around it too (64 KiB), so a table looked up
+at random rows becomes resident almost whole (Gemma 3's 262k-token table: +127 MiB after 4,096
+random rows). gguf-py still gives the formats' block sizes and the dequantization.
 
 Errors never quote the file's path: a request or a log line may carry them.
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 import mmap
 import os
 import struct
+import weakref
 from math import prod
 from typing import NamedTuple
 
@@ -32,6 +35,37 @@ _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<
 _STRING, _ARRAY = 8, 9
 # a read of more than this is split (Linux moves at most ~2 GiB in one call)
 _READ_CHUNK = 1 << 30
+
+
+class TensorRows:
+    """Rows of one tensor, read from the file when asked (GGUFFile.row_reader). Owns a file
+    descriptor: `close()` gives it back (idempotent; done too when the object is collected)."""
+
+    def __init__(self, fd: int, info: TensorInfo):
+        self.rows, self.row_bytes = info.rows, info.row_bytes
+        self._fd, self._offset = fd, info.offset
+        self._close = weakref.finalize(self, os.close, fd)
+
+    def __getitem__(self, ids: np.ndarray) -> np.ndarray:
+        """[len(ids), row_bytes] uint8: the rows `ids` names (each in [0, rows)), in their
+        order. Each run of consecutive rows among them is one read."""
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        assert not len(ids) or 0 <= ids.min() <= ids.max() < self.rows, "row ids outside the tensor"
+        unique, inverse = np.unique(ids, return_inverse=True)
+        out = np.empty((len(unique), self.row_bytes), dtype=np.uint8)
+        starts = np.flatnonzero(np.diff(unique, prepend=-2) != 1)
+        for first, last in zip(starts.tolist(), [*starts[1:].tolist(), len(unique)]):
+            view = memoryview(out[first:last]).cast("B")
+            offset, done = self._offset + int(unique[first]) * self.row_bytes, 0
+            while done < len(view):
+                n = os.preadv(self._fd, [view[done:]], offset + done)
+                if n <= 0:
+                    raise UnservableModel("The model file ends inside a tensor.")
+                done += n
+        return out[inverse]
+
+    def close(self) -> None:
+        self._close()
 
 
 class UnservableModel(ValueError):
@@ -55,8 +89,8 @@ class TensorInfo(NamedTuple):
 
 
 class GGUFFile:
-    """One open GGUF file. `close()` is idempotent and the object a context manager; views
-    handed out by `mapped` keep the mapping alive after it closes."""
+    """One open GGUF file. `close()` is idempotent and the object a context manager; row
+    readers it handed out (`row_reader`) stay open after it closes."""
 
     def __init__(self, path: str):
         """UnservableModel when the file is not a GGUF file this reader understands (a bad magic,
@@ -108,11 +142,10 @@ class GGUFFile:
             done += n
         return out
 
-    def mapped(self, name: str) -> np.ndarray:
-        """[rows, bytes of a row] uint8, read-only: the tensor where it lies in the mapped file.
-        Only the pages of the rows read become resident."""
-        info = self.tensors[name]
-        return self._map[info.offset : info.offset + info.nbytes].reshape(info.rows, info.row_bytes)
+    def row_reader(self, name: str) -> TensorRows:
+        """Reads of the tensor's rows that outlive this object (on a descriptor of their own)."""
+        assert self._fd >= 0, "the file is closed"
+        return TensorRows(os.dup(self._fd), self.tensors[name])
 
     def dense(self, name: str) -> torch.Tensor:
         """The tensor in fp32 (dequantized as gguf-py does), in its shape."""

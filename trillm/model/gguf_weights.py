@@ -156,13 +156,13 @@ def dense_weights(file: GGUFFile, config: PretrainedConfig, skip: Callable[[str]
 
 
 class EmbeddingRows:
-    """The token embeddings as the file holds them, in its block format, read where they lie in
-    the mapped file: a lookup dequantizes just the rows it names (as gguf-py does, so exactly the
-    dense table's rows), and only their pages become resident."""
+    """The token embeddings as the file holds them, in its block format: a lookup reads just the
+    rows it names from the file (GGUFFile.row_reader: none of the table becomes resident) and
+    dequantizes them as gguf-py does, so exactly the dense table's rows."""
 
     def __init__(self, file: GGUFFile, dtype: torch.dtype):
         info = file.tensors["token_embd.weight"]
-        self.blocks, self.kind, self.dtype = file.mapped(info.name), info.kind, dtype
+        self.blocks, self.kind, self.dtype = file.row_reader(info.name), info.kind, dtype
         self.num_embeddings, self.embedding_dim = info.shape
 
     def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
