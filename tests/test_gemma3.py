@@ -161,4 +161,3 @@ def test_looking_up_token_embeddings_leaves_the_table_out_of_memory(gemma3_gguf)
     rows = table(ids)
     assert resident_file_mib() - before < 8
     assert torch.equal(rows, want)  # the dense table's rows, dequantized as gguf-py does
-

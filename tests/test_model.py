@@ -411,6 +411,18 @@ def test_the_default_cpu_budget_is_half_the_memory_available(tiny_model_dir, mon
     assert few.num_kv_blocks == -(-3 * few.config.max_model_len // 8) < (32 << 20) // few.block_bytes
 
 
+def test_the_memory_available_stays_within_the_cgroup_limit(tmp_path):
+    """In a container the machine's MemAvailable overstates what the process may take: its
+    cgroup's limit, less what the cgroup uses, bounds it."""
+    from trillm.config import available_memory
+
+    (tmp_path / "memory.max").write_text(f"{1 << 30}\n")
+    (tmp_path / "memory.current").write_text(f"{256 << 20}\n")
+    assert available_memory(str(tmp_path)) <= 768 << 20
+    (tmp_path / "memory.max").write_text("max\n")  # no limit: the machine's
+    assert available_memory(str(tmp_path)) == available_memory(str(tmp_path / "absent")) > 0
+
+
 def test_kv_cache_memory_becomes_resident_only_as_blocks_are_written(tiny_model_dir):
     """A 4 GiB budget on CPU costs next to nothing until requests write blocks: the cache is an
     anonymous mapping (zero pages), not a zeroed, and so resident, allocation."""
@@ -420,7 +432,7 @@ def test_kv_cache_memory_becomes_resident_only_as_blocks_are_written(tiny_model_
             return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
 
     before = resident_mib()
-    runner = ModelRunner(EngineArgs(model=tiny_model_dir("qwen3"), kv_cache_memory=4 << 30, **EXACT))
+    runner = ModelRunner(EngineArgs(model=tiny_model_dir("qwen3"), kv_cache_memory=4 << 30, max_num_seqs=1 << 20, **EXACT))
     assert runner.num_kv_blocks * runner.block_bytes > (4 << 30) - runner.block_bytes
     assert resident_mib() - before < 512
     k_cache, v_cache = runner.kv_caches[0]

@@ -18,17 +18,23 @@ from trillm.sched_ext.status import PrefixHashAlgo, SchedulingPolicy
 CPU_KV_CACHE_SHARE = 0.5  # of the memory available: kv_cache_memory's default on CPU
 
 
-def available_memory() -> int:
-    """Bytes the system can hand out without swapping (Linux's MemAvailable; elsewhere its free
-    pages)."""
+def available_memory(cgroup: str = "/sys/fs/cgroup") -> int:
+    """Bytes this process can still take without swapping: Linux's MemAvailable (elsewhere the
+    free pages), and no more than its cgroup's (v2) limit leaves, as in a container."""
+    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     try:
         with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
+            available = next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
         pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    try:
+        with open(os.path.join(cgroup, "memory.max")) as limit, open(os.path.join(cgroup, "memory.current")) as used:
+            bound = limit.read().strip()
+            if bound != "max":
+                available = min(available, max(0, int(bound) - int(used.read())))
+    except (OSError, ValueError):
+        pass
+    return available
 
 
 class DType(enum.StrEnum):
@@ -98,9 +104,9 @@ class EngineArgs:
     # auto: fp16 on the cpu family when the model is fp32 (decode attention streams the cache, and
     # fp16 halves it), else the model's dtype; int8: trillm/kernels/cache.py
     kv_cache_dtype: KVCacheDType = KVCacheDType.AUTO
-    # bytes of KV cache on CPU, all tensor-parallel ranks together; None: CPU_KV_CACHE_SHARE of the
-    # memory available once the weights are in, up to what max_num_seqs full-length sequences fill
-    # (its pages become resident only as blocks are written: the budget itself costs nothing)
+    # bytes of KV cache on CPU, all tensor-parallel ranks together (never more blocks than
+    # max_num_seqs full-length sequences fill); None: CPU_KV_CACHE_SHARE of the memory available
+    # once the weights are in (its pages become resident only as blocks are written)
     kv_cache_memory: int | None = None
     gpu_memory_utilization: float = 0.9  # share of GPU memory for weights + activations + KV on CUDA
     num_kv_blocks: int | None = None  # overrides both budgets (tests use tiny pools)

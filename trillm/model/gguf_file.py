@@ -37,6 +37,16 @@ _STRING, _ARRAY = 8, 9
 _READ_CHUNK = 1 << 30
 
 
+def _read_into(fd: int, out: np.ndarray, offset: int) -> None:
+    """Fill `out` (contiguous) with the file's bytes from `offset` on."""
+    view, done = memoryview(out).cast("B"), 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done : done + _READ_CHUNK]], offset + done)
+        if n <= 0:
+            raise UnservableModel("The model file ends inside a tensor.")
+        done += n
+
+
 class TensorRows:
     """Rows of one tensor, read from the file when asked (GGUFFile.row_reader). Owns a file
     descriptor: `close()` gives it back (idempotent; done too when the object is collected)."""
@@ -55,13 +65,7 @@ class TensorRows:
         out = np.empty((len(unique), self.row_bytes), dtype=np.uint8)
         starts = np.flatnonzero(np.diff(unique, prepend=-2) != 1)
         for first, last in zip(starts.tolist(), [*starts[1:].tolist(), len(unique)]):
-            view = memoryview(out[first:last]).cast("B")
-            offset, done = self._offset + int(unique[first]) * self.row_bytes, 0
-            while done < len(view):
-                n = os.preadv(self._fd, [view[done:]], offset + done)
-                if n <= 0:
-                    raise UnservableModel("The model file ends inside a tensor.")
-                done += n
+            _read_into(self._fd, out[first:last], self._offset + int(unique[first]) * self.row_bytes)
         return out[inverse]
 
     def close(self) -> None:
@@ -133,13 +137,7 @@ class GGUFFile:
         info = self.tensors[name]
         start, stop, _ = rows.indices(info.rows)
         out = np.empty((stop - start, info.row_bytes), dtype=np.uint8)
-        view, offset = memoryview(out).cast("B"), info.offset + start * info.row_bytes
-        done = 0
-        while done < len(view):
-            n = os.preadv(self._fd, [view[done : done + _READ_CHUNK]], offset + done)
-            if n <= 0:
-                raise UnservableModel("The model file ends inside a tensor.")
-            done += n
+        _read_into(self._fd, out, info.offset + start * info.row_bytes)
         return out
 
     def row_reader(self, name: str) -> TensorRows:

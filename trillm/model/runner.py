@@ -227,12 +227,13 @@ class ModelRunner:
     def _num_blocks_in_budget(self) -> int:
         if self.config.device.type == "cuda":
             return self._profile_free_cuda_bytes() // self.block_bytes
-        # each rank holds its heads' part of every block, so each takes its part of the budget
-        if self.args.kv_cache_memory is not None:
-            return self.args.kv_cache_memory // self.tp.size // self.block_bytes
-        blocks = int(CPU_KV_CACHE_SHARE * available_memory()) // self.tp.size // self.block_bytes
-        # more blocks than max_num_seqs sequences of full length fill are never all in use
-        return min(blocks, _cdiv(self.args.max_num_seqs * self.config.max_model_len, self.block_size))
+        budget = self.args.kv_cache_memory
+        if budget is None:
+            budget = int(CPU_KV_CACHE_SHARE * available_memory())
+        # Each rank holds its heads' part of every block, so each takes its part of the budget;
+        # more blocks than max_num_seqs sequences of the full context fill are never all in use.
+        return min(budget // self.tp.size // self.block_bytes,
+                   _cdiv(self.args.max_num_seqs * self.config.max_model_len, self.block_size))
 
     def _profile_free_cuda_bytes(self) -> int:
         """GPU bytes left for the KV cache: the share gpu_memory_utilization of the device, less
