@@ -1,6 +1,8 @@
 """AsyncEngine on the real default model: admission, the group channel, and every way a request
 ends early (abort, a closed stream, a stop, a drain, shutdown, the engine dying), each one
 freeing the request's KV blocks before the engine's next step."""
+import threading
+
 import pytest
 import trio
 import trio.testing
@@ -90,6 +92,23 @@ async def test_refused_admissions(engine, core, prompt):
         await engine.add(RequestGroup("long", [([1] * (core.config.max_model_len + 1), SamplingParams())]))
     assert too_long.value.param == "prompt"
     assert (await until_idle(engine)).num_used_blocks == 0
+
+
+async def test_each_member_is_checked_once_and_off_the_event_loop(engine, core, prompt, monkeypatch):
+    """check_request scans the prompt (token ids against the vocabulary): the front runs it in a
+    worker thread, and the engine task, on the event loop, does not run it again."""
+    checks = []
+    check_request = core.check_request
+
+    def counted(prompt_token_ids, params):
+        checks.append(threading.current_thread() is threading.main_thread())
+        return check_request(prompt_token_ids, params)
+
+    monkeypatch.setattr(core, "check_request", counted)
+    group = RequestGroup("twice", [(prompt, SamplingParams(max_tokens=2)), (prompt[:-1], SamplingParams(max_tokens=2))])
+    stream = await engine.add(group)
+    assert [out.finish_reason for _, out in [x async for x in stream] if out.finished] == ["length", "length"]
+    assert checks == [False, False]
 
 
 async def test_waiting_queue_limit(core, prompt):

@@ -192,6 +192,7 @@ class AsyncEngine:
         self.check_room(size, param)
         await trio.to_thread.run_sync(self._check_members, requests, limiter=self._check_limiter,
                                       abandon_on_cancel=True)
+        requests.checked = True  # so the engine task does not scan the prompts again
         await self.admission.compile_grammars(requests)
         await self.admission.wait_open()
         # The world may have changed meanwhile; from here to registering there is no checkpoint.

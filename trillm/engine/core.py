@@ -189,7 +189,7 @@ class EngineCore:
         the context, a priority without the priority policy, an adapter not loaded. Reads only
         what a step never changes (the model's config, the settings, the adapters' registry), so
         any thread may call it while a step runs: a front refuses such a request at once, not
-        after the step it would wait for. add_request checks again, as the authority."""
+        after the step it would wait for (and tells add_request so: `checked`)."""
         if not prompt_token_ids:
             raise SamplingParamError("prompt", "The prompt is empty.")
         vocab_size = self.config.hf_config.vocab_size
@@ -220,11 +220,14 @@ class EngineCore:
             )
         return adapter
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | PoolingParams) -> None:
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | PoolingParams,
+                    checked: bool = False) -> None:
         """Queue a request; raises ValueError (SamplingParamError with .param) if it can never run
         (check_request) or its id is taken. SamplingParams generate (max_tokens 0: the prompt
         alone, for its logprobs); PoolingParams make a prefill-only request that ends with its
-        pooled hidden state.
+        pooled hidden state. `checked`: check_request passed for it already (a front ran it in a
+        worker thread), so its scans of the prompt are not made twice; the adapter it names is
+        looked up again all the same, since it may have been unloaded in between.
 
         All or nothing: every check, and everything that can raise (the grammar's matcher
         too), comes before the scheduler takes the request, so a refused request leaves no
@@ -233,7 +236,7 @@ class EngineCore:
             raise SamplingParamError("request_id", f"A request with id {request_id!r} is already running.")
         if self.is_sleeping:
             raise SamplingParamError("model", "The engine is sleeping: wake it up first.")
-        lora = self.check_request(prompt_token_ids, params)
+        lora = self._adapter(params.lora_name) if checked else self.check_request(prompt_token_ids, params)
         # An adapter's KV differs from the base model's: its id roots its blocks' chain and identity.
         lora_salt = "" if lora is None else f"\0lora-{lora.lora_id}"
         lora_id = 0 if lora is None else lora.lora_id

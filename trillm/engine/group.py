@@ -47,6 +47,7 @@ class RequestGroup:
         self.members = [Member(f"{request_id}-{k}", list(ids), params, client_ids[k] if client_ids else None)
                         for k, (ids, params) in enumerate(members)]
         self.index = {m.request_id: k for k, m in enumerate(self.members)}
+        self.checked = False  # every member passed EngineCore.check_request already
         self._in_core: set[str] = set()  # members the core holds now
         self._deferred: dict[str, list[int]] = {}  # member id -> members waiting on its first token
 
@@ -137,7 +138,7 @@ class RequestGroup:
         return finals
 
     def _add(self, core: EngineCore, member: Member) -> None:
-        core.add_request(member.request_id, member.prompt_token_ids, member.params)
+        core.add_request(member.request_id, member.prompt_token_ids, member.params, checked=self.checked)
         self._in_core.add(member.request_id)
 
 
