@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import trillm.model.runner as runner_module
+import trillm.config
 from trillm.config import EngineArgs
 from trillm.model.runner import ModelRunner
 
@@ -404,7 +404,7 @@ def test_the_default_cpu_budget_is_half_the_memory_available(tiny_model_dir, mon
     """Unset, the CPU budget is half the memory available once the weights are in (a fixed GiB
     made a 1.7B model preempt requests at c=32 on a 24 GB machine), but no more blocks than
     max_num_seqs sequences of the full context fill."""
-    monkeypatch.setattr(runner_module, "available_memory", lambda: 64 << 20)
+    monkeypatch.setattr(trillm.config, "available_memory", lambda: 64 << 20)
     roomy = ModelRunner(EngineArgs(model=tiny_model_dir("qwen3"), block_size=8, max_num_seqs=1 << 20))
     assert roomy.num_kv_blocks == (32 << 20) // roomy.block_bytes
     few = ModelRunner(EngineArgs(model=tiny_model_dir("qwen3"), block_size=8, max_num_seqs=3))
@@ -432,7 +432,8 @@ def test_kv_cache_memory_becomes_resident_only_as_blocks_are_written(tiny_model_
             return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
 
     before = resident_mib()
-    runner = ModelRunner(EngineArgs(model=tiny_model_dir("qwen3"), kv_cache_memory=4 << 30, max_num_seqs=1 << 20, **EXACT))
+    runner = ModelRunner(EngineArgs(model=tiny_model_dir("qwen3"), kv_cache_memory=4 << 30, max_num_seqs=1 << 20,
+                                    **EXACT))
     assert runner.num_kv_blocks * runner.block_bytes > (4 << 30) - runner.block_bytes
     assert resident_mib() - before < 512
     k_cache, v_cache = runner.kv_caches[0]

@@ -37,6 +37,12 @@ def available_memory(cgroup: str = "/sys/fs/cgroup") -> int:
     return available
 
 
+def default_kv_cache_memory(replicas: int = 1) -> int:
+    """kv_cache_memory's default: each of `replicas` engines sharing this machine takes its part
+    of CPU_KV_CACHE_SHARE of the memory available now."""
+    return int(CPU_KV_CACHE_SHARE * available_memory()) // replicas
+
+
 class DType(enum.StrEnum):
     """The weights' and activations' dtype (`--dtype`)."""
 
@@ -105,8 +111,8 @@ class EngineArgs:
     # fp16 halves it), else the model's dtype; int8: trillm/kernels/cache.py
     kv_cache_dtype: KVCacheDType = KVCacheDType.AUTO
     # bytes of KV cache on CPU, all tensor-parallel ranks together (never more blocks than
-    # max_num_seqs full-length sequences fill); None: CPU_KV_CACHE_SHARE of the memory available
-    # once the weights are in (its pages become resident only as blocks are written)
+    # max_num_seqs full-length sequences fill); None: default_kv_cache_memory(), read once the
+    # weights are in (its pages become resident only as blocks are written)
     kv_cache_memory: int | None = None
     gpu_memory_utilization: float = 0.9  # share of GPU memory for weights + activations + KV on CUDA
     num_kv_blocks: int | None = None  # overrides both budgets (tests use tiny pools)

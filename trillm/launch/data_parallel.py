@@ -53,7 +53,7 @@ from dataclasses import replace
 from multiprocessing import Process
 from typing import TYPE_CHECKING
 
-from trillm.config import CPU_KV_CACHE_SHARE, available_memory
+from trillm.config import default_kv_cache_memory
 from trillm.direct_http import PROXY_VARIABLES, open_direct
 from trillm.http.settings import API_KEY_VARIABLE, RouterPolicy, ServerSettings, to_argv
 from trillm.subprocesses import SERVER, cpu_share, free_port, start_preloaded
@@ -98,7 +98,7 @@ def run(settings: ServerSettings) -> int:
         # the replicas share this machine's memory: each takes its part of the KV cache's default budget
         kv_cache_memory = settings.engine.kv_cache_memory
         if kv_cache_memory is None and count > 0:
-            kv_cache_memory = int(CPU_KV_CACHE_SHARE * available_memory()) // count
+            kv_cache_memory = default_kv_cache_memory(count)
         for index, (port, url) in enumerate(zip(ports, urls)):
             engine = replace(settings.engine, data_parallel_rank=index, kv_cache_memory=kv_cache_memory)
             if events is not None:  # vllm-router takes each replica for a worker of rank 0

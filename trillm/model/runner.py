@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from trillm.config import CPU_KV_CACHE_SHARE, EngineArgs, LoadFormat, available_memory
+from trillm.config import EngineArgs, LoadFormat, default_kv_cache_memory
 from trillm.kernels.attention_metadata import AttentionMetadata
 from trillm.kernels.cache import row_width
 from trillm.model.cuda_graphs import DecodeGraphs, use_cuda_graphs
@@ -229,7 +229,7 @@ class ModelRunner:
             return self._profile_free_cuda_bytes() // self.block_bytes
         budget = self.args.kv_cache_memory
         if budget is None:
-            budget = int(CPU_KV_CACHE_SHARE * available_memory())
+            budget = default_kv_cache_memory()
         # Each rank holds its heads' part of every block, so each takes its part of the budget;
         # more blocks than max_num_seqs sequences of the full context fill are never all in use.
         return min(budget // self.tp.size // self.block_bytes,
