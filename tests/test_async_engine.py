@@ -111,6 +111,32 @@ async def test_each_member_is_checked_once_and_off_the_event_loop(engine, core, 
     assert checks == [False, False]
 
 
+async def test_admissions_run_off_the_event_loop(engine, core, prompt, monkeypatch):
+    """Admitting copies a prompt and hashes its blocks, work that grows with it: the engine task
+    does it in the step's worker thread, a repeated prompt's deferred sample too (admitted after
+    its twin's first token), and an abort's as well; the event loop only settles the outcome."""
+    on_loop = []
+    add_request, abort_request = core.add_request, core.abort_request
+
+    def counted_add(*args, **kwargs):
+        on_loop.append(("add", threading.current_thread() is threading.main_thread()))
+        return add_request(*args, **kwargs)
+
+    def counted_abort(*args, **kwargs):
+        on_loop.append(("abort", threading.current_thread() is threading.main_thread()))
+        return abort_request(*args, **kwargs)
+
+    monkeypatch.setattr(core, "add_request", counted_add)
+    monkeypatch.setattr(core, "abort_request", counted_abort)
+    twins = await engine.add(RequestGroup("twins", [(prompt, SamplingParams(max_tokens=2))] * 2))
+    assert [out.finish_reason for _, out in [x async for x in twins] if out.finished] == ["length", "length"]
+    stream = await engine.add(RequestGroup("aborted", [(prompt, LONG_RUN)]))
+    await anext(stream)
+    assert engine.abort("aborted")
+    assert [out.finish_reason async for _, out in stream if out.finished] == ["abort"]
+    assert on_loop == [("add", False), ("add", False), ("add", False), ("abort", False)]
+
+
 async def test_waiting_queue_limit(core, prompt):
     engine = AsyncEngine(core, max_waiting=1)
 

@@ -1,11 +1,13 @@
 """AsyncEngine: the Trio front of EngineCore.
 
-One Trio task (`run`, started in the app's nursery) owns the core. It applies
-queued admissions and aborts between two steps and runs `EngineCore.step()` in a
-worker thread, so the event loop keeps serving while the model computes. Handlers
-never touch the core: they queue commands and read their outputs from a memory
-channel. That single owner is what makes an abort clean: it is one command,
-applied between two steps, and the request's blocks are free before the next one.
+One Trio task (`run`, started in the app's nursery) owns the core. Each of its rounds
+takes the queued admissions and aborts to a worker thread, applies them there between
+two steps, and runs `EngineCore.step()` after them, so the event loop keeps serving
+while the model computes and while a long prompt is admitted; back on the loop, the
+round's outcome is settled (channels fed, refused groups ended). Handlers never touch
+the core: they queue commands and read their outputs from a memory channel. That
+single owner is what makes an abort clean: it is one command, applied between two
+steps, and the request's blocks are free before the next one.
 
 A client request may need several engine requests: `n` samples of a prompt, or a
 list of prompts. They form one `RequestGroup` (trillm/engine/group.py: the fan-out,
@@ -22,7 +24,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 
 import trio
@@ -33,7 +35,7 @@ from trillm.engine.core import EngineCore, StepOutput
 from trillm.engine.errors import EngineUnavailableError
 from trillm.engine.group import RequestGroup
 from trillm.engine.live_groups import LiveGroup, LiveGroups
-from trillm.engine.stats import ServingStats
+from trillm.engine.stats import EngineStats, ServingStats
 from trillm.engine.weight_cycle import WeightCycle
 from trillm.model.loader import ModelConfig
 from trillm.model.lora import LoRAAdapter
@@ -65,6 +67,20 @@ class Stop:
 
 
 Command = Admit | Abort | Stop
+
+
+@dataclass
+class Round:
+    """What one trip to the step's thread decided (AsyncEngine._round), for the event loop to
+    settle: each admission applied (with its error if refused), the outputs to send, in order,
+    whether a step ran, and the core's stats after it all; or the error a step raised, the
+    engine's death, which the loop raises once the admissions before it are settled."""
+
+    admissions: list[tuple[LiveGroup, Exception | None]] = field(default_factory=list)
+    outputs: list[tuple[LiveGroup, StepOutput]] = field(default_factory=list)
+    stepped: bool = False
+    stats: EngineStats | None = None
+    error: Exception | None = None
 
 
 class RequestStream:
@@ -325,54 +341,82 @@ class AsyncEngine:
             if not self._commands and not self.core.has_unfinished():
                 self._wake = trio.Event()
                 await self._wake.wait()
-            commands, self._commands = self._commands, []
-            for command in commands:
-                self._apply(command)
-            self._stats = self.core.stats()
-            if self.core.has_unfinished():
-                self._stepping = True
-                try:
-                    outputs = await trio.to_thread.run_sync(self.core.step, limiter=self._step_limiter)
-                finally:
-                    self._stepping = False
-                self.num_steps += 1
-                for out in outputs:
-                    self._deliver(out)
-                self._stats = self.core.stats()
+            # Only this task unregisters groups, between two rounds: a command whose group is
+            # live now finds it live in the round.
+            commands = [command for command in self._commands if command.group in self.live]
+            self._commands = []
+            # Admissions get a trip of their own, so that `add` returns (or refuses) without
+            # waiting for the step after them; aborts and stops ride with the step.
+            admits = any(isinstance(command, Admit) for command in commands)
+            trips = [(commands, False), ([], True)] if admits else [(commands, True)]
+            self._stepping = True
+            try:
+                for trip in trips:
+                    done = await trio.to_thread.run_sync(self._round, *trip, limiter=self._step_limiter)
+                    self._settle(done)
+                    if done.error is not None:
+                        raise done.error
+            finally:
+                self._stepping = False
 
     def _enqueue(self, command: Command) -> None:
         self._commands.append(command)
         self._wake.set()
 
-    def _apply(self, command: Command) -> None:
-        if command.group not in self.live:
-            return  # it ended before its command came up (or, for Admit, the engine died)
-        match command:
-            case Admit(group):
-                self._admit(group)
-            case Abort(group, reason, indices):
-                for out in group.requests.abort(self.core, reason, indices):
-                    self._send(group, out)
-            case Stop(group, index, reason):
-                out = group.requests.stop(self.core, index, reason)
-                if out is not None:
-                    self._send(group, out)
-
-    def _admit(self, group: LiveGroup) -> None:
+    def _round(self, commands: list[Command], step: bool) -> Round:
+        """On the step's worker thread: apply the commands in order, then (if `step`) take a step
+        if any request is unfinished. Everything here that grows with a request (a prompt's copy and
+        block hashes, a deferred sample's admission) stays off the event loop; what it decided
+        comes back for `_settle`, which alone touches channels and the index of live groups."""
+        done = Round()
+        refused: set[int] = set()  # groups whose admission failed this round: their later commands are moot
+        for command in commands:
+            group = command.group
+            if id(group) in refused:
+                continue
+            match command:
+                case Admit():
+                    try:
+                        group.requests.admit(self.core)
+                    except Exception as exc:  # noqa: BLE001 - one request's refusal (or our bug in admitting it) is not the engine's death
+                        if not isinstance(exc, ValueError):
+                            log.exception("request %s: admission failed", group.request_id)
+                        refused.add(id(group))
+                        done.admissions.append((group, exc))
+                    else:
+                        done.admissions.append((group, None))
+                case Abort(_, reason, indices):
+                    done.outputs.extend((group, out) for out in group.requests.abort(self.core, reason, indices))
+                case Stop(_, index, reason):
+                    out = group.requests.stop(self.core, index, reason)
+                    if out is not None:
+                        done.outputs.append((group, out))
         try:
-            group.requests.admit(self.core)
-        except Exception as exc:  # noqa: BLE001 - one request's refusal (or our bug in admitting it) is not the engine's death
-            if not isinstance(exc, ValueError):
-                log.exception("request %s: admission failed", group.request_id)
-            group.error = exc
-            group.send.close()
-            self.live.unregister(group)
-        group.admitted.set()
+            if step and self.core.has_unfinished():
+                for out in self.core.step():
+                    group = self.live.owner(out.request_id)
+                    group.requests.on_output(self.core, out)
+                    done.outputs.append((group, out))
+                done.stepped = True
+            done.stats = self.core.stats()
+        except Exception as exc:  # noqa: BLE001 - the engine's death, raised on the loop once the admissions settle
+            done.error = exc
+        return done
 
-    def _deliver(self, out: StepOutput) -> None:
-        group = self.live.owner(out.request_id)
-        group.requests.on_output(self.core, out)
-        self._send(group, out)
+    def _settle(self, done: Round) -> None:
+        """On the event loop, after a round: end each refused admission, let every admitted
+        group's `add` return, and send the outputs in the order the round made them."""
+        for group, error in done.admissions:
+            if error is not None:
+                group.error = error
+                group.send.close()
+                self.live.unregister(group)
+            group.admitted.set()
+        for group, out in done.outputs:
+            self._send(group, out)
+        self.num_steps += done.stepped
+        if done.stats is not None:
+            self._stats = done.stats
 
     def _send(self, group: LiveGroup, out: StepOutput) -> None:
         try:
@@ -390,9 +434,10 @@ class AsyncEngine:
         for request_id in self.live.engine_ids():
             self.core.abort_request(request_id)
         for group in self.live.clear():
-            group.error = group.error or EngineUnavailableError(f"The engine stopped: {exc!r}")
-            group.send.close()
-            group.admitted.set()
+            group.send.close()  # an admitted group's stream then raises EngineUnavailableError
+            if not group.admitted.is_set():
+                group.error = EngineUnavailableError(f"The engine stopped: {exc!r}")
+                group.admitted.set()
         self._commands.clear()
 
     def _check_open(self) -> None:

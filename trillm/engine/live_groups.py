@@ -6,8 +6,10 @@ server's id (unique), by a client's own id for it (not unique: two live groups m
 a batch may name each prompt), and by each member's engine id (how a step's outputs find their
 channel). It also counts the members still without their final output, for the waiting limit.
 
-Ownership: the Trio thread alone reads and changes it (handlers and the engine task both run
-there); a step's worker thread never touches it. So it needs no lock.
+Ownership: the Trio thread alone changes it (handlers and the engine task both run there). The
+step's worker thread only looks up, with `owner`, the groups of the core's outputs; those cannot
+leave the index while it runs, since only the engine task unregisters, between its rounds, and a
+dict lookup beside the loop's inserts is atomic. So it needs no lock.
 """
 from __future__ import annotations
 
