@@ -1,7 +1,8 @@
 """Speculative decoding measured by the neutral load generator: `vllm bench serve` drives trillm
-without drafts (`--speculative-config ""`) and with n-gram (its default) or suffix drafts, and llama-server without and with its own n-gram drafts
-(`--spec-type ngram-simple`, its defaults otherwise), one server at a time on a free loopback
-port, on
+without drafts (`--speculative-config ""`) and with n-gram or suffix drafts (suffix: its default;
+-cap4: with the fixed `disable_by_batch_size` 4 the measured policy replaced), and llama-server
+without and with its own n-gram drafts (`--spec-type ngram-simple`, its defaults otherwise), one
+server at a time on a free loopback port, on
 
 - the repetitive workload (benchmarks/repetitive_workload.py: code edits, extraction that
   quotes its input, an agent's repeated tool calls; greedy, each request to its natural end or
@@ -38,14 +39,12 @@ SPEC_CONFIG = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_ma
 SUFFIX_CONFIG = {"method": "suffix", "num_speculative_tokens": 6}
 
 
-def trillm_ngram_command(args, model_dir: str, port: int):
-    command, env = trillm_command(args, model_dir, port)
-    return command + ["--speculative-config", json.dumps(SPEC_CONFIG)], env
-
-
-def trillm_suffix_command(args, model_dir: str, port: int):
-    command, env = trillm_command(args, model_dir, port)
-    return command + ["--speculative-config", json.dumps(SUFFIX_CONFIG)], env
+def trillm_drafting(config: dict | None):
+    """trillm serving with `config` as its --speculative-config (None: no drafts)."""
+    def command(args, model_dir: str, port: int):
+        command, env = trillm_command(args, model_dir, port)
+        return command + ["--speculative-config", "" if config is None else json.dumps(config)], env
+    return command
 
 
 def llama_ngram_command(args, model_dir: str, port: int):
@@ -53,12 +52,10 @@ def llama_ngram_command(args, model_dir: str, port: int):
     return command + ["--spec-type", "ngram-simple"], env
 
 
-def trillm_plain_command(args, model_dir: str, port: int):
-    command, env = trillm_command(args, model_dir, port)
-    return command + ["--speculative-config", ""], env
-
-
-SERVERS = {"trillm": trillm_plain_command, "trillm-ngram": trillm_ngram_command, "trillm-suffix": trillm_suffix_command,
+# trillm-suffix: drafting where it measures faster (the default); -cap4: the fixed rule it replaced
+SERVERS = {"trillm": trillm_drafting(None), "trillm-ngram": trillm_drafting(SPEC_CONFIG),
+           "trillm-suffix": trillm_drafting(SUFFIX_CONFIG),
+           "trillm-suffix-cap4": trillm_drafting({**SUFFIX_CONFIG, "disable_by_batch_size": 4}),
            "llama-server": llama_server_command, "llama-server-ngram": llama_ngram_command}
 
 

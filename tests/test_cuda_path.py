@@ -34,6 +34,9 @@ def greedy_generations(model_dir: str, backend: str) -> tuple[list, dict]:
         num_kv_blocks=40,
         max_num_batched_tokens=STEP_BUDGET,
         max_num_seqs=4,
+        # drafts in every step, as both backends must step alike (the default's measured policy
+        # follows the backends' speeds)
+        speculative_config='{"method": "suffix", "num_speculative_tokens": 6, "disable_by_batch_size": 0}',
     )
     rng = random.Random(0)
 

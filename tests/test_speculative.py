@@ -10,6 +10,7 @@ import pytest
 
 import trillm
 from trillm import SamplingParams, StructuredOutput
+from trillm.engine.draft_policy import PROBE_EVERY, DraftPolicy
 from trillm.engine.drafting import NgramDrafter, SpeculativeConfig
 from trillm.engine.suffix_drafter import SuffixCache, SuffixDrafter
 
@@ -84,6 +85,8 @@ def test_suffix_cache_is_bounded_by_tokens_and_forgets_empty_tenants():
     ('{"method": "ngram", "num_speculative_tokens": "4"}', "num_speculative_tokens must be an integer"),
     ('{"method": "ngram", "prompt_lookup_min": 5, "prompt_lookup_max": 3}', "prompt_lookup_min"),
     ('{"method": "ngram", "draft_model": "x"}', "unknown key 'draft_model'"),
+    ('{"method": "ngram", "disable_by_batch_size": -1}', "disable_by_batch_size"),
+    ('{"method": "ngram", "disable_by_batch_size": true}', "disable_by_batch_size must be an integer or null"),
     ('{"method": "suffix", "suffix_decoding_min_token_prob": 2}', "suffix_decoding_min_token_prob"),
     ('["ngram"]', "JSON object"),
     ("{method: ngram}", "not JSON"),
@@ -91,8 +94,56 @@ def test_suffix_cache_is_bounded_by_tokens_and_forgets_empty_tenants():
 def test_the_config_takes_vllm_keys_and_refuses_the_rest(text, words):
     assert SpeculativeConfig.parse(json.dumps(NGRAM)) == SpeculativeConfig(**NGRAM)
     assert SpeculativeConfig.parse(None) is None and SpeculativeConfig.parse("") is None
+    assert SpeculativeConfig.parse('{"disable_by_batch_size": null}').disable_by_batch_size is None
     with pytest.raises(ValueError, match=words):
         SpeculativeConfig.parse(text)
+
+
+def decisions(policy: DraftPolicy, num_running: int, steps: int, rates: dict[bool, float] | None = None) -> list[bool]:
+    """The policy's choice for `steps` steps at a batch of `num_running`, each step then measured
+    at the rate `rates` gives its choice (output tokens per second; None: not measured)."""
+    chosen = []
+    for _ in range(steps):
+        drafted = policy.drafts(num_running)
+        chosen.append(drafted)
+        if rates is not None:
+            policy.measured(num_running, drafted, 10, 10 / rates[drafted])
+    return chosen
+
+
+def test_the_policy_drafts_at_a_batch_size_while_drafting_measures_faster_there():
+    policy = DraftPolicy()
+    # Nothing measured yet: it tries drafting, then (drafting measured) a step without.
+    assert decisions(policy, 1, 2, {True: 300.0, False: 200.0}) == [True, False]
+    # Drafting was faster at one stream: it drafts, and tries without it once every PROBE_EVERY steps.
+    one = decisions(policy, 1, 4 * PROBE_EVERY, {True: 300.0, False: 200.0})
+    assert one.count(False) == 4 and one[PROBE_EVERY - 1] is False
+    # At 8-15 requests the step is compute-bound and drafting measured slower: it does not draft,
+    # and tries it again once every PROBE_EVERY steps. The batch of one is not disturbed by this.
+    eight = decisions(policy, 9, 2 + 4 * PROBE_EVERY, {True: 900.0, False: 1000.0})
+    assert eight[:2] == [True, False] and eight[2:].count(True) == 4
+    assert decisions(policy, 12, PROBE_EVERY - 4) == [False] * (PROBE_EVERY - 4)  # the same group
+    assert decisions(policy, 1, 2) == [True, True]
+    assert decisions(policy, 16, 2) == [True, True]  # 16-31: a group not measured yet
+
+
+def test_the_policy_follows_a_change_in_what_drafting_is_worth():
+    """The workload starts repeating itself: drafting gets faster at a batch where it was slower,
+    and the policy turns to it within a few tries; then back when the drafts stop."""
+    policy = DraftPolicy()
+    assert decisions(policy, 4, 3 * PROBE_EVERY, {True: 500.0, False: 800.0}).count(True) <= 4
+    turned = decisions(policy, 4, 6 * PROBE_EVERY, {True: 1600.0, False: 800.0})
+    # within three tries it drafts, and thereafter leaves drafting only to try the other choice
+    assert turned[3 * PROBE_EVERY:].count(False) == 3
+    back = decisions(policy, 4, 3 * PROBE_EVERY, {True: 400.0, False: 800.0})
+    assert back[PROBE_EVERY:].count(True) == 2  # drafting measured slower at once
+
+
+def test_a_fixed_disable_by_batch_size_is_the_users_rule():
+    policy = DraftPolicy(cap=4)
+    assert decisions(policy, 4, 3, {True: 1.0, False: 1000.0}) == [True] * 3  # measured, not heeded
+    assert decisions(policy, 5, 3) == [False] * 3
+    assert decisions(DraftPolicy(cap=0), 512, 3) == [True] * 3
 
 
 @pytest.fixture(scope="module")
@@ -130,6 +181,24 @@ def test_greedy_with_drafts_is_greedy_without_them(engines):
     assert accepted > 48 and drafted >= accepted  # the drafts ran, and most of a copy was free
     assert sum(stats.spec_decode_accepted_per_position) == stats.spec_decode_num_accepted_tokens
     assert stats.num_used_blocks == 0
+
+
+def test_the_default_drafts_where_it_measured_and_stays_exact(engines):
+    """The server's default config gives no disable_by_batch_size: the engine measures its decode
+    steps at each batch size with drafts and without, and the output is greedy's either way."""
+    plain, _ = engines
+    measured = trillm.LLM(num_kv_blocks=256)
+    try:
+        policy = measured.engine.draft_policy
+        assert measured.engine.speculative.disable_by_batch_size is None and policy.cap is None
+        params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+        assert [o.token_ids for o in outputs(measured, REPETITIVE, params)] == \
+            [o.token_ids for o in outputs(plain, REPETITIVE, params)]
+        rates = policy.groups[DraftPolicy.group(len(REPETITIVE))]
+        assert rates.drafting > 0 and rates.plain > 0  # both measured at a batch of four
+        assert measured.engine.stats().spec_decode_num_drafts > 0
+    finally:
+        measured.engine.close()
 
 
 def test_suffix_drafts_are_exact_and_learn_from_earlier_outputs(engines):

@@ -165,7 +165,8 @@ class EngineArgs:
     # Speculative decoding (trillm/engine/drafting.py), vLLM's JSON: {"method": "ngram" | "suffix",
     # "num_speculative_tokens": k, "prompt_lookup_max": n, "prompt_lookup_min": n,
     # "disable_by_batch_size": b, ...}; on by default (suffix drafts, 6 at most: benchmarks/README.md
-    # has the figures that chose them). "" or None: off
+    # has the figures that chose them; without disable_by_batch_size, drafted at a batch size while
+    # drafting measures faster there). "" or None: off
     speculative_config: str | None = '{"method": "suffix", "num_speculative_tokens": 6}'
     # KV-cache events for cache-aware routers (trillm/engine/kv_events.py), vLLM's JSON:
     # {"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", ...}. None: off
@@ -204,6 +205,7 @@ _JSON_KINDS = {
     "str": ((str,), "a string"),
     "str | None": ((str, type(None)), "a string or null"),
     "int": ((int,), "an integer"),
+    "int | None": ((int, type(None)), "an integer or null"),
     "float": ((int, float), "a number"),
 }
 

@@ -7,11 +7,13 @@ holds no locks: adds and aborts are applied between steps, never during one.
 from __future__ import annotations
 
 import functools
+import time
 from dataclasses import dataclass, replace
 
 import torch
 
 from trillm.config import EngineArgs
+from trillm.engine.draft_policy import DraftPolicy
 from trillm.engine.drafting import NgramDrafter, SpeculativeConfig
 from trillm.engine.kv_events import KVEventsConfig, ZmqEventPublisher, event_batch
 from trillm.engine.pooler import Pooler
@@ -139,6 +141,8 @@ class EngineCore:
         self.requests: dict[str, EngineRequest] = {}  # live requests, from add_request to their end
         self.num_preemptions = 0
         self.speculative = SpeculativeConfig.parse(args.speculative_config)  # None: no drafts
+        # whether a step drafts: measured per batch size, or the config's fixed rule
+        self.draft_policy = None if self.speculative is None else DraftPolicy(self.speculative.disable_by_batch_size)
         self.spec_decode = SpecDecodeCounts()
         # "suffix" drafts also come from earlier requests' outputs, kept here per tenant
         self.suffix_cache = None if self.speculative is None else \
@@ -418,7 +422,8 @@ class EngineCore:
             self.kv_events.publish(event_batch(raw, self.args.block_size, self.args.data_parallel_rank, names))
 
     def _step(self) -> list[StepOutput]:
-        if self.speculative is not None:
+        started, num_running = time.perf_counter(), self.scheduler.num_running
+        if self.draft_policy is not None and self.draft_policy.drafts(num_running):
             self._propose_drafts()
         sched = self.scheduler.schedule()
         self.num_preemptions += len(sched.preempted)
@@ -461,12 +466,17 @@ class EngineCore:
                 outputs.append(self._output(row.seq, [], None, True, row))
         for request_id in finished_ids:
             self._forget(request_id)
+        if self.draft_policy is not None and all(entry.needs_sample and entry.num_new_tokens == len(
+                entry.draft_token_ids) + 1 for entry in sched.scheduled):
+            # a decode step (no prompt in it): what drafting was worth at this batch size, or not
+            # drafting (a step no request had drafts for is one)
+            drafted = any(entry.draft_token_ids for entry in sched.scheduled)
+            num_tokens = sum(len(row.token_ids) - before for row, before in zip(rows, num_before))
+            self.draft_policy.measured(num_running, drafted, num_tokens, time.perf_counter() - started)
         return outputs
 
     def _propose_drafts(self) -> None:
-        """Give each decoding request its drafts for this step, where the step's policy drafts."""
-        if not self.speculative.drafts_this_step(self.scheduler.num_running):
-            return
+        """Give each decoding request its drafts for this step (the step's policy drafts)."""
         for row in self.requests.values():
             seq = row.seq
             if row.drafter is not None and seq.status is RequestStatus.RUNNING \

@@ -15,8 +15,9 @@ Workloads that repeat themselves (code edits that copy their input, JSON that qu
 agent's tool calls) draft long runs that the model accepts; free text drafts rarely, and then
 short. A request's draft length follows what it accepted last (one more than its accepted
 run), so a request whose drafts keep failing drafts one token, and the step's policy
-(`disable_by_batch_size`) stops drafting once a batch is large enough that the step is
-compute-bound and rejected drafts would cost the other requests time.
+(trillm/engine/draft_policy.py) drafts at a batch size only while drafting measures faster
+there: once a batch is large enough that the step is compute-bound, rejected drafts would cost
+the other requests time.
 """
 from __future__ import annotations
 
@@ -35,8 +36,9 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4  # the most drafts a request verifies in one step
     prompt_lookup_max: int = 4  # the longest n-gram looked up
     prompt_lookup_min: int = 2  # the shortest
-    # Running requests above which no request drafts in a step (0: always draft)
-    disable_by_batch_size: int = 4
+    # Running requests above which no request drafts in a step (0: always draft); None: drafting
+    # where it measures faster (trillm/engine/draft_policy.py)
+    disable_by_batch_size: int | None = None
     # "suffix" (trillm/engine/suffix_drafter.py): the longest match looked for, the draft tokens
     # per matched token, the least share of matches a drafted token needs, and how many finished
     # requests' outputs later requests draft from (per adapter and cache salt), and how many
@@ -55,7 +57,7 @@ class SpeculativeConfig:
             raise ValueError("--speculative-config: num_speculative_tokens must be at least 1.")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError("--speculative-config: need 1 <= prompt_lookup_min <= prompt_lookup_max.")
-        if min(self.disable_by_batch_size, self.suffix_decoding_max_cached_requests,
+        if min(self.disable_by_batch_size or 0, self.suffix_decoding_max_cached_requests,
                self.suffix_decoding_max_cached_tokens) < 0:
             raise ValueError("--speculative-config: disable_by_batch_size, suffix_decoding_max_cached_requests "
                              "and suffix_decoding_max_cached_tokens must be non-negative.")
@@ -71,11 +73,6 @@ class SpeculativeConfig:
         if not text:
             return None
         return from_json_object(cls, "--speculative-config", text)
-
-    def drafts_this_step(self, num_running: int) -> bool:
-        """The step's policy: draft only while the batch is small enough that a step is bound by
-        reading the weights, not by its arithmetic."""
-        return self.disable_by_batch_size == 0 or num_running <= self.disable_by_batch_size
 
 
 class Drafter:
