@@ -81,9 +81,8 @@ class Sequence:
 
 
 def run_step(runner: ModelRunner, chunks: list[tuple[Request, int, int]]) -> torch.Tensor:
-    return runner.execute(
-        Schedule([Scheduled(r, n, s) for r, s, n in chunks])
-    ).logits
+    """The step's logits, copied: the runner's own live only until its next step."""
+    return runner.execute(Schedule([Scheduled(r, n, s) for r, s, n in chunks])).logits.clone()
 
 
 def make_sequences(runner: ModelRunner, lengths: list[int], num_decode: int = 0, seed: int = 0) -> list[Sequence]:
@@ -440,6 +439,25 @@ def test_kv_cache_memory_becomes_resident_only_as_blocks_are_written(tiny_model_
     assert not k_cache.any() and not v_cache.any()  # zero, as attention needs
     seq = make_sequences(runner, [40])[0]
     assert torch.isfinite(run_step(runner, [seq.chunk(0, 40)])).all()
+
+
+def test_cpu_steps_write_their_logits_into_one_buffer():
+    """A step's logits (a 262k vocabulary's rows are 1 MiB each) go into a buffer the steps
+    share, grown when a step samples more rows than any before: not a fresh allocation each
+    step, which glibc maps and faults in anew or leaves in its heap."""
+    runner = ModelRunner(EngineArgs(num_kv_blocks=64, block_size=16))
+    assert runner.model.lm_head.quantized is not None
+    one, two, three = make_sequences(runner, [20, 12, 9], seed=5)
+
+    def logits(chunks):
+        return runner.execute(Schedule([Scheduled(r, n, s) for r, s, n in chunks])).logits
+
+    first = logits([one.chunk(0, 20)])
+    address, values = first.data_ptr(), first.clone()
+    both = logits([two.chunk(0, 12), three.chunk(0, 9)])
+    assert both.shape[0] == 2 and both.data_ptr() != address  # grown for two rows
+    assert torch.equal(run_step(runner, [one.chunk(19, 1)]), values)  # the same row computed again
+    assert logits([two.chunk(11, 1)]).data_ptr() == both.data_ptr()  # one row: the same buffer
 
 
 def test_a_prompt_computes_the_same_whatever_else_the_step_holds():

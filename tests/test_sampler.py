@@ -347,6 +347,32 @@ def test_sampled_tokens_stay_in_the_truncated_support(seed, temperature, top_k, 
             assert value >= row.max() + math.log(min_p) - 1e-5
 
 
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.5, seed=3),
+    SamplingParams(temperature=0.8, top_k=50, top_p=0.9, seed=3),
+    SamplingParams(seed=3),
+])
+def test_the_steps_logits_are_tempered_in_place_and_a_callers_are_kept(params):
+    """A large vocabulary's rows are 1 MiB each: the engine's step hands its logits over as
+    scratch, and temperature and truncation write over them instead of copying them each step;
+    logits a caller keeps are never changed. Either way the same tokens are drawn."""
+    logits = random_logits(4, vocab=5000)
+    kept = logits.clone()
+    batch = [params] * 4
+    tokens = Sampler().sample(logits, batch_of(batch, generators=[torch.Generator().manual_seed(3) for _ in batch]))
+    assert torch.equal(logits, kept)
+    with torch.inference_mode():  # as the runner makes them
+        scratch = logits.clone()
+    again = Sampler().sample(scratch, batch_of(batch, generators=[torch.Generator().manual_seed(3) for _ in batch]),
+                             scratch=True)
+    assert again.token_ids == tokens.token_ids
+    if params.temperature != 1.0:
+        tempered = kept / params.temperature
+        assert torch.equal(scratch[torch.isfinite(scratch)], tempered[torch.isfinite(scratch)])
+    # Temperature 1 and no truncation change nothing: the rows are drawn from as they are.
+    assert truncate(kept, [SamplingParams()] * 4) is kept
+
+
 @settings(max_examples=80, deadline=None)
 @given(seed=st.integers(0, 2**16), vocab=st.sampled_from([7, 300, 5000, 20000]),
        scale=st.sampled_from([0.05, 1.0, 8.0]), data=st.data())

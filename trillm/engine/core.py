@@ -496,7 +496,7 @@ class EngineCore:
         if constrained:
             self.grammars.mask(logits, constrained)
         streams = SeededStreams(rows, entries)
-        sampled = self.sampler.sample(logits, SamplingBatch.of(positions))
+        sampled = self.sampler.sample(logits, SamplingBatch.of(positions), scratch=True)  # the step's own
         runs, run_logprobs, first = [], [], 0
         for row, entry in zip(rows, entries):
             drafts = entry.draft_token_ids

@@ -102,14 +102,17 @@ class SamplerOutput:
 
 
 class Sampler:
-    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-        """logits: [N, V] fp32, one row per entry of `batch`."""
+    @torch.inference_mode()  # the runner's logits are inference tensors: written in place only inside it
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch, scratch: bool = False) -> SamplerOutput:
+        """logits: [N, V] fp32, one row per entry of `batch`. `scratch`: the caller has no more use
+        for them, so temperature and truncation may write over them (a large vocabulary's rows
+        are not copied each step)."""
         assert logits.dim() == 2 and logits.dtype == torch.float32 and logits.shape[0] == len(batch.params)
         params = batch.params
         logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         raw_logprobs = torch.log_softmax(logits[logprob_rows], dim=-1) if logprob_rows else None
         processed = process_logits(logits, batch)
-        tokens = _pick(processed, params, batch.generators)
+        tokens = _pick(processed, params, batch.generators, scratch or processed is not logits)
         logprobs: list[TokenLogprobs | None] = [None] * len(params)
         if logprob_rows:
             sampled = tokens[logprob_rows]
@@ -168,8 +171,9 @@ def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 NUCLEUS_CANDIDATES = (256, 4096)  # the largest logits top-p looks among, in turn; a wider nucleus is sorted
 
 
-def truncate(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Temperature, then top-k, top-p and min-p as -inf, for random rows only (no greedy row here).
+def truncate(logits: torch.Tensor, params: list[SamplingParams], in_place: bool = False) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p as -inf, for random rows only (no greedy row here);
+    on `logits` themselves where `in_place`, else on a copy (none when nothing changes them).
 
     Top-k keeps values >= the k-th largest (ties all survive); top-p, over what top-k kept, keeps
     a token when the probability of the tokens above it is still below p (so never drops the
@@ -181,8 +185,13 @@ def truncate(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor
     wider still is truncated by sorting it (`truncate_sorted`, the reference).
     """
     assert not any(p.greedy for p in params)
-    logits = logits / _column([p.temperature for p in params], logits)  # a new tensor: masked in place below
-    if all(p.top_k == 0 and p.top_p == 1.0 and p.min_p == 0.0 for p in params):
+    untruncated = all(p.top_k == 0 and p.top_p == 1.0 and p.min_p == 0.0 for p in params)
+    if any(p.temperature != 1.0 for p in params):
+        temperature = _column([p.temperature for p in params], logits)
+        logits = logits.div_(temperature) if in_place else logits / temperature
+    elif not (in_place or untruncated):
+        logits = logits.clone()  # masked in place below
+    if untruncated:
         return logits
     vocab_size = logits.shape[1]
     if all(p.top_k == 0 and p.top_p == 1.0 for p in params):  # min-p alone: the row's maximum is enough
@@ -248,8 +257,10 @@ def truncate_sorted(logits: torch.Tensor, params: list[SamplingParams]) -> torch
     return torch.empty_like(sorted_logits).scatter_(1, order, sorted_logits)
 
 
-def _pick(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> torch.Tensor:
-    """One token per row: argmax for greedy rows, inverse-CDF sampling for the others."""
+def _pick(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+          scratch: bool) -> torch.Tensor:
+    """One token per row: argmax for greedy rows, inverse-CDF sampling for the others. `scratch`:
+    `logits` may be written over."""
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if not random_rows:
         return argmax(logits)
@@ -257,8 +268,9 @@ def _pick(logits: torch.Tensor, params: list[SamplingParams], generators: list[t
     greedy_rows = [i for i, p in enumerate(params) if p.greedy]
     if greedy_rows:
         tokens[greedy_rows] = argmax(logits[greedy_rows])
-    rows = logits if len(random_rows) == len(params) else logits[random_rows]
-    truncated = truncate(rows, [params[i] for i in random_rows])
+    whole = len(random_rows) == len(params)
+    rows = logits if whole else logits[random_rows]  # else a copy, the sampler's own
+    truncated = truncate(rows, [params[i] for i in random_rows], in_place=scratch or not whole)
     uniform = torch.rand(len(random_rows), dtype=torch.float64, device=logits.device)
     for row, i in enumerate(random_rows):
         if generators[i] is not None:

@@ -289,11 +289,14 @@ class _TiledLinear:
     from_gguf = staticmethod(from_gguf)
     requantize = staticmethod(requantize)
 
-    def __call__(self, x, bias=None):
-        """x [..., K] fp32 on the CPU -> [..., N] fp32."""
+    def __call__(self, x, bias=None, out=None):
+        """x [..., K] fp32 on the CPU -> [..., N] fp32; written into `out` ([rows, N] fp32,
+        contiguous) when given, a buffer the caller keeps from step to step."""
         assert x.dtype == torch.float32 and x.device.type == "cpu" and x.shape[-1] == self.in_features, (x.dtype, x.shape)
         x2 = x.reshape(-1, self.in_features).contiguous()
-        out = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
+        if out is None:
+            out = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
+        assert out.shape == (x2.shape[0], self.out_features) and out.dtype == torch.float32 and out.is_contiguous()
         if self._multiply(out, x2) != 0:
             raise MemoryError(f"{type(self).__name__}: no memory for the kernel's copy of the rows")
         if bias is not None:

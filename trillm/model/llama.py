@@ -94,8 +94,10 @@ class Linear(nn.Module):
         start, end = self.shard_offsets[index], self.shard_offsets[index + 1]
         return param.narrow(0, start, end - start)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self._matmul(x, self.bias if self.reduce is None else None)
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """`out`: where the quantized CPU kernel may write the result (fp32, [rows, out
+        features]); the other paths return a tensor of their own."""
+        y = self._matmul(x, self.bias if self.reduce is None else None, out)
         if self.lora is not None and self.lora.batch.slots is not None:
             self.lora.add(y, x)
         if self.reduce is None:
@@ -103,9 +105,9 @@ class Linear(nn.Module):
         y = self.reduce.all_reduce(y)
         return y if self.bias is None else y + self.bias
 
-    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None) -> torch.Tensor:
         if self.quantized is not None:
-            return self.quantized(x, bias)
+            return self.quantized(x, bias) if out is None else self.quantized(x, bias, out)
         if self.packed_weight is not None:
             return linear_cpu.linear(x, self.packed_weight, bias)
         return F.linear(x, self.weight, bias)
@@ -480,8 +482,9 @@ class LlamaForCausalLM(nn.Module):
         """KV heads this rank caches (all of them on a single rank)."""
         return self.model.layers[0].self_attn.num_kv_heads
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Only for the rows that need a sample: the vocab projection is the largest matmul.
         Under tensor parallelism every rank projects onto its vocabulary rows and the logits
-        are gathered whole on every rank (all of them take part; rank 0 samples)."""
-        return self.tp.gather_columns(self.lm_head(hidden), self.config.vocab_size)
+        are gathered whole on every rank (all of them take part; rank 0 samples). `out`: as
+        Linear.forward's, on one rank."""
+        return self.tp.gather_columns(self.lm_head(hidden, out), self.config.vocab_size)

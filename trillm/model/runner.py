@@ -106,6 +106,7 @@ class ModelRunner:
         self.asleep: set[SleepTag] = set()  # what sleep mode freed (empty: serving)
         self.block_size = args.block_size
         self.decode_graphs: DecodeGraphs | None = None  # captured once the KV cache exists
+        self._logits: torch.Tensor | None = None  # the CPU steps' logits buffer (_step_logits)
         self.closed = False
         # Tests set this to fail a step from inside the model's turn (a device error, say):
         # called with the SchedulerOutput at the start of every execute. None in production.
@@ -278,7 +279,21 @@ class ModelRunner:
         inputs = StepInputs(chunks, block_tables, starts, samples, lora_slots)
         batch, hidden = self._run(inputs)
         hidden = hidden[: sched.total_num_tokens]
-        return ModelOutput(self.compute_logits(hidden[batch.sample_rows]), hidden if keep_hidden else None)
+        return ModelOutput(self._step_logits(hidden[batch.sample_rows]), hidden if keep_hidden else None)
+
+    def _step_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """compute_logits for a step's sampled rows, on one CPU rank into a buffer the steps
+        share (ModelOutput.logits lives until the next step). A fresh [rows, vocab] each step
+        would be mapped and faulted in anew (glibc maps an allocation that large, and one as
+        large as the last it freed), and steps of varying rows leave the freed ones in the
+        heap: a 262k vocabulary's 56 sampled rows are 56 MiB."""
+        if hidden.device.type != "cpu" or self.tp.size > 1 or hidden.shape[0] == 0:
+            return self.compute_logits(hidden)
+        vocab_size = self.config.hf_config.vocab_size
+        if self._logits is None or self._logits.shape[0] < hidden.shape[0] or self._logits.shape[1] != vocab_size:
+            self._logits = None  # freed before its successor is made
+            self._logits = torch.empty(hidden.shape[0], vocab_size, dtype=torch.float32)
+        return self.compute_logits(hidden, self._logits[: hidden.shape[0]])
 
     def _run(self, inputs: StepInputs) -> tuple[ModelInput, torch.Tensor]:
         """One forward on every rank: rank 0 sends the inputs to the workers first."""
@@ -319,11 +334,12 @@ class ModelRunner:
         return True
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits [rows, vocab] of final hidden states [rows, hidden]; no rows, no work."""
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """fp32 logits [rows, vocab] of final hidden states [rows, hidden]; no rows, no work.
+        `out`: where the quantized CPU kernel may write them (LlamaForCausalLM.compute_logits)."""
         if hidden.shape[0] == 0:
             return torch.empty(0, self.config.hf_config.vocab_size, dtype=torch.float32, device=hidden.device)
-        return self.model.compute_logits(hidden).float()
+        return self.model.compute_logits(hidden, out).float()
 
     @torch.inference_mode()
     def teacher_forced_logits(self, token_ids: list[int], chunk: int = 512) -> torch.Tensor:
