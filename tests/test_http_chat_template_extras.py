@@ -121,7 +121,10 @@ async def test_string_messages_and_do_preprocess(server):
 THINKING = r"<think>\n?[a-z ]{1,24}\n?</think>\n\n[A-Z][a-z ]{1,16}\."
 
 
-async def test_separate_and_stream_reasoning(core):
+async def test_separate_and_stream_reasoning(core, monkeypatch):
+    # A token a step, so that a streamed reasoning arrives in several chunks: a step verifying
+    # drafts may bring the whole of a short one at once (whether it drafts is measured, so timing).
+    monkeypatch.setattr(core, "draft_policy", None)
     async with live_server(core, reasoning_parser="deepseek_r1") as server:
         client = server.openai()
         args = dict(model=server.model, messages=ASK, temperature=0, max_tokens=64,
