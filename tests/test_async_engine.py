@@ -94,47 +94,44 @@ async def test_refused_admissions(engine, core, prompt):
     assert (await until_idle(engine)).num_used_blocks == 0
 
 
+def calls_on_the_loop(monkeypatch, core, *names: str) -> list[tuple[str, bool]]:
+    """A list that records each call of the core's methods `names` from then on: its name, and
+    whether it ran on the event loop's thread."""
+    calls = []
+
+    def recorded(name, method):
+        def call(*args, **kwargs):
+            calls.append((name, threading.current_thread() is threading.main_thread()))
+            return method(*args, **kwargs)
+        return call
+
+    for name in names:
+        monkeypatch.setattr(core, name, recorded(name, getattr(core, name)))
+    return calls
+
+
 async def test_each_member_is_checked_once_and_off_the_event_loop(engine, core, prompt, monkeypatch):
     """check_request scans the prompt (token ids against the vocabulary): the front runs it in a
     worker thread, and the engine task, on the event loop, does not run it again."""
-    checks = []
-    check_request = core.check_request
-
-    def counted(prompt_token_ids, params):
-        checks.append(threading.current_thread() is threading.main_thread())
-        return check_request(prompt_token_ids, params)
-
-    monkeypatch.setattr(core, "check_request", counted)
+    checks = calls_on_the_loop(monkeypatch, core, "check_request")
     group = RequestGroup("twice", [(prompt, SamplingParams(max_tokens=2)), (prompt[:-1], SamplingParams(max_tokens=2))])
     stream = await engine.add(group)
     assert [out.finish_reason for _, out in [x async for x in stream] if out.finished] == ["length", "length"]
-    assert checks == [False, False]
+    assert checks == [("check_request", False)] * 2
 
 
 async def test_admissions_run_off_the_event_loop(engine, core, prompt, monkeypatch):
     """Admitting copies a prompt and hashes its blocks, work that grows with it: the engine task
     does it in the step's worker thread, a repeated prompt's deferred sample too (admitted after
     its twin's first token), and an abort's as well; the event loop only settles the outcome."""
-    on_loop = []
-    add_request, abort_request = core.add_request, core.abort_request
-
-    def counted_add(*args, **kwargs):
-        on_loop.append(("add", threading.current_thread() is threading.main_thread()))
-        return add_request(*args, **kwargs)
-
-    def counted_abort(*args, **kwargs):
-        on_loop.append(("abort", threading.current_thread() is threading.main_thread()))
-        return abort_request(*args, **kwargs)
-
-    monkeypatch.setattr(core, "add_request", counted_add)
-    monkeypatch.setattr(core, "abort_request", counted_abort)
+    on_loop = calls_on_the_loop(monkeypatch, core, "add_request", "abort_request")
     twins = await engine.add(RequestGroup("twins", [(prompt, SamplingParams(max_tokens=2))] * 2))
     assert [out.finish_reason for _, out in [x async for x in twins] if out.finished] == ["length", "length"]
     stream = await engine.add(RequestGroup("aborted", [(prompt, LONG_RUN)]))
     await anext(stream)
     assert engine.abort("aborted")
     assert [out.finish_reason async for _, out in stream if out.finished] == ["abort"]
-    assert on_loop == [("add", False), ("add", False), ("add", False), ("abort", False)]
+    assert on_loop == [("add_request", False)] * 3 + [("abort_request", False)]
 
 
 async def test_waiting_queue_limit(core, prompt):

@@ -107,7 +107,7 @@ class Linear(nn.Module):
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None) -> torch.Tensor:
         if self.quantized is not None:
-            return self.quantized(x, bias) if out is None else self.quantized(x, bias, out)
+            return self.quantized(x, bias, out)
         if self.packed_weight is not None:
             return linear_cpu.linear(x, self.packed_weight, bias)
         return F.linear(x, self.weight, bias)

@@ -289,10 +289,9 @@ class ModelRunner:
         heap: a 262k vocabulary's 56 sampled rows are 56 MiB."""
         if hidden.device.type != "cpu" or self.tp.size > 1 or hidden.shape[0] == 0:
             return self.compute_logits(hidden)
-        vocab_size = self.config.hf_config.vocab_size
-        if self._logits is None or self._logits.shape[0] < hidden.shape[0] or self._logits.shape[1] != vocab_size:
+        if self._logits is None or self._logits.shape[0] < hidden.shape[0]:
             self._logits = None  # freed before its successor is made
-            self._logits = torch.empty(hidden.shape[0], vocab_size, dtype=torch.float32)
+            self._logits = torch.empty(hidden.shape[0], self.config.hf_config.vocab_size, dtype=torch.float32)
         return self.compute_logits(hidden, self._logits[: hidden.shape[0]])
 
     def _run(self, inputs: StepInputs) -> tuple[ModelInput, torch.Tensor]:
