@@ -200,7 +200,7 @@ async def check_no_leaks(server: LiveServer, report: SoakReport) -> None:
     assert stats["num_used_blocks"] == stats["num_running"] == stats["num_waiting"] == 0, stats
     engine, core = server.state.engine, server.state.engine.core
     live = engine.live
-    assert not len(live) and not live.engine_ids() and not engine._commands and live.unfinished_members == 0
+    assert not len(live) and not engine._link.commands and live.unfinished_members == 0
     assert not core.requests and not core.has_unfinished()
     with trio.move_on_after(SETTLE_TIMEOUT):
         while task_names() != report.baseline_tasks or len(working_threads()) > report.baseline_threads:

@@ -62,7 +62,7 @@ async def test_closing_a_stream_aborts_its_request(engine, prompt):
 
 
 async def test_samples_of_one_prompt_share_its_cached_blocks(engine, core, prompt):
-    assert engine.reset_prefix_cache()
+    assert await engine.reset_prefix_cache()
     long_prompt = prompt * 3
     group = RequestGroup("n", [(long_prompt, SamplingParams(max_tokens=2, seed=i)) for i in range(3)])
     stream = await engine.add(group)

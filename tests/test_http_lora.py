@@ -148,11 +148,11 @@ async def test_an_adapter_unloaded_before_its_request_is_admitted_is_a_404(lora_
         with frozen_engine(lora_server.state.engine.core):
             nursery.start_soon(functools.partial(greedy, client, lora_server.model, max_tokens=3))
             with trio.fail_after(30):
-                while not engine._stepping:  # the base request's step is held
+                while not engine._link.stepping:  # the base request's step is held
                     await trio.sleep(0.01)
             nursery.start_soon(late)
             with trio.fail_after(30):
-                while not engine._commands:  # its admission waits for the step to end
+                while not engine._link.commands:  # its admission waits for the step to end
                     await trio.sleep(0.01)
             assert (await http.post("/v1/unload_lora_adapter", json={"lora_name": "two"})).status_code == 200
     assert outcome == ["model"]

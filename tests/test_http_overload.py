@@ -128,7 +128,7 @@ async def test_a_request_that_can_never_run_is_refused_while_a_step_is_held(core
                 nursery.start_soon(lambda: client.completions.create(
                     model=server.model, prompt=[10, 11, 12], max_tokens=MAX_TOKENS, extra_body={"ignore_eos": True}))
                 with trio.fail_after(SETTLE_TIMEOUT):
-                    while not state.engine._stepping:
+                    while not state.engine._link.stepping:
                         await trio.sleep(0.01)
                 refusals = [
                     ({"prompt": [10, 11], "max_tokens": state.max_model_len}, "max_tokens"),
@@ -140,5 +140,5 @@ async def test_a_request_that_can_never_run_is_refused_while_a_step_is_held(core
                         with pytest.raises(openai.BadRequestError) as refused:
                             await client.completions.create(model=server.model, **body)
                         assert refused.value.body["param"] == param, refused.value.body
-                assert state.engine._stepping, "the step is still held"
+                assert state.engine._link.stepping, "the step is still held"
                 nursery.cancel_scope.cancel()

@@ -28,6 +28,9 @@ class SamplingParamError(ValueError):
         self.param = param
         self.status = status
 
+    def __reduce__(self):  # pickled across the engine's process boundary, with its fields
+        return type(self), (self.param, str(self), self.status)
+
 
 Kind = Literal["json_schema", "json_object", "regex", "grammar", "structural_tag"]
 

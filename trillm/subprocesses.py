@@ -95,10 +95,10 @@ def _release_the_fork_server() -> None:
         server._forkserver_alive_fd = None
 
 
-def die_with_parent(cpus: set[int] | None = None) -> None:
+def die_with_parent(cpus: set[int] | None = None, signum: int = signal.SIGTERM) -> None:
     """For a child, before it runs anything else (a preexec_fn, before exec; or the first call
-    of a forked child): the kernel sends the child SIGTERM when its parent exits; `cpus`, if
+    of a forked child): the kernel sends the child `signum` when its parent exits; `cpus`, if
     given, are the only cores it runs on."""
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signum)
     if cpus:
         os.sched_setaffinity(0, cpus)

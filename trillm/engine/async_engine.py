@@ -1,13 +1,12 @@
-"""AsyncEngine: the Trio front of EngineCore.
+"""AsyncEngine: the Trio front of the engine core.
 
-One Trio task (`run`, started in the app's nursery) owns the core. Each of its rounds
-takes the queued admissions and aborts to a worker thread, applies them there between
-two steps, and runs `EngineCore.step()` after them, so the event loop keeps serving
-while the model computes and while a long prompt is admitted; back on the loop, the
-round's outcome is settled (channels fed, refused groups ended). Handlers never touch
-the core: they queue commands and read their outputs from a memory channel. That
-single owner is what makes an abort clean: it is one command, applied between two
-steps, and the request's blocks are free before the next one.
+One Trio task (`run`, started in the app's nursery) drives the core's link: StepThread (the core
+in this process, its rounds on the step's worker thread: trillm/engine/step_thread.py) or
+EngineProcess (the core in a process of its own: trillm/engine/core_process.py). Handlers never
+touch the core: they send commands (admissions, aborts, stops: trillm/engine/rounds.py), named by
+the group's id, and read their outputs from a memory channel; the engine task settles each Round
+that comes back (channels fed, refused groups ended). A command is applied between two steps,
+so an abort is clean: the request's blocks are free before the next step.
 
 A client request may need several engine requests: `n` samples of a prompt, or a
 list of prompts. They form one `RequestGroup` (trillm/engine/group.py: the fan-out,
@@ -21,10 +20,10 @@ size is bounded anyway, by each request's max_tokens.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from types import MappingProxyType
 
 import trio
@@ -32,10 +31,13 @@ import trio
 from trillm.config import EngineArgs
 from trillm.engine.admission import Admission
 from trillm.engine.core import EngineCore, StepOutput
+from trillm.engine.core_process import EngineProcess
 from trillm.engine.errors import EngineUnavailableError
 from trillm.engine.group import RequestGroup
 from trillm.engine.live_groups import LiveGroup, LiveGroups
-from trillm.engine.stats import EngineStats, ServingStats
+from trillm.engine.rounds import Abort, Call, Round, Stop
+from trillm.engine.stats import ServingStats
+from trillm.engine.step_thread import StepThread
 from trillm.engine.weight_cycle import WeightCycle
 from trillm.model.loader import ModelConfig
 from trillm.model.lora import LoRAAdapter
@@ -44,43 +46,6 @@ from trillm.sched_ext import FinishReason
 log = logging.getLogger(__name__)
 
 CHECK_THREADS = 2  # requests checked at once before they queue (AsyncEngine.add)
-
-
-# The engine task's commands, queued by handlers and applied between two steps, in order.
-@dataclass(frozen=True)
-class Admit:
-    group: LiveGroup
-
-
-@dataclass(frozen=True)
-class Abort:
-    group: LiveGroup
-    reason: FinishReason
-    indices: list[int] | None = None  # the members to abort (None: all)
-
-
-@dataclass(frozen=True)
-class Stop:
-    group: LiveGroup
-    index: int  # the member a stop string ended
-    reason: FinishReason
-
-
-Command = Admit | Abort | Stop
-
-
-@dataclass
-class Round:
-    """What one trip to the step's thread decided (AsyncEngine._round), for the event loop to
-    settle: each admission applied (with its error if refused), the outputs to send, in order,
-    whether a step ran, and the core's stats after it all; or the error a step raised, the
-    engine's death, which the loop raises once the admissions before it are settled."""
-
-    admissions: list[tuple[LiveGroup, Exception | None]] = field(default_factory=list)
-    outputs: list[tuple[LiveGroup, StepOutput]] = field(default_factory=list)
-    stepped: bool = False
-    stats: EngineStats | None = None
-    error: Exception | None = None
 
 
 class RequestStream:
@@ -119,12 +84,12 @@ class RequestStream:
 
     def stop(self, index: int, reason: FinishReason = FinishReason.STOP) -> None:
         """End one member early (a stop string matched); its final output still arrives."""
-        self._engine._enqueue(Stop(self._group, index, reason))
+        self._engine._link.submit(Stop(self.request_id, index, reason))
 
     def close(self) -> None:
         self._receive.close()
         if self._unfinished:
-            self._engine._enqueue(Abort(self._group, FinishReason.ABORT))
+            self._engine._link.submit(Abort(self.request_id, FinishReason.ABORT))
 
 
 class AsyncEngine:
@@ -134,7 +99,7 @@ class AsyncEngine:
     other parts: `admission` (Admission: the waiting limit, grammar compiles, the swap's gate)
     and `live` (LiveGroups: the index of live groups that routes aborts and outputs)."""
 
-    def __init__(self, core: EngineCore, max_waiting: int):
+    def __init__(self, core: EngineCore | EngineProcess, max_waiting: int):
         self.core = core
         self.error: Exception | None = None  # set when the engine task died
         self.accepting = True  # False once draining or closing: new requests get 503
@@ -142,14 +107,14 @@ class AsyncEngine:
         self.live = LiveGroups()
         self.admission = Admission(max_waiting, core.grammars)
         self.weights = WeightCycle(self)
-        self._commands: list[Command] = []
-        self._stepping = False  # a step is running in a worker thread
         self._running = False  # run() has started
-        self._wake = trio.Event()
         self._stopped = trio.Event()
         self._cancel_scope = trio.CancelScope()
         self._stats = core.stats()
         self._step_limiter = trio.CapacityLimiter(1)  # the step's thread, and what must not run beside it
+        self._link = core if isinstance(core, EngineProcess) else StepThread(core, self._step_limiter)
+        self._calls: dict[int, list] = {}  # a Call's id -> [its event, its reply]
+        self._call_ids = itertools.count()
         # the threads that check requests before they queue (never Trio's default limiter, which
         # anything else in the process may fill)
         self._check_limiter = trio.CapacityLimiter(CHECK_THREADS)
@@ -210,6 +175,7 @@ class AsyncEngine:
                                       abandon_on_cancel=True)
         requests.checked = True  # so the engine task does not scan the prompts again
         await self.admission.compile_grammars(requests)
+        admit = await self._link.prepare(requests)
         await self.admission.wait_open()
         # The world may have changed meanwhile; from here to registering there is no checkpoint.
         self._check_open()
@@ -217,7 +183,7 @@ class AsyncEngine:
         send, receive = trio.open_memory_channel[StepOutput](math.inf)
         group = LiveGroup(requests, send, unfinished=size)
         self.live.register(group)
-        self._enqueue(Admit(group))
+        self._link.submit(admit)
         stream = RequestStream(self, group, receive)
         try:
             await group.admitted.wait()
@@ -243,25 +209,22 @@ class AsyncEngine:
         targets = self.live.named(request_id)
         for group, indices in targets:
             group.abort_note = note or group.abort_note
-            self._enqueue(Abort(group, reason, indices))
+            self._link.submit(Abort(group.request_id, reason, indices))
         return len(targets)
 
     def abort_all(self, reason: FinishReason = FinishReason.ABORT, note: dict | None = None) -> int:
         for group in self.live:
             group.abort_note = note or group.abort_note
-            self._enqueue(Abort(group, reason))
+            self._link.submit(Abort(group.request_id, reason))
         return len(self.live)
 
-    def reset_prefix_cache(self) -> bool:
-        """Empty the prefix cache; False while any request is live.
-
-        With no live group and no step in flight the engine task is parked (or about to
-        be) on this same thread, so calling the core here cannot race a step."""
-        if len(self.live) or self._stepping:
+    async def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache, between two steps; False while any request is live (the core
+        says so too, for one admitted meanwhile). EngineUnavailableError if the engine died."""
+        self.check_alive()
+        if len(self.live):
             return False
-        done = self.core.reset_prefix_cache()
-        self._stats = self.core.stats()
-        return done
+        return await self._call("reset_prefix_cache")
 
     def stats(self) -> ServingStats:
         """The core's counters as of the last step or command, plus the front's own."""
@@ -278,12 +241,15 @@ class AsyncEngine:
 
     def refresh_stats(self) -> None:
         """Read the core's stats now, unless a step runs (it reads them when it ends): the
-        core's records change on the step's thread."""
-        if not self._stepping:
+        core's records change on the step's thread. (An engine in its own process sends them
+        after each of its rounds.)"""
+        if isinstance(self._link, StepThread) and not self._link.stepping:
             self._stats = self.core.stats()
 
     async def run_beside_steps(self, fn, *args):
-        """`fn(*args)` on the step's worker thread, so never while a step runs."""
+        """`fn(*args)` on the step's worker thread, so never while a step runs (a core in this
+        process only: the flags that need it are refused with the engine's own process)."""
+        assert isinstance(self._link, StepThread), "the core is in another process"
         return await trio.to_thread.run_sync(fn, *args, limiter=self._step_limiter)
 
     def check_alive(self) -> None:
@@ -337,86 +303,45 @@ class AsyncEngine:
     # --- the engine task ----------------------------------------------------------------------
 
     async def _loop(self) -> None:
-        while True:
-            if not self._commands and not self.core.has_unfinished():
-                self._wake = trio.Event()
-                await self._wake.wait()
-            # Only this task unregisters groups, between two rounds: a command whose group is
-            # live now finds it live in the round.
-            commands = [command for command in self._commands if command.group in self.live]
-            self._commands = []
-            # Admissions get a trip of their own, so that `add` returns (or refuses) without
-            # waiting for the step after them; aborts and stops ride with the step.
-            admits = any(isinstance(command, Admit) for command in commands)
-            trips = [(commands, False), ([], True)] if admits else [(commands, True)]
-            self._stepping = True
-            try:
-                for trip in trips:
-                    done = await trio.to_thread.run_sync(self._round, *trip, limiter=self._step_limiter)
-                    self._settle(done)
-                    if done.error is not None:
-                        raise done.error
-            finally:
-                self._stepping = False
+        await self._link.run(self._settle)
 
-    def _enqueue(self, command: Command) -> None:
-        self._commands.append(command)
-        self._wake.set()
-
-    def _round(self, commands: list[Command], step: bool) -> Round:
-        """On the step's worker thread: apply the commands in order, then (if `step`) take a step
-        if any request is unfinished. Everything here that grows with a request (a prompt's copy and
-        block hashes, a deferred sample's admission) stays off the event loop; what it decided
-        comes back for `_settle`, which alone touches channels and the index of live groups."""
-        done = Round()
-        refused: set[int] = set()  # groups whose admission failed this round: their later commands are moot
-        for command in commands:
-            group = command.group
-            if id(group) in refused:
-                continue
-            match command:
-                case Admit():
-                    try:
-                        group.requests.admit(self.core)
-                    except Exception as exc:  # noqa: BLE001 - one request's refusal (or our bug in admitting it) is not the engine's death
-                        if not isinstance(exc, ValueError):
-                            log.exception("request %s: admission failed", group.request_id)
-                        refused.add(id(group))
-                        done.admissions.append((group, exc))
-                    else:
-                        done.admissions.append((group, None))
-                case Abort(_, reason, indices):
-                    done.outputs.extend((group, out) for out in group.requests.abort(self.core, reason, indices))
-                case Stop(_, index, reason):
-                    out = group.requests.stop(self.core, index, reason)
-                    if out is not None:
-                        done.outputs.append((group, out))
+    async def _call(self, method: str):
+        """The core's `method()`, between two steps: its result, or what it raised."""
+        call_id = next(self._call_ids)
+        self._calls[call_id] = pending = [trio.Event(), None]
+        self._link.submit(Call(call_id, method))
         try:
-            if step and self.core.has_unfinished():
-                for out in self.core.step():
-                    group = self.live.owner(out.request_id)
-                    group.requests.on_output(self.core, out)
-                    done.outputs.append((group, out))
-                done.stepped = True
-            done.stats = self.core.stats()
-        except Exception as exc:  # noqa: BLE001 - the engine's death, raised on the loop once the admissions settle
-            done.error = exc
-        return done
+            await pending[0].wait()
+        finally:
+            del self._calls[call_id]
+        if isinstance(pending[1], Exception):
+            raise pending[1]
+        return pending[1]
 
     def _settle(self, done: Round) -> None:
         """On the event loop, after a round: end each refused admission, let every admitted
-        group's `add` return, and send the outputs in the order the round made them."""
-        for group, error in done.admissions:
+        group's `add` return, send the outputs in the order the round made them, and hand the
+        calls their replies."""
+        for group_id, error in done.admissions:
+            group = self.live.get(group_id)
             if error is not None:
                 group.error = error
                 group.send.close()
                 self.live.unregister(group)
             group.admitted.set()
-        for group, out in done.outputs:
-            self._send(group, out)
+        for group_id, out in done.outputs:
+            self._send(self.live.get(group_id), out)
+        for call_id, reply in done.replies:
+            self._reply(call_id, reply)
         self.num_steps += done.stepped
         if done.stats is not None:
             self._stats = done.stats
+
+    def _reply(self, call_id: int, reply) -> None:
+        pending = self._calls.get(call_id)
+        if pending is not None:  # else its caller has gone
+            pending[1] = reply
+            pending[0].set()
 
     def _send(self, group: LiveGroup, out: StepOutput) -> None:
         try:
@@ -431,14 +356,14 @@ class AsyncEngine:
         """Fail every live group and give the core's requests back their blocks: a dead engine
         takes no more steps, but the KV pool must not stay held by requests no one will end."""
         self.error = exc
-        for request_id in self.live.engine_ids():
-            self.core.abort_request(request_id)
+        self._link.after_death()
         for group in self.live.clear():
             group.send.close()  # an admitted group's stream then raises EngineUnavailableError
             if not group.admitted.is_set():
                 group.error = EngineUnavailableError(f"The engine stopped: {exc!r}")
                 group.admitted.set()
-        self._commands.clear()
+        for call_id in list(self._calls):
+            self._reply(call_id, EngineUnavailableError(f"The engine stopped: {exc!r}"))
 
     def _check_open(self) -> None:
         if self.error is not None or not self.accepting or self.sleeping:

@@ -21,7 +21,7 @@ from trillm.engine.prompt_logprobs import PromptLogprobs, fill_prompt_logprobs
 from trillm.engine.request import EngineRequest
 from trillm.model import memory, parallel
 from trillm.model.llama import head_dim_of
-from trillm.model.loader import resolve_device
+from trillm.model.loader import ModelConfig, resolve_device
 from trillm.model.lora import LoRAAdapter, LoRAError, LoRARegistry, LoRAWeights
 from trillm.model.runner import ModelRunner, SleepTag
 from trillm.model.tp_worker import Workers, launcher_init_method, launcher_rank
@@ -136,8 +136,7 @@ class EngineCore:
             for name, path in parse_lora_modules(args.lora_modules):
                 self.load_lora(name, path, self.loras.read(path))
         self.sampler = Sampler()
-        self.grammars = Grammars(self.tokenizer, self.config.hf_config.vocab_size, list(self.config.eos_token_ids),
-                                 args.grammar_compile_timeout)
+        self.grammars = Grammars.of(self.tokenizer, self.config, args.grammar_compile_timeout)
         self.requests: dict[str, EngineRequest] = {}  # live requests, from add_request to their end
         self.num_preemptions = 0
         self.speculative = SpeculativeConfig.parse(args.speculative_config)  # None: no drafts
@@ -187,42 +186,9 @@ class EngineCore:
             self.workers = None
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams | PoolingParams) -> LoRAAdapter | None:
-        """The adapter the request names (None: none), or ValueError (SamplingParamError with
-        .param) for a request that can never run, by itself:
-        an empty prompt, a token id outside the vocabulary, a prompt or prompt + max_tokens beyond
-        the context, a priority without the priority policy, an adapter not loaded. Reads only
-        what a step never changes (the model's config, the settings, the adapters' registry), so
-        any thread may call it while a step runs: a front refuses such a request at once, not
-        after the step it would wait for (and tells add_request so: `checked`)."""
-        if not prompt_token_ids:
-            raise SamplingParamError("prompt", "The prompt is empty.")
-        vocab_size = self.config.hf_config.vocab_size
-        sampling = isinstance(params, SamplingParams)
-        checked = [("prompt", prompt_token_ids)]
-        if sampling:
-            checked += [("logit_bias", params.logit_bias or {}), ("stop_token_ids", params.stop_token_ids)]
-        for param, ids in checked:
-            if any(not 0 <= t < vocab_size for t in ids):
-                raise SamplingParamError(param, f"Token ids in {param} must be in [0, {vocab_size}).")
-        if len(prompt_token_ids) >= self.config.max_model_len:
-            raise SamplingParamError(
-                "prompt",
-                f"The prompt is {len(prompt_token_ids)} tokens long; this model's context is "
-                f"{self.config.max_model_len} tokens, which must hold the prompt and at least one new token.",
-            )
-        if sampling and params.priority and self.args.scheduling_policy != SchedulingPolicy.PRIORITY:
-            raise SamplingParamError("priority", "priority needs a server started with --scheduling-policy priority.")
-        adapter = self._adapter(params.lora_name)
-        asked = params.max_tokens if sampling else None  # None: to the end of the context
-        if asked is not None and len(prompt_token_ids) + asked > self.config.max_model_len:
-            # Refused, not clamped: a client asking for more than fits should hear so.
-            raise SamplingParamError(
-                "max_tokens",
-                f"This model's maximum context length is {self.config.max_model_len} tokens. However, you "
-                f"requested {len(prompt_token_ids) + asked} tokens ({len(prompt_token_ids)} in "
-                f"the prompt, {asked} in the completion). Reduce the prompt or max_tokens.",
-            )
-        return adapter
+        """check_request (below) against this core: reads only what a step never changes, so any
+        thread may call it while a step runs."""
+        return check_request(self.config, self.args, self.loras, prompt_token_ids, params)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | PoolingParams,
                     checked: bool = False) -> None:
@@ -240,7 +206,7 @@ class EngineCore:
             raise SamplingParamError("request_id", f"A request with id {request_id!r} is already running.")
         if self.is_sleeping:
             raise SamplingParamError("model", "The engine is sleeping: wake it up first.")
-        lora = self._adapter(params.lora_name) if checked else self.check_request(prompt_token_ids, params)
+        lora = find_adapter(self.loras, params.lora_name) if checked else self.check_request(prompt_token_ids, params)
         # An adapter's KV differs from the base model's: its id roots its blocks' chain and identity.
         lora_salt = "" if lora is None else f"\0lora-{lora.lora_id}"
         lora_id = 0 if lora is None else lora.lora_id
@@ -288,18 +254,6 @@ class EngineCore:
         if lora is None or self.args.prefix_caching_hash_algo != PrefixHashAlgo.SHA256_CBOR:
             return None
         return vllm_extra_keys(lora.name, lora.path, salt)
-
-    def _adapter(self, name: str | None) -> LoRAAdapter | None:
-        """The adapter a request names, checked (not yet held: _add holds it)."""
-        if name is None:
-            return None
-        if self.loras is None:
-            raise SamplingParamError("model", f"The LoRA adapter `{name}` does not exist: this server runs without "
-                                              "--enable-lora.", status=404)
-        try:
-            return self.loras.get(name)
-        except LoRAError as exc:  # unloaded since the server checked the name: still a 404
-            raise SamplingParamError("model", str(exc), exc.status) from None
 
     def _add(self, row: EngineRequest) -> None:
         if row.lora is not None:
@@ -578,6 +532,59 @@ class EngineCore:
             prompt_logprobs=prompt_logprobs,
             pooled=pooled,
         )
+
+
+def check_request(config: ModelConfig, args: EngineArgs, loras: LoRARegistry | None, prompt_token_ids: list[int],
+                  params: SamplingParams | PoolingParams) -> LoRAAdapter | None:
+    """The adapter the request names (None: none), or ValueError (SamplingParamError with
+    .param) for a request that can never run, by itself:
+    an empty prompt, a token id outside the vocabulary, a prompt or prompt + max_tokens beyond
+    the context, a priority without the priority policy, an adapter not loaded. Reads only
+    what a step never changes (the model's config, the settings, the adapters' registry): a
+    front refuses such a request at once, not after the step it would wait for (and tells
+    add_request so: `checked`)."""
+    if not prompt_token_ids:
+        raise SamplingParamError("prompt", "The prompt is empty.")
+    vocab_size = config.hf_config.vocab_size
+    sampling = isinstance(params, SamplingParams)
+    checked = [("prompt", prompt_token_ids)]
+    if sampling:
+        checked += [("logit_bias", params.logit_bias or {}), ("stop_token_ids", params.stop_token_ids)]
+    for param, ids in checked:
+        if any(not 0 <= t < vocab_size for t in ids):
+            raise SamplingParamError(param, f"Token ids in {param} must be in [0, {vocab_size}).")
+    if len(prompt_token_ids) >= config.max_model_len:
+        raise SamplingParamError(
+            "prompt",
+            f"The prompt is {len(prompt_token_ids)} tokens long; this model's context is "
+            f"{config.max_model_len} tokens, which must hold the prompt and at least one new token.",
+        )
+    if sampling and params.priority and args.scheduling_policy != SchedulingPolicy.PRIORITY:
+        raise SamplingParamError("priority", "priority needs a server started with --scheduling-policy priority.")
+    adapter = find_adapter(loras, params.lora_name)
+    asked = params.max_tokens if sampling else None  # None: to the end of the context
+    if asked is not None and len(prompt_token_ids) + asked > config.max_model_len:
+        # Refused, not clamped: a client asking for more than fits should hear so.
+        raise SamplingParamError(
+            "max_tokens",
+            f"This model's maximum context length is {config.max_model_len} tokens. However, you "
+            f"requested {len(prompt_token_ids) + asked} tokens ({len(prompt_token_ids)} in "
+            f"the prompt, {asked} in the completion). Reduce the prompt or max_tokens.",
+        )
+    return adapter
+
+
+def find_adapter(loras: LoRARegistry | None, name: str | None) -> LoRAAdapter | None:
+    """The adapter a request names, checked (not yet held: _add holds it)."""
+    if name is None:
+        return None
+    if loras is None:
+        raise SamplingParamError("model", f"The LoRA adapter `{name}` does not exist: this server runs without "
+                                          "--enable-lora.", status=404)
+    try:
+        return loras.get(name)
+    except LoRAError as exc:  # unloaded since the server checked the name: still a 404
+        raise SamplingParamError("model", str(exc), exc.status) from None
 
 
 def parse_lora_modules(spec: str | None) -> list[tuple[str, str]]:

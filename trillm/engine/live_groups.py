@@ -2,14 +2,12 @@
 
 A group is live from the moment `AsyncEngine.add` registers it until its last member's final
 output is sent (or its admission is refused, or the engine dies). The index finds it by the
-server's id (unique), by a client's own id for it (not unique: two live groups may share one;
-a batch may name each prompt), and by each member's engine id (how a step's outputs find their
-channel). It also counts the members still without their final output, for the waiting limit.
+server's id (unique: how a Round's outputs find their channel), and by a client's own id for it
+(not unique: two live groups may share one; a batch may name each prompt). It also counts the
+members still without their final output, for the waiting limit.
 
-Ownership: the Trio thread alone changes it (handlers and the engine task both run there). The
-step's worker thread only looks up, with `owner`, the groups of the core's outputs; those cannot
-leave the index while it runs, since only the engine task unregisters, between its rounds, and a
-dict lookup beside the loop's inserts is atomic. So it needs no lock.
+Ownership: the Trio thread alone reads and changes it (handlers and the engine task both run
+there), so it needs no lock.
 """
 from __future__ import annotations
 
@@ -47,7 +45,6 @@ class LiveGroups:
     def __init__(self) -> None:
         self._by_id: dict[str, LiveGroup] = {}  # server id -> group
         self._by_client_id: dict[str, list[LiveGroup]] = {}  # client id -> its live groups, oldest first
-        self._owner: dict[str, LiveGroup] = {}  # engine id -> group, for every member
         # Members without their final output: queued for admission, deferred behind a repeated
         # prompt, or waiting or running in the core.
         self.unfinished_members = 0
@@ -63,12 +60,9 @@ class LiveGroups:
     def __contains__(self, group: LiveGroup) -> bool:
         return self._by_id.get(group.request_id) is group
 
-    def owner(self, engine_id: str) -> LiveGroup:
-        """The group of the member with this engine id (a live one: KeyError otherwise)."""
-        return self._owner[engine_id]
-
-    def engine_ids(self) -> list[str]:
-        return list(self._owner)
+    def get(self, request_id: str) -> LiveGroup:
+        """The live group with this server id (KeyError otherwise)."""
+        return self._by_id[request_id]
 
     def named(self, request_id: str) -> list[tuple[LiveGroup, list[int] | None]]:
         """What an abort of `request_id` reaches: the group with that server id (all of it), or
@@ -81,8 +75,6 @@ class LiveGroups:
     def register(self, group: LiveGroup) -> None:
         assert group.request_id not in self._by_id, "the server's request ids are unique"
         self._by_id[group.request_id] = group
-        for member in group.requests.members:
-            self._owner[member.request_id] = group
         for client_id in group.client_ids:
             self._by_client_id.setdefault(client_id, []).append(group)
         if self.idle.is_set():
@@ -99,8 +91,6 @@ class LiveGroups:
     def unregister(self, group: LiveGroup) -> None:
         assert group in self
         del self._by_id[group.request_id]
-        for member in group.requests.members:
-            del self._owner[member.request_id]
         for client_id in group.client_ids:
             named = self._by_client_id[client_id]
             named.remove(group)
@@ -115,7 +105,6 @@ class LiveGroups:
         groups = list(self._by_id.values())
         self._by_id.clear()
         self._by_client_id.clear()
-        self._owner.clear()
         self.unfinished_members = 0
         self.idle.set()
         return groups

@@ -64,10 +64,15 @@ class Grammars:
         self._stop_token_ids = stop_token_ids
         self._compile_timeout = compile_timeout
         self._info = None  # the tokenizer's xgrammar view, built on first use
-        self._cache: OrderedDict[StructuredOutput, object] = OrderedDict()
+        self._cache: OrderedDict[StructuredOutput, tuple[object, str]] = OrderedDict()  # compiled, serialized
         self._slow: OrderedDict[StructuredOutput, None] = OrderedDict()  # known to need the slow lane
         self._compilers = WorkerOnDemand()  # started on the first compile that misses the cache
         self._lock = threading.Lock()  # compile runs in worker threads, admission on the engine's
+
+    @classmethod
+    def of(cls, tokenizer, config, compile_timeout: float) -> Grammars:
+        """A model's compiler (`config`: its ModelConfig): its vocabulary, its EOS ids as stop tokens."""
+        return cls(tokenizer, config.hf_config.vocab_size, list(config.eos_token_ids), compile_timeout)
 
     def compile(self, spec: StructuredOutput, quick: bool = False):
         """The compiled grammar, from the cache or compiled now; SamplingParamError if it is
@@ -82,7 +87,7 @@ class Grammars:
         with self._lock:
             if spec in self._cache:
                 self._cache.move_to_end(spec)
-                return self._cache[spec]
+                return self._cache[spec][0]
             if budget < self._compile_timeout and spec in self._slow:
                 raise SlowCompile
             info = self._tokenizer_info()
@@ -106,11 +111,28 @@ class Grammars:
         except RuntimeError:
             log.exception("Compiling a %s failed", spec.kind)
             raise SamplingParamError(spec.param, f"The {spec.kind} could not be compiled.") from None
+        return self._keep(spec, serialized, info)
+
+    def serialized(self, spec: StructuredOutput) -> str:
+        """A compiled spec's grammar as xgrammar serializes it (for the engine's process, whose
+        `insert_serialized` takes it); KeyError if it is not in the cache."""
+        with self._lock:
+            return self._cache[spec][1]
+
+    def insert_serialized(self, grammars: dict[StructuredOutput, str]) -> None:
+        """Cache grammars a front compiled (`serialized`), so that admitting their requests compiles nothing."""
+        with self._lock:
+            info = self._tokenizer_info()
+        for spec, serialized in grammars.items():
+            if spec not in self._cache:
+                self._keep(spec, serialized, info)
+
+    def _keep(self, spec: StructuredOutput, serialized: str, info):
         import xgrammar
 
         compiled = xgrammar.CompiledGrammar.deserialize_json(serialized, info)
         with self._lock:
-            self._cache[spec] = compiled
+            self._cache[spec] = (compiled, serialized)
             while len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)
         return compiled

@@ -192,7 +192,7 @@ async def flush_cache():
     """Empty the prefix cache (behind the data-parallel router, every replica's). Refused while
     requests run: their blocks are in use."""
     state = current()
-    if not state.engine.reset_prefix_cache():
+    if not await state.engine.reset_prefix_cache():
         raise APIError(400, "Cannot flush the prefix cache while requests are running; retry when idle.")
     await peer_relay.relay_to_all(state.settings)
     return {"message": "The prefix cache is empty."}

@@ -80,6 +80,9 @@ class ServerSettings:
     allow_runtime_lora: bool = False  # /v1/load_lora_adapter, /v1/unload_lora_adapter, lora_request.lora_path
     allowed_weights_dir: str | None = None
     max_lora_adapters: int = 64  # adapters registered at once: a load while serving past it is refused
+    # the engine core in a process of its own (trillm/engine/core_process.py): its steps no longer
+    # share the interpreter's lock with the event loop that frames and sends every token
+    engine_process: bool = False
     engine: EngineArgs = field(default_factory=EngineArgs)
 
     def __post_init__(self) -> None:
@@ -89,6 +92,12 @@ class ServerSettings:
         if self.data_parallel_size < 0 or (self.data_parallel_size == 0 and not self.data_parallel_address):
             raise ValueError("--data-parallel-size is the replicas to start here: at least 1, or 0 with "
                              "--data-parallel-address (the router alone, in front of replicas elsewhere).")
+        if self.engine_process:
+            carried = {"--enable-lora": self.engine.enable_lora, "--enable-sleep-mode": self.engine.enable_sleep_mode,
+                       "--enable-weight-updates": self.enable_weight_updates,
+                       "--tensor-parallel-size above 1": self.engine.tensor_parallel_size > 1}
+            if refused := [flag for flag, on in carried.items() if on]:
+                raise ValueError(f"--engine-process does not carry {', '.join(refused)} yet: leave one of them out.")
 
     @property
     def supervises(self) -> bool:

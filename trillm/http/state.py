@@ -15,7 +15,7 @@ import pydantic
 import trio
 from quart import current_app, g, request
 
-from trillm.engine.api import AsyncEngine, EngineCore, LoRAError, ModelFacts, read_facts
+from trillm.engine.api import AsyncEngine, EngineCore, EngineProcess, LoRAError, ModelFacts, read_facts
 from trillm.http import json_body, paths
 from trillm.http.errors import APIError, from_validation_error
 from trillm.http.logprobs import TokenTexts
@@ -37,7 +37,7 @@ T = TypeVar("T")
 
 
 class ServerState:
-    def __init__(self, settings: ServerSettings, core: EngineCore):
+    def __init__(self, settings: ServerSettings, core: EngineCore | EngineProcess):
         self.engine = engine = AsyncEngine(core, settings.max_waiting)  # the app's only way to the core
         settings = self.settings = replace(settings, engine=engine.args)  # what runs, for /server_info
         for name, value, known in (

@@ -65,12 +65,12 @@ def hypercorn_config(settings: ServerSettings) -> Config:
 
 async def serve(settings: ServerSettings, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Load the model, then serve until a signal; `task_status` gets the bound URLs."""
-    from trillm.engine.api import EngineCore
+    from trillm.engine.api import EngineCore, EngineProcess
     from trillm.http.app import create_app
     from trillm.http.state import EXTENSION
 
     log.info("loading %s", settings.engine.model or "the default model")
-    core = await trio.to_thread.run_sync(EngineCore, settings.engine)
+    core = await trio.to_thread.run_sync(EngineProcess if settings.engine_process else EngineCore, settings.engine)
     app = create_app(settings, core)
     engine = app.extensions[EXTENSION].engine
     config = hypercorn_config(settings)

@@ -1,0 +1,162 @@
+"""The engine core in a process of its own (trillm/engine/core_process.py), behind the real server
+and the real clients: what it serves equals what the core in the server's process serves, byte
+for byte; a client that leaves frees its blocks over there; the engine's death fails every
+stream with a final error and /health says so; `trillm serve --engine-process` drains on SIGTERM
+and leaves no process behind."""
+import os
+import signal
+import sys
+
+import httpx
+import openai
+import pytest
+import trio
+
+from http_support import NUM_KV_BLOCKS, SETTLE_TIMEOUT, greedy_ids, live_server, settled_stats
+from process_support import live, start_server, started_by
+from trillm.config import EngineArgs
+from trillm.engine.api import EngineProcess, EngineUnavailableError
+
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}, "rank": {"type": "integer"}},
+          "required": ["city", "rank"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def engine_process():
+    with EngineProcess(EngineArgs(num_kv_blocks=NUM_KV_BLOCKS)) as process:
+        yield process
+
+
+async def both(engine_process, core, ask):
+    """`ask(server)`'s answer from a server on each engine: in its own process, and in this one."""
+    answers = []
+    for engine in (engine_process, core):
+        async with live_server(engine) as server:
+            answers.append(await ask(server))
+    return answers
+
+
+async def test_serves_what_the_core_in_this_process_serves(engine_process, core):
+    async def ask(server):
+        client = server.openai()
+        ids = await greedy_ids(client, server.model, max_tokens=24)
+        sampled = await client.completions.create(
+            model=server.model, prompt="Once upon a time", max_tokens=12, n=2, seed=7, temperature=0.8,
+            logprobs=2, stop=["\n\n"], extra_body={"prompt_logprobs": 1})
+        chat = await client.chat.completions.create(
+            model=server.model, messages=[{"role": "user", "content": "Name a city and its rank."}], max_tokens=40,
+            temperature=0, response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": SCHEMA}})
+        chunks = await client.chat.completions.create(
+            model=server.model, messages=[{"role": "user", "content": "Say hi."}], max_tokens=8, temperature=0,
+            stream=True)
+        streamed = [c.choices[0].delta.content async for c in chunks if c.choices and c.choices[0].delta.content]
+        vectors = await client.embeddings.create(model=server.model, input=["a", "b c"], encoding_format="float")
+        return (ids, [c.model_dump(exclude={"id"}) for c in sampled.choices], sampled.model_extra,
+                chat.choices[0].message.content, streamed, [d.embedding for d in vectors.data])
+
+    remote, local = await both(engine_process, core, ask)
+    assert remote == local
+    assert len(remote[1]) == 2 and remote[1][0]["logprobs"]["top_logprobs"], "both samples, with their logprobs"
+    assert '"city"' in remote[3], "the grammar compiled here held the engine's sampling there"
+
+
+async def test_refusals_come_from_the_server_at_once(engine_process):
+    async with live_server(engine_process) as server:
+        http = server.http()
+        too_long = await http.post("/v1/completions", json={"model": server.model, "prompt": "hi",
+                                                            "max_tokens": 10 ** 6})
+        assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "max_tokens"
+        no_adapter = await http.post("/v1/completions", json={"model": server.model, "prompt": "hi", "max_tokens": 2,
+                                                              "lora_request": {"lora_name": "x"}})
+        assert no_adapter.status_code in (400, 404), no_adapter.text
+        assert (await http.post("/reset_prefix_cache")).status_code == 200
+
+
+async def test_a_client_that_leaves_frees_its_blocks_in_the_engines_process(engine_process):
+    async with live_server(engine_process) as server:
+        client, http = server.openai(), server.http()
+        chunks = await client.completions.create(model=server.model, prompt="A long story:", max_tokens=2000,
+                                                 stream=True, extra_body={"ignore_eos": True})
+        seen = 0
+        async for _ in chunks:
+            seen += 1
+            if seen == 5:
+                break
+        await chunks.response.aclose()
+        with trio.fail_after(SETTLE_TIMEOUT):
+            while (stats := await settled_stats(http))["num_used_blocks"]:
+                await trio.sleep(0.02)
+        assert stats["num_running"] == stats["num_waiting"] == 0, stats
+
+
+async def test_the_engines_death_ends_every_stream_and_health_says_so(tiny_text_model_dir):
+    with EngineProcess(EngineArgs(model=tiny_text_model_dir, num_kv_blocks=64)) as process:
+        async with live_server(process) as server:
+            client, http = server.openai(), server.http()
+            assert (await http.get("/health")).status_code == 200
+            ended = []
+
+            async def stream(i: int) -> None:
+                # thousands of tokens in all: far more than can come before the kill lands
+                chunks = await client.completions.create(model=server.model, prompt=[10 + i, 11], max_tokens=200, n=4,
+                                                         stream=True, extra_body={"ignore_eos": True})
+                with pytest.raises(openai.APIError) as failed:
+                    async for _ in chunks:
+                        streaming.add(i)
+                ended.append(str(failed.value))
+
+            streaming = set()
+            async with trio.open_nursery() as nursery:
+                for i in range(3):
+                    nursery.start_soon(stream, i)
+                with trio.fail_after(SETTLE_TIMEOUT):
+                    while len(streaming) < 3:
+                        await trio.sleep(0)
+                os.kill(process.process.pid, signal.SIGKILL)
+            assert len(ended) == 3 and all("engine's process exited" in e for e in ended), ended
+            health = await http.get("/health")
+            assert health.status_code == 503 and "exited" in health.json()["error"]["message"]
+            refused = await http.post("/v1/completions", json={"model": server.model, "prompt": "hi", "max_tokens": 2})
+            assert refused.status_code == 503
+            with pytest.raises(EngineUnavailableError):
+                await server.state.engine.reset_prefix_cache()
+    process.close()  # closing twice is harmless
+
+
+async def test_serve_with_the_engines_process_drains_on_sigterm_and_leaves_nothing(tiny_text_model_dir):
+    command = [sys.executable, "-m", "trillm", "serve", "--engine-process", "--port", "0", "--model",
+               tiny_text_model_dir, "--num-kv-blocks", "64", "--drain-timeout", "60"]
+    async with trio.open_nursery() as nursery:
+        process, url, log = await start_server(nursery, command)
+        engine_pids = started_by(process.pid)
+        assert engine_pids, "the engine runs in a process the server started"
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        model = (await client.models.list()).data[0].id
+        finishes = []
+        started = trio.Event()
+
+        async def stream(max_tokens: int) -> None:
+            chunks = await client.completions.create(model=model, prompt=[10, 11], max_tokens=max_tokens, stream=True,
+                                                     extra_body={"ignore_eos": True})
+            async for chunk in chunks:
+                started.set()
+                if chunk.choices[0].finish_reason:
+                    finishes.append(chunk.choices[0].finish_reason)
+
+        async with trio.open_nursery() as streams:
+            streams.start_soon(stream, 30)
+            await started.wait()
+            process.send_signal(signal.SIGTERM)
+            for pid in engine_pids:  # as a service manager sends it to every process: the engine steps on
+                os.kill(pid, signal.SIGTERM)
+            async with httpx.AsyncClient(base_url=url) as http:
+                with trio.fail_after(SETTLE_TIMEOUT):
+                    while (await http.get("/health")).status_code != 503:
+                        await trio.sleep(0.05)
+        assert finishes == ["length"], "the drain let the running request finish in the engine's process"
+        await client.close()
+        with trio.fail_after(SETTLE_TIMEOUT):
+            assert await process.wait() == 0, "\n".join(log)
+        with trio.fail_after(SETTLE_TIMEOUT):
+            while any(live(pid) for pid in engine_pids):
+                await trio.sleep(0.05)
