@@ -77,6 +77,17 @@ async def test_waking_by_tags_serves_once_both_are_back():
         assert (await http.post("/sleep?level=3")).json()["error"]["param"] == "level"
 
 
+async def test_the_kv_cache_wakes_before_the_weights_after_a_level_2_sleep():
+    """vLLM's tags wake one part at a time, in either order: the cache's layout outlives the model."""
+    async with live_server(sleepy_core()) as server:
+        client, http = server.openai(), server.http()
+        before = await greedy(client, server.model, PROMPT)
+        assert (await http.post("/sleep?level=2")).status_code == 200
+        assert (await http.post("/wake_up?tags=kv_cache")).json() == {"is_sleeping": True}
+        assert (await http.post("/wake_up?tags=weights")).json() == {"is_sleeping": False}
+        assert await greedy(client, server.model, PROMPT) == before
+
+
 async def test_sleeping_aborts_running_requests_after_the_drain_timeout():
     core = sleepy_core()
     async with live_server(core, drain_timeout=0.3) as server:

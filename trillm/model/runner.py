@@ -105,6 +105,8 @@ class ModelRunner:
         self.lora_slots: LoRASlots | None = None  # the model's LoRA adapter slots (trillm/model/lora.py)
         self.asleep: set[SleepTag] = set()  # what sleep mode freed (empty: serving)
         self.block_size = args.block_size
+        # The cache's layout, kept: a level-2 sleep drops the model, and the cache may wake first
+        self._kv_heads, self._kv_dtype = self.model.num_kv_heads, self.model.kernels.kv_cache_dtype
         self.decode_graphs: DecodeGraphs | None = None  # captured once the KV cache exists
         self._logits: torch.Tensor | None = None  # the CPU steps' logits buffer (_step_logits)
         self.closed = False
@@ -201,14 +203,14 @@ class ModelRunner:
     @property
     def block_bytes(self) -> int:
         """Bytes of one block of K and V over all layers (this rank's heads)."""
-        return math.prod(self._kv_cache_shape(1)) * self.model.kernels.kv_cache_dtype.itemsize
+        return math.prod(self._kv_cache_shape(1)) * self._kv_dtype.itemsize
 
     def _kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         """[layers, K and V, num_blocks, block_size, Hk, row_width] (trillm/kernels/cache.py: D, or
         D + 2 for an int8 cache's scales)."""
         cfg = self.config.hf_config
-        return (cfg.num_hidden_layers, 2, num_blocks, self.block_size, self.model.num_kv_heads,
-                row_width(head_dim_of(cfg), self.model.kernels.kv_cache_dtype))
+        return (cfg.num_hidden_layers, 2, num_blocks, self.block_size, self._kv_heads,
+                row_width(head_dim_of(cfg), self._kv_dtype))
 
     def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer (K, V), each [num_blocks, block_size, Hk, row_width] and contiguous, carved
@@ -217,7 +219,7 @@ class ModelRunner:
         become resident only once a block is written: a server holds the memory its requests
         use, not its whole budget (torch.zeros would write, and so keep, every page)."""
         shape = self._kv_cache_shape(num_blocks)
-        dtype = self.model.kernels.kv_cache_dtype
+        dtype = self._kv_dtype
         if self.config.device.type == "cpu":
             pages = mmap.mmap(-1, math.prod(shape) * dtype.itemsize)
             cache = torch.frombuffer(pages, dtype=dtype).view(shape)  # the tensor keeps `pages` alive
