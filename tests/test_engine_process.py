@@ -6,16 +6,17 @@ and leaves no process behind."""
 import os
 import signal
 import sys
+import tempfile
 
-import httpx
 import openai
 import pytest
 import trio
 
-from http_support import NUM_KV_BLOCKS, SETTLE_TIMEOUT, greedy_ids, live_server, settled_stats
+from http_support import EXACT, NUM_KV_BLOCKS, SETTLE_TIMEOUT, greedy_ids, live_server, settled_stats
+from lora_support import make_adapter
 from process_support import live, start_server, started_by
 from trillm.config import EngineArgs
-from trillm.engine.api import EngineProcess, EngineUnavailableError
+from trillm.engine.api import EngineCore, EngineProcess, EngineUnavailableError
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}, "rank": {"type": "integer"}},
           "required": ["city", "rank"], "additionalProperties": False}
@@ -23,8 +24,13 @@ SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}, "rank": {
 
 @pytest.fixture(scope="module")
 def engine_process():
-    with EngineProcess(EngineArgs(num_kv_blocks=NUM_KV_BLOCKS)) as process:
+    with EngineProcess(EngineArgs(num_kv_blocks=NUM_KV_BLOCKS, enable_sleep_mode=True)) as process:
         yield process
+
+
+def resident_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) << 10 for line in f if line.startswith("VmRSS:"))
 
 
 async def both(engine_process, core, ask):
@@ -70,6 +76,55 @@ async def test_refusals_come_from_the_server_at_once(engine_process):
                                                               "lora_request": {"lora_name": "x"}})
         assert no_adapter.status_code in (400, 404), no_adapter.text
         assert (await http.post("/reset_prefix_cache")).status_code == 200
+
+
+async def test_sleep_frees_the_engines_memory_and_wakes_to_the_same_tokens(engine_process):
+    pid = engine_process.process.pid
+    async with live_server(engine_process) as server:
+        client, http = server.openai(), server.http()
+        before = await greedy_ids(client, server.model, max_tokens=8)
+        awake = resident_bytes(pid)
+        response = await http.post("/sleep?level=2")
+        assert response.status_code == 200, response.text
+        freed = response.json()["freed_bytes"]
+        assert freed > 80 << 20 and awake - resident_bytes(pid) > freed * 0.8, "the weights left the engine's process"
+        assert (await http.get("/is_sleeping")).json() == {"is_sleeping": True}
+        assert (await http.get("/server_info")).json()["stats"]["is_sleeping"] is True
+        with pytest.raises(openai.APIStatusError, match="sleeping"):
+            await greedy_ids(client, server.model)
+        assert (await http.post("/wake_up?tags=kv_cache")).json() == {"is_sleeping": True}, "the weights still sleep"
+        assert (await http.post("/wake_up")).json() == {"is_sleeping": False}
+        assert await greedy_ids(client, server.model, max_tokens=8) == before
+
+
+async def test_lora_adapters_load_serve_and_unload_across_the_process_boundary(tiny_text_model_dir):
+    one, two = (make_adapter(tiny_text_model_dir, seed=seed) for seed in (1, 2))
+    args = EngineArgs(model=tiny_text_model_dir, num_kv_blocks=64, max_model_len=96, enable_lora=True, max_loras=2,
+                      lora_modules=f"one={one}", **EXACT)
+    settings = dict(allow_runtime_lora=True, allowed_weights_dir=tempfile.gettempdir())
+
+    async def ask(server):
+        client, http = server.openai(), server.http()
+        loaded = await http.post("/v1/load_lora_adapter", json={"lora_name": "two", "lora_path": two})
+        assert loaded.status_code == 200, loaded.text
+        listed = sorted(m.id for m in (await client.models.list()).data)
+        answers = [await greedy_ids(client, name) for name in (server.model, "one", "two")]
+        unloaded = await http.post("/v1/unload_lora_adapter", json={"lora_name": "two"})
+        gone = await http.post("/v1/completions", json={"model": "two", "prompt": "hi", "max_tokens": 1})
+        again = await http.post("/v1/unload_lora_adapter", json={"lora_name": "two"})
+        stats = (await http.get("/server_info")).json()["stats"]
+        return listed, answers, unloaded.status_code, gone.status_code, again.status_code, stats["num_lora_adapters"]
+
+    with EngineProcess(args) as process:
+        async with live_server(process, **settings) as server:
+            remote = await ask(server)
+    with EngineCore(args) as core:
+        async with live_server(core, **settings) as server:
+            local = await ask(server)
+    assert remote == local
+    listed, answers, *statuses, num_adapters = remote
+    assert {"one", "two"} <= set(listed) and len({tuple(a) for a in answers}) == 3, "each adapter changes the output"
+    assert statuses == [200, 404, 404] and num_adapters == 1
 
 
 async def test_a_client_that_leaves_frees_its_blocks_in_the_engines_process(engine_process):
@@ -144,16 +199,13 @@ async def test_serve_with_the_engines_process_drains_on_sigterm_and_leaves_nothi
                     finishes.append(chunk.choices[0].finish_reason)
 
         async with trio.open_nursery() as streams:
-            streams.start_soon(stream, 30)
+            streams.start_soon(stream, 200)
             await started.wait()
             process.send_signal(signal.SIGTERM)
             for pid in engine_pids:  # as a service manager sends it to every process: the engine steps on
                 os.kill(pid, signal.SIGTERM)
-            async with httpx.AsyncClient(base_url=url) as http:
-                with trio.fail_after(SETTLE_TIMEOUT):
-                    while (await http.get("/health")).status_code != 503:
-                        await trio.sleep(0.05)
         assert finishes == ["length"], "the drain let the running request finish in the engine's process"
+        assert any("draining" in line for line in log), "\n".join(log)
         await client.close()
         with trio.fail_after(SETTLE_TIMEOUT):
             assert await process.wait() == 0, "\n".join(log)

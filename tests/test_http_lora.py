@@ -38,7 +38,7 @@ async def lora_server(tiny_text_model_dir, adapters):
         yield server
         for name in ("two", "three"):  # back to the adapters the core started with
             if name in server.state.engine.core.loras.adapters:
-                server.state.engine.weights.unload_lora(name)
+                await server.state.engine.weights.unload_lora(name)
 
 
 async def test_adapters_are_listed_served_loaded_and_unloaded(lora_server, tiny_text_model_dir, adapters):

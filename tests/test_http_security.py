@@ -211,7 +211,7 @@ async def test_runtime_adapters_are_capped_and_their_errors_quote_no_file(tiny_t
             await client.completions.create(model="two", prompt="Hi", max_tokens=1)
         finally:
             if "two" in core.loras.adapters:
-                server.state.engine.weights.unload_lora("two")
+                await server.state.engine.weights.unload_lora("two")
 
 
 def test_an_opt_in_needs_a_directory(core):

@@ -2,12 +2,13 @@
 
 A front builds an EngineCore (loading the model), or an EngineProcess (loading it in a process
 of its own); either is then only handed to AsyncEngine and closed. It talks to AsyncEngine alone,
-and reads the records that cross the boundary: a request group going in, a RequestStream of StepOutputs and Deltas coming out, the stats. Nothing else in
-`trillm.engine` or `trillm.model` is for it; a test (tests/test_layering.py) holds the line.
+and reads the records that cross the boundary: a request group going in, a RequestStream of
+StepOutputs and Deltas coming out, the stats. Nothing else in `trillm.engine` or `trillm.model`
+is for it; a test (tests/test_layering.py) holds the line.
 """
 from trillm.engine.async_engine import AsyncEngine, RequestStream
 from trillm.engine.core import EngineCore, StepOutput
-from trillm.engine.core_process import EngineProcess
+from trillm.engine.core_process import EngineProcess, faster_in_own_process
 from trillm.engine.detokenizer import held_prefix_len
 from trillm.engine.errors import EngineUnavailableError, QueueFullError, WeightsError
 from trillm.engine.group import Params, RequestGroup, num_samples
@@ -21,9 +22,9 @@ from trillm.model.tp_worker import launcher_init_method, launcher_rank, run_work
 from trillm.sched_ext import FinishReason
 
 __all__ = [
-    "AsyncEngine", "Delta", "EngineCore", "EngineProcess", "EngineUnavailableError", "FinishReason", "KVEventsConfig", "LoRAError",
-    "ModelFacts", "OutputProcessor", "Params", "PoolingProcessor", "QueueFullError", "RequestGroup", "RequestStream",
-    "ServingStats", "StepOutput", "TokenLogprobs", "WeightsError", "held_prefix_len",
-    "launcher_init_method", "launcher_rank", "num_samples", "offset_endpoint", "output_processor", "read_facts",
-    "run_worker",
+    "AsyncEngine", "Delta", "EngineCore", "EngineProcess", "EngineUnavailableError", "FinishReason", "KVEventsConfig",
+    "LoRAError", "ModelFacts", "OutputProcessor", "Params", "PoolingProcessor", "QueueFullError", "RequestGroup",
+    "RequestStream", "ServingStats", "StepOutput", "TokenLogprobs", "WeightsError", "faster_in_own_process",
+    "held_prefix_len", "launcher_init_method", "launcher_rank", "num_samples", "offset_endpoint", "output_processor",
+    "read_facts", "run_worker",
 ]

@@ -111,8 +111,7 @@ class AsyncEngine:
         self._stopped = trio.Event()
         self._cancel_scope = trio.CancelScope()
         self._stats = core.stats()
-        self._step_limiter = trio.CapacityLimiter(1)  # the step's thread, and what must not run beside it
-        self._link = core if isinstance(core, EngineProcess) else StepThread(core, self._step_limiter)
+        self._link = core if isinstance(core, EngineProcess) else StepThread(core)
         self._calls: dict[int, list] = {}  # a Call's id -> [its event, its reply]
         self._call_ids = itertools.count()
         # the threads that check requests before they queue (never Trio's default limiter, which
@@ -133,6 +132,11 @@ class AsyncEngine:
     @property
     def tokenizer(self):
         return self.core.tokenizer
+
+    @property
+    def core_apart(self) -> bool:
+        """Whether the core runs in a process of its own (its operations are then all calls)."""
+        return isinstance(self._link, EngineProcess)
 
     @property
     def lora_enabled(self) -> bool:
@@ -224,7 +228,7 @@ class AsyncEngine:
         self.check_alive()
         if len(self.live):
             return False
-        return await self._call("reset_prefix_cache")
+        return await self.call_core("reset_prefix_cache")
 
     def stats(self) -> ServingStats:
         """The core's counters as of the last step or command, plus the front's own."""
@@ -245,12 +249,6 @@ class AsyncEngine:
         after each of its rounds.)"""
         if isinstance(self._link, StepThread) and not self._link.stepping:
             self._stats = self.core.stats()
-
-    async def run_beside_steps(self, fn, *args):
-        """`fn(*args)` on the step's worker thread, so never while a step runs (a core in this
-        process only: the flags that need it are refused with the engine's own process)."""
-        assert isinstance(self._link, StepThread), "the core is in another process"
-        return await trio.to_thread.run_sync(fn, *args, limiter=self._step_limiter)
 
     def check_alive(self) -> None:
         """EngineUnavailableError once the engine died or began to close."""
@@ -305,11 +303,13 @@ class AsyncEngine:
     async def _loop(self) -> None:
         await self._link.run(self._settle)
 
-    async def _call(self, method: str):
-        """The core's `method()`, between two steps: its result, or what it raised."""
+    async def call_core(self, method: str, *args):
+        """The core's `method(*args)` (one of rounds.CALLS), between two steps, wherever the core
+        runs: its result, or what it raised; EngineUnavailableError if the engine dies first.
+        Cancelled, it returns at once (the call is still made)."""
         call_id = next(self._call_ids)
         self._calls[call_id] = pending = [trio.Event(), None]
-        self._link.submit(Call(call_id, method))
+        self._link.submit(Call(call_id, method, args))
         try:
             await pending[0].wait()
         finally:

@@ -306,6 +306,10 @@ class EngineCore:
     def is_sleeping(self) -> bool:
         return bool(self.runner.asleep)
 
+    def asleep(self) -> list[str]:
+        """What sleeps now (SleepTag values), for a front that reads it between two steps."""
+        return sorted(self.runner.asleep)
+
     def load_weights(self, path: str):
         """New weights from `path` in a model of their own, for `swap_weights` (any thread: the
         serving model is untouched). ValueError for another architecture or shapes; whatever the
@@ -329,11 +333,14 @@ class EngineCore:
 
     # --- LoRA adapters: only the engine's owner calls these, between steps ----------------------
 
-    def load_lora(self, name: str, path: str, weights: LoRAWeights) -> LoRAAdapter:
+    def load_lora(self, name: str, path: str, weights: LoRAWeights, replace: bool = False) -> LoRAAdapter:
         """Register an adapter read by `self.loras.read(path)` (which may run in any thread);
-        LoRAError if LoRA is off or the name is taken."""
+        LoRAError if LoRA is off or the name is taken (with `replace`, an adapter of that name is
+        unloaded first: LoRAError, and nothing changed, while requests use it)."""
         if self.loras is None:
             raise LoRAError("LoRA adapters need a server started with --enable-lora.")
+        if replace:
+            self.unload_lora(name)
         return self.loras.add(name, path, weights)
 
     def unload_lora(self, name: str) -> LoRAAdapter:

@@ -32,7 +32,7 @@ import shutil
 import signal
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import msgspec
 import torch
@@ -46,7 +46,8 @@ from trillm.engine.group import RequestGroup
 from trillm.engine.rounds import Admit, Command, Round, RoundRunner, trips
 from trillm.engine.stats import EngineStats
 from trillm.engine.structured_output import Grammars
-from trillm.model.loader import ModelConfig
+from trillm.model.loader import ModelConfig, resolve_device
+from trillm.model.lora import LoRAAdapter, LoRARegistry
 from trillm.pooling_params import PoolingParams
 from trillm.sampling_params import SamplingParams
 from trillm.subprocesses import die_with_parent
@@ -58,32 +59,44 @@ LINGER_MS = 5000  # how long a closing socket may still try to deliver (the last
 JOIN_S = 10.0  # how long `close` waits for the engine's process to end before it kills it
 EXIT_GRACE_S = 0.5  # once the engine's process has ended, how long what it sent last may take to arrive
 PICKLED = 1  # msgpack extension code: an exception or a tensor, pickled
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s [engine] %(message)s"
 
 
 @dataclass(frozen=True)
 class Ready:
-    """What the server needs of a loaded engine: what it serves, and how."""
+    """What the server needs of a loaded engine: what it serves, and how (its LoRA adapters'
+    records, without their weights)."""
 
     config: ModelConfig
     args: EngineArgs
     tokenizer: object
     stats: EngineStats
+    adapters: list[LoRAAdapter]
 
 
-def _pickled(obj) -> bytes:
-    """An exception or tensor as a Round carries it; an exception that does not survive pickling
-    crosses as a RuntimeError naming it."""
-    data = pickle.dumps(obj)
-    if isinstance(obj, BaseException):
-        try:
-            pickle.loads(data)
-        except Exception:  # noqa: BLE001 - any failure to rebuild it
-            data = pickle.dumps(RuntimeError(repr(obj)))
+def faster_in_own_process(args: EngineArgs) -> bool:
+    """Whether an engine serves faster in a process of its own: on a GPU, whose steps are short
+    enough that in one process they wait on the loop's sends (benchmarks/README.md, the host
+    path); not on a CPU, where the default model's step is long, the neutral runs measured no
+    gain, and a second interpreter costs its memory."""
+    return resolve_device(args.device).type == "cuda"
+
+
+def _pickled(value) -> bytes:
+    """A value as a Round carries it pickled (an exception, a call's reply); one that does not
+    survive pickling crosses as a RuntimeError naming it."""
+    try:
+        data = pickle.dumps(value)
+        pickle.loads(data)
+    except Exception:  # noqa: BLE001 - any failure to rebuild it
+        data = pickle.dumps(RuntimeError(repr(value)))
     return data
 
 
 def _enc_hook(obj):
-    if isinstance(obj, (BaseException, torch.Tensor)):
+    if isinstance(obj, torch.Tensor):  # a pooled vector: on the host, so the server never touches the device
+        return msgspec.msgpack.Ext(PICKLED, pickle.dumps(obj.cpu()))
+    if isinstance(obj, BaseException):
         return msgspec.msgpack.Ext(PICKLED, _pickled(obj))
     raise NotImplementedError(f"a Round cannot carry {type(obj).__name__}")
 
@@ -99,9 +112,10 @@ def _dec_hook(kind: type, obj):
     raise NotImplementedError(kind)
 
 
-def serve_core(args: EngineArgs, commands_address: str, rounds_address: str, server_pid: int) -> None:
+def serve_core(args: EngineArgs, commands_address: str, rounds_address: str, server_pid: int, log_level: int) -> None:
     """The engine's process: load, say so, then apply commands and step until told to stop (or a
-    step fails). See the module docstring."""
+    step fails). See the module docstring. It logs at the server's level, its lines marked."""
+    logging.basicConfig(level=log_level, format=LOG_FORMAT)
     # A terminal's Ctrl-C, or a service manager's SIGTERM, reaches every process of the group: the
     # server drains on it, which needs this process stepping. It stops when the server says so,
     # or dies when the server does.
@@ -124,12 +138,16 @@ def serve_core(args: EngineArgs, commands_address: str, rounds_address: str, ser
             rounds.send(FAILED + _pickled(exc))
             return
         with core:
-            rounds.send(READY + pickle.dumps(Ready(core.config, core.args, core.tokenizer, core.stats())))
+            adapters = [] if core.loras is None else [replace(a, weights=None) for a in core.loras.adapters.values()]
+            rounds.send(READY + pickle.dumps(Ready(core.config, core.args, core.tokenizer, core.stats(), adapters)))
             runner = RoundRunner(core)
             encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
             while (received := _receive(commands, wait=not core.has_unfinished())) is not None:
                 for trip in trips(received):
                     done = runner.run(*trip)
+                    # A reply may be any record (msgspec would send a dataclass as a plain map): pickled.
+                    done.replies = [(call_id, msgspec.msgpack.Ext(PICKLED, _pickled(reply)))
+                                    for call_id, reply in done.replies]
                     rounds.send(encoder.encode(done), copy=False)
                     if done.error is not None:
                         return
@@ -156,9 +174,8 @@ class EngineProcess:
     """The server's side: what AsyncEngine reads of a core (`config`, `args`, `tokenizer`, `loras`,
     `grammars`, `check_request`, `stats`), and the link it drives (`prepare`, `submit`, `run`,
     `after_death`). Structured-output specs compile here (the server's own compiler processes),
-    and their grammars travel with the request to the engine's process."""
-
-    loras = None  # LoRA adapters are not served through the engine's own process (yet): see flag_check
+    and their grammars travel with the request to the engine's process. LoRA adapters are read
+    (and checked) here too, and travel with the call that loads them."""
 
     def __init__(self, args: EngineArgs):
         """Start the engine's process and wait until it has loaded (blocks: seconds to minutes).
@@ -182,14 +199,20 @@ class EngineProcess:
             # Spawned, not forked: nothing of the server's threads or state comes along, and no fork
             # server stays resident beside the two processes.
             self.process = multiprocessing.get_context("spawn").Process(
-                target=serve_core, args=(args, commands_address, rounds_address, os.getpid()), daemon=True,
-                name="trillm-engine")
+                target=serve_core, name="trillm-engine", daemon=True,
+                args=(args, commands_address, rounds_address, os.getpid(), logging.getLogger().getEffectiveLevel()))
             self.process.start()
             ready = self._wait_ready()
         except BaseException:
             self.close()
             raise
         self.config, self.args, self.tokenizer, self._stats = ready.config, ready.args, ready.tokenizer, ready.stats
+        # The adapters requests may name, as the engine's process last said (its registry is the
+        # truth: it refuses what this copy let through); their records only, never their weights.
+        self.loras: LoRARegistry | None = None
+        if self.args.enable_lora:
+            self.loras = LoRARegistry(self.config.hf_config, self.args.max_lora_rank, 1)
+            self.loras.adapters.update((a.name, a) for a in ready.adapters)
         self.grammars = Grammars.of(self.tokenizer, self.config, self.args.grammar_compile_timeout)
         log.info("the engine runs in process %d", self.process.pid)
 

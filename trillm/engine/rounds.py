@@ -14,7 +14,7 @@ Ownership: a runner is driven by one thread at a time, between steps, as the cor
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import msgspec
@@ -22,6 +22,7 @@ import msgspec
 from trillm.engine.core import EngineCore, StepOutput
 from trillm.engine.group import RequestGroup
 from trillm.engine.stats import EngineStats
+from trillm.model.lora import LoRAAdapter
 from trillm.sched_ext import FinishReason
 
 log = logging.getLogger(__name__)
@@ -57,10 +58,12 @@ class Call:
 
     call_id: int
     method: str
+    args: tuple = ()
 
 
 Command = Admit | Abort | Stop | Call
-CALLS = frozenset({"reset_prefix_cache"})  # what a Call may ask of the core
+# what a Call may ask of the core
+CALLS = frozenset({"reset_prefix_cache", "sleep", "wake_up", "asleep", "load_lora", "unload_lora"})
 
 
 class Round(msgspec.Struct, gc=False):
@@ -116,10 +119,12 @@ class RoundRunner:
                     group = self._groups[group_id]
                     out = group.stop(self.core, index, reason)
                     self._emit(done, group, [] if out is None else [out])
-                case Call(call_id, method):
+                case Call(call_id, method, args):
                     assert method in CALLS, method
                     try:
-                        reply = getattr(self.core, method)()
+                        reply = getattr(self.core, method)(*args)
+                        if isinstance(reply, LoRAAdapter):  # its record goes back, not its weights
+                            reply = replace(reply, weights=None)
                     except Exception as exc:  # noqa: BLE001 - the caller's error, not the engine's death
                         reply = exc
                     done.replies.append((call_id, reply))

@@ -7,8 +7,8 @@ on the loop. So the loop keeps serving while the model computes and while a long
 admitted; the step and the loop share the interpreter's lock, which is what the engine's own
 process takes away.
 
-Ownership: the Trio thread alone submits and runs; the runner runs on the worker thread, one
-round at a time, on the limiter that also serializes `AsyncEngine.run_beside_steps`.
+Ownership: the Trio thread alone submits and runs; the runner runs on a worker thread, one round
+at a time, on a limiter of its own (never Trio's default, which anything else may fill).
 """
 from __future__ import annotations
 
@@ -22,12 +22,12 @@ from trillm.engine.rounds import Admit, Command, Round, RoundRunner, trips
 
 
 class StepThread:
-    def __init__(self, core: EngineCore, limiter: trio.CapacityLimiter):
+    def __init__(self, core: EngineCore):
         self.core = core
         self.commands: list[Command] = []  # submitted, for the next round
         self.stepping = False  # a round runs in the worker thread
         self._runner = RoundRunner(core)
-        self._limiter = limiter
+        self._limiter = trio.CapacityLimiter(1)
         self._wake = trio.Event()
 
     async def prepare(self, requests: RequestGroup) -> Admit:

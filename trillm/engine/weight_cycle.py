@@ -4,9 +4,10 @@ from disk that swaps the model between two steps, and LoRA adapters loaded and u
 One sleep, wake-up or update at a time (a lock); each is all or nothing: what cannot be done is a
 WeightsError (or a LoRAError) and the weights that served before still serve.
 
-Ownership: a part of one AsyncEngine, used on the Trio thread. The core's work runs in worker
-threads: sleeping and waking on the step's limiter (so never beside a step), new weights on a
-thread of their own (a GGUF file converts for a long time), adapters on the compile threads.
+Ownership: a part of one AsyncEngine, used on the Trio thread. Sleeping and waking are calls
+between two steps (AsyncEngine.call_core), wherever the core runs; new weights load on a thread of
+their own (a GGUF file converts for a long time), adapters on the compile threads: those two need
+the core in this process.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from trillm.engine.errors import WeightsError
+from trillm.engine.errors import EngineUnavailableError, WeightsError
 from trillm.model.loader import ArchitectureMismatch
 from trillm.model.lora import LoRAError
 
@@ -52,12 +53,13 @@ class WeightCycle:
             self.sleeping = True
             try:
                 await self._engine.settle(timeout, "sleep")
-                freed = await self._engine.run_beside_steps(self._core.sleep, level)
+                with trio.CancelScope(shield=True):  # a client that leaves does not leave it half known
+                    freed = await self._engine.call_core("sleep", level)
             except ValueError as exc:
                 raise WeightsError(str(exc)) from None
             finally:
-                self.sleeping = self._core.is_sleeping
-                self._engine.refresh_stats()
+                with trio.CancelScope(shield=True):
+                    await self._read_sleep()
             log.info("sleeping at level %d: %d MiB freed", level, freed >> 20)
             return freed
 
@@ -66,17 +68,26 @@ class WeightCycle:
         served again once nothing sleeps. WeightsError for an unknown tag."""
         async with self._lock:
             self._engine.check_alive()
-            try:
-                await self._engine.run_beside_steps(self._core.wake_up, tags)
-            except ValueError as exc:
-                raise WeightsError(str(exc)) from None
-            finally:
-                self.sleeping = self._core.is_sleeping
-                self._engine.refresh_stats()
-            if self.sleeping:
-                log.info("partly awake: %s still sleeps", ", ".join(sorted(self._core.runner.asleep)))
+            with trio.CancelScope(shield=True):  # a client that leaves does not leave it half known
+                try:
+                    await self._engine.call_core("wake_up", tags)
+                except ValueError as exc:
+                    raise WeightsError(str(exc)) from None
+                finally:
+                    asleep = await self._read_sleep()
+            if asleep:
+                log.info("partly awake: %s still sleeps", ", ".join(asleep))
             else:
                 log.info("awake")
+
+    async def _read_sleep(self) -> list[str]:
+        """What sleeps now, as the core says (also `sleeping`); a dead engine's, as it was."""
+        try:
+            asleep = await self._engine.call_core("asleep")
+        except EngineUnavailableError:
+            return []
+        self.sleeping = bool(asleep)
+        return asleep
 
     async def update(self, path: str, abort_running: bool = False) -> int:
         """Serve the weights at `path` from the next step on. They load into a model of their own
@@ -121,9 +132,12 @@ class WeightCycle:
                                                 limiter=self._engine.admission.compile_limiter)
         # again, with no checkpoint before registering: the read may have raced another load
         replacing = self._check_lora_room(name, inplace, limit)
-        if replacing:
-            self._core.unload_lora(name)
-        self._core.load_lora(name, path, weights)
+        if self._engine.core_apart:  # the engine's registry decides; this copy follows it
+            adapter = await self._engine.call_core("load_lora", name, path, weights, replacing)
+            self._core.loras.adapters.pop(name, None)
+            self._core.loras.adapters[name] = adapter
+            return
+        self._core.load_lora(name, path, weights, replacing)
         self._engine.refresh_stats()
 
     def _check_lora_room(self, name: str, inplace: bool, limit: int | None) -> bool:
@@ -139,8 +153,12 @@ class WeightCycle:
                             "unload one first.")
         return False
 
-    def unload_lora(self, name: str) -> None:
+    async def unload_lora(self, name: str) -> None:
         """Forget an adapter: LoRAError 404 if unknown, 400 while live requests use it (refused,
         not waited for). Its requests' blocks left the prefix cache's reach with its id."""
+        if self._engine.core_apart:
+            await self._engine.call_core("unload_lora", name)
+            self._core.loras.adapters.pop(name, None)
+            return
         self._core.unload_lora(name)
         self._engine.refresh_stats()

@@ -46,7 +46,7 @@ async def unload_lora_adapter():
     require_runtime_lora(state)
     req = await parse_body(UnloadLoRAAdapterRequest)
     try:
-        state.engine.weights.unload_lora(req.lora_name)
+        await state.engine.weights.unload_lora(req.lora_name)
     except LoRAError as exc:
         raise APIError(exc.status, str(exc), "lora_name") from None
     await peer_relay.relay_to_all(state.settings)

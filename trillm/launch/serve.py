@@ -70,7 +70,7 @@ async def serve(settings: ServerSettings, *, task_status=trio.TASK_STATUS_IGNORE
     from trillm.http.state import EXTENSION
 
     log.info("loading %s", settings.engine.model or "the default model")
-    core = await trio.to_thread.run_sync(EngineProcess if settings.engine_process else EngineCore, settings.engine)
+    core = await trio.to_thread.run_sync(EngineProcess if engine_process(settings) else EngineCore, settings.engine)
     app = create_app(settings, core)
     engine = app.extensions[EXTENSION].engine
     config = hypercorn_config(settings)
@@ -99,6 +99,22 @@ async def serve(settings: ServerSettings, *, task_status=trio.TASK_STATUS_IGNORE
         await hypercorn_serve(app, config, shutdown_trigger=shutdown_trigger, task_status=task_status)
     finally:
         await trio.to_thread.run_sync(core.close)  # the other tensor-parallel ranks stop with the server
+
+
+def engine_process(settings: ServerSettings) -> bool:
+    """Whether the engine runs in a process of its own: as asked, or else where that serves faster,
+    unless a flag it does not carry yet is given; that slower path is logged, never taken silently."""
+    from trillm.engine.api import faster_in_own_process
+
+    if settings.engine_process is not None:
+        return settings.engine_process
+    if not faster_in_own_process(settings.engine):
+        return False
+    if settings.uncarried:
+        log.warning("the engine runs in the server's process, slower here: its own process does not carry %s yet",
+                    ", ".join(settings.uncarried))
+        return False
+    return True
 
 
 def run(settings: ServerSettings) -> None:

@@ -57,6 +57,9 @@ class LoRAError(ValueError):
         super().__init__(message)
         self.status = status
 
+    def __reduce__(self):  # pickled across the engine's process boundary, with its status
+        return type(self), (str(self), self.status)
+
 
 def module_shapes(config: PretrainedConfig) -> dict[str, tuple[int, int]]:
     """(out, in) features of each target module, as in the HF checkpoint."""
