@@ -7,6 +7,7 @@ import os
 import signal
 import sys
 import tempfile
+from dataclasses import replace
 
 import openai
 import pytest
@@ -212,3 +213,19 @@ async def test_serve_with_the_engines_process_drains_on_sigterm_and_leaves_nothi
         with trio.fail_after(SETTLE_TIMEOUT):
             while any(live(pid) for pid in engine_pids):
                 await trio.sleep(0.05)
+
+
+async def test_tensor_parallel_ranks_start_from_the_engines_process(tiny_text_model_dir):
+    args = EngineArgs(model=tiny_text_model_dir, num_kv_blocks=64, max_model_len=96, tensor_parallel_size=2, **EXACT)
+    with EngineProcess(args) as process:
+        ranks = started_by(process.process.pid)
+        assert ranks, "the other rank runs beside the engine's process, started by it"
+        async with live_server(process) as server:
+            sharded = await greedy_ids(server.openai(), server.model, max_tokens=12)
+    with EngineCore(replace(args, tensor_parallel_size=1)) as core:
+        async with live_server(core) as server:
+            whole = await greedy_ids(server.openai(), server.model, max_tokens=12)
+    assert sharded == whole
+    with trio.fail_after(SETTLE_TIMEOUT):
+        while any(live(pid) for pid in ranks):
+            await trio.sleep(0.05)

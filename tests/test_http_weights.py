@@ -18,7 +18,7 @@ from http_support import EXACT, live_server, settled_stats
 from http_support import TOKEN_PROMPT as PROMPT
 from http_support import greedy_ids as greedy
 from trillm.config import EngineArgs
-from trillm.engine.core import EngineCore
+from trillm.engine.api import EngineCore, EngineProcess
 
 
 
@@ -140,13 +140,20 @@ def second_model_dir(first_model_dir, tmp_path_factory) -> str:
 
 
 @pytest.fixture
-async def updatable(first_model_dir, second_model_dir):
-    core = EngineCore(EngineArgs(model=first_model_dir, num_kv_blocks=256, max_model_len=4096, **EXACT))
+async def updatable(request, first_model_dir, second_model_dir):
+    """A server whose weights may be updated; its core in this process, or (`process`, given
+    indirectly) in one of its own, where the new weights load beside the engine's steps."""
+    args = EngineArgs(model=first_model_dir, num_kv_blocks=256, max_model_len=4096, **EXACT)
     root = os.path.commonpath([first_model_dir, second_model_dir])  # both under the session's tmp dir
-    async with live_server(core, enable_weight_updates=True, allowed_weights_dir=root) as server:
-        yield server
+    with (EngineProcess if getattr(request, "param", None) == "process" else EngineCore)(args) as core:
+        async with live_server(core, enable_weight_updates=True, allowed_weights_dir=root) as server:
+            yield server
 
 
+BOTH_LINKS = pytest.mark.parametrize("updatable", ["thread", "process"], indirect=True)
+
+
+@BOTH_LINKS
 async def test_updated_weights_serve_as_that_model_alone(updatable, first_model_dir, second_model_dir):
     client, http = updatable.openai(), updatable.http()
     first = reference(first_model_dir, None, PROMPT, 8)[0]
@@ -163,6 +170,7 @@ async def test_updated_weights_serve_as_that_model_alone(updatable, first_model_
     assert (await client.models.list()).data[0].model_extra["root"] == second_model_dir
 
 
+@BOTH_LINKS
 async def test_bad_updates_are_400s_and_the_old_weights_keep_serving(updatable, first_model_dir, tiny_model_dir):
     client, http = updatable.openai(), updatable.http()
     expected = reference(first_model_dir, None, PROMPT, 8)[0]

@@ -65,8 +65,6 @@ def test_an_unknown_policy_is_refused_everywhere(capsys):
     (["--load-format", "pt"], "invalid choice: 'pt' (choose from 'auto', 'dummy')"),
     (["--device", "tpu"], "invalid choice: 'tpu' (choose from 'auto', 'cpu', 'cuda')"),
     (["--pooling-type", "max"], "invalid choice: 'max' (choose from 'last', 'mean', 'cls')"),
-    (["--engine-process", "--enable-weight-updates", "--tensor-parallel-size", "2"],
-     "--engine-process does not carry --enable-weight-updates, --tensor-parallel-size above 1 yet"),
     (["--data-parallel-size", "2", "--router-policy", "kv_aware", "--kv-events-config",
       '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://10.0.0.5:5557"}'],
      "give --kv-events-config an endpoint they bind"),
@@ -83,18 +81,17 @@ def test_serve_refuses_a_bad_engine_flag_before_loading_anything(flags, words, c
     assert words in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("asked, device, flags, runs_apart, warned", [
-    (None, "cpu", [], False, False),  # measured: no gain on a CPU, a second interpreter's memory
-    (None, "cuda", [], True, False),  # the loop's sends would hold a GPU's short steps
-    (None, "cuda", ["--tensor-parallel-size", "2"], False, True),  # not carried yet: the slower path, logged
-    (True, "cpu", [], True, False),
-    (False, "cuda", [], False, False),
+@pytest.mark.parametrize("asked, device, runs_apart", [
+    (None, "cpu", False),  # measured: no gain on a CPU, a second interpreter's memory
+    (None, "cuda", True),  # the loop's sends would hold a GPU's short steps
+    (True, "cpu", True),
+    (False, "cuda", False),
 ])
-def test_where_the_engine_runs(asked, device, flags, runs_apart, warned, caplog):
+def test_where_the_engine_runs(asked, device, runs_apart):
     from trillm.launch.cli import main
     from trillm.launch import serve
 
-    argv = ["serve", "--device", device, *flags]
+    argv = ["serve", "--device", device]
     argv += [] if asked is None else ["--engine-process" if asked else "--no-engine-process"]
     chosen = []
     with pytest.MonkeyPatch.context() as patch:
@@ -102,7 +99,6 @@ def test_where_the_engine_runs(asked, device, flags, runs_apart, warned, caplog)
         main(argv)
     (server_settings, apart), = chosen
     assert apart is runs_apart
-    assert ("does not carry --tensor-parallel-size above 1" in caplog.text) is warned
     assert settings.from_args(_parsed(settings.to_argv(server_settings))).engine_process is asked, "argv keeps it"
 
 

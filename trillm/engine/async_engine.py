@@ -113,6 +113,7 @@ class AsyncEngine:
         self._stats = core.stats()
         self._link = core if isinstance(core, EngineProcess) else StepThread(core)
         self._calls: dict[int, list] = {}  # a Call's id -> [its event, its reply]
+        self._beside_limiter = trio.CapacityLimiter(1)  # calls beside the steps of a core in this process
         self._call_ids = itertools.count()
         # the threads that check requests before they queue (never Trio's default limiter, which
         # anything else in the process may fill)
@@ -303,13 +304,16 @@ class AsyncEngine:
     async def _loop(self) -> None:
         await self._link.run(self._settle)
 
-    async def call_core(self, method: str, *args):
-        """The core's `method(*args)` (one of rounds.CALLS), between two steps, wherever the core
-        runs: its result, or what it raised; EngineUnavailableError if the engine dies first.
-        Cancelled, it returns at once (the call is still made)."""
+    async def call_core(self, method: str, *args, beside: bool = False):
+        """The core's `method(*args)` (one of rounds.CALLS), between two steps (or, `beside`, in a
+        thread of its own while the core steps), wherever the core runs: its result, or what it
+        raised; EngineUnavailableError if the engine dies first. Cancelled, it returns at once
+        (the call is still made), except beside a core in this process, where it waits for its thread."""
+        if beside and not self.core_apart:
+            return await trio.to_thread.run_sync(getattr(self.core, method), *args, limiter=self._beside_limiter)
         call_id = next(self._call_ids)
         self._calls[call_id] = pending = [trio.Event(), None]
-        self._link.submit(Call(call_id, method, args))
+        self._link.submit(Call(call_id, method, args, beside))
         try:
             await pending[0].wait()
         finally:

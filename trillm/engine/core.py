@@ -138,6 +138,7 @@ class EngineCore:
         self.sampler = Sampler()
         self.grammars = Grammars.of(self.tokenizer, self.config, args.grammar_compile_timeout)
         self.requests: dict[str, EngineRequest] = {}  # live requests, from add_request to their end
+        self._staged: tuple[str, object] | None = None  # new weights loaded, not yet serving (path, model)
         self.num_preemptions = 0
         self.speculative = SpeculativeConfig.parse(args.speculative_config)  # None: no drafts
         # whether a step drafts: measured per batch size, or the config's fixed rule
@@ -310,19 +311,22 @@ class EngineCore:
         """What sleeps now (SleepTag values), for a front that reads it between two steps."""
         return sorted(self.runner.asleep)
 
-    def load_weights(self, path: str):
-        """New weights from `path` in a model of their own, for `swap_weights` (any thread: the
-        serving model is untouched). ValueError for another architecture or shapes; whatever the
-        loader raises for a path it cannot read."""
+    def stage_weights(self, path: str) -> None:
+        """Load the weights at `path` into a model of their own, kept for `swap_staged_weights`
+        (any thread: the serving model is untouched; a later stage replaces it). ValueError for
+        another architecture or shapes; whatever the loader raises for a path it cannot read."""
         self._check_weights_op("Updating weights", idle=False)
-        return self.runner.load_replacement(path)
+        self._staged = (path, self.runner.load_replacement(path))
 
-    def swap_weights(self, model, path: str) -> None:
-        """Serve `model` (from load_weights) from the next step on; the prefix cache is emptied
-        (its KV came from the old weights)."""
+    def swap_staged_weights(self) -> EngineArgs:
+        """Serve the staged model from the next step on; the prefix cache is emptied (its KV came
+        from the old weights). Returns the settings as they run now (the new path)."""
+        assert self._staged is not None, "stage_weights first"
         assert not self.has_unfinished() and self.scheduler.allocator.reset_prefix_cache()
+        (path, model), self._staged = self._staged, None
         self.runner.swap_in(model, path)
         self.args = replace(self.args, model=path)
+        return self.args
 
     def _check_weights_op(self, what: str, idle: bool = True) -> None:
         """ValueError unless `what` can run now: on one rank, and (`idle`) with no request live."""

@@ -31,6 +31,7 @@ import pickle
 import shutil
 import signal
 import tempfile
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -43,7 +44,7 @@ from trillm.config import EngineArgs
 from trillm.engine.core import EngineCore, check_request
 from trillm.engine.errors import EngineUnavailableError
 from trillm.engine.group import RequestGroup
-from trillm.engine.rounds import Admit, Command, Round, RoundRunner, trips
+from trillm.engine.rounds import CALLS, Admit, Call, Command, Round, RoundRunner, trips
 from trillm.engine.stats import EngineStats
 from trillm.engine.structured_output import Grammars
 from trillm.model.loader import ModelConfig, resolve_device
@@ -143,16 +144,39 @@ def serve_core(args: EngineArgs, commands_address: str, rounds_address: str, ser
             runner = RoundRunner(core)
             encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
             while (received := _receive(commands, wait=not core.has_unfinished())) is not None:
-                for trip in trips(received):
+                for call in [c for c in received if isinstance(c, Call) and c.beside]:
+                    threading.Thread(target=_call_beside, args=(core, call, context, rounds_address), daemon=True,
+                                     name=f"trillm-{call.method}").start()
+                for trip in trips([c for c in received if not (isinstance(c, Call) and c.beside)]):
                     done = runner.run(*trip)
-                    # A reply may be any record (msgspec would send a dataclass as a plain map): pickled.
-                    done.replies = [(call_id, msgspec.msgpack.Ext(PICKLED, _pickled(reply)))
-                                    for call_id, reply in done.replies]
+                    done.replies = [(call_id, _reply(reply)) for call_id, reply in done.replies]
                     rounds.send(encoder.encode(done), copy=False)
                     if done.error is not None:
                         return
     finally:
         context.destroy(linger=LINGER_MS)
+
+
+def _reply(value) -> msgspec.msgpack.Ext:
+    """A call's reply, pickled: it may be any record (msgspec would send a dataclass as a plain map)."""
+    return msgspec.msgpack.Ext(PICKLED, _pickled(value))
+
+
+def _call_beside(core: EngineCore, call: Call, context: zmq.Context, rounds_address: str) -> None:
+    """A Call the core lets run while it steps (Call.beside), in this thread; its reply goes on a
+    socket of its own (ZeroMQ's sockets belong to one thread each), in a Round of its own."""
+    assert call.method in CALLS, call.method
+    try:
+        reply = getattr(core, call.method)(*call.args)
+    except Exception as exc:  # noqa: BLE001 - the caller's error, not the engine's death
+        reply = exc
+    sock = context.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, LINGER_MS)
+    sock.connect(rounds_address)
+    try:
+        sock.send(msgspec.msgpack.encode(Round(admissions=[], outputs=[], replies=[(call.call_id, _reply(reply))])))
+    finally:
+        sock.close()
 
 
 def _receive(commands: zmq.Socket, wait: bool) -> list[Command] | None:
@@ -199,7 +223,7 @@ class EngineProcess:
             # Spawned, not forked: nothing of the server's threads or state comes along, and no fork
             # server stays resident beside the two processes.
             self.process = multiprocessing.get_context("spawn").Process(
-                target=serve_core, name="trillm-engine", daemon=True,
+                target=serve_core, name="trillm-engine", daemon=args.tensor_parallel_size == 1,
                 args=(args, commands_address, rounds_address, os.getpid(), logging.getLogger().getEffectiveLevel()))
             self.process.start()
             ready = self._wait_ready()

@@ -54,16 +54,20 @@ class Stop:
 
 @dataclass(frozen=True)
 class Call:
-    """One of the core's own operations, between two steps (`CALLS`); its reply comes back by `call_id`."""
+    """One of the core's own operations (`CALLS`), between two steps, or beside them (`beside`:
+    one the core lets run in any thread while it steps, as loading new weights, which takes
+    seconds: the engine's process runs it in a thread of its own); its reply comes back by `call_id`."""
 
     call_id: int
     method: str
     args: tuple = ()
+    beside: bool = False
 
 
 Command = Admit | Abort | Stop | Call
 # what a Call may ask of the core
-CALLS = frozenset({"reset_prefix_cache", "sleep", "wake_up", "asleep", "load_lora", "unload_lora"})
+CALLS = frozenset({"reset_prefix_cache", "sleep", "wake_up", "asleep", "load_lora", "unload_lora", "stage_weights",
+                   "swap_staged_weights"})
 
 
 class Round(msgspec.Struct, gc=False):
@@ -119,8 +123,8 @@ class RoundRunner:
                     group = self._groups[group_id]
                     out = group.stop(self.core, index, reason)
                     self._emit(done, group, [] if out is None else [out])
-                case Call(call_id, method, args):
-                    assert method in CALLS, method
+                case Call(call_id, method, args, beside):
+                    assert method in CALLS and not beside, method
                     try:
                         reply = getattr(self.core, method)(*args)
                         if isinstance(reply, LoRAAdapter):  # its record goes back, not its weights

@@ -4,10 +4,10 @@ from disk that swaps the model between two steps, and LoRA adapters loaded and u
 One sleep, wake-up or update at a time (a lock); each is all or nothing: what cannot be done is a
 WeightsError (or a LoRAError) and the weights that served before still serve.
 
-Ownership: a part of one AsyncEngine, used on the Trio thread. Sleeping and waking are calls
-between two steps (AsyncEngine.call_core), wherever the core runs; new weights load on a thread of
-their own (a GGUF file converts for a long time), adapters on the compile threads: those two need
-the core in this process.
+Ownership: a part of one AsyncEngine, used on the Trio thread. The core's operations are calls
+(AsyncEngine.call_core), wherever the core runs: between two steps, except new weights' load,
+beside them in a thread of its own (a GGUF file converts for a long time). Adapters are read on
+the compile threads, here.
 """
 from __future__ import annotations
 
@@ -42,7 +42,6 @@ class WeightCycle:
         self._core = engine.core
         self.sleeping = False  # requests get 503 from the moment a sleep begins until the wake-up
         self._lock = trio.Lock()
-        self._load_limiter = trio.CapacityLimiter(1)
 
     async def sleep(self, level: int, timeout: float) -> int:
         """Sleep mode: requests get 503 from now on; running ones finish for up to `timeout`
@@ -101,7 +100,9 @@ class WeightCycle:
             if self.sleeping:
                 raise WeightsError("The server is sleeping: wake it up before updating its weights.")
             try:
-                model = await trio.to_thread.run_sync(self._core.load_weights, path, limiter=self._load_limiter)
+                await self._engine.call_core("stage_weights", path, beside=True)
+            except EngineUnavailableError:
+                raise
             except Exception as exc:  # noqa: BLE001 - any failure to load is the request's bad path
                 log.warning("the weights at %s cannot serve: %s", path, exc)
                 raise WeightsError(f"The weights at {path!r} cannot serve: {_weights_refusal(exc)}.") from None
@@ -110,8 +111,10 @@ class WeightCycle:
                     num_aborted = self._engine.abort_all() if abort_running else 0
                     await self._engine.live.idle.wait()
                     self._engine.check_alive()
-                    # On this thread, with no checkpoint since idle: no group can register meanwhile.
-                    self._core.swap_weights(model, path)
+                    # Between two steps; admissions are held, so no group registers meanwhile.
+                    args = await self._engine.call_core("swap_staged_weights")
+                    if self._engine.core_apart:  # what it serves now, as the server reports it
+                        self._core.args = args
                 finally:
                     self._engine.refresh_stats()
             log.info("now serving the weights at %s (%d requests aborted)", path, num_aborted)

@@ -82,8 +82,7 @@ class ServerSettings:
     max_lora_adapters: int = 64  # adapters registered at once: a load while serving past it is refused
     # the engine core in a process of its own (trillm/engine/core_process.py): its steps no longer
     # share the interpreter's lock with the event loop that frames and sends every token. None:
-    # where that serves faster (trillm.engine.core_process.faster_in_own_process), unless a flag
-    # it does not carry yet is given (`uncarried`: the engine then runs in this process, logged)
+    # where that serves faster (trillm.engine.core_process.faster_in_own_process)
     engine_process: bool | None = None
     engine: EngineArgs = field(default_factory=EngineArgs)
 
@@ -94,16 +93,6 @@ class ServerSettings:
         if self.data_parallel_size < 0 or (self.data_parallel_size == 0 and not self.data_parallel_address):
             raise ValueError("--data-parallel-size is the replicas to start here: at least 1, or 0 with "
                              "--data-parallel-address (the router alone, in front of replicas elsewhere).")
-        if self.engine_process and self.uncarried:
-            raise ValueError(f"--engine-process does not carry {', '.join(self.uncarried)} yet: leave one of them out.")
-
-    @property
-    def uncarried(self) -> list[str]:
-        """The flags given that the engine's own process does not carry yet: each calls the core
-        beside its steps (a process boundary away, not yet)."""
-        given = {"--enable-weight-updates": self.enable_weight_updates,
-                 "--tensor-parallel-size above 1": self.engine.tensor_parallel_size > 1}
-        return [flag for flag, on in given.items() if on]
 
     @property
     def supervises(self) -> bool:

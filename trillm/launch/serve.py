@@ -102,19 +102,12 @@ async def serve(settings: ServerSettings, *, task_status=trio.TASK_STATUS_IGNORE
 
 
 def engine_process(settings: ServerSettings) -> bool:
-    """Whether the engine runs in a process of its own: as asked, or else where that serves faster,
-    unless a flag it does not carry yet is given; that slower path is logged, never taken silently."""
+    """Whether the engine runs in a process of its own: as asked, or else where that serves faster."""
     from trillm.engine.api import faster_in_own_process
 
     if settings.engine_process is not None:
         return settings.engine_process
-    if not faster_in_own_process(settings.engine):
-        return False
-    if settings.uncarried:
-        log.warning("the engine runs in the server's process, slower here: its own process does not carry %s yet",
-                    ", ".join(settings.uncarried))
-        return False
-    return True
+    return faster_in_own_process(settings.engine)
 
 
 def run(settings: ServerSettings) -> None:

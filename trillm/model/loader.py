@@ -251,6 +251,9 @@ class ArchitectureMismatch(ValueError):
         super().__init__(message)
         self.field = field
 
+    def __reduce__(self):  # pickled across the engine's process boundary, with its field
+        return type(self), (self.field, str(self))
+
 
 def check_same_architecture(serving: PretrainedConfig, new: PretrainedConfig) -> None:
     """ArchitectureMismatch naming the first field in which `new` differs from the `serving`
