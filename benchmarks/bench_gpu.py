@@ -1,7 +1,9 @@
 """The serving benchmark on a GPU, beside the roof that memory bandwidth puts on decoding.
 
 Starts `trillm serve` on the default model's bf16 weights (the CUDA default: the Triton kernels,
-CUDA graphs) and measures it with this project's load generator (benchmarks/bench_serving.py):
+CUDA graphs, the engine in a process of its own) and measures it with this project's load
+generator (benchmarks/bench_serving.py), then again with the engine in the server's process
+(`--no-engine-process`, what the process boundary is worth on this device):
 128 prompt / 128 output tokens at concurrency 1, 8, 32 and 128, then 1024-token prompts with
 one output token each (their TTFT is the prefill). Beside each level, the decode roof: a decode
 step reads every weight once and each request's KV cache, so at batch c it makes at most
@@ -73,6 +75,21 @@ def decode_roof(bandwidth: float, weights: int, kv_per_token: int, concurrency: 
     return concurrency * bandwidth / (weights + concurrency * context * kv_per_token)
 
 
+def served(out: Path, name: str, flags: list[str], startup_timeout: float) -> tuple[float, dict]:
+    """`trillm serve` at its CUDA defaults (and `flags`) measured at every level: seconds to ready, the runs."""
+    out.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    base_url = f"http://127.0.0.1:{port}"
+    with open(out / f"{name}.log", "w") as log:
+        server = subprocess.Popen([sys.executable, "-m", "trillm", "serve", "--port", str(port), "--dtype", "bfloat16",
+                                   "--log-level", "warning", *flags], stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+        try:
+            ready_s = wait_ready(server, base_url, startup_timeout)
+            return ready_s, measure(base_url, server.pid, out)
+        finally:
+            stop(server)
+
+
 def measure(base_url: str, server_pid: int, out: Path) -> dict:
     runs = {}
     for c in LEVELS:
@@ -96,7 +113,7 @@ def profile_host_path(pid: int, path: Path) -> subprocess.Popen | None:
         print("py-spy is not here: the host path goes unprofiled", flush=True)
         return None
     return subprocess.Popen([binary, "record", "-p", str(pid), "-d", str(PROFILE_S), "-r", "250", "-f", "raw",
-                             "--threads", "--idle", "-o", str(path)], stdout=subprocess.DEVNULL)
+                             "--threads", "--idle", "--subprocesses", "-o", str(path)], stdout=subprocess.DEVNULL)
 
 
 def offline(batches: list[int], speculative_config: str | None = None) -> dict:
@@ -131,33 +148,29 @@ def main() -> None:
     bandwidth = copy_bandwidth()
     weights, kv_per_token = model_bytes()
     torch.cuda.empty_cache()
-    port = free_port()
-    base_url = f"http://127.0.0.1:{port}"
-    with open(out / "server.log", "w") as log:
-        server = subprocess.Popen([sys.executable, "-m", "trillm", "serve", "--port", str(port), "--dtype", "bfloat16",
-                                   "--log-level", "warning"], stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
-        try:
-            ready_s = wait_ready(server, base_url, args.startup_timeout)
-            runs = measure(base_url, server.pid, out)
-        finally:
-            stop(server)
+    ready_s, runs = served(out, "server", [], args.startup_timeout)
+    print("the same, the engine in the server's process (--no-engine-process):", flush=True)
+    _, runs_together = served(out / "in-server-process", "server", ["--no-engine-process"], args.startup_timeout)
     engine = offline(LEVELS)
     undrafted = offline(LEVELS, speculative_config="")  # what drafting is worth per batch on this device
     context = 128 + 128 // 2  # a request's mean context while it decodes
     roofs = {f"c{c}": decode_roof(bandwidth, weights, kv_per_token, c, context) for c in LEVELS}
     result = {"device": device, "copy_bandwidth_gb_s": bandwidth / 1e9, "weight_bytes": weights,
               "kv_bytes_per_token": kv_per_token, "startup_s": ready_s, "runs": runs, "decode_roof_tok_s": roofs,
-              "offline_tok_s": engine, "offline_without_drafting_tok_s": undrafted}
+              "offline_tok_s": engine, "offline_without_drafting_tok_s": undrafted,
+              "runs_engine_in_server_process": runs_together}
     (out / "gpu_bench.json").write_text(json.dumps(result, indent=1))
     print(f"\n{device}: copy bandwidth {bandwidth / 1e9:.0f} GB/s, bf16 weights {weights / 2**20:.0f} MiB")
-    print("| c | output tok/s | offline engine tok/s | served / offline | offline, no drafting | decode roof tok/s "
-          "| share of roof | TTFT mean ms | TPOT mean ms |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| c | output tok/s | offline engine tok/s | served / offline | engine in the server's process: "
+          "tok/s (served / offline) | offline, no drafting | decode roof tok/s | share of roof | TTFT mean ms "
+          "| TPOT mean ms |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for c in LEVELS:
-        s = runs[f"c{c}"]
-        print(f"| {c} | {s['output_throughput']:.0f} | {engine[f'c{c}']:.0f} | "
-              f"{s['output_throughput'] / engine[f'c{c}']:.2f} | {undrafted[f'c{c}']:.0f} | {roofs[f'c{c}']:.0f} | "
-              f"{s['output_throughput'] / roofs[f'c{c}']:.2f} | {s['ttft_ms']['mean']:.1f} | {s['tpot_ms']['mean']:.2f} |")
+        s, offline_rate = runs[f"c{c}"], engine[f"c{c}"]
+        rate, together = s["output_throughput"], runs_together[f"c{c}"]["output_throughput"]
+        print(f"| {c} | {rate:.0f} | {offline_rate:.0f} | {rate / offline_rate:.2f} | "
+              f"{together:.0f} ({together / offline_rate:.2f}) | {undrafted[f'c{c}']:.0f} | {roofs[f'c{c}']:.0f} | "
+              f"{rate / roofs[f'c{c}']:.2f} | {s['ttft_ms']['mean']:.1f} | {s['tpot_ms']['mean']:.2f} |")
     print(f"prefill of {PREFILL_LEN} tokens: TTFT mean {runs['prefill']['ttft_ms']['mean']:.1f} ms")
 
 
