@@ -177,6 +177,8 @@ async def test_aclose_aborts_live_requests(core, prompt):
         await anext(stream)
         await engine.aclose()
         assert [out async for _, out in stream][-1].finish_reason == "abort"
+        with trio.fail_after(10), pytest.raises(EngineUnavailableError, match="shutting down"):
+            await engine.call_core("reset_prefix_cache")
     assert core.stats().num_used_blocks == 0
 
 
@@ -196,6 +198,8 @@ async def test_a_dying_engine_fails_streams_and_refuses_requests(core, prompt, m
             assert isinstance(engine.error, RuntimeError)
             with pytest.raises(EngineUnavailableError):
                 await engine.add(RequestGroup("next", [(prompt, SamplingParams())]))
+            with trio.fail_after(10), pytest.raises(EngineUnavailableError):  # not left waiting for a reply
+                await engine.call_core("reset_prefix_cache")
             await engine.aclose()
     finally:
         core.abort_request("doomed-0")  # the dead engine left it in the core

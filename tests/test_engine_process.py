@@ -56,7 +56,9 @@ async def test_serves_what_the_core_in_this_process_serves(engine_process, core)
         chunks = await client.chat.completions.create(
             model=server.model, messages=[{"role": "user", "content": "Say hi."}], max_tokens=8, temperature=0,
             stream=True)
-        streamed = [c.choices[0].delta.content async for c in chunks if c.choices and c.choices[0].delta.content]
+        # the text, not its chunks: where they break depends on timing (a reader that falls behind
+        # takes what it missed at once; a step that verifies drafts brings several tokens)
+        streamed = "".join([c.choices[0].delta.content or "" async for c in chunks if c.choices])
         vectors = await client.embeddings.create(model=server.model, input=["a", "b c"], encoding_format="float")
         return (ids, [c.model_dump(exclude={"id"}) for c in sampled.choices], sampled.model_extra,
                 chat.choices[0].message.content, streamed, [d.embedding for d in vectors.data])
@@ -229,3 +231,4 @@ async def test_tensor_parallel_ranks_start_from_the_engines_process(tiny_text_mo
     with trio.fail_after(SETTLE_TIMEOUT):
         while any(live(pid) for pid in ranks):
             await trio.sleep(0.05)
+

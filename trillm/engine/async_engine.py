@@ -24,6 +24,7 @@ import itertools
 import logging
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from types import MappingProxyType
 
 import trio
@@ -46,6 +47,14 @@ from trillm.sched_ext import FinishReason
 log = logging.getLogger(__name__)
 
 CHECK_THREADS = 2  # requests checked at once before they queue (AsyncEngine.add)
+
+
+@dataclass(eq=False)
+class PendingCall:
+    """A Call sent to the core, until its reply (a result, or the error it raised) is in."""
+
+    done: trio.Event = field(default_factory=trio.Event)
+    reply: object = None
 
 
 class RequestStream:
@@ -112,7 +121,7 @@ class AsyncEngine:
         self._cancel_scope = trio.CancelScope()
         self._stats = core.stats()
         self._link = core if isinstance(core, EngineProcess) else StepThread(core)
-        self._calls: dict[int, list] = {}  # a Call's id -> [its event, its reply]
+        self._calls: dict[int, PendingCall] = {}  # by the Call's id
         self._beside_limiter = trio.CapacityLimiter(1)  # calls beside the steps of a core in this process
         self._call_ids = itertools.count()
         # the threads that check requests before they queue (never Trio's default limiter, which
@@ -251,6 +260,27 @@ class AsyncEngine:
         if isinstance(self._link, StepThread) and not self._link.stepping:
             self._stats = self.core.stats()
 
+    async def call_core(self, method: str, *args, beside: bool = False):
+        """The core's `method(*args)` (one of rounds.CALLS), between two steps (or, `beside`, in a
+        thread of its own while the core steps), wherever the core runs: its result, or what it
+        raised; EngineUnavailableError if the engine died or stopped, before or meanwhile.
+        Cancelled, it returns at once (the call is still made), except beside a core in this
+        process, where it waits for its thread."""
+        if self.error is not None or self._stopped.is_set():
+            raise EngineUnavailableError(self._unavailable_reason())
+        if beside and not self.core_apart:
+            return await trio.to_thread.run_sync(getattr(self.core, method), *args, limiter=self._beside_limiter)
+        call_id = next(self._call_ids)
+        self._calls[call_id] = pending = PendingCall()
+        self._link.submit(Call(call_id, method, args, beside))
+        try:
+            await pending.done.wait()
+        finally:
+            del self._calls[call_id]
+        if isinstance(pending.reply, Exception):
+            raise pending.reply
+        return pending.reply
+
     def check_alive(self) -> None:
         """EngineUnavailableError once the engine died or began to close."""
         if self.error is not None or not self.accepting:
@@ -281,6 +311,8 @@ class AsyncEngine:
             self._die(exc)
         finally:
             self._stopped.set()
+            for call_id in list(self._calls):  # none will be answered now
+                self._reply(call_id, EngineUnavailableError(self._unavailable_reason()))
 
     async def drain(self, timeout: float) -> None:
         """Graceful shutdown: take no new requests, let running ones finish for up to
@@ -304,24 +336,6 @@ class AsyncEngine:
     async def _loop(self) -> None:
         await self._link.run(self._settle)
 
-    async def call_core(self, method: str, *args, beside: bool = False):
-        """The core's `method(*args)` (one of rounds.CALLS), between two steps (or, `beside`, in a
-        thread of its own while the core steps), wherever the core runs: its result, or what it
-        raised; EngineUnavailableError if the engine dies first. Cancelled, it returns at once
-        (the call is still made), except beside a core in this process, where it waits for its thread."""
-        if beside and not self.core_apart:
-            return await trio.to_thread.run_sync(getattr(self.core, method), *args, limiter=self._beside_limiter)
-        call_id = next(self._call_ids)
-        self._calls[call_id] = pending = [trio.Event(), None]
-        self._link.submit(Call(call_id, method, args, beside))
-        try:
-            await pending[0].wait()
-        finally:
-            del self._calls[call_id]
-        if isinstance(pending[1], Exception):
-            raise pending[1]
-        return pending[1]
-
     def _settle(self, done: Round) -> None:
         """On the event loop, after a round: end each refused admission, let every admitted
         group's `add` return, send the outputs in the order the round made them, and hand the
@@ -344,8 +358,8 @@ class AsyncEngine:
     def _reply(self, call_id: int, reply) -> None:
         pending = self._calls.get(call_id)
         if pending is not None:  # else its caller has gone
-            pending[1] = reply
-            pending[0].set()
+            pending.reply = reply
+            pending.done.set()
 
     def _send(self, group: LiveGroup, out: StepOutput) -> None:
         try:
@@ -366,8 +380,6 @@ class AsyncEngine:
             if not group.admitted.is_set():
                 group.error = EngineUnavailableError(f"The engine stopped: {exc!r}")
                 group.admitted.set()
-        for call_id in list(self._calls):
-            self._reply(call_id, EngineUnavailableError(f"The engine stopped: {exc!r}"))
 
     def _check_open(self) -> None:
         if self.error is not None or not self.accepting or self.sleeping:

@@ -2,25 +2,15 @@
 
 Why: in one process the step's thread and the event loop take the interpreter's lock in turn, so
 a step waits for every token's send before it, and the served rate falls far below the engine's
-own wherever the step is short (a GPU; a small model). In its own process the core steps while
-the server's loop frames and sends; each Round (trillm/engine/rounds.py: every request's new
-tokens of one trip) crosses as one message.
+own wherever the step is short (a GPU; a small model). In its own process (trillm/engine/
+engine_main.py) the core steps while the server's loop frames and sends; each Round
+(trillm/engine/rounds.py: every request's new tokens of one trip) crosses as one message.
 
-The wire: two ZeroMQ PUSH/PULL pairs over IPC sockets in a private directory (0700), which only
-this user's processes can open. Commands go one message each, pickled (a request group with its
-prompts and parameters; pickled off the event loop, `prepare`); an empty message stops the engine.
-Back come msgspec-encoded Rounds (errors and pooled tensors inside them pickled, as msgpack
-extensions), after a first message that says the engine is ready (its config, settings and
-tokenizer, pickled) or why it failed to load (the exception, re-raised in the server).
+The link: two ZeroMQ PUSH/PULL pairs over IPC sockets in a private directory (0700), which the
+server binds and the engine's process connects to; what crosses them: trillm/engine/wire.py.
 
-The engine's side (`serve_core`) is a plain loop: it waits for commands while it has nothing to
-step, takes every queued one between two steps, and runs the same trips as StepThread. It ignores
-SIGINT and SIGTERM (the server decides when it stops, after a drain that needs it stepping) and is
-killed when the server ends (trillm.subprocesses.die_with_parent). A step's error is sent, and the
-process ends.
-
-Ownership: the server's Trio thread alone submits and runs the link; `start` and `close` block
-(run them in a worker thread, or before the loop starts). `close()` is idempotent.
+Ownership: the server's Trio thread alone submits and runs the link; the constructor and
+`close` block (run them in a worker thread, or before the loop starts). `close()` is idempotent.
 """
 from __future__ import annotations
 
@@ -29,50 +19,29 @@ import multiprocessing
 import os
 import pickle
 import shutil
-import signal
 import tempfile
-import threading
 from collections.abc import Callable
-from dataclasses import dataclass, replace
 
-import msgspec
-import torch
 import trio
 import zmq
 
 from trillm.config import EngineArgs
-from trillm.engine.core import EngineCore, check_request
+from trillm.engine.core import check_request
+from trillm.engine.engine_main import serve_core
 from trillm.engine.errors import EngineUnavailableError
 from trillm.engine.group import RequestGroup
-from trillm.engine.rounds import CALLS, Admit, Call, Command, Round, RoundRunner, trips
+from trillm.engine.rounds import Admit, Command, Round
 from trillm.engine.stats import EngineStats
 from trillm.engine.structured_output import Grammars
-from trillm.model.loader import ModelConfig, resolve_device
-from trillm.model.lora import LoRAAdapter, LoRARegistry
+from trillm.engine.wire import FAILED, READY, STOP, Ready, round_decoder
+from trillm.model.loader import resolve_device
+from trillm.model.lora import LoRARegistry
 from trillm.pooling_params import PoolingParams
 from trillm.sampling_params import SamplingParams
-from trillm.subprocesses import die_with_parent
 
 log = logging.getLogger(__name__)
-READY, FAILED = b"R", b"F"  # the first message's tag
-STOP = b""  # the command that ends the engine's loop
-LINGER_MS = 5000  # how long a closing socket may still try to deliver (the last Round, a shutdown)
 JOIN_S = 10.0  # how long `close` waits for the engine's process to end before it kills it
 EXIT_GRACE_S = 0.5  # once the engine's process has ended, how long what it sent last may take to arrive
-PICKLED = 1  # msgpack extension code: an exception or a tensor, pickled
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s [engine] %(message)s"
-
-
-@dataclass(frozen=True)
-class Ready:
-    """What the server needs of a loaded engine: what it serves, and how (its LoRA adapters'
-    records, without their weights)."""
-
-    config: ModelConfig
-    args: EngineArgs
-    tokenizer: object
-    stats: EngineStats
-    adapters: list[LoRAAdapter]
 
 
 def faster_in_own_process(args: EngineArgs) -> bool:
@@ -81,117 +50,6 @@ def faster_in_own_process(args: EngineArgs) -> bool:
     path); not on a CPU, where the default model's step is long, the neutral runs measured no
     gain, and a second interpreter costs its memory."""
     return resolve_device(args.device).type == "cuda"
-
-
-def _pickled(value) -> bytes:
-    """A value as a Round carries it pickled (an exception, a call's reply); one that does not
-    survive pickling crosses as a RuntimeError naming it."""
-    try:
-        data = pickle.dumps(value)
-        pickle.loads(data)
-    except Exception:  # noqa: BLE001 - any failure to rebuild it
-        data = pickle.dumps(RuntimeError(repr(value)))
-    return data
-
-
-def _enc_hook(obj):
-    if isinstance(obj, torch.Tensor):  # a pooled vector: on the host, so the server never touches the device
-        return msgspec.msgpack.Ext(PICKLED, pickle.dumps(obj.cpu()))
-    if isinstance(obj, BaseException):
-        return msgspec.msgpack.Ext(PICKLED, _pickled(obj))
-    raise NotImplementedError(f"a Round cannot carry {type(obj).__name__}")
-
-
-def _ext_hook(code: int, data: memoryview):
-    assert code == PICKLED, code
-    return pickle.loads(data)
-
-
-def _dec_hook(kind: type, obj):
-    if isinstance(obj, kind):  # a pickled extension, already rebuilt by _ext_hook
-        return obj
-    raise NotImplementedError(kind)
-
-
-def serve_core(args: EngineArgs, commands_address: str, rounds_address: str, server_pid: int, log_level: int) -> None:
-    """The engine's process: load, say so, then apply commands and step until told to stop (or a
-    step fails). See the module docstring. It logs at the server's level, its lines marked."""
-    logging.basicConfig(level=log_level, format=LOG_FORMAT)
-    # A terminal's Ctrl-C, or a service manager's SIGTERM, reaches every process of the group: the
-    # server drains on it, which needs this process stepping. It stops when the server says so,
-    # or dies when the server does.
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, signal.SIG_IGN)
-    die_with_parent(signum=signal.SIGKILL)
-    if os.getppid() != server_pid:  # the server ended before the line above could tie us to it
-        return
-    context = zmq.Context()
-    commands = context.socket(zmq.PULL)
-    rounds = context.socket(zmq.PUSH)
-    for sock in (commands, rounds):
-        sock.setsockopt(zmq.LINGER, LINGER_MS)
-    commands.connect(commands_address)
-    rounds.connect(rounds_address)
-    try:
-        try:
-            core = EngineCore(args)
-        except BaseException as exc:
-            rounds.send(FAILED + _pickled(exc))
-            return
-        with core:
-            adapters = [] if core.loras is None else [replace(a, weights=None) for a in core.loras.adapters.values()]
-            rounds.send(READY + pickle.dumps(Ready(core.config, core.args, core.tokenizer, core.stats(), adapters)))
-            runner = RoundRunner(core)
-            encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
-            while (received := _receive(commands, wait=not core.has_unfinished())) is not None:
-                for call in [c for c in received if isinstance(c, Call) and c.beside]:
-                    threading.Thread(target=_call_beside, args=(core, call, context, rounds_address), daemon=True,
-                                     name=f"trillm-{call.method}").start()
-                for trip in trips([c for c in received if not (isinstance(c, Call) and c.beside)]):
-                    done = runner.run(*trip)
-                    done.replies = [(call_id, _reply(reply)) for call_id, reply in done.replies]
-                    rounds.send(encoder.encode(done), copy=False)
-                    if done.error is not None:
-                        return
-    finally:
-        context.destroy(linger=LINGER_MS)
-
-
-def _reply(value) -> msgspec.msgpack.Ext:
-    """A call's reply, pickled: it may be any record (msgspec would send a dataclass as a plain map)."""
-    return msgspec.msgpack.Ext(PICKLED, _pickled(value))
-
-
-def _call_beside(core: EngineCore, call: Call, context: zmq.Context, rounds_address: str) -> None:
-    """A Call the core lets run while it steps (Call.beside), in this thread; its reply goes on a
-    socket of its own (ZeroMQ's sockets belong to one thread each), in a Round of its own."""
-    assert call.method in CALLS, call.method
-    try:
-        reply = getattr(core, call.method)(*call.args)
-    except Exception as exc:  # noqa: BLE001 - the caller's error, not the engine's death
-        reply = exc
-    sock = context.socket(zmq.PUSH)
-    sock.setsockopt(zmq.LINGER, LINGER_MS)
-    sock.connect(rounds_address)
-    try:
-        sock.send(msgspec.msgpack.encode(Round(admissions=[], outputs=[], replies=[(call.call_id, _reply(reply))])))
-    finally:
-        sock.close()
-
-
-def _receive(commands: zmq.Socket, wait: bool) -> list[Command] | None:
-    """Every queued command (waiting for one first if `wait`); None once told to stop."""
-    if wait:
-        commands.poll()
-    received = []
-    while True:
-        try:
-            message = commands.recv(zmq.NOBLOCK)
-        except zmq.Again:
-            return received
-        if message == STOP:
-            return None
-        received.append(pickle.loads(message))
 
 
 class EngineProcess:
@@ -216,7 +74,7 @@ class EngineProcess:
         rounds_address = f"ipc://{self._dir}/rounds"
         self._commands.bind(commands_address)
         self._rounds.bind(rounds_address)
-        self._decoder = msgspec.msgpack.Decoder(type=Round, ext_hook=_ext_hook, dec_hook=_dec_hook)
+        self._decoder = round_decoder()
         self.process = None
         self.grammars: Grammars | None = None
         try:

@@ -33,10 +33,6 @@ class Admit:
     requests: RequestGroup
     grammars: dict | None = None  # structured-output spec -> its compiled grammar, serialized (a front compiled it)
 
-    @property
-    def group_id(self) -> str:
-        return self.requests.request_id
-
 
 @dataclass(frozen=True)
 class Abort:
@@ -102,12 +98,6 @@ class RoundRunner:
         self._owner: dict[str, RequestGroup] = {}  # engine id -> its group, for every member of those
         self._unfinished: dict[str, int] = {}  # group id -> members without their final output
 
-    def __len__(self) -> int:
-        return len(self._groups)
-
-    def engine_ids(self) -> list[str]:
-        return list(self._owner)
-
     def run(self, commands: list[Command], step: bool) -> Round:
         """Apply `commands` in order, then (if `step`) take a step if any request is unfinished.
         Never raises: a refused admission is that group's error, a failed step the round's."""
@@ -146,16 +136,16 @@ class RoundRunner:
 
     def abort_all(self) -> None:
         """Give every request its blocks back (the engine died: no one will end them)."""
-        for request_id in self.engine_ids():
+        for request_id in list(self._owner):
             self.core.abort_request(request_id)
         self._groups.clear()
         self._owner.clear()
         self._unfinished.clear()
 
     def _admit(self, requests: RequestGroup, grammars: dict | None) -> Exception | None:
-        if grammars:
-            self.core.grammars.insert_serialized(grammars)
         try:
+            if grammars:
+                self.core.grammars.insert_serialized(grammars)
             requests.admit(self.core)
         except Exception as exc:  # noqa: BLE001 - one request's refusal (or our bug in admitting it) is not the engine's death
             if not isinstance(exc, ValueError):
