@@ -7,6 +7,7 @@ import os
 import signal
 import sys
 import tempfile
+import threading
 from dataclasses import replace
 
 import openai
@@ -232,3 +233,18 @@ async def test_tensor_parallel_ranks_start_from_the_engines_process(tiny_text_mo
         while any(live(pid) for pid in ranks):
             await trio.sleep(0.05)
 
+
+async def test_the_engines_process_outlives_the_thread_that_started_it(tiny_text_model_dir):
+    """The parent-death signal follows the thread that started a child, not its process: started
+    from a worker thread that then ends (Trio's end after 10 s idle), the engine must live on."""
+    started = []
+    thread = threading.Thread(target=lambda: started.append(EngineProcess(EngineArgs(model=tiny_text_model_dir,
+                                                                                     num_kv_blocks=64))))
+    thread.start()
+    thread.join()
+    (process,) = started
+    with process:
+        await trio.sleep(0.5)  # the signal, were it sent, has landed
+        assert process.process.is_alive()
+        async with live_server(process) as server:
+            assert len(await greedy_ids(server.openai(), server.model, max_tokens=4)) == 4

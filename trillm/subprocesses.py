@@ -48,6 +48,12 @@ def spawn(command: list[str], cpus: set[int] | None = None, **popen_args) -> sub
     return _spawner.submit(subprocess.Popen, command, preexec_fn=lambda: die_with_parent(cpus), **popen_args).result()
 
 
+def start_process(process: multiprocessing.process.BaseProcess) -> None:
+    """`process.start()` from the one long-lived thread (above), so that the parent-death signal
+    it sets for itself (die_with_parent) follows the process, whichever thread calls this."""
+    _spawner.submit(process.start).result()
+
+
 # What a preloaded child finds imported (start_preloaded): for a tensor-parallel rank, the model
 # side, torch with it, and the Llama family's config, whose import brings most of what reading any
 # model's config imports (transformers loads it lazily, on the first AutoConfig, which every rank

@@ -38,6 +38,7 @@ from trillm.model.loader import resolve_device
 from trillm.model.lora import LoRARegistry
 from trillm.pooling_params import PoolingParams
 from trillm.sampling_params import SamplingParams
+from trillm.subprocesses import start_process
 
 log = logging.getLogger(__name__)
 JOIN_S = 10.0  # how long `close` waits for the engine's process to end before it kills it
@@ -83,7 +84,7 @@ class EngineProcess:
             self.process = multiprocessing.get_context("spawn").Process(
                 target=serve_core, name="trillm-engine", daemon=args.tensor_parallel_size == 1,
                 args=(args, commands_address, rounds_address, os.getpid(), logging.getLogger().getEffectiveLevel()))
-            self.process.start()
+            start_process(self.process)
             ready = self._wait_ready()
         except BaseException:
             self.close()
