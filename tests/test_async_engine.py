@@ -61,6 +61,22 @@ async def test_closing_a_stream_aborts_its_request(engine, prompt):
     assert stats.num_used_blocks == 0 and stats.num_running == 0
 
 
+async def test_a_reader_that_fell_behind_takes_what_it_missed_at_once(engine, prompt):
+    """Outputs that wait in the channel come as one: the same tokens and logprobs, one write."""
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1)
+    prompt_reader = [out async for _, out in await engine.add(RequestGroup("prompt", [(prompt, params)]))]
+    behind = await engine.add(RequestGroup("behind", [(prompt, params)]))
+    with trio.fail_after(60):
+        await engine.live.idle.wait()  # every output is in the channel, unread
+    caught_up = [out async for _, out in behind]
+    assert len(prompt_reader) > 1 and len(caught_up) == 1
+    (last,) = caught_up
+    assert last.finished and last.finish_reason == "length"
+    assert last.new_token_ids == [t for out in prompt_reader for t in out.new_token_ids]
+    assert [lp.logprob for lp in last.new_logprobs] == pytest.approx(
+        [lp.logprob for out in prompt_reader for lp in out.new_logprobs], abs=1e-4)
+
+
 async def test_samples_of_one_prompt_share_its_cached_blocks(engine, core, prompt):
     assert await engine.reset_prefix_cache()
     long_prompt = prompt * 3

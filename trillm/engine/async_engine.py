@@ -59,6 +59,8 @@ class PendingCall:
 
 class RequestStream:
     """A group's outputs, as `(member index, StepOutput)` pairs, until every member has finished.
+    A member's outputs that have all arrived when it is read come as one (StepOutput.then): a
+    reader that fell behind the engine catches up in one write, not one per step.
 
     Closing it (always do, in `finally`) aborts whatever of the group still runs;
     closing twice is harmless.
@@ -71,17 +73,30 @@ class RequestStream:
         self._receive = receive
         self._index = group.requests.index
         self._unfinished = len(group.requests.members)
+        self._next: StepOutput | None = None  # read ahead: another member's, or after a final one
 
     def __aiter__(self) -> RequestStream:
         return self
 
     async def __anext__(self) -> tuple[int, StepOutput]:
-        try:
-            out = await self._receive.receive()
-        except trio.EndOfChannel:
-            if self._unfinished:
-                raise EngineUnavailableError(f"The engine stopped: {self._engine.error!r}") from self._engine.error
-            raise StopAsyncIteration from None
+        if self._next is not None:
+            out, self._next = self._next, None
+        else:
+            try:
+                out = await self._receive.receive()
+            except trio.EndOfChannel:
+                if self._unfinished:
+                    raise EngineUnavailableError(f"The engine stopped: {self._engine.error!r}") from self._engine.error
+                raise StopAsyncIteration from None
+        while not out.finished:
+            try:
+                more = self._receive.receive_nowait()
+            except (trio.WouldBlock, trio.EndOfChannel):
+                break
+            if more.request_id != out.request_id:
+                self._next = more
+                break
+            out = out.then(more)
         if out.finished:
             self._unfinished -= 1
         return self._index[out.request_id], out

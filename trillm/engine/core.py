@@ -53,6 +53,17 @@ class StepOutput:
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # from params.prompt_logprobs_start on
     pooled: torch.Tensor | None = None  # a pooling request's vector: fp32 [hidden], raw
 
+    def then(self, later: StepOutput) -> StepOutput:
+        """This output and the same request's next as one, as if one step had made both (a
+        reader that fell behind takes them at once)."""
+        assert later.request_id == self.request_id and not self.finished
+        logprobs = None  # an abort's final output carries none, even for a request that asked
+        if self.new_logprobs is not None or later.new_logprobs is not None:
+            logprobs = (self.new_logprobs or []) + (later.new_logprobs or [])
+        return replace(later, new_token_ids=self.new_token_ids + later.new_token_ids, new_logprobs=logprobs,
+                       prompt_logprobs=self.prompt_logprobs or later.prompt_logprobs,
+                       pooled=self.pooled if self.pooled is not None else later.pooled)
+
 
 # On CPU a step's prompt chunks attend over at most the pairs of a fresh 512-token chunk. The
 # attention there costs more per pair than its multiply-adds say (well off the FMA roof), so the
