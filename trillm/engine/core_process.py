@@ -46,10 +46,11 @@ EXIT_GRACE_S = 0.5  # once the engine's process has ended, how long what it sent
 
 
 def faster_in_own_process(args: EngineArgs) -> bool:
-    """Whether an engine serves faster in a process of its own: on a GPU, whose steps are short
-    enough that in one process they wait on the loop's sends (benchmarks/README.md, the host
-    path); not on a CPU, where the default model's step is long, the neutral runs measured no
-    gain, and a second interpreter costs its memory."""
+    """Whether an engine serves by default in a process of its own: on a GPU, whose steps are
+    short enough that in one process they wait on the loop's sends (benchmarks/README.md, the host
+    path). On a CPU it serves the default model 4-24% faster there too, for a second interpreter's
+    memory; it stays opt-in there until the data-parallel replicas, torchrun's ranks and the memory
+    bound of serving a file in place are measured with it."""
     return resolve_device(args.device).type == "cuda"
 
 
@@ -94,7 +95,7 @@ class EngineProcess:
         # truth: it refuses what this copy let through); their records only, never their weights.
         self.loras: LoRARegistry | None = None
         if self.args.enable_lora:
-            self.loras = LoRARegistry(self.config.hf_config, self.args.max_lora_rank, 1)
+            self.loras = LoRARegistry(self.config.hf_config, self.args.max_lora_rank, 1)  # holds no weights
             self.loras.adapters.update((a.name, a) for a in ready.adapters)
         self.grammars = Grammars.of(self.tokenizer, self.config, self.args.grammar_compile_timeout)
         log.info("the engine runs in process %d", self.process.pid)
