@@ -82,7 +82,7 @@ class ServerSettings:
     max_lora_adapters: int = 64  # adapters registered at once: a load while serving past it is refused
     # the engine core in a process of its own (trillm/engine/core_process.py): its steps no longer
     # share the interpreter's lock with the event loop that frames and sends every token. None:
-    # where that serves faster (trillm.engine.core_process.faster_in_own_process)
+    # the default where it is measured (on a GPU: trillm.engine.core_process.faster_in_own_process)
     engine_process: bool | None = None
     engine: EngineArgs = field(default_factory=EngineArgs)
 

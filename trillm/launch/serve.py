@@ -102,7 +102,7 @@ async def serve(settings: ServerSettings, *, task_status=trio.TASK_STATUS_IGNORE
 
 
 def engine_process(settings: ServerSettings) -> bool:
-    """Whether the engine runs in a process of its own: as asked, or else where that serves faster."""
+    """Whether the engine runs in a process of its own: as asked, or else by its measured default."""
     from trillm.engine.api import faster_in_own_process
 
     if settings.engine_process is not None:
