@@ -14,7 +14,7 @@ import openai
 import pytest
 import trio
 
-from http_support import EXACT, NUM_KV_BLOCKS, SETTLE_TIMEOUT, greedy_ids, live_server, settled_stats
+from http_support import EXACT, NUM_KV_BLOCKS, SETTLE_TIMEOUT, greedy_ids, live_server, metric_value, settled_stats
 from lora_support import make_adapter
 from process_support import live, start_server, started_by
 from trillm.config import EngineArgs
@@ -80,6 +80,12 @@ async def test_refusals_come_from_the_server_at_once(engine_process):
                                                               "lora_request": {"lora_name": "x"}})
         assert no_adapter.status_code in (400, 404), no_adapter.text
         assert (await http.post("/reset_prefix_cache")).status_code == 200
+        # the engine's gauges come with its Rounds; the server's counters are its own
+        await greedy_ids(server.openai(), server.model, max_tokens=3)
+        metrics = (await http.get("/metrics")).text
+        assert "trillm:num_requests_running{" in metrics and "trillm:kv_cache_usage_perc{" in metrics
+        assert await metric_value(http, "trillm:generation_tokens_total") == 3
+        assert (await settled_stats(http))["num_steps"] >= 3
 
 
 async def test_sleep_frees_the_engines_memory_and_wakes_to_the_same_tokens(engine_process):

@@ -10,7 +10,7 @@ from http_support import live_server, metric_value, settled_stats
 from vllm_kv_events_schema import AllBlocksCleared, BlockRemoved, BlockStored, CacheReplica
 
 from trillm.config import EngineArgs
-from trillm.engine.core import EngineCore
+from trillm.engine.api import EngineCore, EngineProcess
 from trillm.engine.kv_events import KVEventBatch, KVEventsConfig, ZmqEventPublisher, offset_endpoint
 from trillm.subprocesses import free_port
 
@@ -43,17 +43,18 @@ def received(subscriber) -> list[tuple[int, bytes]]:
     return batches
 
 
-@pytest.mark.parametrize("hash_algo", ["builtin", "sha256_cbor"])
-async def test_a_subscriber_rebuilds_the_prefix_cache_from_a_served_engines_events(hash_algo):
+@pytest.mark.parametrize("hash_algo, link", [("builtin", "thread"), ("sha256_cbor", "thread"), ("builtin", "process")])
+async def test_a_subscriber_rebuilds_the_prefix_cache_from_a_served_engines_events(hash_algo, link):
     """Requests that share prefixes in a pool small enough to evict, a flush, and more requests:
     replayed in order through vLLM's schema, the events hold exactly the blocks the allocator
     caches, with every kind of event among them; the live stream's batches are the replay's.
-    With vLLM's hash the blocks are vLLM's 32-byte digests."""
+    With vLLM's hash the blocks are vLLM's 32-byte digests. The engine in its own process
+    publishes from there."""
     pub, replay = free_port(), free_port()
     config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{pub}",
               "replay_endpoint": f"tcp://*:{replay}", "topic": TOPIC.decode()}
-    core = EngineCore(EngineArgs(num_kv_blocks=24, kv_events_config=json.dumps(config),
-                                 prefix_caching_hash_algo=hash_algo))
+    core = (EngineProcess if link == "process" else EngineCore)(EngineArgs(
+        num_kv_blocks=24, kv_events_config=json.dumps(config), prefix_caching_hash_algo=hash_algo))
     with core, zmq.Context() as context, context.socket(zmq.SUB) as subscriber:
         subscriber.connect(f"tcp://127.0.0.1:{pub}")
         subscriber.setsockopt(zmq.SUBSCRIBE, TOPIC)
@@ -69,7 +70,7 @@ async def test_a_subscriber_rebuilds_the_prefix_cache_from_a_served_engines_even
                                                     max_tokens=4, temperature=0)
                 if turn == 1:
                     assert (await http.post("/flush_cache")).status_code == 200
-            await settled_stats(http)
+            stats = await settled_stats(http)
             assert "trillm:kv_events_dropped_batches_total{" in (await http.get("/metrics")).text
             assert await metric_value(http, "trillm:kv_events_dropped_batches_total") == 0
         live = await trio.to_thread.run_sync(received, subscriber)
@@ -87,7 +88,9 @@ async def test_a_subscriber_rebuilds_the_prefix_cache_from_a_served_engines_even
                     assert (event.block_size, event.medium, event.lora_id) == (16, "GPU", None)  # vLLM-CPU says GPU too
                     assert isinstance(event.block_hashes[0], bytes if hash_algo == "sha256_cbor" else int)
         assert kinds == {BlockStored, BlockRemoved, AllBlocksCleared}
-        assert replica.hashes == core.scheduler.allocator.cached_keys and replica.hashes
+        assert replica.hashes and len(replica.hashes) == stats["num_cached_blocks"]
+        if link == "thread":
+            assert replica.hashes == core.scheduler.allocator.cached_keys
         assert [seq for seq, _ in await trio.to_thread.run_sync(replayed, replay, len(log) - 2)] == \
             [len(log) - 2, len(log) - 1]
 
