@@ -3,6 +3,7 @@
 - The default model, in bf16 on the Triton kernels with CUDA graphs, streams a chat reply through
   the `openai` client; a stream cut off mid-reply and a request aborted through `/abort_request`
   both give every KV block back.
+- The engine in its own process (`trillm serve`'s CUDA default) serves as the core in this one.
 - Sleep levels 1 and 2 give device memory back (the KV cache and the weights: level 1 moves
   them to host memory, level 2 drops them) and wake to the same greedy tokens.
 """
@@ -12,9 +13,9 @@ import pytest
 import torch
 import trio
 
-from http_support import live_server, settled_stats
+from http_support import greedy_ids, live_server, settled_stats
 from trillm.config import EngineArgs
-from trillm.engine.core import EngineCore
+from trillm.engine.api import EngineCore, EngineProcess
 
 pytestmark = pytest.mark.cuda
 
@@ -74,6 +75,24 @@ async def test_the_default_model_streams_on_cuda_and_aborts_free_their_blocks():
                         await trio.sleep(0.01)
                 assert (await http.post("/abort_request", json={"rid": "long-one"})).status_code == 200
             assert_every_block_back(await settled_stats(http))
+
+
+async def test_the_engine_in_its_own_process_serves_on_cuda_as_in_this_one():
+    """`trillm serve`'s CUDA default, the engine in a process of its own: the same greedy tokens
+    and embeddings (which cross on the host) as the core in the server's process."""
+    async def ask(engine):
+        async with live_server(engine) as server:
+            client = server.openai()
+            ids = await greedy_ids(client, server.model, max_tokens=16)
+            vector = await client.embeddings.create(model=server.model, input="a b", encoding_format="float")
+            return ids, vector.data[0].embedding
+
+    with EngineProcess(EngineArgs(device="cuda", num_kv_blocks=256)) as apart:
+        remote = await ask(apart)
+    with cuda_core() as core:
+        local = await ask(core)
+    assert remote[0] == local[0]
+    torch.testing.assert_close(torch.tensor(remote[1]), torch.tensor(local[1]))
 
 
 @pytest.mark.parametrize("level", [1, 2])
