@@ -85,7 +85,7 @@ def test_the_cuda_selection_collects_and_skips_without_a_device(monkeypatch):
     status = pytest.main(["-m", "cuda", "--setup-plan", "-q", "-p", "no:xdist", "-p", "no:cacheprovider", *files],
                          plugins=[plan])
     assert status == pytest.ExitCode.OK
-    assert len(plan.skipped) == 4 and all("marker cuda: needs a CUDA device" in why for why in plan.skipped.values())
+    assert len(plan.skipped) == 5 and all("marker cuda: needs a CUDA device" in why for why in plan.skipped.values())
     assert plan.set_up | {node.split("::")[0] for node in plan.skipped} == set(files)
 
 

@@ -48,9 +48,9 @@ EXIT_GRACE_S = 0.5  # once the engine's process has ended, how long what it sent
 def faster_in_own_process(args: EngineArgs) -> bool:
     """Whether an engine serves by default in a process of its own: on a GPU, whose steps are
     short enough that in one process they wait on the loop's sends (benchmarks/README.md, the host
-    path). On a CPU it serves the default model 4-24% faster there too, for a second interpreter's
-    memory; it stays opt-in there until the data-parallel replicas, torchrun's ranks and the memory
-    bound of serving a file in place are measured with it."""
+    path). On a CPU it serves the default model 4-24% faster there too, but the server's process
+    alone (its tokenizer comes through transformers, which imports torch) holds more than the
+    in-place memory bound of serving a small file leaves: opt-in there."""
     return resolve_device(args.device).type == "cuda"
 
 
