@@ -1,0 +1,81 @@
+"""The default model on this machine's CPU, served as a share of its own engine's rate: the
+engine stepped alone (`EngineCore`, greedy, 128/128, the load generator's own prompts, a batch
+of c), then `trillm serve` measured by this project's load generator (benchmarks/bench_serving.py)
+at concurrency c, with the engine in the server's process and in its own (`--engine-process`).
+The CPU side of what bench_gpu.py's served / offline column says on a GPU.
+
+    python -m benchmarks.served_vs_offline --levels 8 32 --out benchmarks/results/served_vs_offline.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import trio
+
+from benchmarks.bench_serving import BenchConfig, random_prompts, run_benchmark
+from benchmarks.compare_peer import REPO, free_port, stop, wait_ready
+
+LINKS = {"in the server's process": ["--no-engine-process"], "own process": ["--engine-process"]}
+
+
+def config(base_url: str, concurrency: int) -> BenchConfig:
+    return BenchConfig(base_url, num_prompts=4 * concurrency, concurrency=concurrency, input_len=128, output_len=128)
+
+
+def offline(levels: list[int]) -> dict[int, float]:
+    """Output tok/s of the engine alone at each batch, on the first batch of the load's prompts."""
+    from trillm.config import EngineArgs
+    from trillm.engine.core import EngineCore
+    from trillm.sampling_params import SamplingParams
+
+    rates = {}
+    with EngineCore(EngineArgs()) as core:
+        for c in levels:
+            params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
+            for i, prompt in enumerate(random_prompts(config("", c))[:c]):
+                core.add_request(f"{c}-{i}", prompt, params)
+            begin = time.perf_counter()
+            while core.has_unfinished():
+                core.step()
+            rates[c] = c * 128 / (time.perf_counter() - begin)
+            print(f"offline batch {c}: {rates[c]:.1f} output tok/s", flush=True)
+    return rates
+
+
+def served(flags: list[str], levels: list[int], log: Path) -> dict[int, float]:
+    port = free_port()
+    base_url = f"http://127.0.0.1:{port}"
+    with open(log, "w") as out:
+        server = subprocess.Popen([sys.executable, "-m", "trillm", "serve", "--port", str(port), *flags],
+                                  stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
+        try:
+            wait_ready(server, base_url, 300)
+            return {c: trio.run(run_benchmark, config(base_url, c))["summary"]["output_throughput"] for c in levels}
+        finally:
+            stop(server)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--levels", type=int, nargs="+", default=[8, 32])
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/served_vs_offline.json"))
+    args = parser.parse_args()
+    engine = offline(args.levels)
+    rates = {}
+    for name, flags in LINKS.items():
+        rates[name] = served(flags, args.levels, args.out.with_suffix(f".{flags[0][2:]}.log"))
+    args.out.write_text(json.dumps({"offline": engine, "served": rates}, indent=1))
+    print("| c | engine alone tok/s | " + " | ".join(f"{n}: tok/s (share)" for n in LINKS) + " |")
+    print("|---:|---:|" + "---:|" * len(LINKS))
+    for c in args.levels:
+        print(f"| {c} | {engine[c]:.0f} | " + " | ".join(f"{rates[n][c]:.0f} ({rates[n][c] / engine[c]:.2f})"
+                                                        for n in LINKS) + " |")
+
+
+if __name__ == "__main__":
+    main()
