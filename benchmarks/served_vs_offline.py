@@ -2,7 +2,9 @@
 engine stepped alone (`EngineCore`, greedy, 128/128, the load generator's own prompts, a batch
 of c), then `trillm serve` measured by this project's load generator (benchmarks/bench_serving.py)
 at concurrency c, with the engine in the server's process and in its own (`--engine-process`).
-The CPU side of what bench_gpu.py's served / offline column says on a GPU.
+The CPU side of what bench_gpu.py's served / offline column says on a GPU. Drafting is off in
+both: served waves of greedy random prompts fill the suffix cache that a lone batch starts
+without, and the share would measure that instead of the host's part.
 
     python -m benchmarks.served_vs_offline --levels 8 32 --out benchmarks/results/served_vs_offline.json
 """
@@ -21,6 +23,7 @@ from benchmarks.bench_serving import BenchConfig, random_prompts, run_benchmark
 from benchmarks.compare_peer import REPO, free_port, stop, wait_ready
 
 LINKS = {"in the server's process": ["--no-engine-process"], "own process": ["--engine-process"]}
+NO_DRAFTS = ["--speculative-config", ""]
 
 
 def config(base_url: str, concurrency: int) -> BenchConfig:
@@ -34,7 +37,7 @@ def offline(levels: list[int]) -> dict[int, float]:
     from trillm.sampling_params import SamplingParams
 
     rates = {}
-    with EngineCore(EngineArgs()) as core:
+    with EngineCore(EngineArgs(speculative_config="")) as core:
         for c in levels:
             params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
             for i, prompt in enumerate(random_prompts(config("", c))[:c]):
@@ -51,7 +54,7 @@ def served(flags: list[str], levels: list[int], log: Path) -> dict[int, float]:
     port = free_port()
     base_url = f"http://127.0.0.1:{port}"
     with open(log, "w") as out:
-        server = subprocess.Popen([sys.executable, "-m", "trillm", "serve", "--port", str(port), *flags],
+        server = subprocess.Popen([sys.executable, "-m", "trillm", "serve", "--port", str(port), *NO_DRAFTS, *flags],
                                   stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
         try:
             wait_ready(server, base_url, 300)
