@@ -20,6 +20,12 @@ def live(pid: int) -> bool:
         return False
 
 
+def resident_bytes(pid: int | str = "self") -> int:
+    """A process's resident set now (this one's by default)."""
+    with open(f"/proc/{pid}/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 def children(pid: int) -> set[int]:
     """The live children of `pid`, whichever of its threads started them."""
     found = set()

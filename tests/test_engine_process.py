@@ -16,7 +16,7 @@ import trio
 
 from http_support import EXACT, NUM_KV_BLOCKS, SETTLE_TIMEOUT, greedy_ids, live_server, metric_value, settled_stats
 from lora_support import make_adapter
-from process_support import live, start_server, started_by
+from process_support import live, resident_bytes, start_server, started_by
 from trillm.config import EngineArgs
 from trillm.engine.api import EngineCore, EngineProcess, EngineUnavailableError
 
@@ -28,11 +28,6 @@ SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}, "rank": {
 def engine_process():
     with EngineProcess(EngineArgs(num_kv_blocks=NUM_KV_BLOCKS, enable_sleep_mode=True)) as process:
         yield process
-
-
-def resident_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) << 10 for line in f if line.startswith("VmRSS:"))
 
 
 async def both(engine_process, core, ask):

@@ -17,14 +17,10 @@ from lora_support import reference
 from http_support import EXACT, live_server, settled_stats
 from http_support import TOKEN_PROMPT as PROMPT
 from http_support import greedy_ids as greedy
+from process_support import resident_bytes
 from trillm.config import EngineArgs
 from trillm.engine.api import EngineCore, EngineProcess
 
-
-
-def resident_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 @functools.cache

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from process_support import resident_bytes
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -427,8 +428,7 @@ def test_kv_cache_memory_becomes_resident_only_as_blocks_are_written(tiny_model_
     anonymous mapping (zero pages), not a zeroed, and so resident, allocation."""
 
     def resident_mib() -> float:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+        return resident_bytes() / 2**20
 
     before = resident_mib()
     runner = ModelRunner(EngineArgs(model=tiny_model_dir("qwen3"), kv_cache_memory=4 << 30, max_num_seqs=1 << 20,
