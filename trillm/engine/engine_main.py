@@ -23,6 +23,7 @@ from trillm.config import EngineArgs
 from trillm.engine.core import EngineCore
 from trillm.engine.rounds import CALLS, Call, Command, Round, RoundRunner, trips
 from trillm.engine.wire import FAILED, READY, STOP, Ready, opaque, pickled, round_encoder
+from trillm.model.lora import LoRAAdapter
 from trillm.subprocesses import die_with_parent
 
 LINGER_MS = 5000  # how long a closing socket may still try to deliver (the last Round, a reply)
@@ -55,7 +56,7 @@ def serve_core(args: EngineArgs, commands_address: str, rounds_address: str, ser
             rounds.send(FAILED + pickled(exc))
             return
         with core:
-            adapters = [] if core.loras is None else [replace(a, weights=None) for a in core.loras.adapters.values()]
+            adapters = [] if core.loras is None else [_record(a) for a in core.loras.adapters.values()]
             rounds.send(READY + pickle.dumps(Ready(core.config, core.args, core.tokenizer, core.stats(), adapters)))
             runner = RoundRunner(core)
             encoder = round_encoder()
@@ -65,7 +66,7 @@ def serve_core(args: EngineArgs, commands_address: str, rounds_address: str, ser
                                      name=f"trillm-{call.method}").start()
                 for trip in trips([c for c in received if not (isinstance(c, Call) and c.beside)]):
                     done = runner.run(*trip)
-                    done.replies = [(call_id, opaque(reply)) for call_id, reply in done.replies]
+                    done.replies = [(call_id, opaque(_record(reply))) for call_id, reply in done.replies]
                     rounds.send(encoder.encode(done), copy=False)
                     if done.error is not None:
                         return
@@ -73,12 +74,17 @@ def serve_core(args: EngineArgs, commands_address: str, rounds_address: str, ser
         context.destroy(linger=LINGER_MS)
 
 
+def _record(value):
+    """What crosses to the server of a value the core returns: a LoRA adapter's record, not its weights."""
+    return replace(value, weights=None) if isinstance(value, LoRAAdapter) else value
+
+
 def _call_beside(core: EngineCore, call: Call, context: zmq.Context, rounds_address: str) -> None:
     """A Call the core lets run while it steps (Call.beside), in this thread; its reply goes on a
     socket of its own (ZeroMQ's sockets belong to one thread each), in a Round of its own."""
     assert call.method in CALLS, call.method
     try:
-        reply = getattr(core, call.method)(*call.args)
+        reply = _record(getattr(core, call.method)(*call.args))
     except Exception as exc:  # noqa: BLE001 - the caller's error, not the engine's death
         reply = exc
     sock = context.socket(zmq.PUSH)

@@ -14,7 +14,7 @@ Ownership: a runner is driven by one thread at a time, between steps, as the cor
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -22,7 +22,6 @@ import msgspec
 from trillm.engine.core import EngineCore, StepOutput
 from trillm.engine.group import RequestGroup
 from trillm.engine.stats import EngineStats
-from trillm.model.lora import LoRAAdapter
 from trillm.sched_ext import FinishReason
 
 log = logging.getLogger(__name__)
@@ -117,8 +116,6 @@ class RoundRunner:
                     assert method in CALLS and not beside, method
                     try:
                         reply = getattr(self.core, method)(*args)
-                        if isinstance(reply, LoRAAdapter):  # its record goes back, not its weights
-                            reply = replace(reply, weights=None)
                     except Exception as exc:  # noqa: BLE001 - the caller's error, not the engine's death
                         reply = exc
                     done.replies.append((call_id, reply))
