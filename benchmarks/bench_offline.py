@@ -78,14 +78,16 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def run_batch(core: EngineCore, batch: int, input_len: int, output_len: int, seed: int, device: str) -> dict:
-    """Adds `batch` requests and steps the engine until they finish. Returns the total time, the
-    time to every request's first token, and the decode steps' times."""
+def run_batch(core: EngineCore, batch: int, input_len: int, output_len: int, seed: int, device: str,
+              prompts: list[list[int]] | None = None) -> dict:
+    """Adds `batch` requests (random prompts of `input_len` tokens, or `prompts`) and steps the
+    engine until they finish. Returns the total time, the time to every request's first token,
+    and the decode steps' times."""
     generator = torch.Generator().manual_seed(seed)
     vocab = core.config.hf_config.vocab_size
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     for i in range(batch):
-        prompt = torch.randint(0, vocab, (input_len,), generator=generator).tolist()
+        prompt = torch.randint(0, vocab, (input_len,), generator=generator).tolist() if prompts is None else prompts[i]
         core.add_request(f"{seed}-{i}", prompt, params)
     started: set[str] = set()
     decode_times = []

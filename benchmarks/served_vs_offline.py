@@ -14,11 +14,11 @@ import argparse
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import trio
 
+from benchmarks.bench_offline import run_batch
 from benchmarks.bench_serving import BenchConfig, random_prompts, run_benchmark
 from benchmarks.compare_peer import REPO, free_port, stop, wait_ready
 
@@ -34,18 +34,12 @@ def offline(levels: list[int]) -> dict[int, float]:
     """Output tok/s of the engine alone at each batch, on the first batch of the load's prompts."""
     from trillm.config import EngineArgs
     from trillm.engine.core import EngineCore
-    from trillm.sampling_params import SamplingParams
 
     rates = {}
     with EngineCore(EngineArgs(speculative_config="")) as core:
         for c in levels:
-            params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
-            for i, prompt in enumerate(random_prompts(config("", c))[:c]):
-                core.add_request(f"{c}-{i}", prompt, params)
-            begin = time.perf_counter()
-            while core.has_unfinished():
-                core.step()
-            rates[c] = c * 128 / (time.perf_counter() - begin)
+            run = run_batch(core, c, 128, 128, seed=c, device="cpu", prompts=random_prompts(config("", c))[:c])
+            rates[c] = c * 128 / run["total_s"]
             print(f"offline batch {c}: {rates[c]:.1f} output tok/s", flush=True)
     return rates
 
