@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,7 +19,7 @@ import trio
 
 from benchmarks.bench_offline import run_batch
 from benchmarks.bench_serving import BenchConfig, random_prompts, run_benchmark
-from benchmarks.compare_peer import REPO, free_port, stop, wait_ready
+from benchmarks import neutral_compare
 
 LINKS = {"in the server's process": ["--no-engine-process"], "own process": ["--engine-process"]}
 NO_DRAFTS = ["--speculative-config", ""]
@@ -45,16 +44,11 @@ def offline(levels: list[int]) -> dict[int, float]:
 
 
 def served(flags: list[str], levels: list[int], log: Path) -> dict[int, float]:
-    port = free_port()
-    base_url = f"http://127.0.0.1:{port}"
-    with open(log, "w") as out:
-        server = subprocess.Popen([sys.executable, "-m", "trillm", "serve", "--port", str(port), *NO_DRAFTS, *flags],
-                                  stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
-        try:
-            wait_ready(server, base_url, 300)
-            return {c: trio.run(run_benchmark, config(base_url, c))["summary"]["output_throughput"] for c in levels}
-        finally:
-            stop(server)
+    def command(args, model_dir: str, port: int) -> tuple[list[str], None]:
+        return [sys.executable, "-m", "trillm", "serve", "--port", str(port), *NO_DRAFTS, *flags], None
+
+    with neutral_compare.served(command, argparse.Namespace(startup_timeout=300), "", log) as (_, base_url, _):
+        return {c: trio.run(run_benchmark, config(base_url, c))["summary"]["output_throughput"] for c in levels}
 
 
 def main() -> None:
