@@ -34,7 +34,7 @@ import trio
 
 from benchmarks.bench_offline import run_batch
 from benchmarks.bench_serving import BenchConfig, format_summary, run_benchmark
-from benchmarks.compare_peer import REPO, free_port, stop, wait_ready
+from benchmarks import neutral_compare
 
 LEVELS = [1, 8, 32, 128]
 PROFILE_S = 8  # seconds py-spy samples the server at the last level
@@ -78,16 +78,14 @@ def decode_roof(bandwidth: float, weights: int, kv_per_token: int, concurrency: 
 def served(out: Path, name: str, flags: list[str], startup_timeout: float) -> tuple[float, dict]:
     """`trillm serve` at its CUDA defaults (and `flags`) measured at every level: seconds to ready, the runs."""
     out.mkdir(parents=True, exist_ok=True)
-    port = free_port()
-    base_url = f"http://127.0.0.1:{port}"
-    with open(out / f"{name}.log", "w") as log:
-        server = subprocess.Popen([sys.executable, "-m", "trillm", "serve", "--port", str(port), "--dtype", "bfloat16",
-                                   "--log-level", "warning", *flags], stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
-        try:
-            ready_s = wait_ready(server, base_url, startup_timeout)
-            return ready_s, measure(base_url, server.pid, out)
-        finally:
-            stop(server)
+
+    def command(args, model_dir: str, port: int) -> tuple[list[str], None]:
+        return [sys.executable, "-m", "trillm", "serve", "--port", str(port), "--dtype", "bfloat16", "--log-level",
+                "warning", *flags], None
+
+    timeout = argparse.Namespace(startup_timeout=startup_timeout)
+    with neutral_compare.served(command, timeout, "", out / f"{name}.log") as (server, base_url, ready_s):
+        return ready_s, measure(base_url, server.pid, out)
 
 
 def measure(base_url: str, server_pid: int, out: Path) -> dict:
