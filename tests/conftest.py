@@ -30,12 +30,12 @@ import pytest  # noqa: E402
 # a long file handed out last runs alone at the end while the other workers idle. The order only
 # schedules; every test runs either way.
 LONGEST_FIRST = ("test_data_parallel.py", "test_gemma3.py", "test_tensor_parallel.py", "test_model.py",
-                 "test_http_serve.py", "test_engine_process.py", "test_scheduler.py", "test_multi_host.py",
-                 "test_llm.py", "test_lm_eval.py", "test_http_weights.py", "test_multi_host_tp.py",
-                 "test_speculative.py", "test_gpu_prepare.py", "test_http_soak.py", "test_cuda_path.py",
-                 "test_http_security.py", "test_lora.py", "test_http_connection.py", "test_http_errors.py",
-                 "test_http_structured_extras.py", "test_gguf_in_place.py", "test_kv_events.py", "test_loader.py",
-                 "test_kernels.py")
+                 "test_http_serve.py", "test_engine_process.py", "test_api_servers.py", "test_scheduler.py",
+                 "test_multi_host.py", "test_llm.py", "test_lm_eval.py", "test_http_weights.py",
+                 "test_multi_host_tp.py", "test_speculative.py", "test_gpu_prepare.py", "test_http_soak.py",
+                 "test_cuda_path.py", "test_http_security.py", "test_lora.py", "test_http_connection.py",
+                 "test_http_errors.py", "test_http_structured_extras.py", "test_gguf_in_place.py",
+                 "test_kv_events.py", "test_loader.py", "test_kernels.py")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -132,6 +132,27 @@ async def greedy_ids(client: openai.AsyncOpenAI, model: str, prompt=TOKEN_PROMPT
     return out.choices[0].model_extra["token_ids"]
 
 
+async def finish_of_stream(client: openai.AsyncOpenAI, model: str, max_tokens: int, meanwhile=None, **create):
+    """A streamed completion of a token prompt, ignoring EOS, read to its end, and `await
+    meanwhile()` once its first chunk came: its finish reason (None if none came), and what
+    `meanwhile` returned. `create`: more of create()'s arguments."""
+    finish, result, started = [None], [None], trio.Event()
+
+    async def read() -> None:
+        chunks = await client.completions.create(model=model, prompt=[10, 11], max_tokens=max_tokens, stream=True,
+                                                 extra_body={"ignore_eos": True}, **create)
+        async for chunk in chunks:
+            started.set()
+            finish[0] = chunk.choices[0].finish_reason or finish[0]
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(read)
+        await started.wait()
+        if meanwhile is not None:
+            result[0] = await meanwhile()
+    return finish[0], result[0]
+
+
 async def settled_stats(http: httpx.AsyncClient) -> dict:
     """The engine's stats (read over HTTP) once no request is live any more."""
     with trio.fail_after(SETTLE_TIMEOUT):

@@ -14,7 +14,8 @@ import openai
 import pytest
 import trio
 
-from http_support import EXACT, NUM_KV_BLOCKS, SETTLE_TIMEOUT, greedy_ids, live_server, metric_value, settled_stats
+from http_support import (EXACT, NUM_KV_BLOCKS, SETTLE_TIMEOUT, finish_of_stream, greedy_ids, live_server, metric_value,
+                          settled_stats)
 from lora_support import make_adapter
 from process_support import live, resident_bytes, start_server, started_by
 from trillm.config import EngineArgs
@@ -192,24 +193,14 @@ async def test_serve_with_the_engines_process_drains_on_sigterm_and_leaves_nothi
         assert engine_pids, "the engine runs in a process the server started"
         client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
         model = (await client.models.list()).data[0].id
-        finishes = []
-        started = trio.Event()
 
-        async def stream(max_tokens: int) -> None:
-            chunks = await client.completions.create(model=model, prompt=[10, 11], max_tokens=max_tokens, stream=True,
-                                                     extra_body={"ignore_eos": True})
-            async for chunk in chunks:
-                started.set()
-                if chunk.choices[0].finish_reason:
-                    finishes.append(chunk.choices[0].finish_reason)
-
-        async with trio.open_nursery() as streams:
-            streams.start_soon(stream, 200)
-            await started.wait()
+        async def stop() -> None:
             process.send_signal(signal.SIGTERM)
             for pid in engine_pids:  # as a service manager sends it to every process: the engine steps on
                 os.kill(pid, signal.SIGTERM)
-        assert finishes == ["length"], "the drain let the running request finish in the engine's process"
+
+        finish, _ = await finish_of_stream(client, model, 200, stop)
+        assert finish == "length", "the drain let the running request finish in the engine's process"
         assert any("draining" in line for line in log), "\n".join(log)
         await client.close()
         with trio.fail_after(SETTLE_TIMEOUT):

@@ -192,6 +192,18 @@ async def test_a_background_response_can_be_cancelled_and_frees_its_blocks(serve
     assert stats["num_used_blocks"] == 0 and stats["num_live_requests"] == 0
 
 
+async def test_a_deleted_background_response_stays_deleted_once_it_ends(server):
+    http = server.http()
+    with frozen_engine(server.state.engine.core):  # it cannot finish before the delete
+        created = (await http.post("/v1/responses", json={
+            "model": server.model, "input": "Count to a thousand.", "max_output_tokens": 500, "background": True,
+        })).json()
+        assert (await http.delete(f"/v1/responses/{created['id']}")).status_code == 200
+    stats = await settled_stats(http)  # it has ended (aborted)
+    assert stats["num_live_requests"] == 0
+    assert (await http.get(f"/v1/responses/{created['id']}")).status_code == 404
+
+
 async def test_abort_request_and_a_disconnect_end_a_streaming_response(server):
     http = server.http()
     body = {"model": server.model, "input": "Count to a thousand.", "max_output_tokens": 1000, "stream": True}

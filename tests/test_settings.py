@@ -65,6 +65,11 @@ def test_an_unknown_policy_is_refused_everywhere(capsys):
     (["--load-format", "pt"], "invalid choice: 'pt' (choose from 'auto', 'dummy')"),
     (["--device", "tpu"], "invalid choice: 'tpu' (choose from 'auto', 'cpu', 'cuda')"),
     (["--pooling-type", "max"], "invalid choice: 'max' (choose from 'last', 'mean', 'cls')"),
+    (["--api-server-count", "0"], "--api-server-count is the HTTP front processes: at least 1"),
+    (["--api-server-count", "2", "--no-engine-process"], "cannot serve with --no-engine-process"),
+    (["--api-server-count", "2", "--enable-sleep-mode"], "cannot serve with --enable-sleep-mode"),
+    (["--api-server-count", "2", "--enable-weight-updates"], "cannot serve with --enable-weight-updates"),
+    (["--api-server-count", "2", "--data-parallel-size", "2"], "cannot serve with data parallelism"),
     (["--data-parallel-size", "2", "--router-policy", "kv_aware", "--kv-events-config",
       '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://10.0.0.5:5557"}'],
      "give --kv-events-config an endpoint they bind"),
@@ -81,17 +86,18 @@ def test_serve_refuses_a_bad_engine_flag_before_loading_anything(flags, words, c
     assert words in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("asked, device, runs_apart", [
-    (None, "cpu", False),  # measured: no gain on a CPU, a second interpreter's memory
-    (None, "cuda", True),  # the loop's sends would hold a GPU's short steps
-    (True, "cpu", True),
-    (False, "cuda", False),
+@pytest.mark.parametrize("asked, device, runs_apart, fronts", [
+    (None, "cpu", False, 1),  # measured: no gain on a CPU, a second interpreter's memory
+    (None, "cuda", True, 1),  # the loop's sends would hold a GPU's short steps
+    (True, "cpu", True, 1),
+    (False, "cuda", False, 1),
+    (None, "cpu", True, 2),  # several fronts share the engine's own process
 ])
-def test_where_the_engine_runs(asked, device, runs_apart):
+def test_where_the_engine_runs(asked, device, runs_apart, fronts):
     from trillm.launch.cli import main
     from trillm.launch import serve
 
-    argv = ["serve", "--device", device]
+    argv = ["serve", "--device", device, "--api-server-count", str(fronts)]
     argv += [] if asked is None else ["--engine-process" if asked else "--no-engine-process"]
     chosen = []
     with pytest.MonkeyPatch.context() as patch:

@@ -8,7 +8,7 @@ is for it; a test (tests/test_layering.py) holds the line.
 """
 from trillm.engine.async_engine import AsyncEngine, RequestStream
 from trillm.engine.core import EngineCore, StepOutput
-from trillm.engine.core_process import EngineProcess, faster_in_own_process
+from trillm.engine.core_process import EngineLink, EngineProcess, faster_in_own_process
 from trillm.engine.detokenizer import held_prefix_len
 from trillm.engine.errors import EngineUnavailableError, QueueFullError, WeightsError
 from trillm.engine.group import Params, RequestGroup, num_samples
@@ -22,9 +22,9 @@ from trillm.model.tp_worker import launcher_init_method, launcher_rank, run_work
 from trillm.sched_ext import FinishReason
 
 __all__ = [
-    "AsyncEngine", "Delta", "EngineCore", "EngineProcess", "EngineUnavailableError", "FinishReason", "KVEventsConfig",
-    "LoRAError", "ModelFacts", "OutputProcessor", "Params", "PoolingProcessor", "QueueFullError", "RequestGroup",
-    "RequestStream", "ServingStats", "StepOutput", "TokenLogprobs", "WeightsError", "faster_in_own_process",
-    "held_prefix_len", "launcher_init_method", "launcher_rank", "num_samples", "offset_endpoint", "output_processor",
-    "read_facts", "run_worker",
+    "AsyncEngine", "Delta", "EngineCore", "EngineLink", "EngineProcess", "EngineUnavailableError", "FinishReason",
+    "KVEventsConfig", "LoRAError", "ModelFacts", "OutputProcessor", "Params", "PoolingProcessor", "QueueFullError",
+    "RequestGroup", "RequestStream", "ServingStats", "StepOutput", "TokenLogprobs", "WeightsError",
+    "faster_in_own_process", "held_prefix_len", "launcher_init_method", "launcher_rank", "num_samples",
+    "offset_endpoint", "output_processor", "read_facts", "run_worker",
 ]

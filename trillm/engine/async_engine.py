@@ -2,7 +2,7 @@
 
 One Trio task (`run`, started in the app's nursery) drives the core's link: StepThread (the core
 in this process, its rounds on the step's worker thread: trillm/engine/step_thread.py) or
-EngineProcess (the core in a process of its own: trillm/engine/core_process.py). Handlers never
+EngineLink (the core in a process of its own: trillm/engine/core_process.py). Handlers never
 touch the core: they send commands (admissions, aborts, stops: trillm/engine/rounds.py), named by
 the group's id, and read their outputs from a memory channel; the engine task settles each Round
 that comes back (channels fed, refused groups ended). A command is applied between two steps,
@@ -32,11 +32,11 @@ import trio
 from trillm.config import EngineArgs
 from trillm.engine.admission import Admission
 from trillm.engine.core import EngineCore, StepOutput
-from trillm.engine.core_process import EngineProcess
+from trillm.engine.core_process import EngineLink
 from trillm.engine.errors import EngineUnavailableError
 from trillm.engine.group import RequestGroup
 from trillm.engine.live_groups import LiveGroup, LiveGroups
-from trillm.engine.rounds import Abort, Call, Round, Stop
+from trillm.engine.rounds import ABORT_NAMED, Abort, Call, Round, Stop
 from trillm.engine.stats import ServingStats
 from trillm.engine.step_thread import StepThread
 from trillm.engine.weight_cycle import WeightCycle
@@ -123,7 +123,7 @@ class AsyncEngine:
     other parts: `admission` (Admission: the waiting limit, grammar compiles, the swap's gate)
     and `live` (LiveGroups: the index of live groups that routes aborts and outputs)."""
 
-    def __init__(self, core: EngineCore | EngineProcess, max_waiting: int):
+    def __init__(self, core: EngineCore | EngineLink, max_waiting: int):
         self.core = core
         self.error: Exception | None = None  # set when the engine task died
         self.accepting = True  # False once draining or closing: new requests get 503
@@ -135,7 +135,10 @@ class AsyncEngine:
         self._stopped = trio.Event()
         self._cancel_scope = trio.CancelScope()
         self._stats = core.stats()
-        self._link = core if isinstance(core, EngineProcess) else StepThread(core)
+        self._link = core if isinstance(core, EngineLink) else StepThread(core)
+        # Whether other fronts (processes of their own: --api-server-count) share the core.
+        self.shared = isinstance(core, EngineLink) and core.fronts > 1
+        self._admitting = 0  # members registered here whose admission the engine has not settled
         self._calls: dict[int, PendingCall] = {}  # by the Call's id
         self._beside_limiter = trio.CapacityLimiter(1)  # calls beside the steps of a core in this process
         self._call_ids = itertools.count()
@@ -161,7 +164,7 @@ class AsyncEngine:
     @property
     def core_apart(self) -> bool:
         """Whether the core runs in a process of its own (its operations are then all calls)."""
-        return isinstance(self._link, EngineProcess)
+        return isinstance(self._link, EngineLink)
 
     @property
     def lora_enabled(self) -> bool:
@@ -183,7 +186,15 @@ class AsyncEngine:
         a 400 naming `param` if it could never fit, a 429 if it does not fit now). Callers check
         before they spend anything on the group; `add` checks again, since the queue may have
         filled in between."""
-        self.admission.check_room(size, param, self.live.unfinished_members - self._stats.num_running)
+        self.admission.check_room(size, param, self.waiting())
+
+    def waiting(self) -> int:
+        """Engine requests waiting: queued here for admission, or in the core's waiting queue.
+        Other fronts' are counted as the engine last reported them (shared), so their sum may
+        pass the limit by what the fronts admit between two Rounds."""
+        if self.shared:
+            return self._admitting + self._stats.num_waiting
+        return self.live.unfinished_members - self._stats.num_running
 
     async def add(self, requests: RequestGroup, param: str = "prompt") -> RequestStream:
         """Queue a group and wait until the engine admits it. Its id is the server's own
@@ -214,11 +225,14 @@ class AsyncEngine:
         self.live.register(group)
         self._link.submit(admit)
         stream = RequestStream(self, group, receive)
+        self._admitting += size
         try:
             await group.admitted.wait()
         except BaseException:
             stream.close()
             raise
+        finally:
+            self._admitting -= size
         if group.error is not None:
             receive.close()
             raise group.error
@@ -242,10 +256,27 @@ class AsyncEngine:
         return len(targets)
 
     def abort_all(self, reason: FinishReason = FinishReason.ABORT, note: dict | None = None) -> int:
+        """Abort every live group of this front, as `abort` does one."""
         for group in self.live:
             group.abort_note = note or group.abort_note
             self._link.submit(Abort(group.request_id, reason))
         return len(self.live)
+
+    async def abort_everywhere(self, request_id: str | None, reason: FinishReason = FinishReason.ABORT,
+                               note: dict | None = None) -> int:
+        """`abort(request_id)` (None: `abort_all`), and, where other fronts share the core, the
+        same of theirs, between two steps; how many groups it touched in all. Their streams end
+        as their own aborts would, their `abort_note` set. EngineUnavailableError if the engine
+        died (this front's groups are aborted all the same)."""
+        touched = [g.request_id for g in self.live] if request_id is None else [
+            g.request_id for g, _ in self.live.named(request_id)]
+        if request_id is None:
+            self.abort_all(reason, note)
+        else:
+            self.abort(request_id, reason, note)
+        if self.shared:
+            touched += await self.call_core(ABORT_NAMED, request_id, reason, note)
+        return len(set(touched))
 
     async def reset_prefix_cache(self) -> bool:
         """Empty the prefix cache, between two steps; False while any request is live (the core
@@ -362,8 +393,12 @@ class AsyncEngine:
                 group.send.close()
                 self.live.unregister(group)
             group.admitted.set()
+        for group_id, note in done.notes:  # another front's abort by name
+            self.live.get(group_id).abort_note = note
         for group_id, out in done.outputs:
             self._send(self.live.get(group_id), out)
+        if done.adapters is not None:  # a front loaded or unloaded one
+            self.core.follow_adapters(done.adapters)
         for call_id, reply in done.replies:
             self._reply(call_id, reply)
         self.num_steps += done.stepped

@@ -1,4 +1,4 @@
-"""EngineProcess: the engine core in a process of its own, and the server's link to it.
+"""EngineProcess: the engine core in a process of its own, and a front's link to it (EngineLink).
 
 Why: in one process the step's thread and the event loop take the interpreter's lock in turn, so
 a step waits for every token's send before it, and the served rate falls far below the engine's
@@ -6,8 +6,11 @@ own wherever the step is short (a GPU; a small model). In its own process (trill
 engine_main.py) the core steps while the server's loop frames and sends; each Round
 (trillm/engine/rounds.py: every request's new tokens of one trip) crosses as one message.
 
-The link: two ZeroMQ PUSH/PULL pairs over IPC sockets in a private directory (0700), which the
-server binds and the engine's process connects to; what crosses them: trillm/engine/wire.py.
+The link: a ZeroMQ PUSH/PULL pair each way over IPC sockets in a private directory (0700), which
+the front binds and the engine's process connects to; what crosses them: trillm/engine/wire.py.
+The server's process is the first front, which starts the engine's process; with
+`--api-server-count` the other fronts (trillm/launch/fronts.py) each bind a pair of their own,
+and the engine's process tells them apart (trillm/engine/front_links.py).
 
 Ownership: the server's Trio thread alone submits and runs the link; the constructor and
 `close` block (run them in a worker thread, or before the loop starts). `close()` is idempotent.
@@ -21,6 +24,7 @@ import pickle
 import shutil
 import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import trio
 import zmq
@@ -35,7 +39,7 @@ from trillm.engine.stats import EngineStats
 from trillm.engine.structured_output import Grammars
 from trillm.engine.wire import FAILED, READY, STOP, Ready, round_decoder
 from trillm.model.loader import resolve_device
-from trillm.model.lora import LoRARegistry
+from trillm.model.lora import LoRAAdapter, LoRARegistry
 from trillm.pooling_params import PoolingParams
 from trillm.sampling_params import SamplingParams
 from trillm.subprocesses import start_process
@@ -54,62 +58,61 @@ def faster_in_own_process(args: EngineArgs) -> bool:
     return resolve_device(args.device).type == "cuda"
 
 
-class EngineProcess:
-    """The server's side: what AsyncEngine reads of a core (`config`, `args`, `tokenizer`, `loras`,
-    `grammars`, `check_request`, `stats`), and the link it drives (`prepare`, `submit`, `run`,
-    `after_death`). Structured-output specs compile here (the server's own compiler processes),
-    and their grammars travel with the request to the engine's process. LoRA adapters are read
-    (and checked) here too, and travel with the call that loads them."""
+@dataclass(frozen=True)
+class FrontSpec:
+    """What a front process needs to reach the engine's process (EngineLink): its pair of
+    addresses (which it binds), the engine's pid (to watch it end), and what the engine serves."""
 
-    def __init__(self, args: EngineArgs):
-        """Start the engine's process and wait until it has loaded (blocks: seconds to minutes).
-        Raises what loading raised there, or EngineUnavailableError if the process died first."""
+    index: int
+    fronts: int  # how many fronts the engine serves
+    directory: str  # the fronts' private directory (0700): their sockets, and what else they share
+    commands_address: str
+    rounds_address: str
+    engine_pid: int
+    ready: Ready
+
+
+class EngineLink:
+    """One front's link to the engine's process: what AsyncEngine reads of a core (`config`,
+    `args`, `tokenizer`, `loras`, `grammars`, `check_request`, `stats`), and the link it drives
+    (`prepare`, `submit`, `run`, `after_death`). Structured-output specs compile here (the
+    front's own compiler processes), and their grammars travel with the request to the engine's
+    process. LoRA adapters are read (and checked) here too, and travel with the call that loads
+    them. This class is a front the engine's process did not start (`--api-server-count`);
+    EngineProcess, the first front, starts it."""
+
+    def __init__(self, spec: FrontSpec, context: zmq.Context | None = None):
+        """Bind the front's sockets (the engine's process connects to them, before or after)."""
         self._closed = False
-        self._dir = tempfile.mkdtemp(prefix="trillm-engine-")  # 0700: this user's processes alone
-        self._context = zmq.Context()
+        self.index, self.fronts, self.directory = spec.index, spec.fronts, spec.directory
+        self._context = context or zmq.Context()
         self._commands = self._context.socket(zmq.PUSH)
         self._rounds = self._context.socket(zmq.PULL)
         self._commands.setsockopt(zmq.SNDHWM, 0)  # a send never blocks the loop: commands are few and small
         for sock in (self._commands, self._rounds):
             sock.setsockopt(zmq.LINGER, 0)
-        commands_address = f"ipc://{self._dir}/commands"
-        rounds_address = f"ipc://{self._dir}/rounds"
-        self._commands.bind(commands_address)
-        self._rounds.bind(rounds_address)
+        self._commands.bind(spec.commands_address)
+        self._rounds.bind(spec.rounds_address)
         self._decoder = round_decoder()
-        self.process = None
         self.grammars: Grammars | None = None
-        try:
-            # Spawned, not forked: nothing of the server's threads or state comes along, and no fork
-            # server stays resident beside the two processes.
-            self.process = multiprocessing.get_context("spawn").Process(
-                target=serve_core, name="trillm-engine", daemon=args.tensor_parallel_size == 1,
-                args=(args, commands_address, rounds_address, os.getpid(), logging.getLogger().getEffectiveLevel()))
-            start_process(self.process)
-            ready = self._wait_ready()
-        except BaseException:
-            self.close()
-            raise
+        self._engine_pid = spec.engine_pid
+        if spec.ready is not None:
+            self._serve(spec.ready)
+
+    def _serve(self, ready: Ready) -> None:
         self.config, self.args, self.tokenizer, self._stats = ready.config, ready.args, ready.tokenizer, ready.stats
         # The adapters requests may name, as the engine's process last said (its registry is the
         # truth: it refuses what this copy let through); their records only, never their weights.
         self.loras: LoRARegistry | None = None
         if self.args.enable_lora:
             self.loras = LoRARegistry(self.config.hf_config, self.args.max_lora_rank, 1)  # holds no weights
-            self.loras.adapters.update((a.name, a) for a in ready.adapters)
+            self.follow_adapters(ready.adapters)
         self.grammars = Grammars.of(self.tokenizer, self.config, self.args.grammar_compile_timeout)
-        log.info("the engine runs in process %d", self.process.pid)
 
-    def _wait_ready(self) -> Ready:
-        while not self._rounds.poll(200):
-            if not self.process.is_alive():
-                raise EngineUnavailableError(
-                    f"The engine's process exited while loading (code {self.process.exitcode}).")
-        message = self._rounds.recv()
-        if message[:1] == FAILED:
-            raise pickle.loads(message[1:])
-        assert message[:1] == READY
-        return pickle.loads(message[1:])
+    def follow_adapters(self, adapters: list[LoRAAdapter]) -> None:
+        """The engine's registry as it now is (another front loaded or unloaded one)."""
+        self.loras.adapters.clear()
+        self.loras.adapters.update((a.name, a) for a in adapters)
 
     # --- what AsyncEngine reads of a core ------------------------------------------------------
 
@@ -169,12 +172,87 @@ class EngineProcess:
                 raise done.error
 
     async def _watch_exit(self) -> None:
-        await trio.lowlevel.wait_readable(self.process.sentinel)
+        exit_code = await self._exited()
         # What it sent before it ended is settled first (`run` goes on meanwhile): its last Round
         # may carry the step's error, which is the better account of its death.
         await trio.sleep(EXIT_GRACE_S)
+        raise EngineUnavailableError(f"The engine's process exited (code {exit_code}).")
+
+    async def _exited(self) -> int | None:
+        """When the engine's process has ended: its exit code, where this process can know it."""
+        pidfd = os.pidfd_open(self._engine_pid)  # readable once it ends, though it is not our child
+        try:
+            await trio.lowlevel.wait_readable(pidfd)
+        finally:
+            os.close(pidfd)
+        return None
+
+    def after_death(self) -> None:
+        """The engine died: the front that started it ends its process (EngineProcess)."""
+
+    def close(self) -> None:
+        """Close the sockets and the grammar compilers. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.grammars is not None:
+            self.grammars.close()
+        self._context.destroy(linger=0)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+class EngineProcess(EngineLink):
+    """The first front: it starts the engine's process (and, with `fronts` > 1, makes the other
+    fronts' addresses: `front_specs`), and stops it."""
+
+    def __init__(self, args: EngineArgs, fronts: int = 1):
+        """Start the engine's process and wait until it has loaded (blocks: seconds to minutes).
+        Raises what loading raised there, or EngineUnavailableError if the process died first."""
+        self.directory = tempfile.mkdtemp(prefix="trillm-engine-")  # 0700: this user's processes alone
+        self._addresses = [(f"ipc://{self.directory}/commands-{i}", f"ipc://{self.directory}/rounds-{i}")
+                           for i in range(fronts)]
+        self.process = None
+        try:
+            super().__init__(FrontSpec(0, fronts, self.directory, *self._addresses[0], engine_pid=0, ready=None))
+            # Spawned, not forked: nothing of the server's threads or state comes along, and no fork
+            # server stays resident beside the two processes.
+            self.process = multiprocessing.get_context("spawn").Process(
+                target=serve_core, name="trillm-engine", daemon=args.tensor_parallel_size == 1,
+                args=(args, self._addresses, os.getpid(), logging.getLogger().getEffectiveLevel()))
+            start_process(self.process)
+            self._ready = self._wait_ready()
+            self._engine_pid = self.process.pid
+            self._serve(self._ready)
+        except BaseException:
+            self.close()
+            raise
+        log.info("the engine runs in process %d", self.process.pid)
+
+    def front_specs(self) -> list[FrontSpec]:
+        """What each other front needs to reach the engine (its sockets bind there, in its own process)."""
+        return [FrontSpec(i, self.fronts, self.directory, commands, rounds, self.process.pid, self._ready)
+                for i, (commands, rounds) in enumerate(self._addresses) if i]
+
+    def _wait_ready(self) -> Ready:
+        while not self._rounds.poll(200):
+            if not self.process.is_alive():
+                raise EngineUnavailableError(
+                    f"The engine's process exited while loading (code {self.process.exitcode}).")
+        message = self._rounds.recv()
+        if message[:1] == FAILED:
+            raise pickle.loads(message[1:])
+        assert message[:1] == READY
+        return pickle.loads(message[1:])
+
+    async def _exited(self) -> int | None:
+        await trio.lowlevel.wait_readable(self.process.sentinel)
         self.process.join()
-        raise EngineUnavailableError(f"The engine's process exited (code {self.process.exitcode}).")
+        return self.process.exitcode
 
     def after_death(self) -> None:
         """The engine died: its process ends (if it has not), and with it every request's blocks."""
@@ -186,7 +264,6 @@ class EngineProcess:
         Idempotent; blocks while the process ends."""
         if self._closed:
             return
-        self._closed = True
         try:
             if self.process is not None and self.process.is_alive():
                 self._commands.send(STOP, zmq.NOBLOCK)
@@ -199,13 +276,5 @@ class EngineProcess:
             self.process.kill()
             self.process.join()
         finally:
-            if self.grammars is not None:
-                self.grammars.close()
-            self._context.destroy(linger=0)
-            shutil.rmtree(self._dir, ignore_errors=True)
-
-    def __enter__(self) -> EngineProcess:
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.close()
+            super().close()
+            shutil.rmtree(self.directory, ignore_errors=True)

@@ -63,6 +63,7 @@ Command = Admit | Abort | Stop | Call
 # what a Call may ask of the core
 CALLS = frozenset({"reset_prefix_cache", "sleep", "wake_up", "asleep", "load_lora", "unload_lora", "stage_weights",
                    "swap_staged_weights"})
+ABORT_NAMED = "abort_named"  # the one Call the runner answers itself: an abort of every front's groups by name
 
 
 class Round(msgspec.Struct, gc=False):
@@ -78,6 +79,8 @@ class Round(msgspec.Struct, gc=False):
     stepped: bool = False
     stats: EngineStats | None = None
     error: Any = None  # an Exception
+    notes: list[tuple[str, Any]] = []  # (group id, what an abort by name said about itself)
+    adapters: Any = None  # the LoRA adapters' records, after a trip that loaded or unloaded one
 
 
 def trips(commands: list[Command]) -> list[tuple[list[Command], bool]]:
@@ -112,6 +115,8 @@ class RoundRunner:
                     group = self._groups[group_id]
                     out = group.stop(self.core, index, reason)
                     self._emit(done, group, [] if out is None else [out])
+                case Call(call_id, method, (name, reason, note), False) if method == ABORT_NAMED:
+                    done.replies.append((call_id, self._abort_named(done, name, reason, note)))
                 case Call(call_id, method, args, beside):
                     assert method in CALLS and not beside, method
                     try:
@@ -130,6 +135,25 @@ class RoundRunner:
         except Exception as exc:  # noqa: BLE001 - the engine's death, raised by the front once the admissions settle
             done.error = exc
         return done
+
+    def __contains__(self, group_id: str) -> bool:
+        """Whether the group with this id is admitted and has members unfinished."""
+        return group_id in self._groups
+
+    def _abort_named(self, done: Round, name: str | None, reason: FinishReason, note: dict | None) -> list[str]:
+        """Abort the group with the server id `name`, or else every group's members a client named
+        so (None: every group), whichever front admitted them; the ids of the groups touched."""
+        if name is None:
+            targets = [(group, None) for group in self._groups.values()]
+        elif name in self._groups:
+            targets = [(self._groups[name], None)]
+        else:
+            targets = [(group, indices) for group in self._groups.values() if (indices := group.named(name))]
+        for group, indices in targets:
+            if note is not None:
+                done.notes.append((group.request_id, note))
+            self._emit(done, group, group.abort(self.core, reason, indices))
+        return [group.request_id for group, _ in targets]
 
     def abort_all(self) -> None:
         """Give every request its blocks back (the engine died: no one will end them)."""

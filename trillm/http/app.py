@@ -22,7 +22,7 @@ from quart_cors import cors
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
-from trillm.engine.api import EngineCore, EngineProcess, EngineUnavailableError, QueueFullError, WeightsError
+from trillm.engine.api import EngineCore, EngineLink, EngineUnavailableError, QueueFullError, WeightsError
 from trillm.heap import freeze_heap
 from trillm.http import (
     adapters,
@@ -55,7 +55,7 @@ EXPOSED_HEADERS = ["X-Request-Id", "Retry-After"]
 RETRY_AFTER_S = 1  # what a 429 tells the client to wait before trying again
 
 
-def create_app(settings: ServerSettings | None = None, core: EngineCore | EngineProcess | None = None) -> QuartTrio:
+def create_app(settings: ServerSettings | None = None, core: EngineCore | EngineLink | None = None) -> QuartTrio:
     """`core`: an already loaded engine to serve (tests share one between apps, one app at a time)."""
     http1_only.install()  # before any connection: see trillm.http.http1_only
     settings = settings or from_env()
@@ -110,6 +110,7 @@ def create_app(settings: ServerSettings | None = None, core: EngineCore | Engine
         await state.engine.aclose()
         if state.request_templates is not None:
             state.request_templates.close()
+        state.responses.close()
         if owns_core:
             await trio.to_thread.run_sync(core.close)
 

@@ -23,9 +23,10 @@ class RequestIdFilter(logging.Filter):
         return True
 
 
-def configure(level: str) -> None:
-    """`trillm serve`'s logging: one line per record, with the request id."""
-    logging.basicConfig(level=level.upper(), format=FORMAT)
+def configure(level: str, front: int = 0) -> None:
+    """`trillm serve`'s logging: one line per record, with the request id; a front other than
+    the first (--api-server-count) marks its lines with its index."""
+    logging.basicConfig(level=level.upper(), format=FORMAT.replace(" [", f" [front {front}] [", 1) if front else FORMAT)
     for handler in logging.getLogger().handlers:
         handler.addFilter(RequestIdFilter())
 

@@ -9,13 +9,16 @@ prefix-cache counters are read from its stats snapshot at scrape time.
 """
 from __future__ import annotations
 
+import os
 import time
 from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from trillm.engine.api import FinishReason, ServingStats
+from trillm.http.settings import METRICS_DIR_VARIABLE
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 TTFT_BUCKETS = (
@@ -63,7 +66,16 @@ class Metrics:
         Gateway API Inference Extension reads for block_size (num_gpu_blocks, the pool's size in
         blocks whatever the device, is added from the stats)."""
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(model_name, engine_stats, prefix, max_loras, cache_config or {}))
+        engine = _EngineCollector(model_name, engine_stats, prefix, max_loras, cache_config or {})
+        if os.environ.get(METRICS_DIR_VARIABLE):
+            # Several fronts (--api-server-count): each writes its counts to the shared files, and a
+            # scrape, whichever front takes it, sums every front's (the engine's gauges are one).
+            self._scraped = CollectorRegistry()
+            MultiProcessCollector(self._scraped)
+            self._scraped.register(engine)
+        else:
+            self.registry.register(engine)
+            self._scraped = self.registry
         by_model = dict(labelnames=["model_name"], registry=self.registry)
 
         def counter(name: str, doc: str):
@@ -87,7 +99,7 @@ class Metrics:
         self._success.labels(self._model_name, reason).inc()
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(self._scraped)
 
 
 class _EngineCollector:

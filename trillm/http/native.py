@@ -126,12 +126,12 @@ async def abort_request():
     engine = state.engine
     req = await parse_body(AbortRequest, status=422)
     if req.abort_all:
-        return {"num_aborted": engine.abort_all(note=req.note) + await peer_relay.relay_count(state.settings,
-                                                                                              "num_aborted")}
+        return {"num_aborted": await engine.abort_everywhere(None, note=req.note)
+                + await peer_relay.relay_count(state.settings, "num_aborted")}
     if req.name is None:
         raise APIError(400, "Send a rid or session_id, or abort_all: true.", "rid")
     param = "rid" if req.rid is not None else "session_id"
-    num_aborted = engine.abort(req.name, note=req.note)
+    num_aborted = await engine.abort_everywhere(req.name, note=req.note)
     num_aborted += await peer_relay.relay_count(state.settings, "num_aborted")
     if not num_aborted:
         raise APIError(404, f"No running request has {param} {req.name!r}.", param)

@@ -16,6 +16,7 @@ import enum
 import json
 import time
 
+import trio
 from quart import Blueprint, Response, current_app, request
 
 from trillm.engine.api import EngineUnavailableError, FinishReason
@@ -54,7 +55,7 @@ async def create_response():
         raise SamplingParamError("stream", "A background response is not streamed; fetch it by id.")
     earlier: list[ChatMessage] = []
     if req.previous_response_id is not None:
-        previous = state.responses.get(req.previous_response_id, "previous_response_id")
+        previous = await state.responses.get(req.previous_response_id, "previous_response_id")
         if previous.running:
             raise SamplingParamError("previous_response_id", f"Response {req.previous_response_id!r} is still running.")
         earlier = previous.conversation
@@ -69,7 +70,7 @@ async def create_response():
                             with_ids(req.items()), conversation)
     await generation.start()
     if req.background:
-        state.responses.put(stored)
+        await state.responses.put(stored)
         current_app.nursery.start_soon(_run, state, generation, builder, stored)
         return stored.response
     if req.stream:
@@ -116,17 +117,22 @@ async def _run(state: ServerState, generation: Generation, builder: ResponseBuil
         builder.fail(str(exc))
     finally:
         generation.close()
-        _finish(state, generation, builder, stored)
+        await _finish(state, generation, builder, stored)
 
 
-def _finish(state: ServerState, generation: Generation, builder: ResponseBuilder, stored: StoredResponse) -> None:
-    """Seal the response (an unfinished one was cancelled: the client left, or it was aborted)."""
+async def _finish(state: ServerState, generation: Generation, builder: ResponseBuilder, stored: StoredResponse) -> None:
+    """Seal the response (an unfinished one was cancelled: the client left, or it was aborted) and
+    store it: a background one only if it is still stored (a DELETE meanwhile stays a delete).
+    Shielded: it runs after its client left, too."""
     builder.end(generation)
     stored.response = builder.response()
     stored.conversation = stored.conversation + builder.answer_messages()
     stored.done.set()
-    if builder.req.store:
-        state.responses.put(stored)
+    with trio.CancelScope(shield=True):
+        if builder.req.background:
+            await state.responses.update(stored)
+        elif builder.req.store:
+            await state.responses.put(stored)
 
 
 async def _events(state: ServerState, generation: Generation, builder: ResponseBuilder, stored: StoredResponse):
@@ -149,7 +155,7 @@ async def _events(state: ServerState, generation: Generation, builder: ResponseB
     finally:
         generation.close()
         if not stored.done.is_set():
-            _finish(state, generation, builder, stored)
+            await _finish(state, generation, builder, stored)
 
 
 class ResponseBuilder:
@@ -354,15 +360,15 @@ class ResponseBuilder:
 
 @blueprint.get("/v1/responses/<response_id>")
 async def get_response(response_id: str):
-    return current().responses.get(response_id).response
+    return (await current().responses.get(response_id)).response
 
 
 @blueprint.delete("/v1/responses/<response_id>")
 async def delete_response(response_id: str):
     state = current()
-    stored = state.responses.delete(response_id)
+    stored = await state.responses.delete(response_id)
     if stored.running:
-        state.engine.abort(response_id)
+        await state.engine.abort_everywhere(response_id)
     return {"id": response_id, "object": "response", "deleted": True}
 
 
@@ -370,7 +376,7 @@ async def delete_response(response_id: str):
 async def input_items(response_id: str):
     """The response's input items, newest first unless `order=asc`, `limit` (1-100, default 20)
     after the item id `after`, OpenAI's cursor paging."""
-    items = list(current().responses.get(response_id).input_items)
+    items = list((await current().responses.get(response_id)).input_items)
     order = request.args.get("order", "desc")
     if order not in ("asc", "desc"):
         raise APIError(400, "order must be asc or desc.", "order")
@@ -397,12 +403,12 @@ async def input_items(response_id: str):
 async def cancel_response(response_id: str):
     """Cancel a background response: aborted before the next step; answers once it has ended."""
     state = current()
-    stored = state.responses.get(response_id)
+    stored = await state.responses.get(response_id)
     if not stored.response["background"]:
         raise APIError(400, "Only a background response can be cancelled.", "response_id")
     if stored.running:
-        state.engine.abort(response_id)
-        await stored.done.wait()
+        await state.engine.abort_everywhere(response_id)
+        stored = await state.responses.ended(stored)
     elif stored.response["status"] != ResponseStatus.CANCELLED:
         raise APIError(400, f"Response {response_id!r} has already ended ({stored.response['status']}).", "response_id")
     return stored.response

@@ -23,6 +23,9 @@ ENV_PREFIX = "TRILLM_"
 API_KEY_VARIABLE = ENV_PREFIX + "API_KEY"
 LIST_FLAGS = {"lora_modules"}  # flags that take several items (stored comma-separated)
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
+# Where prometheus_client's multiprocess mode keeps every process's counts, read when it is first
+# imported: set for several fronts (trillm/launch/fronts.py), whose /metrics sum them.
+METRICS_DIR_VARIABLE = "PROMETHEUS_MULTIPROC_DIR"
 
 
 class RouterPolicy(enum.StrEnum):
@@ -84,6 +87,10 @@ class ServerSettings:
     # share the interpreter's lock with the event loop that frames and sends every token. None:
     # the default where it is measured (on a GPU: trillm.engine.core_process.faster_in_own_process)
     engine_process: bool | None = None
+    # HTTP front processes on the one port (vLLM's --api-server-count), each a Trio app of its
+    # own beside the engine's process (trillm/launch/fronts.py): more event loops to frame and
+    # send tokens where one loop is what limits the served rate
+    api_server_count: int = 1
     engine: EngineArgs = field(default_factory=EngineArgs)
 
     def __post_init__(self) -> None:
@@ -93,6 +100,18 @@ class ServerSettings:
         if self.data_parallel_size < 0 or (self.data_parallel_size == 0 and not self.data_parallel_address):
             raise ValueError("--data-parallel-size is the replicas to start here: at least 1, or 0 with "
                              "--data-parallel-address (the router alone, in front of replicas elsewhere).")
+        if self.api_server_count < 1:
+            raise ValueError("--api-server-count is the HTTP front processes: at least 1.")
+        if self.api_server_count > 1:
+            # Each of these needs every front idle at once, or a state every front follows, which
+            # only one front can give today.
+            for refused, flag in ((self.engine_process is False, "--no-engine-process (the fronts share the "
+                                   "engine's own process)"),
+                                  (self.supervises, "data parallelism"),
+                                  (self.engine.enable_sleep_mode, "--enable-sleep-mode"),
+                                  (self.enable_weight_updates, "--enable-weight-updates")):
+                if refused:
+                    raise ValueError(f"--api-server-count above 1 cannot serve with {flag}.")
 
     @property
     def supervises(self) -> bool:

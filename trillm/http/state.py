@@ -6,6 +6,7 @@ what they need passed in, never through `current()`.
 """
 from __future__ import annotations
 
+import os
 import uuid
 from dataclasses import replace
 from collections.abc import Callable
@@ -15,7 +16,7 @@ import pydantic
 import trio
 from quart import current_app, g, request
 
-from trillm.engine.api import AsyncEngine, EngineCore, EngineProcess, LoRAError, ModelFacts, read_facts
+from trillm.engine.api import AsyncEngine, EngineCore, EngineLink, LoRAError, ModelFacts, read_facts
 from trillm.http import json_body, paths
 from trillm.http.errors import APIError, from_validation_error
 from trillm.http.logprobs import TokenTexts
@@ -24,7 +25,7 @@ from trillm.http.metrics import Metrics
 from trillm.http.prompts import PromptBound
 from trillm.http.reasoning import REASONING_PARSERS
 from trillm.http.request_templates import RequestTemplates
-from trillm.http.responses_store import ResponseStore
+from trillm.http.responses_store import ResponseStore, SharedResponseStore
 from trillm.http.settings import ServerSettings
 from trillm.http.tool_parsers import TOOL_PARSERS, default_parser
 
@@ -37,7 +38,7 @@ T = TypeVar("T")
 
 
 class ServerState:
-    def __init__(self, settings: ServerSettings, core: EngineCore | EngineProcess):
+    def __init__(self, settings: ServerSettings, core: EngineCore | EngineLink):
         self.engine = engine = AsyncEngine(core, settings.max_waiting)  # the app's only way to the core
         settings = self.settings = replace(settings, engine=engine.args)  # what runs, for /server_info
         for name, value, known in (
@@ -67,7 +68,11 @@ class ServerState:
                                args.max_loras if engine.lora_enabled else None,
                                {"block_size": str(args.block_size), "cache_dtype": args.kv_cache_dtype.value,
                                 "enable_prefix_caching": str(args.enable_prefix_caching)})
-        self.responses = ResponseStore(settings.responses_store_size)
+        if engine.shared:  # several fronts: any of them may be asked for any stored response
+            self.responses = SharedResponseStore(os.path.join(core.directory, "responses.sqlite"),
+                                                 settings.responses_store_size, self.off_loop)
+        else:
+            self.responses = ResponseStore(settings.responses_store_size)
         # A limiter of its own, so a flood of large requests waits here and never takes the
         # threads the engine's step and grammar compiles run on.
         self.prepare_limiter = trio.CapacityLimiter(PREPARE_THREADS)

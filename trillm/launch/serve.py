@@ -23,7 +23,6 @@ from dataclasses import dataclass, replace
 
 import trio
 from hypercorn.config import Config
-from hypercorn.trio import serve as hypercorn_serve
 
 from trillm.http import logs
 from trillm.http.settings import ServerSettings
@@ -63,48 +62,90 @@ def hypercorn_config(settings: ServerSettings) -> Config:
     return config
 
 
-async def serve(settings: ServerSettings, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-    """Load the model, then serve until a signal; `task_status` gets the bound URLs."""
+async def serve(settings: ServerSettings, *, task_status=trio.TASK_STATUS_IGNORED) -> bool:
+    """Load the model, then serve until a signal; `task_status` gets the bound URLs. Returns
+    whether it stopped because a front failed. With
+    --api-server-count N the other N - 1 fronts serve the same port from processes of their own
+    (trillm.launch.fronts), told of each signal this one gets."""
     from trillm.engine.api import EngineCore, EngineProcess
+
+    log.info("loading %s", settings.engine.model or "the default model")
+    count = settings.api_server_count
+    if engine_process(settings):
+        core = await trio.to_thread.run_sync(EngineProcess, settings.engine, count)
+    else:
+        core = await trio.to_thread.run_sync(EngineCore, settings.engine)
+    config = hypercorn_config(settings)
+    others = None
+    try:
+        if count > 1:
+            from trillm.launch.fronts import Fronts
+
+            others = await trio.to_thread.run_sync(Fronts.start, settings, config, core.front_specs())
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(others.watch)
+                await serve_app(settings, core, config, others.sockets, others.tell, task_status=task_status)
+                nursery.cancel_scope.cancel()
+        else:
+            await serve_app(settings, core, config, task_status=task_status)
+    finally:
+        if others is not None:  # the engine serves them until they have drained
+            await trio.to_thread.run_sync(others.close, settings.drain_timeout)
+        await trio.to_thread.run_sync(core.close)  # the other tensor-parallel ranks stop with the server
+    return others is not None and others.failed
+
+
+async def serve_app(settings: ServerSettings, core, config: Config, sockets=None, on_signal=None,
+                    signals=(signal.SIGTERM, signal.SIGINT), listening=None, *,
+                    task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Serve an app on `core` under Hypercorn (on `sockets` if given, else on `config`'s bind)
+    until one of `signals`, then drain (the module docstring); `on_signal()` after each one;
+    `listening()` once the signals are taken (before that they do what they did)."""
+    from hypercorn.trio.run import worker_serve
+    from hypercorn.utils import wrap_app
+
     from trillm.http.app import create_app
     from trillm.http.state import EXTENSION
 
-    log.info("loading %s", settings.engine.model or "the default model")
-    core = await trio.to_thread.run_sync(EngineProcess if engine_process(settings) else EngineCore, settings.engine)
     app = create_app(settings, core)
     engine = app.extensions[EXTENSION].engine
-    config = hypercorn_config(settings)
 
     async def shutdown_trigger() -> None:
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-            signum = await anext(signals)
-            budget = ShutdownBudget.starting(trio.current_time(), settings.drain_timeout)
-            log.info("%s: draining; the process stops within %g s", signal.Signals(signum).name,
-                     settings.drain_timeout)
-            async with trio.open_nursery() as nursery:
+        signum = await anext(received)
+        if on_signal is not None:
+            on_signal()
+        budget = ShutdownBudget.starting(trio.current_time(), settings.drain_timeout)
+        log.info("%s: draining; the process stops within %g s", signal.Signals(signum).name,
+                 settings.drain_timeout)
+        async with trio.open_nursery() as nursery:
 
-                async def cut_short() -> None:
-                    await anext(signals)
-                    log.info("second signal: aborting every request now")
-                    nursery.cancel_scope.cancel()
-
-                nursery.start_soon(cut_short)
-                await engine.drain(max(0.0, budget.finish_by - trio.current_time()))
+            async def cut_short() -> None:
+                await anext(received)
+                if on_signal is not None:
+                    on_signal()
+                log.info("second signal: aborting every request now")
                 nursery.cancel_scope.cancel()
+
+            nursery.start_soon(cut_short)
+            await engine.drain(max(0.0, budget.finish_by - trio.current_time()))
+            nursery.cancel_scope.cancel()
         engine.abort_all()  # a no-op after a full drain
         # Hypercorn reads its grace once this trigger returns.
         config.graceful_timeout = budget.flush_grace(trio.current_time())
 
-    try:
-        await hypercorn_serve(app, config, shutdown_trigger=shutdown_trigger, task_status=task_status)
-    finally:
-        await trio.to_thread.run_sync(core.close)  # the other tensor-parallel ranks stop with the server
+    with trio.open_signal_receiver(*signals) as received:
+        if listening is not None:
+            listening()
+        await worker_serve(wrap_app(app, config.wsgi_max_body_size, None), config, sockets=sockets,
+                           shutdown_trigger=shutdown_trigger, task_status=task_status)
 
 
 def engine_process(settings: ServerSettings) -> bool:
     """Whether the engine runs in a process of its own: as asked, or else by its measured default."""
     from trillm.engine.api import faster_in_own_process
 
+    if settings.api_server_count > 1:
+        return True
     if settings.engine_process is not None:
         return settings.engine_process
     return faster_in_own_process(settings.engine)
@@ -127,10 +168,14 @@ def run(settings: ServerSettings) -> None:
         engine = settings.engine
         run_worker(replace(engine, tp_init_method=engine.tp_init_method or launcher_init_method()), rank)
         return
-    trio.run(serve, settings)
+    if settings.api_server_count > 1:
+        from trillm.launch.fronts import share_metrics
+
+        share_metrics()  # before anything imports prometheus_client
+    failed = trio.run(serve, settings)
     # Served and closed: skip the interpreter's teardown, whose full collection of what the server
     # loaded takes most of a second of the drain's bound and frees nothing the system would not.
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(1 if failed else 0)

@@ -1,0 +1,175 @@
+"""Several HTTP fronts on one engine (`--api-server-count`, trillm/launch/fronts.py): each front's
+requests come back to it; what the fronts share lives in the engine's process (an abort by a
+client's name, the LoRA adapters, the queue's gauges) or in files they all write (the metrics);
+`trillm serve --api-server-count 2` serves one port from two processes, drains both on SIGTERM,
+and stops whole when a front dies."""
+import os
+import re
+import signal
+import sys
+import tempfile
+
+import httpx
+import openai
+import trio
+
+from http_support import EXACT, SETTLE_TIMEOUT, finish_of_stream, greedy_ids, live_server, metric_value
+from lora_support import make_adapter
+from process_support import live, start_server, started_by
+from trillm.config import EngineArgs
+from trillm.engine.api import EngineLink, EngineProcess
+
+
+async def test_two_fronts_share_one_engine(tiny_text_model_dir):
+    adapter = make_adapter(tiny_text_model_dir, seed=3)
+    args = EngineArgs(model=tiny_text_model_dir, num_kv_blocks=64, max_model_len=256, enable_lora=True, max_loras=2,
+                      **EXACT)
+    settings = dict(allow_runtime_lora=True, allowed_weights_dir=tempfile.gettempdir())
+    with EngineProcess(args, fronts=2) as first, EngineLink(first.front_specs()[0]) as second:
+        async with live_server(first, **settings) as one, live_server(second, **settings) as two:
+            clients = one.openai(), two.openai()
+            # each front's requests come back to it, at once and alike
+            answers = {}
+
+            async def ask(k: int) -> None:
+                answers[k] = await greedy_ids(clients[k % 2], one.model, prompt=[10 + k % 3, 11], max_tokens=12)
+
+            async with trio.open_nursery() as nursery:
+                for k in range(12):
+                    nursery.start_soon(ask, k)
+            assert all(answers[k] == answers[k % 3] for k in answers), "the same prompt, the same tokens, either front"
+
+            # a client's name aborts its request whichever front it reached
+            async def abort():
+                return await one.http().post("/abort_request", json={"rid": "shared-name"})
+
+            finish, aborted = await finish_of_stream(clients[1], two.model, 80, abort,
+                                                     extra_headers={"X-Request-Id": "shared-name"})
+            assert aborted.status_code == 200 and aborted.json() == {"num_aborted": 1}, aborted.text
+            assert finish == "abort"
+            unknown = await one.http().post("/abort_request", json={"rid": "shared-name"})
+            assert unknown.status_code == 404, "nothing of that name runs on any front now"
+
+            # an adapter loaded through one front is served through the other
+            loaded = await one.http().post("/v1/load_lora_adapter", json={"lora_name": "three", "lora_path": adapter})
+            assert loaded.status_code == 200, loaded.text
+            with trio.fail_after(SETTLE_TIMEOUT):
+                while "three" not in {m.id for m in (await clients[1].models.list()).data}:
+                    await trio.sleep(0.02)
+            assert (await greedy_ids(clients[1], "three", max_tokens=8)) == (await greedy_ids(clients[0], "three",
+                                                                                              max_tokens=8))
+            assert (await greedy_ids(clients[0], "three", max_tokens=8)) != (await greedy_ids(clients[0], one.model,
+                                                                                              max_tokens=8))
+            # a stored response is found, chained from, cancelled and deleted through either front
+            opening = await clients[0].responses.create(model=one.model, input="Hello", max_output_tokens=4,
+                                                        temperature=0)
+            assert (await clients[1].responses.retrieve(opening.id)).output_text == opening.output_text
+            chained = await clients[1].responses.create(model=one.model, previous_response_id=opening.id,
+                                                        input="Again", max_output_tokens=4, temperature=0)
+            assert chained.usage.input_tokens > opening.usage.input_tokens, "the first turn is in its prompt"
+            long = {"model": one.model, "input": "Count.", "max_output_tokens": 200, "background": True}
+
+            async def held(ask):
+                """`ask()`'s answer, asked while the engine's process is stopped: the response it
+                names runs until the engine applies what `ask` sent."""
+                answer = []
+
+                async def run() -> None:
+                    answer.append(await ask())
+
+                os.kill(first.process.pid, signal.SIGSTOP)
+                try:
+                    async with trio.open_nursery() as nursery:
+                        nursery.start_soon(run)
+                        await trio.sleep(0.2)  # asked: its command waits for the engine
+                        os.kill(first.process.pid, signal.SIGCONT)
+                finally:
+                    os.kill(first.process.pid, signal.SIGCONT)
+                return answer[0]
+
+            created = (await one.http().post("/v1/responses", json=long)).json()
+            cancelled = await held(lambda: two.http().post(f"/v1/responses/{created['id']}/cancel"))
+            assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled", cancelled.text
+            assert (await clients[0].responses.retrieve(created["id"])).status == "cancelled"
+            created = (await one.http().post("/v1/responses", json=long)).json()
+            deleted = await held(lambda: two.http().delete(f"/v1/responses/{created['id']}"))
+            assert deleted.status_code == 200, deleted.text
+            with trio.fail_after(SETTLE_TIMEOUT):
+                while (await one.http().get("/server_info")).json()["stats"]["num_live_requests"]:
+                    await trio.sleep(0.02)
+            for http in (one.http(), two.http()):
+                assert (await http.get(f"/v1/responses/{created['id']}")).status_code == 404, "deleted stays deleted"
+
+            unloaded = await two.http().post("/v1/unload_lora_adapter", json={"lora_name": "three"})
+            assert unloaded.status_code == 200, unloaded.text
+            with trio.fail_after(SETTLE_TIMEOUT):
+                while "three" in {m.id for m in (await clients[0].models.list()).data}:
+                    await trio.sleep(0.02)
+
+
+def _fronts(log: list[str]) -> set[str]:
+    """The processes Hypercorn said it serves from."""
+    return {m.group(1) for line in log if (m := re.search(r"\[(\d+)\] \[INFO\] Running on", line))}
+
+
+async def _serving(nursery, model_dir: str):
+    command = [sys.executable, "-m", "trillm", "serve", "--api-server-count", "2", "--port", "0", "--model",
+               model_dir, "--num-kv-blocks", "64", "--drain-timeout", "60"]
+    process, url, log = await start_server(nursery, command)
+    with trio.fail_after(SETTLE_TIMEOUT):
+        while len(_fronts(log)) < 2:
+            await trio.sleep(0.05)
+    return process, url, log
+
+
+async def test_serve_with_two_fronts_serves_one_port_and_drains_both(tiny_text_model_dir):
+    async with trio.open_nursery() as nursery:
+        process, url, log = await _serving(nursery, tiny_text_model_dir)
+        processes = started_by(process.pid)
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        model = (await client.models.list()).data[0].id
+        answers = []
+
+        async def ask() -> None:
+            # a connection of its own each: the kernel hands each to one front
+            async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0) as own:
+                answers.append(await greedy_ids(own, model, max_tokens=6))
+
+        async with trio.open_nursery() as requests:
+            for _ in range(24):
+                requests.start_soon(ask)
+        assert len({tuple(a) for a in answers}) == 1 and len(answers) == 24
+        assert any("[front 1]" in line and "POST /v1/completions -> 200" in line for line in log), \
+            "the second front served some"
+        async with httpx.AsyncClient(base_url=url) as http:
+            served = await metric_value(http, "trillm:request_success_total", finished_reason="length",
+                                        model_name=model)
+        assert served == 24, "every front's requests, counted by whichever front is asked"
+
+
+        async def stop() -> None:
+            process.send_signal(signal.SIGTERM)  # to the first front alone: it tells the other
+
+        finish, _ = await finish_of_stream(client, model, 60, stop)
+        assert finish == "length", "the drain let the running request finish:\n" + "\n".join(log)
+        await client.close()
+        with trio.fail_after(SETTLE_TIMEOUT):
+            assert await process.wait() == 0, "\n".join(log)
+        assert sum("draining" in line for line in log) == 2, "\n".join(log)
+        with trio.fail_after(SETTLE_TIMEOUT):
+            while any(live(pid) for pid in processes):
+                await trio.sleep(0.05)
+
+
+async def test_a_front_that_dies_stops_the_server(tiny_text_model_dir):
+    async with trio.open_nursery() as nursery:
+        process, url, log = await _serving(nursery, tiny_text_model_dir)
+        processes = started_by(process.pid)
+        (other,) = {int(pid) for pid in _fronts(log)} - {process.pid}
+        os.kill(other, signal.SIGKILL)
+        with trio.fail_after(SETTLE_TIMEOUT):
+            assert await process.wait() == 1, "\n".join(log)
+        assert any("exited (code -9): stopping the server" in line for line in log), "\n".join(log)
+        with trio.fail_after(SETTLE_TIMEOUT):
+            while any(live(pid) for pid in processes):
+                await trio.sleep(0.05)
