@@ -107,24 +107,19 @@ async def test_two_fronts_share_one_engine(tiny_text_model_dir):
                     await trio.sleep(0.02)
 
 
-def _fronts(log: list[str]) -> set[str]:
-    """The processes Hypercorn said it serves from."""
-    return {m.group(1) for line in log if (m := re.search(r"\[(\d+)\] \[INFO\] Running on", line))}
+def _fronts(log: list[str]) -> dict[int, int]:
+    """Each front other than the first, by index: its process, as it logged it."""
+    return {int(m[1]): int(m[2]) for line in log if (m := re.search(r"front (\d+) serves in process (\d+)", line))}
 
 
-async def _serving(nursery, model_dir: str):
-    command = [sys.executable, "-m", "trillm", "serve", "--api-server-count", "2", "--port", "0", "--model",
-               model_dir, "--num-kv-blocks", "64", "--drain-timeout", "60"]
-    process, url, log = await start_server(nursery, command)
-    with trio.fail_after(SETTLE_TIMEOUT):
-        while len(_fronts(log)) < 2:
-            await trio.sleep(0.05)
-    return process, url, log
-
-
-async def test_serve_with_two_fronts_serves_one_port_and_drains_both(tiny_text_model_dir):
+async def test_three_fronts_serve_one_port_and_one_that_dies_stops_the_server_after_a_drain(tiny_text_model_dir):
+    command = [sys.executable, "-m", "trillm", "serve", "--api-server-count", "3", "--port", "0", "--model",
+               tiny_text_model_dir, "--num-kv-blocks", "64", "--drain-timeout", "60"]
     async with trio.open_nursery() as nursery:
-        process, url, log = await _serving(nursery, tiny_text_model_dir)
+        process, url, log = await start_server(nursery, command)
+        with trio.fail_after(SETTLE_TIMEOUT):
+            while set(fronts := _fronts(log)) != {1, 2}:
+                await trio.sleep(0.02)
         processes = started_by(process.pid)
         client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
         model = (await client.models.list()).data[0].id
@@ -139,37 +134,30 @@ async def test_serve_with_two_fronts_serves_one_port_and_drains_both(tiny_text_m
             for _ in range(24):
                 requests.start_soon(ask)
         assert len({tuple(a) for a in answers}) == 1 and len(answers) == 24
-        assert any("[front 1]" in line and "POST /v1/completions -> 200" in line for line in log), \
-            "the second front served some"
+        assert any(re.search(r"\[front [12]\] .* POST /v1/completions -> 200", line) for line in log), \
+            "the other fronts served some"
         async with httpx.AsyncClient(base_url=url) as http:
             served = await metric_value(http, "trillm:request_success_total", finished_reason="length",
                                         model_name=model)
         assert served == 24, "every front's requests, counted by whichever front is asked"
 
+        async def kill_another_front() -> None:
+            """SIGKILL a front that does not serve the stream (it named itself in the log)."""
+            with trio.fail_after(SETTLE_TIMEOUT):
+                while not (lines := [line for line in log if "[the-stream]" in line]):
+                    await trio.sleep(0.01)
+            serving = int(m[1]) if (m := re.search(r"\[front (\d)\]", lines[0])) else 0
+            os.kill(fronts[2 if serving == 1 else 1], signal.SIGKILL)
 
-        async def stop() -> None:
-            process.send_signal(signal.SIGTERM)  # to the first front alone: it tells the other
-
-        finish, _ = await finish_of_stream(client, model, 60, stop)
-        assert finish == "length", "the drain let the running request finish:\n" + "\n".join(log)
+        # the server stops, as on SIGTERM: every front left drains, so the stream ends whole
+        finish, _ = await finish_of_stream(client, model, 200, kill_another_front,
+                                           extra_headers={"X-Request-Id": "the-stream"})
+        assert finish == "length", "\n".join(log)
         await client.close()
-        with trio.fail_after(SETTLE_TIMEOUT):
-            assert await process.wait() == 0, "\n".join(log)
-        assert sum("draining" in line for line in log) == 2, "\n".join(log)
-        with trio.fail_after(SETTLE_TIMEOUT):
-            while any(live(pid) for pid in processes):
-                await trio.sleep(0.05)
-
-
-async def test_a_front_that_dies_stops_the_server(tiny_text_model_dir):
-    async with trio.open_nursery() as nursery:
-        process, url, log = await _serving(nursery, tiny_text_model_dir)
-        processes = started_by(process.pid)
-        (other,) = {int(pid) for pid in _fronts(log)} - {process.pid}
-        os.kill(other, signal.SIGKILL)
         with trio.fail_after(SETTLE_TIMEOUT):
             assert await process.wait() == 1, "\n".join(log)
         assert any("exited (code -9): stopping the server" in line for line in log), "\n".join(log)
+        assert sum("draining" in line for line in log) == 2, "the first front and the one left"
         with trio.fail_after(SETTLE_TIMEOUT):
             while any(live(pid) for pid in processes):
                 await trio.sleep(0.05)

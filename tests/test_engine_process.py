@@ -150,8 +150,19 @@ async def test_a_client_that_leaves_frees_its_blocks_in_the_engines_process(engi
         assert stats["num_running"] == stats["num_waiting"] == 0, stats
 
 
-async def test_the_engines_death_ends_every_stream_and_health_says_so(tiny_text_model_dir):
-    with EngineProcess(EngineArgs(model=tiny_text_model_dir, num_kv_blocks=64)) as process:
+async def test_the_engine_outlives_its_starter_thread_and_its_death_ends_every_stream(tiny_text_model_dir):
+    """The parent-death signal follows the thread that started a child, not its process: started
+    from a worker thread that then ends (Trio's end after 10 s idle), the engine must live on;
+    its death, later, fails every stream with a final error, and /health says so."""
+    started = []
+    thread = threading.Thread(target=lambda: started.append(EngineProcess(EngineArgs(model=tiny_text_model_dir,
+                                                                                     num_kv_blocks=64))))
+    thread.start()
+    thread.join()
+    (process,) = started
+    with process:
+        await trio.sleep(0.5)  # the signal, were it sent, has landed
+        assert process.process.is_alive()
         async with live_server(process) as server:
             client, http = server.openai(), server.http()
             assert (await http.get("/health")).status_code == 200
@@ -224,19 +235,3 @@ async def test_tensor_parallel_ranks_start_from_the_engines_process(tiny_text_mo
     with trio.fail_after(SETTLE_TIMEOUT):
         while any(live(pid) for pid in ranks):
             await trio.sleep(0.05)
-
-
-async def test_the_engines_process_outlives_the_thread_that_started_it(tiny_text_model_dir):
-    """The parent-death signal follows the thread that started a child, not its process: started
-    from a worker thread that then ends (Trio's end after 10 s idle), the engine must live on."""
-    started = []
-    thread = threading.Thread(target=lambda: started.append(EngineProcess(EngineArgs(model=tiny_text_model_dir,
-                                                                                     num_kv_blocks=64))))
-    thread.start()
-    thread.join()
-    (process,) = started
-    with process:
-        await trio.sleep(0.5)  # the signal, were it sent, has landed
-        assert process.process.is_alive()
-        async with live_server(process) as server:
-            assert len(await greedy_ids(server.openai(), server.model, max_tokens=4)) == 4

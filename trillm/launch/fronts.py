@@ -154,6 +154,7 @@ async def _serve_front(settings: ServerSettings, spec, sockets: Sockets, listeni
     from trillm.launch.serve import hypercorn_config, serve_app
 
     link = await trio.to_thread.run_sync(EngineLink, spec)
+    log.info("front %d serves in process %d", spec.index, os.getpid())
     try:
         await serve_app(settings, link, hypercorn_config(settings), sockets, signals=(TELL,), listening=listening)
     finally:
