@@ -49,6 +49,19 @@ def sentencepiece_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
 
 
+class Wrapped:
+    """A tokenizer (or a part of one) seen through a wrapper that may change some of it."""
+
+    def __init__(self, wrapped):
+        self.wrapped = wrapped
+
+    def __getattr__(self, name):
+        return getattr(self.wrapped, name)
+
+    def __len__(self):
+        return len(self.wrapped)
+
+
 def stream(tokenizer, prompt_ids, output_ids, params, chunk_sizes=None):
     """Feeds output_ids a chunk at a time (sizes cycle through chunk_sizes); returns (detokenizer, chunks)."""
     detok = IncrementalDetokenizer(tokenizer, prompt_ids, params)
@@ -153,18 +166,13 @@ def test_special_tokens(smollm2):
 def test_each_decode_sees_a_bounded_window(smollm2):
     """O(new tokens) per call: the decoder never sees more than the window, however long the output."""
 
-    class Recording:
+    class Recording(Wrapped):
         """The tokenizer, its backend's decoder counting the tokens of each decode (what the
         detokenizer calls, as HF's convert_tokens_to_string would)."""
 
         def __init__(self, wrapped, lengths):
-            self.wrapped, self.lengths = wrapped, lengths
-
-        def __getattr__(self, name):
-            return getattr(self.wrapped, name)
-
-        def __len__(self):
-            return len(self.wrapped)
+            super().__init__(wrapped)
+            self.lengths = lengths
 
         @property
         def backend_tokenizer(self):
@@ -177,6 +185,9 @@ def test_each_decode_sees_a_bounded_window(smollm2):
         def decode(self, tokens):
             self.lengths.append(len(tokens))
             return self.wrapped.decode(tokens)
+
+        def __getstate__(self):  # a decoder of no kind ByteRuns knows: the window makes the text
+            return b'{"type": "Recording"}'
 
     recording = Recording(smollm2, [])
     output_ids = encode(smollm2, "Long text with 世界 and 🤖 emoji, over and over. " * 40)
@@ -244,3 +255,35 @@ def test_stop_strings_wait_for_min_tokens(smollm2):
     late = IncrementalDetokenizer(smollm2, [], SamplingParams(stop=["abc", "ab"], min_tokens=1))
     assert late.add(encode(smollm2, "ab")) == ""
     assert late.add(encode(smollm2, "x")) == "abx" and not late.stopped
+
+
+class WindowOnly(Wrapped):
+    """A tokenizer whose decoder the byte path does not know: the window makes every text."""
+
+    @property
+    def backend_tokenizer(self):
+        return None
+
+
+@property_settings
+@given(which=st.sampled_from(["smollm2", "byte_tokenizer"]), prompt=prompts, text=texts,
+       skip=st.booleans(), spaces=st.booleans(), chunk_sizes=st.lists(st.integers(1, 3), min_size=1, max_size=4),
+       data=st.data())
+def test_bytes_make_the_windows_text(request, which, prompt, text, skip, spaces, chunk_sizes, data):
+    """The byte path (ByteRuns) against the window, chunk by chunk: added tokens between runs,
+    their separators, characters cut between tokens (any order of the tokens: invalid UTF-8
+    too), a flush. SentencePiece's tokenizers keep the window."""
+    tok = request.getfixturevalue(which)
+    prompt_ids, output_ids = encode(tok, prompt), encode(tok, text)
+    output_ids += data.draw(st.lists(st.sampled_from(sorted(tok.added_tokens_decoder) or [0]), max_size=3))
+    output_ids = data.draw(st.permutations(output_ids))
+    params = SamplingParams(skip_special_tokens=skip, spaces_between_special_tokens=spaces)
+    by_bytes, chunks = stream(tok, prompt_ids, output_ids, params, chunk_sizes)
+    by_window, window_chunks = stream(WindowOnly(tok), prompt_ids, output_ids, params, chunk_sizes)
+    assert by_bytes._runs is not None and by_window._runs is None
+    assert by_bytes.output_text == by_window.output_text
+    assert "".join(chunks) == "".join(window_chunks)
+
+
+def test_sentencepiece_keeps_the_window(sentencepiece_tokenizer):
+    assert IncrementalDetokenizer(sentencepiece_tokenizer, [], SamplingParams())._runs is None

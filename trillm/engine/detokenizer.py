@@ -16,15 +16,28 @@ Two kinds of text are held back:
   * the longest tail of the text that could begin a stop string, until later
     text settles whether it does; so emitted text never runs past a stop string.
 `flush()` releases both when the request finishes without a stop string.
+
+Where the tokenizer is byte-level BPE (trillm/engine/token_bytes.py: its decoder joins its
+tokens' bytes and reads them as UTF-8, lossily), the window is not needed: `ByteRuns` makes the
+same text from each token's bytes, an incremental UTF-8 decoder holding a character's first
+bytes, for less work a token (the front makes every token's text: at high concurrency its event
+loop is the ceiling, benchmarks/README.md). SentencePiece's byte fallback turns a group of bytes
+that is not UTF-8 into one U+FFFD a byte, which only the window's decode does as it does.
 """
 from __future__ import annotations
 
+import codecs
+import enum
+from functools import lru_cache
+
+from trillm.engine.token_bytes import ByteDecoder, DecoderKind, is_byte_level
 from trillm.sampling_params import SamplingParams
 
 # Prompt tokens that start the window: enough for a UTF-8 character split over
 # up to four byte tokens plus the token before it.
 PROMPT_WINDOW = 5
 _REPLACEMENT_CHAR = "\ufffd"
+BYTE_LEVEL = ByteDecoder(DecoderKind.BYTE_LEVEL)
 
 
 class IncrementalDetokenizer:
@@ -58,6 +71,13 @@ class IncrementalDetokenizer:
             if token is not None:
                 self._tokens.insert(0, token)
         self._read_offset = len(self._tokens)
+        self._runs = None
+        if is_byte_level(tokenizer):
+            runs = ByteRuns(BYTE_LEVEL, self._separator, self._added_tokens)
+            for token in self._tokens:  # the prompt's text so far: what comes next joins it
+                runs.add(token)
+            if not runs.holding:  # else the prompt ends mid-character: the window keeps it out of the text
+                self._runs, self._decode_next = runs, self._decode_next_bytes
         self._num_output_tokens = 0
         self._pending = ""  # decoded, not yet emitted: a possible stop string's beginning
         self._emitted: list[str] = []
@@ -86,6 +106,9 @@ class IncrementalDetokenizer:
         """At the end of a request not stopped by a stop string: everything still held back."""
         if self.stopped:
             return ""
+        if self._runs is not None:
+            self._append(self._runs.flush())
+            return self._emit(hold_stop_prefix=False)
         context, text = self._window_texts()
         self._tokens, self._read_offset = [], 0
         self._append(text[len(context):])
@@ -110,6 +133,11 @@ class IncrementalDetokenizer:
         self._tokens = self._tokens[self._read_offset:]
         self._read_offset = len(self._tokens)
         return text[len(context):]
+
+    def _decode_next_bytes(self, token_id: int) -> str:
+        """_decode_next, for a decoder that joins bytes (ByteRuns)."""
+        token = self._token(token_id)
+        return "" if token is None else self._runs.add(token)
 
     def _window_texts(self) -> tuple[str, str]:
         """(decoded context, decoded window); the first is a prefix of the second."""
@@ -160,6 +188,65 @@ class IncrementalDetokenizer:
         if text:
             self._emitted.append(text)
         return text
+
+class _Part(enum.Enum):
+    NONE = "none"  # no text yet
+    RUN = "run"  # tokens the decoder joins
+    ADDED = "added"  # an added token, written as it is
+
+
+class ByteRuns:
+    """The text of a byte-level decoder, a token at a time, as the window makes it (`_to_string`):
+    added tokens verbatim, the runs of other tokens between them decoded each on its own (a
+    character cut short at a run's end is U+FFFD), the parts joined by `separator`. A run's text
+    (and the separator before it) waits while the last bytes are a character's beginning."""
+
+    def __init__(self, decoder: ByteDecoder, separator: str, added_tokens: set[str]):
+        self._decoder = decoder
+        self._separator = separator
+        self._added_tokens = added_tokens
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        self._last = _Part.NONE
+        self._owed = ""  # the separator before the current run, until the run has text
+
+    @property
+    def holding(self) -> bool:
+        """Whether the last bytes are the beginning of a character."""
+        return bool(self._utf8.getstate()[0])
+
+    def add(self, token: str) -> str:
+        """The text this token (its piece, or an added token) makes safe to emit."""
+        if token in self._added_tokens:
+            text = self._end_run() + (self._separator if self._last is not _Part.NONE else "") + token
+            self._last = _Part.ADDED
+            return text
+        if self._last is not _Part.RUN:
+            self._owed = self._separator if self._last is _Part.ADDED else ""
+            self._last = _Part.RUN
+        text = self._utf8.decode(_piece_bytes(self._decoder, token))
+        if not text and self.holding:
+            return ""
+        text, self._owed = self._owed + text, ""
+        return text
+
+    def flush(self) -> str:
+        """What is still held: the last run's unfinished character, as U+FFFD."""
+        return self._end_run()
+
+    def _end_run(self) -> str:
+        if self._last is not _Part.RUN:
+            return ""
+        tail = self._utf8.decode(b"", final=True)
+        self._utf8.reset()
+        text, self._owed = (self._owed + tail if tail else ""), ""
+        return text
+
+
+@lru_cache(maxsize=1 << 18)
+def _piece_bytes(decoder: ByteDecoder, piece: str) -> bytes:
+    """A piece's bytes, kept: the vocabulary is finite and the same tokens recur."""
+    return decoder.piece_bytes(piece)
+
 
 def held_prefix_len(text: str, markers: list[str]) -> int:
     """The length of the longest tail of `text` that is a proper prefix of one of `markers`:

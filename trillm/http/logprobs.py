@@ -14,16 +14,12 @@ OpenAI's spelling of "very unlikely" (JSON has no infinity).
 """
 from __future__ import annotations
 
-import re
 from functools import lru_cache
 
-from transformers.convert_slow_tokenizer import bytes_to_unicode
-
-from trillm.engine.api import TokenLogprobs
+from trillm.engine.api import ByteDecoder, DecoderKind, TokenLogprobs
 from trillm.http.prompts import tokenizer_part
 
 FLOOR = -9999.0
-_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback
 
 
 class TokenTexts:
@@ -40,28 +36,24 @@ class TokenTexts:
 
 
 def _token_bytes(tokenizer, text):
-    """A function from a token id to its bytes, by the tokenizer's decoder: byte-level BPE maps
-    each byte to one printable character (GPT-2's table, inverted here); SentencePiece writes a
-    space as U+2581 and a fallen-back byte as <0xNN>. A special token, or a decoder of another
-    kind, is its decoded text's UTF-8."""
+    """A function from a token id to its bytes, by the tokenizer's decoder (trillm.engine.token_bytes:
+    byte-level BPE, or SentencePiece's byte fallback, anywhere in it); a special token, or a decoder
+    of another kind, is its decoded text's UTF-8."""
     decoder = tokenizer_part(tokenizer, "decoder")
     kinds = {d.get("type") for d in (decoder or {}).get("decoders", [decoder or {}])}
     special = set(getattr(tokenizer, "added_tokens_decoder", {}))
-    byte_level = "ByteLevel" in kinds
-    if not byte_level and "ByteFallback" not in kinds:
+    if "ByteLevel" in kinds:
+        pieces = ByteDecoder(DecoderKind.BYTE_LEVEL)
+    elif "ByteFallback" in kinds:
+        pieces = ByteDecoder(DecoderKind.SENTENCEPIECE)
+    else:
         return lambda token_id: list(text(token_id).encode("utf-8"))
-    of_char = {c: b for b, c in bytes_to_unicode().items()}
 
     def token_bytes(token_id: int) -> list[int]:
         piece = tokenizer.convert_ids_to_tokens(token_id)
         if token_id in special or piece is None:
             return list(text(token_id).encode("utf-8"))
-        if byte_level:
-            if all(c in of_char for c in piece):
-                return [of_char[c] for c in piece]
-            return list(text(token_id).encode("utf-8"))
-        byte = _BYTE_PIECE.fullmatch(piece)
-        return [int(byte[1], 16)] if byte else list(piece.replace("\u2581", " ").encode("utf-8"))
+        return list(pieces.piece_bytes(piece))
 
     return token_bytes
 
