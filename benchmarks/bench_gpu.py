@@ -3,7 +3,8 @@
 Starts `trillm serve` on the default model's bf16 weights (the CUDA default: the Triton kernels,
 CUDA graphs, the engine in a process of its own) and measures it with this project's load
 generator (benchmarks/bench_serving.py), then again with the engine in the server's process
-(`--no-engine-process`, what the process boundary is worth on this device):
+(`--no-engine-process`, what the process boundary is worth on this device) and, at c=32 and 128
+only, behind four HTTP fronts (`--api-server-count 4`, what more event loops are worth here):
 128 prompt / 128 output tokens at concurrency 1, 8, 32 and 128, then 1024-token prompts with
 one output token each (their TTFT is the prefill). Beside each level, the decode roof: a decode
 step reads every weight once and each request's KV cache, so at batch c it makes at most
@@ -37,6 +38,7 @@ from benchmarks.bench_serving import BenchConfig, format_summary, run_benchmark
 from benchmarks import neutral_compare
 
 LEVELS = [1, 8, 32, 128]
+FRONTS_LEVELS = [32, 128]  # the levels issue 49's served / offline ratio names
 PROFILE_S = 8  # seconds py-spy samples the server at the last level
 PREFILL_LEN = 1024
 
@@ -75,8 +77,10 @@ def decode_roof(bandwidth: float, weights: int, kv_per_token: int, concurrency: 
     return concurrency * bandwidth / (weights + concurrency * context * kv_per_token)
 
 
-def served(out: Path, name: str, flags: list[str], startup_timeout: float) -> tuple[float, dict]:
-    """`trillm serve` at its CUDA defaults (and `flags`) measured at every level: seconds to ready, the runs."""
+def served(out: Path, name: str, flags: list[str], startup_timeout: float, levels: list[int] = LEVELS,
+           prefill: bool = True) -> tuple[float, dict]:
+    """`trillm serve` at its CUDA defaults (and `flags`) measured at `levels` (and a prefill):
+    seconds to ready, the runs."""
     out.mkdir(parents=True, exist_ok=True)
 
     def command(args, model_dir: str, port: int) -> tuple[list[str], None]:
@@ -85,18 +89,20 @@ def served(out: Path, name: str, flags: list[str], startup_timeout: float) -> tu
 
     timeout = argparse.Namespace(startup_timeout=startup_timeout)
     with neutral_compare.served(command, timeout, "", out / f"{name}.log") as (server, base_url, ready_s):
-        return ready_s, measure(base_url, server.pid, out)
+        return ready_s, measure(base_url, server.pid, out, levels, prefill)
 
 
-def measure(base_url: str, server_pid: int, out: Path) -> dict:
+def measure(base_url: str, server_pid: int, out: Path, levels: list[int], prefill: bool) -> dict:
     runs = {}
-    for c in LEVELS:
+    for c in levels:
         config = BenchConfig(base_url, num_prompts=max(8, 4 * c), input_len=128, output_len=128, concurrency=c)
-        profiler = profile_host_path(server_pid, out / f"pyspy-c{c}.txt") if c == LEVELS[-1] else None
+        profiler = profile_host_path(server_pid, out / f"pyspy-c{c}.txt") if c == levels[-1] else None
         runs[f"c{c}"] = trio.run(run_benchmark, config)["summary"]
         if profiler is not None:
             profiler.wait()
         print(format_summary(f"c={c}, 128/128", runs[f"c{c}"]), flush=True)
+    if not prefill:
+        return runs
     config = BenchConfig(base_url, num_prompts=8, input_len=PREFILL_LEN, output_len=1, concurrency=1)
     runs["prefill"] = trio.run(run_benchmark, config)["summary"]
     print(format_summary(f"prefill {PREFILL_LEN}", runs["prefill"]), flush=True)
@@ -149,6 +155,9 @@ def main() -> None:
     ready_s, runs = served(out, "server", [], args.startup_timeout)
     print("the same, the engine in the server's process (--no-engine-process):", flush=True)
     _, runs_together = served(out / "in-server-process", "server", ["--no-engine-process"], args.startup_timeout)
+    print("the same, behind four HTTP fronts (--api-server-count 4):", flush=True)
+    _, runs_fronts = served(out / "four-fronts", "server", ["--api-server-count", "4"], args.startup_timeout,
+                            levels=FRONTS_LEVELS, prefill=False)
     engine = offline(LEVELS)
     undrafted = offline(LEVELS, speculative_config="")  # what drafting is worth per batch on this device
     context = 128 + 128 // 2  # a request's mean context while it decodes
@@ -156,7 +165,7 @@ def main() -> None:
     result = {"device": device, "copy_bandwidth_gb_s": bandwidth / 1e9, "weight_bytes": weights,
               "kv_bytes_per_token": kv_per_token, "startup_s": ready_s, "runs": runs, "decode_roof_tok_s": roofs,
               "offline_tok_s": engine, "offline_without_drafting_tok_s": undrafted,
-              "runs_engine_in_server_process": runs_together}
+              "runs_engine_in_server_process": runs_together, "runs_four_fronts": runs_fronts}
     (out / "gpu_bench.json").write_text(json.dumps(result, indent=1))
     print(f"\n{device}: copy bandwidth {bandwidth / 1e9:.0f} GB/s, bf16 weights {weights / 2**20:.0f} MiB")
     print("| c | output tok/s | offline engine tok/s | served / offline | engine in the server's process: "
@@ -170,6 +179,9 @@ def main() -> None:
               f"{together:.0f} ({together / offline_rate:.2f}) | {undrafted[f'c{c}']:.0f} | {roofs[f'c{c}']:.0f} | "
               f"{rate / roofs[f'c{c}']:.2f} | {s['ttft_ms']['mean']:.1f} | {s['tpot_ms']['mean']:.2f} |")
     print(f"prefill of {PREFILL_LEN} tokens: TTFT mean {runs['prefill']['ttft_ms']['mean']:.1f} ms")
+    for c in FRONTS_LEVELS:
+        rate = runs_fronts[f"c{c}"]["output_throughput"]
+        print(f"four fronts, c={c}: {rate:.0f} tok/s ({rate / engine[f'c{c}']:.2f} of the offline engine)")
 
 
 if __name__ == "__main__":
