@@ -107,11 +107,11 @@ class FrontLinks:
             parts[self._owners[group_id]].outputs.append((group_id, out))
         for group_id, note in done.notes:
             parts[self._owners[group_id]].notes.append((group_id, note))
-        for group_id, _ in done.admissions:
-            if group_id not in runner:  # refused
-                del self._owners[group_id]
-        for group_id in {group_id for group_id, out in done.outputs if out.finished}:
-            if group_id not in runner:  # its last member's final output went out
+        # Refused, or its last member's final output went out (an abort may end a group in the
+        # trip that admitted it: each id once).
+        for group_id in {group_id for group_id, _ in done.admissions} | {
+                group_id for group_id, out in done.outputs if out.finished}:
+            if group_id not in runner:
                 del self._owners[group_id]
         for call_id, reply in done.replies:
             front, front_call_id = self._calls.pop(call_id)
