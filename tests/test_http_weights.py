@@ -137,10 +137,7 @@ async def updatable(request, first_model_dir, second_model_dir):
             yield server
 
 
-BOTH_LINKS = pytest.mark.parametrize("updatable", ["thread", "process"], indirect=True)
-
-
-@BOTH_LINKS
+@pytest.mark.parametrize("updatable", ["thread", "process"], indirect=True)
 async def test_updated_weights_serve_as_that_model_alone(updatable, first_model_dir, second_model_dir):
     client, http = updatable.openai(), updatable.http()
     first = reference(first_model_dir, None, PROMPT, 8)[0]
@@ -157,7 +154,6 @@ async def test_updated_weights_serve_as_that_model_alone(updatable, first_model_
     assert (await client.models.list()).data[0].model_extra["root"] == second_model_dir
 
 
-@BOTH_LINKS
 async def test_bad_updates_are_400s_and_the_old_weights_keep_serving(updatable, first_model_dir, tiny_model_dir):
     client, http = updatable.openai(), updatable.http()
     expected = reference(first_model_dir, None, PROMPT, 8)[0]
