@@ -80,6 +80,7 @@ class Fronts:
                         raise RuntimeError(f"HTTP front {process.name} exited while starting (code "
                                            f"{process.exitcode}).")
         except BaseException:
+            fronts.tell()  # those that serve already drain what they took
             fronts.close(0)
             raise
         log.info("%d HTTP fronts serve the port (processes %s and this one)", len(specs) + 1,

@@ -81,7 +81,11 @@ async def serve(settings: ServerSettings, *, task_status=trio.TASK_STATUS_IGNORE
         if count > 1:
             from trillm.launch.fronts import Fronts
 
-            others = await trio.to_thread.run_sync(Fronts.start, settings, config, core.front_specs())
+            try:
+                others = await trio.to_thread.run_sync(Fronts.start, settings, config, core.front_specs())
+            except RuntimeError as exc:  # a front ended while starting: it logged why
+                log.error("%s Stopping the server.", exc)
+                return True
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(others.watch)
                 await serve_app(settings, core, config, others.sockets, others.tell, task_status=task_status)
