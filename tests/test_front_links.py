@@ -3,6 +3,7 @@ over real ZeroMQ sockets: whatever the fronts send and in whatever order the eng
 each front gets the admissions and outputs of the groups it admitted and the replies to its own
 calls, under its own call ids, each exactly once, and nothing of another front's."""
 import pickle
+import threading
 
 import zmq
 from hypothesis import given, settings
@@ -112,3 +113,40 @@ def _received(links: FrontLinks, count: int) -> list:
     while len(commands) < count:
         commands += links.receive(wait=True)
     return commands
+
+
+def test_a_dead_front_never_stops_the_engines_rounds(tmp_path):
+    """Rounds for a front that has died queue without end rather than wait: a step that waited on
+    them would stall every other front's streams while the server stops. (Over IPC, as served:
+    a connecting socket keeps its queue while its peer is gone.)"""
+    context, blocked = zmq.Context(), False
+    try:
+        addresses = [(f"ipc://{tmp_path}/commands-{i}", f"ipc://{tmp_path}/rounds-{i}") for i in range(2)]
+        sides = []
+        for commands_address, rounds_address in addresses:
+            push, pull = context.socket(zmq.PUSH), context.socket(zmq.PULL)
+            push.bind(commands_address)
+            pull.bind(rounds_address)
+            sides.append((push, pull))
+        links = FrontLinks(context, addresses)
+        runner = Runner()
+        sides[1][0].send(pickle.dumps(Admit(RequestGroup("g", [([1, 2], SamplingParams())]))))
+        _received(links, 1)
+        runner.groups.add("g")
+        links.send(Round(admissions=[("g", None)], outputs=[], replies=[]), runner, idle=False)
+        sides[1][1].close(linger=0)  # front 1 dies, its group still running
+        out = StepOutput("g", [7], None, False, None, -1, 2, 0)
+
+        def steps():
+            for _ in range(5000):
+                links.send(Round(admissions=[], outputs=[("g", out)], replies=[]), runner, idle=False)
+
+        stepping = threading.Thread(target=steps, daemon=True)
+        stepping.start()
+        stepping.join(timeout=30)
+        blocked = stepping.is_alive()
+        assert not blocked, "a step waited on a dead front's queue"
+        links.close()
+    finally:
+        if not blocked:  # else its socket is the blocked thread's: the context is left to the process's end
+            context.destroy(linger=0)

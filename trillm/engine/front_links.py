@@ -33,10 +33,14 @@ class FrontLinks:
         started this process, and the only one that stops it)."""
         self._commands = []
         self._rounds = []
-        for commands_address, rounds_address in addresses:
+        for front, (commands_address, rounds_address) in enumerate(addresses):
             commands, rounds = context.socket(zmq.PULL), context.socket(zmq.PUSH)
             for sock in (commands, rounds):
                 sock.setsockopt(zmq.LINGER, LINGER_MS)
+            if front:
+                # A Round for another front never waits: were that front dead, a full queue would
+                # stop every front's steps until the server has stopped (a front's death stops it).
+                rounds.setsockopt(zmq.SNDHWM, 0)
             commands.connect(commands_address)
             rounds.connect(rounds_address)
             self._commands.append(commands)
