@@ -9,7 +9,9 @@ others, which inherit them: the kernel hands each new connection to one front. A
 requests' streams; the engine's process holds what they share (the queue, the KV cache, the LoRA
 registry, aborts by name); each Round reaches the front whose requests it carries
 (trillm/engine/front_links.py). Prometheus's counters and histograms are kept in files that every
-front writes and any front's /metrics sums (prometheus_client's multiprocess mode).
+front writes and any front's /metrics sums (prometheus_client's multiprocess mode); stored
+responses, in an SQLite file every front shares (trillm/http/responses_store.py). The first front
+serves once every front does.
 
 Signals: the other fronts ignore SIGINT and SIGTERM (a terminal's Ctrl-C, or a service manager's
 SIGTERM, may reach the whole group) and drain when the first front tells them (SIGUSR1, once per
