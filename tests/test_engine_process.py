@@ -213,7 +213,7 @@ async def test_serve_with_the_engines_process_and_its_ranks_drains_on_sigterm_an
             for pid in engine_pids:  # as a service manager sends it to every process: the engine steps on
                 os.kill(pid, signal.SIGTERM)
 
-        finish, _ = await finish_of_stream(client, model, 200, stop)
+        finish, _ = await finish_of_stream(client, model, 60, stop)
         assert finish == "length", "the drain let the running request finish in the engine's process"
         assert any("draining" in line for line in log), "\n".join(log)
         await client.close()
