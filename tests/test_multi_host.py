@@ -55,7 +55,7 @@ async def test_replicas_on_two_hosts_behind_a_router_on_a_third_outlive_a_host_c
                                 pass
 
                 async with trio.open_nursery() as streams:
-                    for i in range(4):
+                    for i in range(2):  # round-robin: one on each host (more only burn the suite's cores)
                         streams.start_soon(stream, i)
                     await trio.sleep(1)
                     first.cut()
