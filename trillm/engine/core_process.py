@@ -81,11 +81,11 @@ class EngineLink:
     them. This class is a front the engine's process did not start (`--api-server-count`);
     EngineProcess, the first front, starts it."""
 
-    def __init__(self, spec: FrontSpec, context: zmq.Context | None = None):
+    def __init__(self, spec: FrontSpec):
         """Bind the front's sockets (the engine's process connects to them, before or after)."""
         self._closed = False
         self.index, self.fronts, self.directory = spec.index, spec.fronts, spec.directory
-        self._context = context or zmq.Context()
+        self._context = zmq.Context()
         self._commands = self._context.socket(zmq.PUSH)
         self._rounds = self._context.socket(zmq.PULL)
         self._commands.setsockopt(zmq.SNDHWM, 0)  # a send never blocks the loop: commands are few and small

@@ -2,8 +2,9 @@
 
 A plain loop: it waits for commands while it has nothing to step, takes every queued one between
 two steps, and runs the same trips as the server's StepThread (trillm/engine/rounds.py), sending
-each front its part of every trip's Round (trillm/engine/wire.py, trillm/engine/front_links.py). A Call the core lets run beside its steps (a weight
-update's load, seconds long) runs in a thread of its own, which replies on a socket of its own.
+each front its part of every trip's Round (trillm/engine/wire.py, trillm/engine/front_links.py).
+A Call the core lets run beside its steps (a weight update's load, seconds long) runs in a thread
+of its own, which replies on a socket of its own.
 It ignores SIGINT and SIGTERM (the server decides when it stops, after a drain that needs it
 stepping) and is killed when the server ends (trillm.subprocesses.die_with_parent). A step's error
 is sent, and the process ends.

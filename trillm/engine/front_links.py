@@ -8,6 +8,7 @@ the front that asked (its id is made unique here, since each front counts its ow
 stops name a group by the server's id, unique across fronts: any front may send them. A front
 with nothing in a Round gets the stats alone, at most every STATS_EVERY_S while the engine steps,
 and always once it goes idle, so that every front's gauges and waiting limit follow the engine.
+With front 0 alone, commands and Rounds pass as they are: nothing to route.
 
 Ownership: the engine's loop thread alone (ZeroMQ sockets belong to one thread each).
 """
@@ -50,6 +51,7 @@ class FrontLinks:
         for commands in self._commands:
             self._poller.register(commands, zmq.POLLIN)
         self._encoder = round_encoder()
+        self._several = len(addresses) > 1  # with front 0 alone, commands and Rounds pass as they are
         self._owners: dict[str, int] = {}  # group id -> the front that admitted it, while the runner holds it
         self._calls: dict[int, tuple[int, int]] = {}  # this side's call id -> (front, the front's call id)
         self._call_ids = 0
@@ -84,25 +86,33 @@ class FrontLinks:
                     assert front == 0, "only the front that started the engine stops it"
                     return None
                 command = pickle.loads(message)
-                if isinstance(command, Admit):
-                    self._owners[command.requests.request_id] = front
-                elif isinstance(command, Call):
-                    self._call_ids += 1
-                    self._calls[self._call_ids] = (front, command.call_id)
-                    command = replace(command, call_id=self._call_ids)
-                received.append(command)
+                received.append(self._follow(front, command) if self._several else command)
         return received
+
+    def _follow(self, front: int, command: Command) -> Command:
+        """Note where a command came from: an Admit's group is that front's; a Call gets an id of
+        this side's, unique across fronts."""
+        if isinstance(command, Admit):
+            self._owners[command.requests.request_id] = front
+        elif isinstance(command, Call):
+            self._call_ids += 1
+            self._calls[self._call_ids] = (front, command.call_id)
+            command = replace(command, call_id=self._call_ids)
+        return command
 
     def reply_address(self, call_id: int) -> tuple[str, int]:
         """Where a Call beside the steps replies (its front's rounds address) and under which id;
         the call is forgotten here."""
-        front, front_call_id = self._calls.pop(call_id)
+        front, front_call_id = self._calls.pop(call_id) if self._several else (0, call_id)
         return self.rounds_addresses[front], front_call_id
 
     def send(self, done: Round, runner: RoundRunner, idle: bool) -> None:
         """Each front its part of `done`: its groups' admissions and outputs, its calls' replies;
         the rest (stats, stepped, error, adapters) to each. `idle`: the engine waits for commands
         next, so every front gets the stats now."""
+        if not self._several:  # front 0's Round, as the runner made it: no copy on the step's path
+            self._rounds[0].send(self._encoder.encode(done), copy=False)
+            return
         parts = [Round(admissions=[], outputs=[], replies=[], stepped=done.stepped, stats=done.stats,
                        error=done.error, notes=[], adapters=done.adapters) for _ in self._rounds]
         for group_id, error in done.admissions:
@@ -122,7 +132,7 @@ class FrontLinks:
             parts[front].replies.append((front_call_id, reply))
         now = time.monotonic()
         for front, part in enumerate(parts):
-            if (len(parts) == 1 or idle or part.admissions or part.outputs or part.replies or part.error is not None
+            if (idle or part.admissions or part.outputs or part.replies or part.error is not None
                     or part.adapters is not None or now - self._stats_sent[front] >= STATS_EVERY_S):
                 self._rounds[front].send(self._encoder.encode(part), copy=False)
                 self._stats_sent[front] = now
