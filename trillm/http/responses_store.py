@@ -116,19 +116,16 @@ class SharedResponseStore:
         self._follow(stored)
         await self._off_loop(self._write, stored.response["id"], _parts(stored), stored.done.is_set(), True)
 
-    async def get(self, response_id: str, param: str = "response_id") -> StoredResponse:
+    async def get(self, response_id: str, param: str = "response_id", delete: bool = False) -> StoredResponse:
         """The stored response (this front's live record of one it runs), now the most recently
-        used; a 404 naming the id otherwise."""
-        row = await self._off_loop(self._read, response_id, False)
+        used (or, `delete`, no longer stored); a 404 naming the id otherwise."""
+        row = await self._off_loop(self._read, response_id, delete)
         if row is None:
             raise _missing(response_id, param)
         return self._live.get(response_id) or _stored(*row)
 
     async def delete(self, response_id: str) -> StoredResponse:
-        row = await self._off_loop(self._read, response_id, True)
-        if row is None:
-            raise _missing(response_id, "response_id")
-        return self._live.get(response_id) or _stored(*row)
+        return await self.get(response_id, delete=True)
 
     async def ended(self, stored: StoredResponse) -> StoredResponse:
         """The response once it has ended, as it ended: this front's own at once, another front's
