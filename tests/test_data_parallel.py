@@ -46,10 +46,12 @@ async def start_replicated(nursery, model: str, policy: str, *flags: str, env: d
             log.extend(line.decode(errors="replace") for line in lines)
             if any("behind vllm-router" in line for line in log):
                 ready.set()
+        ready.set()  # the log ended: the supervisor exited, ready or not
 
     nursery.start_soon(read_log)
-    with trio.fail_after(300):
+    with trio.move_on_after(300):
         await ready.wait()
+    assert any("behind vllm-router" in line for line in log), "\n".join(log)
     replicas = [m.group(1) for line in log if (m := re.search(r"replica \d \(pid \d+\): (http://\S+)", line))]
     (router,) = [m.group(1) for line in log if (m := re.search(r"on (http://\S+)$", line))]
     return process, router, replicas, log
