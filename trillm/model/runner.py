@@ -287,14 +287,21 @@ class ModelRunner:
         """compute_logits for a step's sampled rows, on one CPU rank into a buffer the steps
         share (ModelOutput.logits lives until the next step). A fresh [rows, vocab] each step
         would be mapped and faulted in anew (glibc maps an allocation that large, and one as
-        large as the last it freed), and steps of varying rows leave the freed ones in the
-        heap: a 262k vocabulary's 56 sampled rows are 56 MiB."""
+        large as the last it freed): a 262k vocabulary's 56 sampled rows are 56 MiB.
+
+        The buffer is an anonymous mapping of its own, which grows by doubling: its pages are
+        resident once a step has written them, and an outgrown buffer's mapping goes back to the
+        system whole. From glibc's heap, each buffer outgrown as the rows rose (drafts add rows
+        a few at a time) stayed behind as a hole that no later one fit in."""
         if hidden.device.type != "cpu" or self.tp.size > 1 or hidden.shape[0] == 0:
             return self.compute_logits(hidden)
-        if self._logits is None or self._logits.shape[0] < hidden.shape[0]:
-            self._logits = None  # freed before its successor is made
-            self._logits = torch.empty(hidden.shape[0], self.config.hf_config.vocab_size, dtype=torch.float32)
-        return self.compute_logits(hidden, self._logits[: hidden.shape[0]])
+        rows, vocab = hidden.shape[0], self.config.hf_config.vocab_size
+        if self._logits is None or self._logits.shape[0] < rows:
+            capacity = max(rows, 2 * self._logits.shape[0] if self._logits is not None else rows)
+            self._logits = None  # unmapped before its successor is made
+            pages = mmap.mmap(-1, capacity * vocab * 4, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            self._logits = torch.frombuffer(pages, dtype=torch.float32).view(capacity, vocab)  # keeps `pages`
+        return self.compute_logits(hidden, self._logits[:rows])
 
     def _run(self, inputs: StepInputs) -> tuple[ModelInput, torch.Tensor]:
         """One forward on every rank: rank 0 sends the inputs to the workers first."""
