@@ -620,3 +620,26 @@ def test_quantized_projections_equal_their_dequantized_weights(tiny_model_dir, t
             x = torch.randn(3, module.quantized.in_features)
             assert torch.equal(module(x), twin(x)), name
 
+
+@pytest.mark.parametrize("gguf", [True, False])
+def test_a_long_prompts_mlp_runs_in_chunks_and_computes_the_same(tiny_model_dir, gguf):
+    """A step's tokens beyond MLP_CHUNK_TOKENS go through the MLP in chunks of it: on the
+    integer kernel (the default model's blocks) the same bits as whole, since each row is
+    quantized and projected on its own; on the dense path (oneDNN, whose blocking follows the
+    rows) the same within fp32 rounding."""
+    from trillm.model import llama
+
+    runner = ModelRunner(EngineArgs(num_kv_blocks=64)) if gguf else tiny_runner(tiny_model_dir("llama"))
+    mlp = runner.model.model.layers[0].mlp
+    x = torch.randn(2 * llama.MLP_CHUNK_TOKENS + 37, runner.config.hf_config.hidden_size)
+    rows_seen = []
+    projection = mlp.gate_up_proj.forward
+    mlp.gate_up_proj.forward = lambda rows, *more: rows_seen.append(rows.shape[0]) or projection(rows, *more)
+    with torch.inference_mode():
+        chunked = mlp(x)
+        assert rows_seen == [llama.MLP_CHUNK_TOKENS, llama.MLP_CHUNK_TOKENS, 37]
+        whole = mlp.down_proj(mlp.act_and_mul(projection(x)))
+    if gguf:
+        assert torch.equal(chunked, whole)
+    else:
+        torch.testing.assert_close(chunked, whole, atol=1e-5, rtol=1e-5)
