@@ -35,12 +35,13 @@ async def test_replicas_on_two_hosts_behind_a_router_on_a_third_outlive_a_host_c
                 return process
 
             try:
-                for host, url in zip((first, second), replica_urls):
-                    await until_healthy(url, await start(host, "--num-kv-blocks", "64"))
+                # All three start at once: the front waits for the replicas before its router serves.
+                replicas = [await start(host, "--num-kv-blocks", "64") for host in (first, second)]
                 router = f"http://{front.address}:{PORT}"
-                await until_healthy(router, await start(
-                    front, "--data-parallel-size", "0", "--data-parallel-address", ",".join(replica_urls),
-                    "--router-policy", "round_robin"))
+                front_process = await start(front, "--data-parallel-size", "0", "--data-parallel-address",
+                                            ",".join(replica_urls), "--router-policy", "round_robin")
+                for url, process in [*zip(replica_urls, replicas), (router, front_process)]:
+                    await until_healthy(url, process)
                 client = openai.AsyncOpenAI(base_url=router + "/v1", api_key="none", max_retries=0, timeout=10)
                 for i in range(4):
                     await client.completions.create(model=model, prompt=f"Question {i}:", max_tokens=2)
