@@ -314,7 +314,7 @@ class MLP(nn.Module):
         return any(p.lora is not None and p.lora.batch.slots is not None for p in (self.gate_up_proj, self.down_proj))
 
 
-MLP_CHUNK_TOKENS = 256  # benchmarks/README.md: a 1024-token prefill of a 1.7B or 3B model 9-10% faster
+MLP_CHUNK_TOKENS = 256  # the most tokens one MLP call takes on CPU (MLP.forward; figures in benchmarks/README.md)
 
 
 class DecoderLayer(nn.Module):
