@@ -15,6 +15,7 @@ import importlib.util
 import json
 import logging
 import os
+import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from glob import glob
@@ -447,6 +448,14 @@ def _norms_as_multipliers(config: PretrainedConfig, weights: Iterable[tuple[str,
         yield name, tensor + 1 if config.model_type in GEMMA and name.endswith("norm.weight") else tensor
 
 
+class Progress(tqdm):
+    """tqdm with a thread lock of its own. tqdm's default lock is a multiprocessing one, a named
+    semaphore: a server process, which ends by os._exit, left it for multiprocessing's resource
+    tracker to remove, which warned of a leak at every stop of a data-parallel deployment."""
+
+    _lock = threading.RLock()
+
+
 def _safetensors_weights(model_dir: str):
     """(name, tensor) for every tensor of the directory's safetensors files, read one at a time
     from their mapped files."""
@@ -455,7 +464,7 @@ def _safetensors_weights(model_dir: str):
         raise FileNotFoundError(f"No *.safetensors files in {model_dir}.")
     handles = [safe_open(f, framework="pt", device="cpu") for f in files]
     total = sum(len(h.keys()) for h in handles)
-    with tqdm(total=total, desc="Loading weights", unit="tensor", leave=False) as bar:
+    with Progress(total=total, desc="Loading weights", unit="tensor", leave=False) as bar:
         for handle in handles:
             for name in handle.keys():
                 yield name, handle.get_tensor(name)
