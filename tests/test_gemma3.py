@@ -23,28 +23,34 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):\n    \"\"\"Return the 
 NUM_DECODE = 8
 
 
-@functools.cache
-def reference(path: str):
+@pytest.fixture(scope="module")
+def core(gemma3_gguf):
+    """The served engine at its defaults: its runner is the served path's, its tokenizer the one
+    the file's metadata gives (built once: a 262k vocabulary's conversion takes seconds)."""
+    core = EngineCore(EngineArgs(model=gemma3_gguf, num_kv_blocks=64))
+    yield core
+    core.close()
+
+
+@pytest.fixture(scope="module")
+def reference(gemma3_gguf, core):
     """transformers' Gemma3ForCausalLM on the file's weights, dequantized as gguf-py does (its
     norms back from the file's 1 + w to w), with the tokenizer read from the file."""
-    with GGUFFile(path) as file:
+    with GGUFFile(gemma3_gguf) as file:
         config = gguf_model.hf_config(file)
         with no_init_weights():  # every parameter is loaded below (the assert): a random start is waste
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
         state = {name: tensor - 1 if name.endswith("norm.weight") else tensor
                  for name, tensor in dense_weights(file, config, skip=lambda name: False)}
-        tokenizer = gguf_model.tokenizer(path, file)
     state.setdefault("lm_head.weight", state["model.embed_tokens.weight"])
     missing, unexpected = model.load_state_dict(state, strict=False)
     assert not unexpected and not [m for m in missing if "embed_scale" not in m], (missing, unexpected)
-    return model, tokenizer
+    return model, core.tokenizer, functools.cache(lambda prompt: greedy_reference(model, core.tokenizer, prompt))
 
 
-@functools.cache
-def greedy_reference(path: str, prompt: str) -> tuple[list[int], list[int], torch.Tensor]:
+def greedy_reference(hf, tokenizer, prompt: str) -> tuple[list[int], list[int], torch.Tensor]:
     """transformers' prompt ids, its greedy continuation (prompt included) and that sequence's
-    logits, once per prompt for every test here."""
-    hf, tokenizer = reference(path)
+    logits (the fixture keeps them per prompt for every test here)."""
     ids = tokenizer.encode(prompt)
     with torch.inference_mode():
         want = hf.generate(torch.tensor([ids]), max_new_tokens=NUM_DECODE, do_sample=False)[0].tolist()
@@ -52,18 +58,18 @@ def greedy_reference(path: str, prompt: str) -> tuple[list[int], list[int], torc
 
 
 @pytest.mark.parametrize("path", ["exact", "blocks"])
-def test_gemma3_270m_greedy_tokens_equal_transformers_on_its_dequantized_weights(gemma3_gguf, path):
+def test_gemma3_270m_greedy_tokens_equal_transformers_on_its_dequantized_weights(gemma3_gguf, core, reference, path):
     """The exact path (dense fp32 weights, fp32 activations and KV cache): transformers' logits
     and its greedy tokens. The served path (projections on the file's blocks, 8-bit activations,
     fp16 KV cache), teacher-forced on transformers' tokens: its greedy tokens, but where
     transformers' own two best are a near tie (8-bit activations move a logit by up to about 1),
     where it may pick the runner-up, once a prompt at most."""
-    _, tokenizer = reference(gemma3_gguf)
-    args = dict(quantized_weights=False, quantized_activations=False, kv_cache_dtype="float32") \
-        if path == "exact" else {}
-    runner = ModelRunner(EngineArgs(model=gemma3_gguf, num_kv_blocks=32, **args))
+    _, tokenizer, greedy = reference
+    exact = dict(quantized_weights=False, quantized_activations=False, kv_cache_dtype="float32")
+    # the served path's runner is the core's, which serves nothing meanwhile (teacher forcing writes its first blocks)
+    runner = ModelRunner(EngineArgs(model=gemma3_gguf, num_kv_blocks=32, **exact)) if path == "exact" else core.runner
     for prompt in PROMPTS if path == "blocks" else PROMPTS[:2]:  # the exact path's dense weights cost more
-        ids, want, want_logits = greedy_reference(gemma3_gguf, prompt)
+        ids, want, want_logits = greedy(prompt)
         assert ids[0] == tokenizer.bos_token_id == 2  # the file asks for BOS
         got_logits = runner.teacher_forced_logits(want)
         got = got_logits[len(ids) - 1 : -1].argmax(-1).tolist()
@@ -79,40 +85,36 @@ def test_gemma3_270m_greedy_tokens_equal_transformers_on_its_dequantized_weights
             assert indices[1] == got[i] and values[0] - values[1] < 0.25, message
 
 
-async def test_gemma3_270m_serves_completions_and_chat_through_openai_and_anthropic(gemma3_gguf):
+async def test_gemma3_270m_serves_completions_and_chat_through_openai_and_anthropic(core, reference):
     """A greedy completion is transformers' continuation; chat (the file has no template: ChatML,
     as llama.cpp's server renders it) answers on the OpenAI route, whole and streamed, and on the
     Anthropic route, with their usage counted."""
-    _, tokenizer = reference(gemma3_gguf)
-    ids, want, _ = greedy_reference(gemma3_gguf, PROMPTS[0])
-    core = EngineCore(EngineArgs(model=gemma3_gguf, num_kv_blocks=64))
-    try:
-        async with live_server(core) as server:
-            client = server.openai()
-            assert server.model == "gemma-3-270m-q4_k_m.gguf"
-            out = await client.completions.create(model=server.model, prompt=PROMPTS[0], max_tokens=NUM_DECODE,
-                                                  temperature=0, extra_body={"ignore_eos": True})
-            assert out.choices[0].text == tokenizer.decode(want[len(ids):])
-            assert out.usage.prompt_tokens == len(ids)
+    _, tokenizer, greedy = reference
+    ids, want, _ = greedy(PROMPTS[0])
+    async with live_server(core) as server:
+        client = server.openai()
+        assert server.model == "gemma-3-270m-q4_k_m.gguf"
+        out = await client.completions.create(model=server.model, prompt=PROMPTS[0], max_tokens=NUM_DECODE,
+                                              temperature=0, extra_body={"ignore_eos": True})
+        assert out.choices[0].text == tokenizer.decode(want[len(ids):])
+        assert out.usage.prompt_tokens == len(ids)
 
-            messages = [{"role": "user", "content": "Name a color."}]
-            chat = await client.chat.completions.create(model=server.model, messages=messages, max_tokens=12,
-                                                        temperature=0)
-            assert chat.choices[0].message.content and chat.choices[0].finish_reason in ("stop", "length")
-            prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-            assert prompt == "<bos><|im_start|>user\nName a color.<|im_end|>\n<|im_start|>assistant\n"
-            assert chat.usage.prompt_tokens == len(tokenizer.encode(prompt, add_special_tokens=False))
-            stream = await client.chat.completions.create(model=server.model, messages=messages, max_tokens=12,
-                                                          temperature=0, stream=True)
-            streamed = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
-            assert streamed == chat.choices[0].message.content
+        messages = [{"role": "user", "content": "Name a color."}]
+        chat = await client.chat.completions.create(model=server.model, messages=messages, max_tokens=12,
+                                                    temperature=0)
+        assert chat.choices[0].message.content and chat.choices[0].finish_reason in ("stop", "length")
+        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        assert prompt == "<bos><|im_start|>user\nName a color.<|im_end|>\n<|im_start|>assistant\n"
+        assert chat.usage.prompt_tokens == len(tokenizer.encode(prompt, add_special_tokens=False))
+        stream = await client.chat.completions.create(model=server.model, messages=messages, max_tokens=12,
+                                                      temperature=0, stream=True)
+        streamed = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+        assert streamed == chat.choices[0].message.content
 
-            message = await server.anthropic().messages.create(model=server.model, max_tokens=12, messages=messages,
-                                                               extra_body={"temperature": 0})
-            assert message.content[0].text == chat.choices[0].message.content
-            assert message.stop_reason in ("end_turn", "max_tokens") and message.usage.output_tokens > 0
-    finally:
-        core.close()
+        message = await server.anthropic().messages.create(model=server.model, max_tokens=12, messages=messages,
+                                                           extra_body={"temperature": 0})
+        assert message.content[0].text == chat.choices[0].message.content
+        assert message.stop_reason in ("end_turn", "max_tokens") and message.usage.output_tokens > 0
 
 
 LOAD_PEAK = """
