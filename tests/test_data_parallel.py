@@ -4,9 +4,11 @@ read to see where requests went. Cache-aware routing keeps requests that share a
 one replica, whose prefix cache then serves them, where round-robin splits them; a client that
 leaves through the router frees the replica's blocks; a killed replica leaves the other serving;
 SIGTERM stops the router and every replica."""
+import logging
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 
@@ -19,6 +21,7 @@ from process_support import descendants, live, started_by
 
 from trillm.config import EngineArgs
 from trillm.engine.core import EngineCore
+from trillm.launch import data_parallel
 
 pytest.importorskip("vllm_router")
 
@@ -282,3 +285,17 @@ async def test_a_replica_that_cannot_start_fails_the_server_at_once_and_says_whi
     assert result.returncode == 1, log
     assert re.search(r"replica \d exited while starting \(status 1\)", log), log
     assert "The checkpoint lacks" in log  # the replica's own words
+
+
+def test_a_start_that_never_answers_is_given_up_and_named(caplog):
+    """A replica or router whose /health never answers (here a socket that takes connections and
+    says nothing) stops the supervisor's wait at its bound with one line naming it, rather than
+    leaving the deployment unready and silent; the router's bound is a minute, not a replica's ten."""
+    assert data_parallel.ROUTER_READY_TIMEOUT < data_parallel.READY_TIMEOUT
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        router = type("Process", (), {"name": "the router", "exitcode": None})()
+        with caplog.at_level(logging.ERROR, logger=data_parallel.__name__):
+            assert not data_parallel._wait_ready([url], [router], [], timeout=1.0)
+    said = [record.getMessage() for record in caplog.records]
+    assert said == [f"the router ({url}) did not answer /health within 1 s: stopping"]

@@ -63,6 +63,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 READY_TIMEOUT = 600.0  # seconds for a replica to load its model and answer /health
+ROUTER_READY_TIMEOUT = 60.0  # seconds for the router, which loads nothing, to answer /health
 STOP_TIMEOUT = 60.0  # seconds the router and the replicas get to exit on a signal, before SIGKILL
 HEALTH_INTERVAL = 2  # seconds between the router's /health checks of a worker
 HEALTH_TIMEOUT = 2  # seconds a check may take before it counts as failed
@@ -127,7 +128,7 @@ def _supervise(settings: ServerSettings, urls: list[str], workers: list[str], re
     signal.signal(signal.SIGINT, lambda *_: stopping.append(True))
     for url, replica in zip(urls, replicas):
         log.info("%s (pid %d): %s", replica.name, replica.pid, url)
-    if not _wait_ready(urls, replicas, stopping):
+    if not _wait_ready(urls, replicas, stopping, READY_TIMEOUT):
         return 0 if stopping else 1
     port = settings.port or free_port()  # port 0: any free one, logged below
     metrics_port = free_port()
@@ -137,7 +138,7 @@ def _supervise(settings: ServerSettings, urls: list[str], workers: list[str], re
     router = start_preloaded(_router_main, argv, settings.api_key, preload=SERVER, daemon=False)
     router.name = "the router"
     children.insert(0, router)
-    if not _wait_ready([f"http://{_loopback(settings.host)}:{port}"], [router], stopping):
+    if not _wait_ready([f"http://{_loopback(settings.host)}:{port}"], [router], stopping, ROUTER_READY_TIMEOUT):
         return 0 if stopping else 1
     log.info("the router's own metrics (requests, workers, retries): http://%s:%d/metrics; each replica's at its "
              "address", settings.host, metrics_port)
@@ -194,10 +195,10 @@ def _loopback(host: str) -> str:
     return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
 
 
-def _wait_ready(urls: list[str], processes: list[Process], stopping: list) -> bool:
-    """Until every URL's /health answers 200: False if one of `processes` exits first, a signal
-    comes, or READY_TIMEOUT passes."""
-    deadline = time.monotonic() + READY_TIMEOUT
+def _wait_ready(urls: list[str], processes: list[Process], stopping: list, timeout: float) -> bool:
+    """Until every URL's /health answers 200, `processes` serving them in order: False if one of
+    them exits first or `timeout` seconds pass (either logged, naming which), or a signal comes."""
+    deadline = time.monotonic() + timeout
     waiting = list(urls)
     while waiting and not stopping and time.monotonic() < deadline:
         exited = [p for p in processes if p.exitcode is not None]
@@ -212,6 +213,10 @@ def _wait_ready(urls: list[str], processes: list[Process], stopping: list) -> bo
             except (urllib.error.URLError, OSError):
                 pass
         time.sleep(0.2)
+    if waiting and not stopping:
+        names = {url: process.name for url, process in zip(urls, processes)}
+        log.error("%s did not answer /health within %.0f s: stopping", ", ".join(
+            f"{names[url]} ({url})" if url in names else url for url in waiting), timeout)
     return not waiting and not stopping
 
 
