@@ -288,14 +288,14 @@ async def test_a_replica_that_cannot_start_fails_the_server_at_once_and_says_whi
 
 
 def test_a_start_that_never_answers_is_given_up_and_named(caplog):
-    """A replica or router whose /health never answers (here a socket that takes connections and
-    says nothing) stops the supervisor's wait at its bound with one line naming it, rather than
-    leaving the deployment unready and silent; the router's bound is a minute, not a replica's ten."""
+    """A replica or router whose /health never answers (here nothing listens on its port) stops
+    the supervisor's wait at its bound with one line naming it, rather than leaving the
+    deployment unready and silent; the router's bound is a minute, not a replica's ten."""
     assert data_parallel.ROUTER_READY_TIMEOUT < data_parallel.READY_TIMEOUT
-    with socket.create_server(("127.0.0.1", 0)) as silent:
-        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
-        router = type("Process", (), {"name": "the router", "exitcode": None})()
-        with caplog.at_level(logging.ERROR, logger=data_parallel.__name__):
-            assert not data_parallel._wait_ready([url], [router], [], timeout=1.0)
+    with socket.create_server(("127.0.0.1", 0)) as closed:
+        url = f"http://127.0.0.1:{closed.getsockname()[1]}"
+    router = type("Process", (), {"name": "the router", "exitcode": None})()
+    with caplog.at_level(logging.ERROR, logger=data_parallel.__name__):
+        assert not data_parallel._wait_ready([url], [router], [], timeout=0.5)
     said = [record.getMessage() for record in caplog.records]
-    assert said == [f"the router ({url}) did not answer /health within 1 s: stopping"]
+    assert said == [f"the router ({url}) did not answer /health within 0.5 s: stopping"]

@@ -215,7 +215,7 @@ def _wait_ready(urls: list[str], processes: list[Process], stopping: list, timeo
         time.sleep(0.2)
     if waiting and not stopping:
         names = {url: process.name for url, process in zip(urls, processes)}
-        log.error("%s did not answer /health within %.0f s: stopping", ", ".join(
+        log.error("%s did not answer /health within %g s: stopping", ", ".join(
             f"{names[url]} ({url})" if url in names else url for url in waiting), timeout)
     return not waiting and not stopping
 
