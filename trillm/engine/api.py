@@ -16,7 +16,7 @@ from trillm.engine.kv_events import KVEventsConfig, offset_endpoint
 from trillm.engine.output import Delta, OutputProcessor, PoolingProcessor, output_processor
 from trillm.engine.sampler import TokenLogprobs
 from trillm.engine.stats import ServingStats
-from trillm.engine.token_bytes import ByteDecoder, DecoderKind
+from trillm.engine.token_bytes import ByteDecoder, DecoderKind, tokenizer_part
 from trillm.model.facts import ModelFacts, read_facts
 from trillm.model.lora import LoRAError
 from trillm.model.tp_worker import launcher_init_method, launcher_rank, run_worker
@@ -28,4 +28,5 @@ __all__ = [
     "PoolingProcessor", "QueueFullError", "RequestGroup", "RequestStream", "ServingStats", "StepOutput",
     "TokenLogprobs", "WeightsError", "faster_in_own_process", "held_prefix_len", "launcher_init_method",
     "launcher_rank", "num_samples", "offset_endpoint", "output_processor", "read_facts", "run_worker",
+    "tokenizer_part",
 ]

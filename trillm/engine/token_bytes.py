@@ -4,7 +4,8 @@ Byte-level BPE (GPT-2's table maps each byte to one printable character: SmolLM2
 and SentencePiece with byte fallback (a space written U+2581, a byte the vocabulary lacks as
 `<0xNN>`: Llama 2, Mistral, Gemma) both do. A token's `bytes` are reported from here
 (trillm/http/logprobs.py); a byte-level tokenizer's text is made a token at a time from them
-(trillm/engine/detokenizer.py).
+(trillm/engine/detokenizer.py). Which kind a tokenizer is, its decoder's JSON says
+(`tokenizer_part`, which reads its normalizer for the prompt's bounds too).
 """
 from __future__ import annotations
 
@@ -40,11 +41,20 @@ class ByteDecoder:
         return bytes([int(byte[1], 16)]) if byte else piece.replace(SPACE_MARK, " ").encode("utf-8")
 
 
+def tokenizer_part(tokenizer, name: str) -> dict | None:
+    """A fast tokenizer's normalizer or decoder as its JSON (that part alone: the whole
+    tokenizer's is megabytes for a large vocabulary); None where it has none, {"type": "unknown"}
+    for a tokenizer that is not a fast one."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return {"type": "unknown"}
+    part = getattr(backend, name)
+    return None if part is None else json.loads(part.__getstate__())
+
+
 def is_byte_level(tokenizer) -> bool:
     """Whether the tokenizer's decoder is byte-level BPE's alone (a fast tokenizer's)."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    decoder = None if backend is None else backend.decoder
-    return decoder is not None and json.loads(decoder.__getstate__()).get("type") == "ByteLevel"
+    return (tokenizer_part(tokenizer, "decoder") or {}).get("type") == "ByteLevel"
 
 
 @cache

@@ -16,8 +16,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from trillm.engine.api import ByteDecoder, DecoderKind, TokenLogprobs
-from trillm.http.prompts import tokenizer_part
+from trillm.engine.api import ByteDecoder, DecoderKind, TokenLogprobs, tokenizer_part
 
 FLOOR = -9999.0
 

@@ -13,13 +13,13 @@ it, and its memory, only to be refused by its length afterwards.
 """
 from __future__ import annotations
 
-import json
 import logging
 import math
 from dataclasses import dataclass
 
 import jinja2
 
+from trillm.engine.api import tokenizer_part
 from trillm.http.protocol.chat import ChatMessage, Tool
 from trillm.http.protocol.common import TemplateOptions
 from trillm.http.request_templates import RequestTemplates
@@ -75,17 +75,6 @@ def _longest_token(tokenizer) -> int:
     if backend is None:
         return max(map(len, tokenizer.get_vocab()))
     return max(len(backend.id_to_token(i) or "") for i in range(backend.get_vocab_size(with_added_tokens=True)))
-
-
-def tokenizer_part(tokenizer, name: str) -> dict | None:
-    """A fast tokenizer's normalizer or decoder as its JSON (that part alone: the whole
-    tokenizer's is megabytes for a large vocabulary); None where it has none, {"type": "unknown"}
-    for a tokenizer that is not a fast one."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None:
-        return {"type": "unknown"}
-    part = getattr(backend, name)
-    return None if part is None else json.loads(part.__getstate__())
 
 
 NO_BOUND = PromptBound(0, 0)
