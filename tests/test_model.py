@@ -85,7 +85,8 @@ class Sequence:
 
 def run_step(runner: ModelRunner, chunks: list[tuple[Request, int, int]]) -> torch.Tensor:
     """The step's logits, copied: the runner's own live only until its next step."""
-    return runner.execute(Schedule([Scheduled(r, n, s) for r, s, n in chunks])).logits.clone()
+    out = runner.execute(Schedule([Scheduled(r, n, s) for r, s, n in chunks]))
+    return runner.step_logits(out.sample_hidden).clone()
 
 
 def make_sequences(runner: ModelRunner, lengths: list[int], num_decode: int = 0, seed: int = 0) -> list[Sequence]:
@@ -452,7 +453,7 @@ def test_cpu_steps_write_their_logits_into_one_buffer():
     one, two, three = make_sequences(runner, [20, 12, 9], seed=5)
 
     def logits(chunks):
-        return runner.execute(Schedule([Scheduled(r, n, s) for r, s, n in chunks])).logits
+        return runner.step_logits(runner.execute(Schedule([Scheduled(r, n, s) for r, s, n in chunks])).sample_hidden)
 
     first = logits([one.chunk(0, 20)])
     address, values = first.data_ptr(), first.clone()
@@ -481,7 +482,8 @@ raised = torch.empty(31 << 20, dtype=torch.uint8)
 del raised  # glibc takes allocations below 31 MiB from its heap from now on
 before = resident_bytes()
 for n in range(1, len(sequences) + 1):
-    runner.execute(Schedule([Scheduled(r, k, s) for r, s, k in (q.chunk(19, 1) for q in sequences[:n])]))
+    runner.step_logits(runner.execute(
+        Schedule([Scheduled(r, k, s) for r, s, k in (q.chunk(19, 1) for q in sequences[:n])])).sample_hidden)
 print(resident_bytes() - before, len(sequences) * runner.config.hf_config.vocab_size * 4)
 """
 
@@ -540,7 +542,7 @@ def test_greedy_under_the_real_scheduler_matches_transformers(tiny_model_dir):
     num_partial_chunks = 0
     while scheduler.has_unfinished():
         out = scheduler.schedule()
-        logits = runner.execute(out).logits
+        logits = runner.step_logits(runner.execute(out).sample_hidden)
         num_partial_chunks += sum(not e.needs_sample for e in out.scheduled)
         greedy = iter(logits.argmax(-1).tolist())
         scheduler.update(out, [next(greedy) if e.needs_sample else -1 for e in out.scheduled])

@@ -7,12 +7,16 @@ import math
 from collections import Counter
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 import trillm
+import trillm.model.runner as runner_module
 from trillm import SamplingParams, StructuredOutput
 from trillm.engine.draft_policy import PROBE_EVERY, DraftPolicy
 from trillm.engine.drafting import NgramDrafter, SpeculativeConfig
 from trillm.engine.suffix_drafter import SuffixCache, SuffixDrafter
+from trillm.engine.verification import logit_groups
 
 from http_support import live_server, metric_value, settled_stats
 
@@ -253,6 +257,53 @@ def test_stops_max_tokens_and_grammars_hold_inside_accepted_runs(engines):
     assert json.loads(got.text) == {"fruits": ["apples", "pears", "plums"]}
     assert drafting.engine.stats().spec_decode_num_accepted_tokens > accepted  # drafts ran through the grammar
     assert drafting.engine.stats().num_used_blocks == 0
+
+
+@given(st.lists(st.integers(1, 9), max_size=40), st.one_of(st.none(), st.integers(1, 24)))
+def test_logit_groups_are_the_fewest_runs_of_requests_within_the_limit(num_rows, limit):
+    groups = logit_groups(num_rows, limit)
+    assert [i for group in groups for i in group] == list(range(len(num_rows)))
+    sizes = [sum(num_rows[i] for i in group) for group in groups]
+    if limit is None:
+        assert len(groups) == (1 if num_rows else 0)
+        return
+    assert all(size <= limit or len(group) == 1 for size, group in zip(sizes, groups))
+    # each group is cut only where the next request's rows would not have fitted
+    assert all(size + num_rows[group.stop] > limit for size, group in zip(sizes, groups[:-1]))
+
+
+def test_a_step_projects_its_sampled_rows_a_few_requests_at_a_time(engines, monkeypatch):
+    """Where a step samples more rows than the CPU's logits budget holds (drafts add a row
+    each), the requests' rows are projected and sampled a group at a time, never one request's
+    rows apart: the same tokens, logprobs and grammar as without drafts, and no call for more
+    rows than the budget or one request's run."""
+    plain, drafting = engines
+    runner = drafting.engine.runner
+    monkeypatch.setattr(runner_module, "LOGITS_BYTES", 3 * 4 * runner.config.hf_config.vocab_size)
+    assert runner.logits_rows == 3
+    calls = []
+    step_logits = runner.step_logits
+
+    def recorded(hidden):
+        calls.append(hidden.shape[0])
+        return step_logits(hidden)
+
+    monkeypatch.setattr(runner, "step_logits", recorded)
+    schema = {"type": "array", "items": {"type": "integer"}, "maxItems": 12}
+    params = [SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=2),
+              SamplingParams(temperature=0.7, seed=3, max_tokens=32, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=40,
+                             structured_output=StructuredOutput("json_schema", json.dumps(schema))),
+              SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)]
+    prompts = [REPETITIVE[0], REPETITIVE[1], REPETITIVE[1] + " As JSON: [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2,",
+               REPETITIVE[3]]
+    before = drafting.engine.stats().spec_decode_num_accepted_tokens
+    got, expected = outputs(drafting, prompts, params), outputs(plain, prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+    assert [[lp.top for lp in o.logprobs] for o in got[:1]] == [[lp.top for lp in o.logprobs] for o in expected[:1]]
+    assert drafting.engine.stats().spec_decode_num_accepted_tokens > before
+    assert max(calls) <= 1 + NGRAM["num_speculative_tokens"]  # one request's run at most
+    assert max(calls) > 3 and calls.count(1) < len(calls)  # drafts were verified, rows went in groups
 
 
 async def test_the_server_streams_verified_runs_and_reports_vllm_metrics(engines):

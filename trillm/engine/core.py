@@ -29,7 +29,8 @@ from trillm.engine.sampler import Sampler, SamplingBatch, TokenLogprobs
 from trillm.engine.stats import EngineStats
 from trillm.engine.suffix_drafter import SuffixCache, SuffixDrafter
 from trillm.engine.structured_output import Grammars, accept
-from trillm.engine.verification import SeededStreams, SpecDecodeCounts, sampling_rows, verified_run
+from trillm.engine.verification import (SeededStreams, SpecDecodeCounts, logit_groups, sampling_rows,
+                                        verified_run)
 from trillm.pooling_params import PoolingParams
 from trillm.sampling_params import SamplingParamError, SamplingParams
 from trillm.sched_ext import (FinishReason, Request, RequestStatus, Scheduler, SchedulerOutput, SchedulingPolicy,
@@ -411,12 +412,12 @@ class EngineCore:
         wants_hidden = any(row.wants_hidden for row in scheduled)
         lora_slots = None if self.loras is None else self.runner.lora_slots.assign([row.lora for row in scheduled])
         out = self.runner.execute(sched, keep_hidden=wants_hidden, lora_slots=lora_slots)
-        if wants_hidden:
-            self._take_hidden(sched, scheduled, out.hidden)
         sampling = [(row, entry) for row, entry in zip(scheduled, sched.scheduled) if entry.needs_sample]
         rows = [row for row, _ in sampling]
         entries = [entry for _, entry in sampling]
-        runs, run_logprobs = self._sample(out.logits, rows, entries) if rows else ([], [])
+        runs, run_logprobs = self._sample_in_groups(out.sample_hidden, rows, entries)
+        if wants_hidden:  # after the sampled rows: tensor-parallel workers project those first
+            self._take_hidden(sched, scheduled, out.hidden)
         num_before = [len(row.token_ids) for row in rows]
         picks, sampled = iter(runs), []
         for entry in sched.scheduled:  # the scheduler takes a token, or a verified run for a decode with drafts
@@ -460,6 +461,22 @@ class EngineCore:
             if row.drafter is not None and seq.status is RequestStatus.RUNNING \
                     and seq.num_computed_tokens == len(seq.token_ids) - 1:
                 seq.draft_token_ids = row.drafter.propose(seq.token_ids)
+
+    def _sample_in_groups(self, hidden: torch.Tensor, rows: list[EngineRequest],
+                          entries: list) -> tuple[list[list[int]], list[list[TokenLogprobs] | None]]:
+        """`_sample` for each group of requests whose rows the runner projects at once
+        (ModelRunner.logits_rows), each group's logits from its rows of `hidden`
+        (ModelOutput.sample_hidden) once the group before has been sampled."""
+        runs, run_logprobs, first = [], [], 0
+        for group in logit_groups([entry.num_sample_rows for entry in entries], self.runner.logits_rows):
+            num_rows = sum(entry.num_sample_rows for entry in entries[group.start:group.stop])
+            logits = self.runner.step_logits(hidden[first:first + num_rows])
+            group_runs, group_logprobs = self._sample(logits, rows[group.start:group.stop],
+                                                      entries[group.start:group.stop])
+            runs += group_runs
+            run_logprobs += group_logprobs
+            first += num_rows
+        return runs, run_logprobs
 
     def _sample(self, logits: torch.Tensor, rows: list[EngineRequest],
                 entries: list) -> tuple[list[list[int]], list[list[TokenLogprobs] | None]]:

@@ -70,6 +70,23 @@ def sampling_rows(rows: list[EngineRequest], entries: list[ScheduledRequest]) ->
     return out
 
 
+def logit_groups(num_rows: list[int], limit: int | None) -> list[range]:
+    """Consecutive requests (`num_rows[i]` sampled rows each) in groups of at most `limit` rows,
+    each as the range of its requests' indices; a request with more rows than `limit` alone in
+    its group. `limit` None: all of them in one group."""
+    if limit is None:
+        return [range(len(num_rows))] if num_rows else []
+    groups, start, total = [], 0, 0
+    for i, n in enumerate(num_rows):
+        if total and total + n > limit:
+            groups.append(range(start, i))
+            start, total = i, 0
+        total += n
+    if start < len(num_rows):
+        groups.append(range(start, len(num_rows)))
+    return groups
+
+
 def verified_run(drafts: list[int], sampled: list[int]) -> list[int]:
     """The tokens a decode keeps from its positions' samples (`sampled`: len(drafts) + 1): up to
     and including the first that differs from its draft, or all of them."""

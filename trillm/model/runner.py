@@ -29,6 +29,8 @@ from trillm.model.parallel import SINGLE, TensorParallel, rank_cpus
 from trillm.sched_ext import SchedulerOutput
 
 log = logging.getLogger(__name__)
+# the bytes of logits one CPU step holds at a time (ModelRunner.logits_rows)
+LOGITS_BYTES = 16 << 20
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -79,13 +81,14 @@ class ModelInput:
 
 @dataclass
 class ModelOutput:
-    """One step's results: `logits` fp32 [N, vocab] for the N rows that sample (a row per
-    request, and one per draft of a decode that verifies drafts), in schedule order; `hidden`
-    [T, hidden], the final hidden states of every computed row (chunk after chunk, in schedule
-    order) when the step was asked to keep them, else None. Both are valid
-    until the next step (on CUDA graphs, `hidden` is the graph's own output)."""
+    """One step's results: `sample_hidden` [N, hidden], the final hidden states of the N rows
+    that sample (a row per request, and one per draft of a decode that verifies drafts), in
+    schedule order, whose logits `ModelRunner.step_logits` gives; `hidden` [T, hidden], the
+    final hidden states of every computed row (chunk after chunk, in schedule order) when the
+    step was asked to keep them, else None. Both are valid until the next step (on CUDA graphs,
+    `hidden` is the graph's own output)."""
 
-    logits: torch.Tensor
+    sample_hidden: torch.Tensor
     hidden: torch.Tensor | None
 
 
@@ -108,7 +111,7 @@ class ModelRunner:
         # The cache's layout, kept: a level-2 sleep drops the model, and the cache may wake first
         self._kv_heads, self._kv_dtype = self.model.num_kv_heads, self.model.kernels.kv_cache_dtype
         self.decode_graphs: DecodeGraphs | None = None  # captured once the KV cache exists
-        self._logits: torch.Tensor | None = None  # the CPU steps' logits buffer (_step_logits)
+        self._logits: torch.Tensor | None = None  # the CPU steps' logits buffer (step_logits)
         self.closed = False
         # Tests set this to fail a step from inside the model's turn (a device error, say):
         # called with the SchedulerOutput at the start of every execute. None in production.
@@ -281,19 +284,31 @@ class ModelRunner:
         inputs = StepInputs(chunks, block_tables, starts, samples, lora_slots)
         batch, hidden = self._run(inputs)
         hidden = hidden[: sched.total_num_tokens]
-        return ModelOutput(self._step_logits(hidden[batch.sample_rows]), hidden if keep_hidden else None)
+        return ModelOutput(hidden[batch.sample_rows], hidden if keep_hidden else None)
 
-    def _step_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """compute_logits for a step's sampled rows, on one CPU rank into a buffer the steps
-        share (ModelOutput.logits lives until the next step). A fresh [rows, vocab] each step
-        would be mapped and faulted in anew (glibc maps an allocation that large, and one as
-        large as the last it freed): a 262k vocabulary's 56 sampled rows are 56 MiB.
+    @property
+    def logits_rows(self) -> int | None:
+        """The most sampled rows the engine asks `step_logits` for at once (a request's rows are
+        never split, so one request's may be more), None for all of a step's: on one CPU rank,
+        as many as LOGITS_BYTES hold. A 262k vocabulary's logits are 1 MiB a row, and a step
+        that verifies drafts samples dozens of rows; from 16 rows on, the vocabulary projection
+        computes rather than streams its weights, so a smaller group costs no time. Elsewhere
+        every rank projects a step's sampled rows together (serve_steps)."""
+        if self.config.device.type != "cpu" or self.tp.size > 1:
+            return None
+        return max(1, LOGITS_BYTES // (4 * self.config.hf_config.vocab_size))
+
+    def step_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """compute_logits for rows of a step's `ModelOutput.sample_hidden`: once for all of them
+        where `logits_rows` is None; on one CPU rank into a buffer the steps share, valid until
+        the next call. A fresh [rows, vocab] each call would be mapped and faulted in anew
+        (glibc maps an allocation that large, and one as large as the last it freed).
 
         The buffer is an anonymous mapping of its own, which grows by doubling: its pages are
-        resident once a step has written them, and an outgrown buffer's mapping goes back to the
+        resident once a call has written them, and an outgrown buffer's mapping goes back to the
         system whole. From glibc's heap, each buffer outgrown as the rows rose (drafts add rows
         a few at a time) stayed behind as a hole that no later one fit in."""
-        if hidden.device.type != "cpu" or self.tp.size > 1 or hidden.shape[0] == 0:
+        if self.logits_rows is None or hidden.shape[0] == 0:
             return self.compute_logits(hidden)
         rows, vocab = hidden.shape[0], self.config.hf_config.vocab_size
         if self._logits is None or self._logits.shape[0] < rows:
