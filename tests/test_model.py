@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import trillm.config
 from trillm.config import EngineArgs
+from trillm.heap import TrimAfterPrompts
 from trillm.model.runner import ModelRunner
 
 BLOCK_SIZE = 4
@@ -468,13 +469,22 @@ def test_cpu_steps_write_their_logits_into_one_buffer():
     assert four_rows.data_ptr() == three_rows.data_ptr(), "it doubled: two rows were the most, three made four"
 
 
-GROWING_ROWS = """
-import sys, torch
+HEAP_PROBE = """
+import torch
 from test_model import make_sequences, run_step, Schedule, Scheduled
 from process_support import resident_bytes
 from trillm.config import EngineArgs
 from trillm.model.runner import ModelRunner
 runner = ModelRunner(EngineArgs(num_kv_blocks=256, block_size=16))
+run_step(runner, [make_sequences(runner, [16], seed=4)[0].chunk(0, 16)])
+# a step of prompts, then one of decodes
+one, two = make_sequences(runner, [1000, 1000], seed=5)
+before = resident_bytes()
+run_step(runner, [one.chunk(0, 1000), two.chunk(0, 1000)])
+prompted = resident_bytes()
+run_step(runner, [one.chunk(999, 1), two.chunk(999, 1)])
+print(prompted - before, prompted - resident_bytes())
+# steps sampling ever more rows
 sequences = make_sequences(runner, [20] * 48, seed=5)
 for sequence in sequences:
     run_step(runner, [sequence.chunk(0, 19)])
@@ -488,16 +498,37 @@ print(resident_bytes() - before, len(sequences) * runner.config.hf_config.vocab_
 """
 
 
-def test_outgrown_logits_buffers_leave_no_memory_behind():
+@pytest.fixture(scope="module")
+def heap_probe() -> list[int]:
+    """HEAP_PROBE's figures, in a process of its own, whose heap no other test has shaped."""
+    tests = os.path.dirname(__file__)
+    done = subprocess.run([sys.executable, "-c", HEAP_PROBE], cwd=tests, capture_output=True, text=True, check=True,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])})
+    return [int(n) for n in done.stdout.split()]
+
+
+def test_decoding_after_prompts_hands_their_temporaries_back(heap_probe):
+    """A step of 2,000 prompt tokens frees its layers' temporaries into glibc's heap; the
+    first step after it without prompt tokens trims the heap (TrimAfterPrompts), so decoding
+    does not keep them resident: the process shrinks by tens of MiB there, where it kept every
+    byte before."""
+    grown, released = heap_probe[:2]
+    assert released > (24 << 20) and released < grown, (grown, released)
+
+
+def test_the_heap_is_trimmed_once_prompts_give_way_to_decodes():
+    trim = TrimAfterPrompts(256)
+    assert [trim.step(n) for n in (100, 0, 100, 60, 0, 0, 300, 5, 0)] == \
+        [False, False, False, False, True, False, False, False, True]
+
+
+def test_outgrown_logits_buffers_leave_no_memory_behind(heap_probe):
     """As a step's sampled rows rise (drafts add them a few at a time), each outgrown logits
     buffer goes back to the system: the process grows by the last buffer alone. Taken from
     glibc's heap, as they were, each stayed behind as a hole once a prefill's freed temporaries
     had raised the size above which glibc maps an allocation: the process grew by 18 to 46 MiB
-    where the last buffer is 9. In a process of its own, whose heap no other test has shaped."""
-    tests = os.path.dirname(__file__)
-    done = subprocess.run([sys.executable, "-c", GROWING_ROWS], cwd=tests, capture_output=True, text=True, check=True,
-                          env={**os.environ, "PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])})
-    grown, last_buffer = map(int, done.stdout.split())
+    where the last buffer is 9."""
+    grown, last_buffer = heap_probe[2:]
     assert grown < last_buffer + (6 << 20), (grown, last_buffer)
 
 

@@ -16,7 +16,8 @@ Loading also leaves freed memory in the C heap (a GGUF tensor's repacking slices
 conversion), which glibc keeps for later allocations: resident, and counted against the memory a
 served file may take. `freeze_heap()` hands it back to the system once, when startup is over, and
 the GGUF loader after each tensor (`trim_c_heap`), so that the freed slices of one never pile up
-under the next.
+under the next. Serving, a CPU step of prompt tokens leaves its layers' temporaries there in
+turn (`TrimAfterPrompts`).
 """
 from __future__ import annotations
 
@@ -55,3 +56,29 @@ def trim_c_heap() -> None:
     trim = _malloc_trim()
     if trim is not None:
         trim(0)
+
+
+class TrimAfterPrompts:
+    """Hands the C heap's free pages back once prompts give way to decoding. A CPU step of
+    prompt tokens frees its layers' temporaries (a few MiB each at hundreds of tokens) into
+    glibc's heap, fragmented, where decode steps, whose temporaries are a few rows, never need
+    them again: resident, they would sit beside the growing KV cache and the drafts' logits for
+    as long as the requests decode. Trimming at the first step without prompt tokens, once
+    `min_tokens` of them have been computed since the last trim, costs a few milliseconds a
+    wave of prompts (and the next wave's faults), not a trim every step."""
+
+    def __init__(self, min_tokens: int):
+        self.min_tokens = min_tokens
+        self.pending = 0  # prompt tokens computed since the last trim
+
+    def step(self, prompt_tokens: int) -> bool:
+        """Count a step's prompt tokens; at a step with none, trim if `min_tokens` were counted.
+        Returns whether it trimmed. Call it once a step's temporaries are freed."""
+        if prompt_tokens:
+            self.pending += prompt_tokens
+            return False
+        if self.pending < self.min_tokens:
+            return False
+        self.pending = 0
+        trim_c_heap()
+        return True

@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from trillm.config import EngineArgs, LoadFormat, default_kv_cache_memory
+from trillm.heap import TrimAfterPrompts
 from trillm.kernels.attention_metadata import AttentionMetadata
 from trillm.kernels.cache import row_width
 from trillm.model.cuda_graphs import DecodeGraphs, use_cuda_graphs
@@ -31,6 +32,8 @@ from trillm.sched_ext import SchedulerOutput
 log = logging.getLogger(__name__)
 # the bytes of logits one CPU step holds at a time (ModelRunner.logits_rows)
 LOGITS_BYTES = 16 << 20
+# the prompt tokens whose freed temporaries are worth a trim of the C heap (TrimAfterPrompts)
+TRIM_AFTER_PROMPT_TOKENS = 256
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -112,6 +115,8 @@ class ModelRunner:
         self._kv_heads, self._kv_dtype = self.model.num_kv_heads, self.model.kernels.kv_cache_dtype
         self.decode_graphs: DecodeGraphs | None = None  # captured once the KV cache exists
         self._logits: torch.Tensor | None = None  # the CPU steps' logits buffer (step_logits)
+        # glibc's heap on CPU; CUDA's caching allocator keeps what it keeps
+        self._heap_trim = TrimAfterPrompts(TRIM_AFTER_PROMPT_TOKENS) if self.config.device.type == "cpu" else None
         self.closed = False
         # Tests set this to fail a step from inside the model's turn (a device error, say):
         # called with the SchedulerOutput at the start of every execute. None in production.
@@ -323,7 +328,10 @@ class ModelRunner:
         if self.tp.rank == 0 and self.tp.size > 1:
             self.tp.broadcast(inputs)
         batch = self.prepare(inputs)
-        return batch, self._forward(batch, self.kv_caches)
+        hidden = self._forward(batch, self.kv_caches)
+        if self._heap_trim is not None:  # rows that sample are decodes', but for a prompt's last
+            self._heap_trim.step(sum(map(len, inputs.chunks)) - sum(inputs.num_sample_rows))
+        return batch, hidden
 
     def logits_of_rows(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """fp32 logits of `rows` of this step's hidden states `hidden` [T, hidden]; on rank 0 of
