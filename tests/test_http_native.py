@@ -6,6 +6,7 @@ from http_support import live_server, metric_value, settled_stats
 
 from trillm.config import EngineArgs
 from trillm.engine.core import EngineCore
+from trillm.model.loader import CPU_BATCHED_TOKENS
 
 PROMPT = "The capital of France is"
 
@@ -86,6 +87,9 @@ async def test_info_endpoints(server):
     server_info = (await http.get("/server_info")).json()
     assert server_info["settings"]["engine"]["num_kv_blocks"] == 256 and server_info["settings"]["api_key"] is None
     assert server_info["stats"]["num_kv_blocks"] == 256
+    # the step's token budget as the engine resolved it: the CPU's default (no flag given)
+    assert server_info["settings"]["engine"]["max_num_batched_tokens"] is None
+    assert server_info["max_prefill_tokens"] == CPU_BATCHED_TOKENS == 512
     assert (await http.get("/version")).json()["version"] == "0.1.0"
     assert (await http.get("/load")).json() == {"server_load": 0, "num_requests_running": 0, "num_requests_waiting": 0}
 

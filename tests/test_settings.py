@@ -66,6 +66,7 @@ def test_an_unknown_policy_is_refused_everywhere(capsys):
     (["--device", "tpu"], "invalid choice: 'tpu' (choose from 'auto', 'cpu', 'cuda')"),
     (["--pooling-type", "max"], "invalid choice: 'max' (choose from 'last', 'mean', 'cls')"),
     (["--api-server-count", "0"], "--api-server-count is the HTTP front processes: at least 1"),
+    (["--max-num-batched-tokens", "0"], "--max-num-batched-tokens is the most tokens a step computes: at least 1"),
     (["--api-server-count", "2", "--no-engine-process"], "cannot serve with --no-engine-process"),
     (["--api-server-count", "2", "--enable-sleep-mode"], "cannot serve with --enable-sleep-mode"),
     (["--api-server-count", "2", "--enable-weight-updates"], "cannot serve with --enable-weight-updates"),

@@ -117,7 +117,9 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9  # share of GPU memory for weights + activations + KV on CUDA
     num_kv_blocks: int | None = None  # overrides both budgets (tests use tiny pools)
     max_model_len: int | None = None  # None: the model's max_position_embeddings
-    max_num_batched_tokens: int = 2048
+    # the tokens one step computes at most; None: the device's default (model.loader's
+    # CPU_BATCHED_TOKENS, GPU_BATCHED_TOKENS), resolved into ModelConfig
+    max_num_batched_tokens: int | None = None
     # The query-key pairs a step's prompt chunks may attend over while a request decodes
     # (trillm/sched_ext/scheduler.pyx): a late chunk of a long prompt is cut, so a step's cost
     # stays bounded and decoding requests beside it wait no longer for their next token. None:

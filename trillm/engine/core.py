@@ -132,13 +132,13 @@ class EngineCore:
         self.scheduler = Scheduler(
             self.runner.num_kv_blocks,
             args.block_size,
-            args.max_num_batched_tokens,
+            self.config.max_num_batched_tokens,
             args.max_num_seqs,
             self.config.max_model_len,
             args.enable_prefix_caching,
             args.scheduling_policy,
             args.max_loras if args.enable_lora else 0,
-            prefill_pairs_budget(self.config.hf_config, args.max_num_batched_tokens, self.config.device)
+            prefill_pairs_budget(self.config.hf_config, self.config.max_num_batched_tokens, self.config.device)
             if args.max_prefill_pairs is None else args.max_prefill_pairs,
             kv_events.enabled,
             args.prefix_caching_hash_algo.value,  # a str: Cython refuses a str subclass for one

@@ -14,3 +14,5 @@ def check_flags(args: EngineArgs) -> None:
     """ValueError, naming the flag, for the first value of `args` the engine would refuse."""
     SpeculativeConfig.parse(args.speculative_config)
     KVEventsConfig.parse(args.kv_events_config)
+    if args.max_num_batched_tokens is not None and args.max_num_batched_tokens < 1:
+        raise ValueError("--max-num-batched-tokens is the most tokens a step computes: at least 1")

@@ -91,7 +91,7 @@ async def server_info():
         "served_model_name": state.model_name, "is_generation": True,
         "model_type": getattr(config, "model_type", None), "architectures": getattr(config, "architectures", None),
         "tp_size": engine.tensor_parallel_size, "dp_size": 1, "max_running_requests": engine.max_num_seqs,
-        "max_prefill_tokens": engine.max_num_batched_tokens,
+        "max_prefill_tokens": state.engine.config.max_num_batched_tokens,
     }
     return {**sglang, "version": trillm.__version__, "settings": state.settings.redacted(), "stats": stats}
 

