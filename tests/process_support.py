@@ -26,6 +26,31 @@ def resident_bytes(pid: int | str = "self") -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+ARENA_BYTES = 64 << 20  # glibc's HEAP_MAX_SIZE on 64 bits: a thread's arena reserves this much, aligned
+
+
+def thread_arenas(pid: int | str = "self") -> int:
+    """How many malloc arenas other than the main one a process holds: glibc maps each as an
+    anonymous reservation of ARENA_BYTES at an address aligned to it, readable and writable as
+    far as it is used, the rest inaccessible."""
+    spans = []
+    with open(f"/proc/{pid}/maps") as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) == 5:  # no path: anonymous
+                start, end = (int(a, 16) for a in fields[0].split("-"))
+                spans.append((start, end, fields[1]))
+    arenas = 0
+    for i, (start, end, mode) in enumerate(spans):
+        if start % ARENA_BYTES or mode != "rw-p":
+            continue
+        reserved = spans[i + 1] if i + 1 < len(spans) else None
+        if end == start + ARENA_BYTES or (reserved is not None and reserved[0] == end and reserved[2] == "---p"
+                                           and reserved[1] == start + ARENA_BYTES):
+            arenas += 1
+    return arenas
+
+
 def children(pid: int) -> set[int]:
     """The live children of `pid`, whichever of its threads started them."""
     found = set()

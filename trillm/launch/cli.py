@@ -14,6 +14,9 @@ def main(argv: list[str] | None = None) -> None:
     settings.add_arguments(serve)
     args = parser.parse_args(argv)
     if args.command == "serve":
+        from trillm.heap import one_malloc_arena
+
+        one_malloc_arena()  # before any thread starts
         from trillm.engine.flag_check import check_flags
         from trillm.launch.serve import run  # torch is imported only when serving, not for --help
         from trillm.model.loader import check_model
