@@ -20,9 +20,8 @@ under the next. Serving, a CPU step of prompt tokens leaves its layers' temporar
 turn (`TrimAfterPrompts`).
 
 A trim reaches all of one arena's free pages only in glibc's main arena: a thread's arena keeps
-its top chunk, where the engine's step thread leaves a prompt step's temporaries (21 MiB of a
-270M model's at eight 128-token prompts). A server process therefore allocates from one arena
-(`one_malloc_arena`).
+its top chunk, where the engine's step thread leaves a prompt step's temporaries. A server
+process therefore allocates from one arena (`one_malloc_arena`).
 """
 from __future__ import annotations
 

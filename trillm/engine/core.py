@@ -468,8 +468,9 @@ class EngineCore:
         (ModelRunner.logits_rows), each group's logits from its rows of `hidden`
         (ModelOutput.sample_hidden) once the group before has been sampled."""
         runs, run_logprobs, first = [], [], 0
-        for group in logit_groups([entry.num_sample_rows for entry in entries], self.runner.logits_rows):
-            num_rows = sum(entry.num_sample_rows for entry in entries[group.start:group.stop])
+        sizes = [entry.num_sample_rows for entry in entries]
+        for group in logit_groups(sizes, self.runner.logits_rows):
+            num_rows = sum(sizes[group.start:group.stop])
             logits = self.runner.step_logits(hidden[first:first + num_rows])
             group_runs, group_logprobs = self._sample(logits, rows[group.start:group.stop],
                                                       entries[group.start:group.stop])

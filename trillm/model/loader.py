@@ -60,7 +60,7 @@ class ModelConfig:
     hf_config: PretrainedConfig
     name: str  # the model's name: its path's last part, or the default model's
     max_model_len: int  # --max-model-len, else the config's max positions (never more than those)
-    max_num_batched_tokens: int  # --max-num-batched-tokens, else the device's default (EngineArgs)
+    max_num_batched_tokens: int  # --max-num-batched-tokens, else CPU_BATCHED_TOKENS or GPU_BATCHED_TOKENS
     eos_token_ids: tuple[int, ...]  # generation_config's (may be several, as in Llama 3), else config's
     device: torch.device
     dtype: torch.dtype  # the weights' and the KV cache's
