@@ -747,6 +747,64 @@ def test_integer_linear_matches_its_twin_on_every_path(format, rows, tiles, bloc
         torch.testing.assert_close(quant_cpu.Int8QuantizedLinear(weight, isa)(x, b), want, atol=1e-4, rtol=1e-5)
 
 
+@settings(max_examples=20, deadline=None)
+@given(format=st.sampled_from(["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q5_1_as_bytes"]), rows=st.integers(1, 20),
+       tiles=st.integers(1, 3), blocks=st.integers(1, 4), seed=st.integers(0, 2**16))
+def test_integer_linear_keeps_a_files_fp16_scales_in_fp16(format, rows, tiles, blocks, seed):
+    """A file's block scales and mins are fp16: the integer kernel keeps them so, half the bytes
+    of fp32 copies; Q4_0's and Q5_0's mins, -8 d and -16 d, it does not keep at all, but makes
+    from d. On every path it gives what it gives on fp32 copies of them all, to the bit."""
+    from trillm.kernels import quant, quant_cpu
+
+    base = format.removesuffix("_as_bytes")
+    weight = quant.from_gguf(base, random_gguf_blocks(base, 16 * tiles, 32 * blocks, seed))
+    if format.endswith("_as_bytes"):
+        weight = quant.as_bytes(weight)
+    x = torch.randn(rows, 32 * blocks, generator=torch.Generator().manual_seed(seed)) * 3
+    for isa in quant_cpu.isas():
+        narrow, wide = quant_cpu.Int8QuantizedLinear(weight, isa), quant_cpu.Int8QuantizedLinear(weight, isa)
+        (part,), (wide_part,) = narrow.parts, wide.parts
+        implied = {"q4_0": -8.0, "q5_0": -16.0}.get(format, 0.0)
+        assert part.d.dtype == torch.float16 and part.m_of_d == implied, isa
+        if implied or weight.mins is None:
+            assert part.m is None
+        else:
+            assert part.m.dtype == torch.float16
+        wide_part.d = part.d.float()
+        wide_part.m = wide_part.d * implied if implied else None if part.m is None else part.m.float()
+        wide_part.m_of_d = 0.0
+        assert torch.equal(narrow(x), wide(x)), isa
+
+
+def test_scales_and_mins_are_judged_on_the_whole_weight_even_by_slices():
+    """A requantized weight's scales (max |w| / 127) are no fp16 values: the kernel keeps them in
+    fp32. A vocabulary projection regrouped slice by slice is judged whole: a later slice's
+    scales that are no fp16 values make every slice's fp32, a later slice's mins that are not
+    -16 d keep every slice's mins; either way the arrays are the whole weight's, to the bit."""
+    from trillm.kernels import quant, quant_cpu
+
+    requantized = quant.requantize(torch.randn(32, 64, generator=torch.Generator().manual_seed(2)))
+    assert quant_cpu.Int8QuantizedLinear(requantized).parts[0].d.dtype == torch.float32
+    q5_0 = quant.from_gguf("q5_0", random_gguf_blocks("q5_0", 48, 64, seed=5))
+    scales, mins = q5_0.scales.clone(), q5_0.mins.clone()
+    scales[32:] *= 1 + 2**-20  # the last slice's: fp32 values between fp16 ones, its mins still -16 d
+    mins[32:] *= 1 + 2**-20  # the last slice's: no longer -16 d, nor fp16 values
+    for weight, dtypes in ((q5_0._replace(scales=scales, mins=scales * -16), (torch.float32, None)),
+                           (q5_0._replace(mins=mins), (torch.float16, torch.float32))):
+        sliced = quant.RowSlices(weight.format, 48, 64, weight.rows, 16)
+        by_slices, at_once = quant_cpu.Int8QuantizedLinear(sliced), quant_cpu.Int8QuantizedLinear(weight)
+        part = at_once.parts[0]
+        assert (part.d.dtype, None if part.m is None else part.m.dtype) == dtypes
+        assert part.m_of_d == (-16.0 if part.m is None else 0.0) == by_slices.parts[0].m_of_d
+        got, want = list(quant_cpu._tile_arrays(by_slices)), list(quant_cpu._tile_arrays(at_once))
+        assert [name for _, name, _ in got] == [name for _, name, _ in want]
+        for (_, name, a), (_, _, b) in zip(got, want):
+            assert a.dtype == b.dtype and torch.equal(a, b), name
+        x = torch.randn(3, 64)
+        assert torch.equal(by_slices(x), at_once(x))
+        torch.testing.assert_close(at_once(x), quant.linear_int8(x, weight), atol=1e-4, rtol=1e-5)
+
+
 @settings(max_examples=25, deadline=None)
 @given(format=st.sampled_from(["q4_k", "q5_k", "q4_k_as_bytes"]), rows=st.integers(1, 70), tiles=st.integers(1, 5),
        supers=st.integers(1, 3), seed=st.integers(0, 2**16))

@@ -31,9 +31,10 @@ trillm/model/gguf_weights.py logs which were.
 Layout in memory: quants, q4_1 [N, K / 2] uint8 (a block's 16 bytes hold input j in the low
 nibble and j + 16 in the high one), q5_1 [N, K / 32 * 20] uint8 (a block's 16 bytes of nibbles as
 q4_1's, then 4 bytes, a little-endian 32-bit word whose bit j is input j's fifth bit, as GGUF
-keeps them) or q8_0 [N, K] int8; scales and mins [N, K / 32] fp32 (the kernel converts nothing). q6_k
-[N, K / 32 * 24] uint8: a block's 16 bytes of low nibbles as q4_1's, then 8 bytes of the quants'
-top two bits (input j's at bits 2 (j / 8) of byte j % 8); scales [N, K / 16] fp32, no mins.
+keeps them) or q8_0 [N, K] int8; scales and mins [N, K / 32] fp32 (the integer kernel keeps them in
+fp16 where they are fp16 values, as a file's are). q6_k [N, K / 32 * 24] uint8: a block's 16 bytes
+of low nibbles as q4_1's, then 8 bytes of the quants' top two bits (input j's at bits 2 (j / 8)
+of byte j % 8); scales [N, K / 16] fp32, no mins.
 A weight from Q4_K or Q5_K blocks also keeps those scales in their own form (`KScales`: each
 block's 6-bit factors and each super-block's d and dmin), which the integer kernel streams
 instead of the fp32 ones: 3 bytes a block and row where those take 8.
@@ -171,15 +172,21 @@ class RowSlices(NamedTuple):
 
 def stacked(parts: Iterable[tuple[int, list[torch.Tensor | None]]], rows: int) -> list[torch.Tensor | None]:
     """Arrays of `rows` rows, each [rows, ...], from parts that come one at a time as (first
-    row, the part's arrays): shaped and typed as the first part's (None where it has None), each
-    part written where it starts. Lazy parts keep one beside the whole, never all of them."""
+    row, the part's arrays): shaped as the first part's (None where it has None), typed as the
+    widest part's (a kernel keeps a part's scales in fp16 where they all are fp16 values, and a
+    later part's may not be), each part written where it starts. Lazy parts keep one beside the
+    whole, never all of them."""
     whole = None
     for start, arrays in parts:
         if whole is None:
             whole = [None if a is None else a.new_empty((rows, *a.shape[1:])) for a in arrays]
-        for into, part in zip(whole, arrays, strict=True):
-            if into is not None:
-                into[start : start + part.shape[0]] = part
+        for i, part in enumerate(arrays):
+            if whole[i] is None:
+                continue
+            widest = torch.promote_types(whole[i].dtype, part.dtype)
+            if widest != whole[i].dtype:  # exact: the rows written so far fit the narrower type
+                whole[i] = whole[i].to(widest)
+            whole[i][start : start + part.shape[0]] = part
     return whole
 
 

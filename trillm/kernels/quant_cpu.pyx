@@ -269,12 +269,12 @@ class _TiledLinear:
         slice of rows regrouped on its own is a range of the whole's tiles. Only one slice's
         blocks are held beside the whole, not the weight's blocks as well as its regrouping."""
         assert weight.step % TILE_N == 0 and weight.out_features % TILE_N == 0, (weight.step, weight.out_features)
-        kind = type(self)
+        of_slice = type(self)._of_slice
         slices = weight.slices()
         _, part = next(slices)
-        first = kind(part)  # its holders take the whole's arrays
+        first = of_slice(part)  # its holders take the whole's arrays
         del part
-        tiled = itertools.chain([(0, first)], ((start, kind(part)) for start, part in slices))
+        tiled = itertools.chain([(0, first)], ((start, of_slice(part)) for start, part in slices))
         arrays = quant.stacked(((start // TILE_N, [array for _, _, array in _tile_arrays(linear)])
                                 for start, linear in tiled), weight.out_features // TILE_N)
         for (holder, name, _), array in zip(list(_tile_arrays(first)), arrays, strict=True):
@@ -282,6 +282,11 @@ class _TiledLinear:
             holder.out_features = weight.out_features
         self.__dict__.update(vars(first))
         self.out_features = weight.out_features  # the integer linear's own, beside its part's
+
+    @classmethod
+    def _of_slice(cls, part: QuantizedWeight) -> _TiledLinear:
+        """The linear of one slice of a weight's rows, whose arrays `_regroup_by_rows` stacks."""
+        return cls(part)
 
     runs = staticmethod(runs)
     layouts = frozenset(FORMATS)  # the layouts of quant.py it multiplies by
@@ -357,11 +362,23 @@ class Int8QuantizedLinear(_TiledLinear):
             self._regroup_by_rows(weight)
             if isa is not None:
                 self.isa = ISAS[isa]
-            return
+        else:
+            self._regroup(weight, isa)
+        for part in self.parts:  # on the whole weight: every slice's mins checked
+            part.drop_implied_mins()
+
+    def _regroup(self, weight: QuantizedWeight | QuantizedParts, isa: str | None) -> None:
         self.isa = ISAS[isa] if isa is not None else int8_best_isa()
         self.out_features, self.in_features = weight.out_features, weight.in_features
         self.parts = tuple(Int8Part(w) for w in (weight.parts if isinstance(weight, QuantizedParts) else (weight,)))
         assert len(self.parts) <= INT8_MAX_PARTS
+
+    @classmethod
+    def _of_slice(cls, part: QuantizedWeight) -> Int8QuantizedLinear:
+        """A slice's parts with all their arrays, mins included, for the whole to stack."""
+        linear = cls.__new__(cls)
+        linear._regroup(part, None)
+        return linear
 
     @property
     def bits(self) -> tuple[int, ...]:
@@ -416,9 +433,29 @@ class Int8Part:
             k = weight.k_scales
             self.sc, self.mn = _tiled(k.sc, tiles, blocks), _tiled(k.mn, tiles, blocks)
             self.dk, self.mk = _tiled(k.d, tiles, blocks // SUPER_BLOCKS), _tiled(k.mk, tiles, blocks // SUPER_BLOCKS)
-        else:  # fp32 scales, and mins where the weight has them (Q4_1, Q5_1, a promoted Q8_0)
-            self.d = _tiled(weight.scales, tiles, blocks)
-            self.m = None if weight.mins is None else _tiled(weight.mins, tiles, blocks)
+        else:  # the scales, and mins where the weight has them (Q4_1, Q5_1, a promoted Q8_0)
+            self.d = _tiled(_half_if_exact(weight.scales), tiles, blocks)
+            self.m = None if weight.mins is None else _tiled(_half_if_exact(weight.mins), tiles, blocks)
+        self.m_of_d = 0.0
+
+    def drop_implied_mins(self) -> None:
+        """Q4_0's and Q5_0's mins, -8 d and -16 d (quant.from_gguf): dropped, the kernel makes the
+        same products from d (`m_of_d`). Run on the whole weight, once its slices are stacked
+        (`_of_slice` keeps each slice's), so that every slice's mins are checked."""
+        if self.m is None or self.d is None:
+            return
+        for m_of_d in (-8.0, -16.0):
+            if torch.equal(self.m.float(), self.d.float() * m_of_d):
+                self.m, self.m_of_d = None, m_of_d
+                return
+
+
+def _half_if_exact(array):
+    """An fp32 array as fp16 where every value is exactly an fp16 one, as a file's block scales
+    are (the kernel widens them in registers: half the bytes a decode step streams for them);
+    else as it is."""
+    half = array.half()
+    return half if torch.equal(half.float(), array) else array
 
 
 def _bit_pair_planes(pairs, tiles: int, blocks: int):

@@ -25,7 +25,11 @@
  * fifth bit of the value in the same byte of the g-th register the nibbles unpack into (groups
  * 0-3 the low nibbles, 4-7 the high ones): one load and, per group, a shift and a mask put it
  * in place, a bit a weight; Q8_0: [N / 16, K / 32, 8, 16, 4] bytes u, group g inputs 4g..4g + 3.
- * d and m: [N / 16, K / 32, 16] fp32. A weight from Q4_K / Q5_K blocks keeps its scales as the
+ * d and m: [N / 16, K / 32, 16] fp32, or dh and mh in their place, the same in fp16, where every
+ * value is one (a file's Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 blocks keep fp16 scales, and Q4_0's and
+ * Q5_0's mins, -8 d and -16 d, are exact too): a decode step streams half the bytes of scales,
+ * widened in registers. Those mins are not stored at all: m_of_d (-8, -16) makes them from d,
+ * the same fp32 products, so a Q4_0 or Q5_0 block streams the file's bytes. A weight from Q4_K / Q5_K blocks keeps its scales as the
  * file does instead (`sc` set, d and m NULL): sc and mn, [N / 16, K / 32, 16] bytes, each block's
  * 6-bit factors, and dk and mk, [N / 16, K / 256, 16] fp32, each super-block's d and -dmin, so
  * d = dk sc and m = mk mn, computed in registers, exactly the fp32 products the twin uses: a
@@ -69,22 +73,37 @@ struct int8_weight {
     int bits;
     int64_t tiles, blocks;
     const uint8_t *u, *h; /* h: the fifth bits or bit pairs, 5 and 6 bits only */
-    const float *d, *m;   /* m: NULL for a Q8_0 weight without mins of its own; both NULL with sc */
+    const float *d, *m;   /* d: NULL with sc or dh; m: NULL without mins of the weight's own, with mh or m_of_d */
+    const uint16_t *dh, *mh; /* fp16 d or m, in place of the fp32 one (each on its own; NULL with sc) */
+    float m_of_d;            /* m = m_of_d d where not 0 (Q4_0's -8, Q5_0's -16), m and mh NULL */
     const uint8_t *sc, *mn; /* K-quant scales (above), or NULL; 6 bits: sc signed, mn NULL */
     const float *dk, *mk;
 };
 
 /* Whether the weight has mins: Q4_1, Q5_1, K-quants, a promoted Q8_0. */
-static inline int int8_has_mins(const struct int8_weight *w) { return w->m != NULL || w->mn != NULL; }
+static inline int int8_has_mins(const struct int8_weight *w)
+{
+    return w->m != NULL || w->mh != NULL || w->mn != NULL || w->m_of_d != 0.0f;
+}
+
+static inline float int8_half_at(const uint16_t *h, int64_t at)
+{
+    float value;
+    f16_widen_generic(&value, h + at, 1);
+    return value;
+}
 
 /* Row i's scale and min of block b of tile t (block = t * blocks + b). */
 static inline float int8_d_at(const struct int8_weight *w, int64_t t, int64_t b, int64_t block, int i)
 {
+    if (w->dh != NULL) return int8_half_at(w->dh, block * INT8_TILE_N + i);
     if (w->sc == NULL) return w->d[block * INT8_TILE_N + i];
     return w->dk[(t * (w->blocks / 8) + b / 8) * INT8_TILE_N + i] * (float)w->sc[block * INT8_TILE_N + i];
 }
 static inline float int8_m_at(const struct int8_weight *w, int64_t t, int64_t b, int64_t block, int i)
 {
+    if (w->m_of_d != 0.0f) return w->m_of_d * int8_d_at(w, t, b, block, i);
+    if (w->mh != NULL) return int8_half_at(w->mh, block * INT8_TILE_N + i);
     if (w->sc == NULL) return w->m != NULL ? w->m[block * INT8_TILE_N + i] : 0.0f;
     return w->mk[(t * (w->blocks / 8) + b / 8) * INT8_TILE_N + i] * (float)w->mn[block * INT8_TILE_N + i];
 }
@@ -288,7 +307,11 @@ static inline void int8_prefetch_next_tile(const struct int8_weight *w, int bits
         __builtin_prefetch(w->mk + (ahead / 8) * INT8_TILE_N);
         return;
     }
-    __builtin_prefetch(w->d + ahead * INT8_TILE_N);
+    if (w->dh != NULL)
+        __builtin_prefetch(w->dh + ahead * INT8_TILE_N);
+    else
+        __builtin_prefetch(w->d + ahead * INT8_TILE_N);
+    if (w->mh != NULL) __builtin_prefetch(w->mh + ahead * INT8_TILE_N);
     if (w->m != NULL) __builtin_prefetch(w->m + ahead * INT8_TILE_N);
 }
 
@@ -317,10 +340,14 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline)) static inl
                                   _mm_loadu_si128((const __m128i *)(w->sc + block * INT8_TILE_N)))));
             m = _mm512_mul_ps(_mm512_loadu_ps(w->mk + super), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
                                   _mm_loadu_si128((const __m128i *)(w->mn + block * INT8_TILE_N)))));
-        } else {
-            d = _mm512_loadu_ps(w->d + block * INT8_TILE_N);
-            m = w->m != NULL ? _mm512_loadu_ps(w->m + block * INT8_TILE_N) : _mm512_setzero_ps();
+        } else { /* each of d and m in fp16 or fp32 */
+            d = w->dh != NULL ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->dh + block * INT8_TILE_N)))
+                              : _mm512_loadu_ps(w->d + block * INT8_TILE_N);
+            m = w->mh != NULL  ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->mh + block * INT8_TILE_N)))
+                : w->m != NULL ? _mm512_loadu_ps(w->m + block * INT8_TILE_N)
+                               : _mm512_setzero_ps();
         }
+        if (bits != 6 && w->m_of_d != 0.0f) m = _mm512_mul_ps(d, _mm512_set1_ps(w->m_of_d));
         __m512i u[8];
         if (bits != 8) {
             const uint8_t *q = w->u + block * 4 * 64;
@@ -426,11 +453,15 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) static void int8_rows_avx
                                           _mm_loadl_epi64((const __m128i *)(w->sc + at8)))));              \
                     m = _mm256_mul_ps(_mm256_loadu_ps(w->mk + super), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32( \
                                           _mm_loadl_epi64((const __m128i *)(w->mn + at8)))));              \
-                } else {                                                                                   \
-                    d = _mm256_loadu_ps(w->d + block * INT8_TILE_N + 8 * half);                            \
-                    m = w->m != NULL ? _mm256_loadu_ps(w->m + block * INT8_TILE_N + 8 * half)              \
-                                     : _mm256_setzero_ps();                                                \
+                } else { /* each of d and m in fp16 or fp32 */                                             \
+                    const int64_t at8 = block * INT8_TILE_N + 8 * half;                                    \
+                    d = w->dh != NULL ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w->dh + at8)))   \
+                                      : _mm256_loadu_ps(w->d + at8);                                       \
+                    m = w->mh != NULL  ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w->mh + at8)))  \
+                        : w->m != NULL ? _mm256_loadu_ps(w->m + at8)                                       \
+                                       : _mm256_setzero_ps();                                              \
                 }                                                                                          \
+                if (bits != 6 && w->m_of_d != 0.0f) m = _mm256_mul_ps(d, _mm256_set1_ps(w->m_of_d));       \
                 __m256i u[8];                                                                              \
                 if (bits != 8) {                                                                           \
                     const uint8_t *q = w->u + block * 4 * 64 + 32 * half;                                  \
@@ -567,18 +598,18 @@ __attribute__((target("avx2,avxvnni"), always_inline)) static inline __m256i int
     return dot;
 }
 
-INT8_DEFINE_AVX2_BODY(int8_rows_avx2_body, "avx2,fma", int8_block_nibbles_maddubs, int8_block_fives_maddubs,
+INT8_DEFINE_AVX2_BODY(int8_rows_avx2_body, "avx2,fma,f16c", int8_block_nibbles_maddubs, int8_block_fives_maddubs,
                       int8_half_sixes_maddubs, int8_block_bytes_maddubs, 1)
-INT8_DEFINE_AVX2_BODY(int8_rows_avxvnni_body, "avx2,fma,avxvnni", int8_block_avxvnni, int8_block_avxvnni,
+INT8_DEFINE_AVX2_BODY(int8_rows_avxvnni_body, "avx2,fma,f16c,avxvnni", int8_block_avxvnni, int8_block_avxvnni,
                       int8_half_avxvnni, int8_block_avxvnni, 0)
 
-__attribute__((target("avx2,fma"))) static void int8_rows_avx2(
+__attribute__((target("avx2,fma,f16c"))) static void int8_rows_avx2(
     int rows, float *out, int64_t N, const struct int8_rows *x, int64_t r0, const struct int8_weight *w, int64_t t)
 {
     INT8_ROWS_SWITCH(int8_rows_avx2_body)
 }
 
-__attribute__((target("avx2,fma,avxvnni"))) static void int8_rows_avxvnni(
+__attribute__((target("avx2,fma,f16c,avxvnni"))) static void int8_rows_avxvnni(
     int rows, float *out, int64_t N, const struct int8_rows *x, int64_t r0, const struct int8_weight *w, int64_t t)
 {
     INT8_ROWS_SWITCH(int8_rows_avxvnni_body)
@@ -589,9 +620,11 @@ static int int8_isa_supported(int isa)
     __builtin_cpu_init();
     switch (isa) {
     case INT8_GENERIC: return 1;
-    case INT8_AVX2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    case INT8_AVX2:
+        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
     case INT8_AVXVNNI:
-        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("avxvnni");
+        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c") &&
+               __builtin_cpu_supports("avxvnni");
     case INT8_AVX512VNNI:
         return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                __builtin_cpu_supports("avx512vnni");

@@ -1,5 +1,5 @@
 # The integer kernel of quant_int8_cpu.h, declared once for every module that calls it.
-from libc.stdint cimport int8_t, int64_t, uint8_t, uintptr_t
+from libc.stdint cimport int8_t, int64_t, uint8_t, uint16_t, uintptr_t
 
 from trillm.kernels.pool_cpu cimport pool_runner
 
@@ -15,6 +15,9 @@ cdef extern from "quant_int8_cpu.h" nogil:
         const uint8_t *h
         const float *d
         const float *m
+        const uint16_t *dh
+        const uint16_t *mh
+        float m_of_d
         const uint8_t *sc
         const uint8_t *mn
         const float *dk
@@ -29,6 +32,11 @@ cdef inline uintptr_t _address(t):
     return 0 if t is None else t.data_ptr()
 
 
+cdef inline uintptr_t _address_sized(t, int size):
+    """t's address where its elements take `size` bytes (scales: fp32 4, fp16 2), else 0."""
+    return 0 if t is None or t.element_size() != size else t.data_ptr()
+
+
 cdef inline int int8_weights_of(linear, int8_weight *weights) except -1:
     """The kernel's view of a quant_cpu.Int8QuantizedLinear's weight, part by part, into weights
     [INT8_MAX_PARTS], pointing into the tensors that object keeps alive (int8_linear sets their
@@ -41,8 +49,11 @@ cdef inline int int8_weights_of(linear, int8_weight *weights) except -1:
         weights[p].blocks = 0
         weights[p].u = <const uint8_t *>_address(part.u)
         weights[p].h = <const uint8_t *>_address(part.h)
-        weights[p].d = <const float *>_address(part.d)
-        weights[p].m = <const float *>_address(part.m)
+        weights[p].d = <const float *>_address_sized(part.d, 4)
+        weights[p].m = <const float *>_address_sized(part.m, 4)
+        weights[p].dh = <const uint16_t *>_address_sized(part.d, 2)
+        weights[p].mh = <const uint16_t *>_address_sized(part.m, 2)
+        weights[p].m_of_d = part.m_of_d
         weights[p].sc = <const uint8_t *>_address(part.sc)
         weights[p].mn = <const uint8_t *>_address(part.mn)
         weights[p].dk = <const float *>_address(part.dk)
