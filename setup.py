@@ -1,4 +1,5 @@
-"""Builds the Cython extensions: the scheduler in trillm/sched_ext and the CPU kernels (decode
+"""Builds the Cython extensions: the scheduler in trillm/sched_ext, a tokenizer's recovered merges
+in trillm/model/merges.pyx, and the CPU kernels (decode
 attention, quantized linears, the grouped LoRA multiply, the per-token ops, the sampler's draw, a decode step's whole layer
 stack, their thread pool) in trillm/kernels; everything else is in pyproject.toml."""
 from glob import glob
@@ -16,6 +17,7 @@ setup(
     ext_modules=cythonize(
         [
             "trillm/sched_ext/*.pyx",
+            "trillm/model/merges.pyx",
             *(Extension(f"trillm.kernels.{name}", [f"trillm/kernels/{name}.pyx"], extra_compile_args=CPU_KERNEL_FLAGS,
                         depends=KERNEL_HEADERS)
               for name in ("attention_cpu", "ops_cpu", "quant_cpu", "lora_cpu", "decoder_cpu", "sampling_cpu")),

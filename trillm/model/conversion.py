@@ -39,7 +39,7 @@ def tokenizer_dir(model: str | None) -> str:
 
     def write(out_dir: str) -> None:
         with GGUFFile(path) as file:
-            tokenizer = gguf_model.tokenizer(path, file)
+            tokenizer = gguf_model.tokenizer(file)
         if tokenizer is None:
             raise UnservableModel("The model file holds no tokenizer.")
         tokenizer.save_pretrained(out_dir)

@@ -104,7 +104,8 @@ class GGUFFile:
             size = os.fstat(self._fd).st_size
             if size < 24:
                 raise UnservableModel("The model file is too short to be a GGUF file.")
-            self._map = np.frombuffer(mmap.mmap(self._fd, 0, prot=mmap.PROT_READ), dtype=np.uint8)
+            self._header = mmap.mmap(self._fd, 0, prot=mmap.PROT_READ)  # slices are bytes: strings read fast
+            self._map = np.frombuffer(self._header, dtype=np.uint8)
             self.metadata, self.tensors = self._parse(size)
         except (struct.error, UnicodeDecodeError, ValueError, OverflowError) as exc:
             os.close(self._fd)
@@ -126,6 +127,18 @@ class GGUFFile:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+
+    def strings(self, key: str) -> list[str]:
+        """A metadata array of strings (the header reader only counted it), read whole; its
+        bounds were checked when the header was read."""
+        strings = self.metadata[key]
+        assert isinstance(strings, StringCount), key
+        header, pos, out = self._header, strings.at, []
+        for _ in range(strings):
+            (length,) = struct.unpack_from("<Q", header, pos)
+            out.append(header[pos + 8 : pos + 8 + length].decode())
+            pos += 8 + length
+        return out
 
     def field(self, key: str, default=None):
         """The architecture's own metadata key (`llama.block_count` for "block_count")."""
@@ -189,7 +202,10 @@ class GGUFFile:
 
 
 class StringCount(int):
-    """An array of strings the header reader skipped (a vocabulary, its merges): its length."""
+    """An array of strings the header reader skipped (a vocabulary, its merges): its length, and
+    where its first string starts in the file (`GGUFFile.strings` reads them)."""
+
+    at: int
 
 
 def to_float(blocks: np.ndarray, kind: GGMLQuantizationType) -> np.ndarray:
@@ -227,7 +243,9 @@ def _value(data: np.ndarray, pos: int, kind: int):
         return list(struct.unpack_from(f"<{count}{_SCALARS[item][1]}", data, pos)), pos + count * width
     if item != _STRING:
         raise UnservableModel(f"The model file's metadata holds an array of type {item}, which trillm cannot read.")
+    strings = StringCount(count)
+    strings.at = pos
     for _ in range(count):
         (length,) = struct.unpack_from("<Q", data, pos)
         pos += 8 + length
-    return StringCount(count), pos
+    return strings, pos

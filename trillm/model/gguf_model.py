@@ -4,16 +4,16 @@ chat template, the end-of-generation tokens. Nothing here reads a weight.
 The config is built from llama.cpp's keys (`{arch}.block_count`, `{arch}.attention.head_count`,
 ...), the fields transformers' own GGUF loader fills, for the architectures the model code runs;
 any other architecture is refused here, before a weight is read. The tokenizer is transformers'
-conversion of the file's vocabulary (its GGUF tokenizer builder), the same one a conversion to an
-HF directory would save, built in a fraction of a second.
+conversion of the file's vocabulary (its GGUF tokenizer builder, fed by trillm/model/
+gguf_tokenizer.py), the same one a conversion to an HF directory would save.
 """
 from __future__ import annotations
 
 import logging
-import os
 
-from transformers import AutoConfig, PretrainedConfig, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+from transformers import AutoConfig, PretrainedConfig, PreTrainedTokenizerBase
 
+from trillm.model import gguf_tokenizer
 from trillm.model.gguf_file import GGUFFile, UnservableModel
 
 log = logging.getLogger(__name__)
@@ -125,14 +125,13 @@ def eos_token_ids(file: GGUFFile) -> list[int]:
     return ids
 
 
-def tokenizer(path: str, file: GGUFFile) -> PreTrainedTokenizerBase | None:
+def tokenizer(file: GGUFFile) -> PreTrainedTokenizerBase | None:
     """The file's tokenizer and chat template, None when it holds no vocabulary. Read from the
-    file itself (local_files_only: nothing looks for a hub)."""
+    file itself (trillm/model/gguf_tokenizer.py: nothing looks for a hub)."""
     if "tokenizer.ggml.model" not in file.metadata:
         return None
-    folder, name = os.path.split(os.path.abspath(path))
     try:
-        tokenizer = PreTrainedTokenizerFast.from_pretrained(folder, gguf_file=name, local_files_only=True)
+        tokenizer = gguf_tokenizer.build(file)
     except (KeyError, ValueError, TypeError) as exc:
         raise UnservableModel(f"The model file's tokenizer cannot be built ({type(exc).__name__}).") from None
     if tokenizer.chat_template is None:

@@ -182,7 +182,7 @@ def _load_gguf(args: EngineArgs, tp: TensorParallel, same_as: PretrainedConfig |
     _check_config(args, same_as, config)
     # first: its conversion's transient objects (a large vocabulary's merges, recovered from its
     # scores) then peak beside nothing of the model's, and the heap they leave is handed back
-    tokenizer = gguf_model.tokenizer(path, file)
+    tokenizer = gguf_model.tokenizer(file)
     trim_c_heap()
     model = _build(args, tp, config)
     if args.load_format is LoadFormat.AUTO:
