@@ -103,33 +103,38 @@ async def test_a_served_gguf_writes_nothing_and_stays_within_its_memory_bound(tm
 SERVE_EACH = """
 import contextlib, io, json, sys
 from trillm.launch.cli import main
-for model in sys.argv[1:]:
+for argv in map(json.loads, sys.argv[1:]):
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
-            main(["serve", "--model", model])
+            main(argv)
             code = None
         except SystemExit as exc:
             code = exc.code
-    print(json.dumps([model, code, out.getvalue(), err.getvalue()]))
+    print(json.dumps([argv, code, out.getvalue(), err.getvalue()]))
 """
 
 
 def test_serve_refuses_a_model_it_cannot_serve_in_one_line_before_loading(tmp_path):
-    """`trillm serve` on a file of another architecture, a cut file or a missing path: exit 2, one
+    """`trillm serve` on a file of another architecture, a cut file or a missing path, named by
+    --model or first without the flag (as `vllm serve MODEL`), or two models at once: exit 2, one
     line on stderr saying why, no traceback. One process runs the command line for each (each
     start would import torch again); anything but a SystemExit would end it with a traceback."""
     from gguf_support import write_foreign_gguf
 
     data = open(write_foreign_gguf(str(tmp_path / "bert.gguf")), "rb").read()
     (tmp_path / "cut.gguf").write_bytes(data[: len(data) // 2])
-    cases = {"bert.gguf": "architecture is 'bert'", "cut.gguf": "past the end", "missing": "neither"}
-    run = subprocess.run([sys.executable, "-c", SERVE_EACH, *(str(tmp_path / model) for model in cases)],
+    bert, cut, missing = (str(tmp_path / name) for name in ("bert.gguf", "cut.gguf", "missing"))
+    cases = [(["serve", "--model", bert], "architecture is 'bert'"), (["serve", cut], "past the end"),
+             (["serve", "--model", missing], "neither"), (["serve", missing, "--port", "0"], "neither"),
+             (["serve", bert, "--model", cut], "the model is given twice")]
+    run = subprocess.run([sys.executable, "-c", SERVE_EACH, *(json.dumps(argv) for argv, _ in cases)],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and run.stderr == "", run.stderr[-2000:]
     outcomes = [json.loads(line) for line in run.stdout.splitlines()]
-    assert [os.path.basename(model) for model, *_ in outcomes] == list(cases)
-    for model, code, stdout, stderr in outcomes:
-        assert code == 2 and stdout == "", (model, code, stdout, stderr)
-        name = os.path.basename(model)
-        assert len(stderr.splitlines()) == 1 and cases[name] in stderr and "Traceback" not in stderr, stderr
+    assert [argv for argv, *_ in outcomes] == [argv for argv, _ in cases]
+    for (argv, code, stdout, stderr), (_, why) in zip(outcomes, cases):
+        assert code == 2 and stdout == "" and why in stderr and "Traceback" not in stderr, (argv, code, stderr)
+        if why == "the model is given twice":  # a usage mistake: argparse's usage, then the one line
+            stderr = stderr.splitlines()[-1] + "\n"
+        assert len(stderr.splitlines()) == 1, stderr

@@ -1,5 +1,6 @@
-"""The command line: `trillm serve [--model PATH] [--host H] [--port P] [engine flags]`,
-also `python -m trillm serve`. Every EngineArgs field is a flag (see trillm.http.settings)."""
+"""The command line: `trillm serve [MODEL] [--host H] [--port P] [engine flags]`, also `python -m
+trillm serve`. Every EngineArgs field is a flag (see trillm.http.settings); the model may come
+first without its flag, as `vllm serve MODEL` takes it."""
 from __future__ import annotations
 
 import argparse
@@ -12,8 +13,14 @@ def main(argv: list[str] | None = None) -> None:
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="serve a model over HTTP (OpenAI-compatible and native endpoints)")
     settings.add_arguments(serve)
+    serve.add_argument("model_tag", nargs="?", metavar="MODEL", help="the model to serve, as --model")
     args = parser.parse_args(argv)
     if args.command == "serve":
+        if args.model_tag is not None:
+            if args.model is not None and args.model != args.model_tag:
+                serve.error(f"the model is given twice: {args.model_tag} and --model {args.model}")
+            args.model = args.model_tag
+        del args.model_tag
         from trillm.heap import one_malloc_arena
 
         one_malloc_arena()  # before any thread starts
