@@ -3,9 +3,9 @@
 Why not gguf-py's GGUFReader: it parses every metadata array element by element (the whole
 vocabulary, the merges), seconds of every start-up for a 50k-token vocabulary; transformers'
 reader is fast but refuses formats a file may hold (Q5_0, Q5_1) and names the path in its errors.
-This one walks the header once (string arrays only counted), and reads a tensor's bytes when
-asked, with pread into memory of our own, so the file's pages stay in the page cache and out of
-the process's resident set: whole (`blocks`), or row by row for a tensor read a few rows at a
+This one walks the header once (string arrays only counted, decoded when asked: `strings`), and
+reads a tensor's bytes when asked, with pread into memory of our own, so the file's pages stay
+in the page cache and out of the process's resident set: whole (`blocks`), or row by row for a tensor read a few rows at a
 time for as long as the model serves (`row_reader`: the token embeddings). Not through the
 mapping: a fault on a mapped file maps the pages around it too (64 KiB), so a table looked up
 at random rows becomes resident almost whole (Gemma 3's 262k-token table: +127 MiB after 4,096

@@ -6,9 +6,9 @@ reads the file's header again, each of the vocabulary's strings through a numpy 
 a SentencePiece file keeps no merges (Llama 2, Mistral, Gemma) it recovers them in a loop that
 sorts each token's candidates apart and then sorts them all with a key function: for Gemma 3's
 262k tokens, most of its start-up. Here the strings come from one pass over the header
-(`GGUFFile.strings`) and the merges from `derived_merges` (compiled, trillm/model/merges.pyx), the same list
-from one sort.
-tests/test_gguf_tokenizer.py holds the result equal to transformers' own, JSON for JSON.
+(`GGUFFile.strings`) and the merges from `derived_merges` (compiled: trillm/model/merges.pyx),
+the same list from one sort. tests/test_gguf_tokenizer.py holds the result equal to
+transformers' own, JSON for JSON.
 """
 from __future__ import annotations
 
