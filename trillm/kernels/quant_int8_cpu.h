@@ -25,11 +25,11 @@
  * fifth bit of the value in the same byte of the g-th register the nibbles unpack into (groups
  * 0-3 the low nibbles, 4-7 the high ones): one load and, per group, a shift and a mask put it
  * in place, a bit a weight; Q8_0: [N / 16, K / 32, 8, 16, 4] bytes u, group g inputs 4g..4g + 3.
- * d and m: [N / 16, K / 32, 16] fp32, or dh and mh in their place, the same in fp16, where every
- * value is one (a file's Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 blocks keep fp16 scales, and Q4_0's and
- * Q5_0's mins, -8 d and -16 d, are exact too): a decode step streams half the bytes of scales,
- * widened in registers. Those mins are not stored at all: m_of_d (-8, -16) makes them from d,
- * the same fp32 products, so a Q4_0 or Q5_0 block streams the file's bytes. A weight from Q4_K / Q5_K blocks keeps its scales as the
+ * d and m: [N / 16, K / 32, 16] fp32, or each (dh, mh) the same in fp16 where every value is one
+ * (a file's Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 blocks keep fp16 scales and mins): a decode step
+ * streams half the bytes of them, widened in registers. Q4_0's and Q5_0's mins, -8 d and -16 d,
+ * are not stored at all: m_of_d (-8, -16) makes the same fp32 products from d, so a Q4_0 or Q5_0
+ * block streams the file's bytes. A weight from Q4_K / Q5_K blocks keeps its scales as the
  * file does instead (`sc` set, d and m NULL): sc and mn, [N / 16, K / 32, 16] bytes, each block's
  * 6-bit factors, and dk and mk, [N / 16, K / 256, 16] fp32, each super-block's d and -dmin, so
  * d = dk sc and m = mk mn, computed in registers, exactly the fp32 products the twin uses: a
