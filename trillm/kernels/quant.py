@@ -180,13 +180,13 @@ def stacked(parts: Iterable[tuple[int, list[torch.Tensor | None]]], rows: int) -
     for start, arrays in parts:
         if whole is None:
             whole = [None if a is None else a.new_empty((rows, *a.shape[1:])) for a in arrays]
-        for i, part in enumerate(arrays):
-            if whole[i] is None:
+        for i, (into, part) in enumerate(zip(whole, arrays, strict=True)):
+            if into is None:
                 continue
-            widest = torch.promote_types(whole[i].dtype, part.dtype)
-            if widest != whole[i].dtype:  # exact: the rows written so far fit the narrower type
-                whole[i] = whole[i].to(widest)
-            whole[i][start : start + part.shape[0]] = part
+            widest = torch.promote_types(into.dtype, part.dtype)
+            if widest != into.dtype:  # exact: the rows written so far fit the narrower type
+                whole[i] = into = into.to(widest)
+            into[start : start + part.shape[0]] = part
     return whole
 
 
