@@ -69,16 +69,25 @@ def test_the_tokenizer_is_the_one_transformers_builds_from_the_file(gguf_path):
 
 
 @settings(max_examples=60, deadline=None)
-@given(tokens=st.lists(st.text(alphabet="ab▁", min_size=1, max_size=5), min_size=1, max_size=40),
+@given(tokens=st.lists(st.text(alphabet="ab▁é🙂", min_size=1, max_size=5), min_size=1, max_size=40),
        scores=st.lists(st.sampled_from([0.0, -1.0, -2.5, 3.0]), min_size=40, max_size=40))
 def test_derived_merges_are_transformers_generate_merges(tokens, scores):
     """Any vocabulary (duplicates included: the last index and score win, the first place
-    orders), any scores with ties: the same merges in the same order."""
+    orders; strings of every width CPython stores), any scores with ties: the same merges in the
+    same order."""
     vocab = {token: index for index, token in enumerate(tokens)}
     by_score = dict(zip(tokens, scores))
     assert gguf_tokenizer.derived_merges(vocab, by_score) == generate_merges(vocab, by_score)
     by_place = {token: -index for index, token in enumerate(tokens)}
     assert gguf_tokenizer.derived_merges(vocab, by_place) == generate_merges(vocab, by_place)
+
+
+@pytest.mark.parametrize("score", [float("nan"), 2**60 + 1])
+def test_a_score_that_does_not_sort_as_a_float_is_refused(score):
+    """The merges are ranked by the scores as floats: one that is not a number a float holds
+    exactly (NaN, a large integer) would be ranked where Python's own sort would not put it."""
+    with pytest.raises(ValueError, match="score"):
+        gguf_tokenizer.derived_merges({"a": 0, "b": 1, "ab": 2}, {"ab": score})
 
 
 def test_merges_with_a_space_in_a_part_are_left_to_transformers():
