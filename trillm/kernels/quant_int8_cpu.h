@@ -113,6 +113,7 @@ struct int8_rows {
     const int8_t *v;
     const float *e, *s;
     const int32_t *c; /* for a Q6_K weight: 32 sum v over each half block, [M, blocks, 2]; else NULL */
+    int once;         /* every tile of the weight passes once: at most INT8_ROWS rows (int8_prefetch_next_tile) */
 };
 
 /* c of x's rows (above), from their quantized v. */
@@ -286,33 +287,39 @@ __attribute__((target("avx2"))) static void int8_quantize_rows_avx2(const float 
 /* Asks for the same block of the next tile while this one computes. A step streams every weight
  * once, and without this the kernel waits for memory at each tile (measured: the hardware's
  * prefetchers alone leave a batch's pass a quarter slower). A prefetch never faults, so the last
- * tile's, past the end, is harmless. */
-static inline void int8_prefetch_next_tile(const struct int8_weight *w, int bits, int64_t block)
+ * tile's, past the end, is harmless. Where each tile passes once (`once`: a decode step's few rows)
+ * the kernel is bound by memory, and the lines are asked into L2 only (prefetcht2): asked into L1,
+ * each holds one of the core's few L1 miss buffers until it arrives, which caps how many lines
+ * are on their way from memory at a time. Where several row groups pass each tile (a prompt's
+ * rows) the kernel is bound by its multiplies, and the next tile is asked into L1, where all the
+ * groups read it. */
+#define INT8_PREFETCH(once, p) ((once) ? __builtin_prefetch((p), 0, 1) : __builtin_prefetch((p), 0, 3))
+static inline void int8_prefetch_next_tile(const struct int8_weight *w, int bits, int64_t block, int once)
 {
     const int64_t ahead = block + w->blocks;
     const int lines = int8_weight_groups(w);
-    for (int g = 0; g < lines; g++) __builtin_prefetch(w->u + (ahead * lines + g) * 64);
-    if (bits == 5) __builtin_prefetch(w->h + ahead * 64);
+    for (int g = 0; g < lines; g++) INT8_PREFETCH(once, w->u + (ahead * lines + g) * 64);
+    if (bits == 5) INT8_PREFETCH(once, w->h + ahead * 64);
     if (bits == 6) {
-        __builtin_prefetch(w->h + ahead * 128);
-        __builtin_prefetch(w->h + ahead * 128 + 64);
-        __builtin_prefetch(w->sc + ahead * 2 * INT8_TILE_N);
-        __builtin_prefetch(w->dk + (ahead / 8) * INT8_TILE_N);
+        INT8_PREFETCH(once, w->h + ahead * 128);
+        INT8_PREFETCH(once, w->h + ahead * 128 + 64);
+        INT8_PREFETCH(once, w->sc + ahead * 2 * INT8_TILE_N);
+        INT8_PREFETCH(once, w->dk + (ahead / 8) * INT8_TILE_N);
         return;
     }
     if (w->sc != NULL) { /* the block's bytes; the super-block's d and -dmin share lines with neighbours' */
-        __builtin_prefetch(w->sc + ahead * INT8_TILE_N);
-        __builtin_prefetch(w->mn + ahead * INT8_TILE_N);
-        __builtin_prefetch(w->dk + (ahead / 8) * INT8_TILE_N);
-        __builtin_prefetch(w->mk + (ahead / 8) * INT8_TILE_N);
+        INT8_PREFETCH(once, w->sc + ahead * INT8_TILE_N);
+        INT8_PREFETCH(once, w->mn + ahead * INT8_TILE_N);
+        INT8_PREFETCH(once, w->dk + (ahead / 8) * INT8_TILE_N);
+        INT8_PREFETCH(once, w->mk + (ahead / 8) * INT8_TILE_N);
         return;
     }
     if (w->dh != NULL)
-        __builtin_prefetch(w->dh + ahead * INT8_TILE_N);
+        INT8_PREFETCH(once, w->dh + ahead * INT8_TILE_N);
     else
-        __builtin_prefetch(w->d + ahead * INT8_TILE_N);
-    if (w->mh != NULL) __builtin_prefetch(w->mh + ahead * INT8_TILE_N);
-    if (w->m != NULL) __builtin_prefetch(w->m + ahead * INT8_TILE_N);
+        INT8_PREFETCH(once, w->d + ahead * INT8_TILE_N);
+    if (w->mh != NULL) INT8_PREFETCH(once, w->mh + ahead * INT8_TILE_N);
+    if (w->m != NULL) INT8_PREFETCH(once, w->m + ahead * INT8_TILE_N);
 }
 
 /* `rows` and `bits` are constants at each call site, so each pair compiles to its own loop
@@ -326,7 +333,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline)) static inl
     const __m512i low = _mm512_set1_epi8(15);
     for (int64_t b = 0; b < w->blocks; b++) {
         const int64_t block = t * w->blocks + b;
-        int8_prefetch_next_tile(w, bits, block);
+        int8_prefetch_next_tile(w, bits, block, x->once);
         __m512 d, m;
         if (bits == 6) { /* d: the lower half's d sc, m: the upper half's */
             const __m512 dk = _mm512_loadu_ps(w->dk + (t * (w->blocks / 8) + b / 8) * INT8_TILE_N);
@@ -437,7 +444,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) static void int8_rows_avx
         const __m256i low = _mm256_set1_epi8(15), sixteen = _mm256_set1_epi8(16);                          \
         for (int64_t b = 0; b < w->blocks; b++) {                                                          \
             const int64_t block = t * w->blocks + b;                                                       \
-            int8_prefetch_next_tile(w, bits, block);                                                       \
+            int8_prefetch_next_tile(w, bits, block, x->once);                                              \
             for (int half = 0; half < 2; half++) {                                                         \
                 __m256 d, m; /* 6 bits: the lower 16 inputs' d sc, and the upper's */                     \
                 if (bits == 6) {                                                                           \
@@ -710,7 +717,7 @@ static int int8_linear(float *out, const float *x, int64_t M, int64_t K, int64_t
     int32_t *c = halves ? (int32_t *)(s + M * blocks) : NULL;
     int8_quantize_rows(isa, x, M, K, v, e, s);
     if (c != NULL) int8_half_sums(v, M, K, c);
-    struct int8_job job = {int8_kernel_of(isa), out, N, {K, blocks, v, e, s, c}, parts};
+    struct int8_job job = {int8_kernel_of(isa), out, N, {K, blocks, v, e, s, c, M <= INT8_ROWS}, parts};
     job.first_tile[0] = 0;
     for (int p = 0; p < parts; p++) {
         job.w[p] = weights[p];
