@@ -39,12 +39,15 @@ cdef struct Slot:  # a vocabulary string in the table: what a lookup reads, in o
 
 
 cdef class _Table:
-    """The vocabulary's strings by hash (open addressing, at most half full); owns its slots."""
+    """The vocabulary's strings by hash (open addressing, at most half full); owns its slots and
+    holds the strings, whose characters the slots point into."""
+    cdef list strings
     cdef Slot *slots
     cdef uint64_t mask
     cdef int shift
 
     def __cinit__(self, list strings):
+        self.strings = strings
         cdef Py_ssize_t n = len(strings), i, size = 2
         self.shift = 63
         while size < 2 * n:
