@@ -97,11 +97,16 @@ cdef Text _text(str s):
     return text
 
 
+cdef inline uint64_t _extend(uint64_t h, Text *text, Py_ssize_t i):
+    """The hash of a string's characters up to i - 1 (h) extended by character i."""
+    return h * BASE + <uint64_t>PyUnicode_READ(text.kind, text.data, i) + 1
+
+
 cdef inline uint64_t _hash(Text *text, Py_ssize_t start, Py_ssize_t end):
     cdef uint64_t h = 0
     cdef Py_ssize_t i
     for i in range(start, end):
-        h = h * BASE + <uint64_t>PyUnicode_READ(text.kind, text.data, i) + 1
+        h = _extend(h, text, i)
     return h
 
 
@@ -161,7 +166,7 @@ def derived_merges(dict vocab, dict scores) -> list:
             length = text.length
             prefix[0] = 0
             for cut in range(length):
-                prefix[cut + 1] = prefix[cut] * BASE + <uint64_t>PyUnicode_READ(text.kind, text.data, cut) + 1
+                prefix[cut + 1] = _extend(prefix[cut], &text, cut)
             for cut in range(1, length):
                 left = table.find(prefix[cut], &text, 0, cut)
                 if left == -1:  # the right part is looked up only then: most left parts are not tokens
