@@ -728,12 +728,13 @@ def test_activation_blocks_as_llama_cpp_makes_them():
 
 
 @settings(max_examples=25, deadline=None)
-@given(format=st.sampled_from(LAYOUTS), rows=st.integers(1, 70), tiles=st.integers(1, 5),
+@given(format=st.sampled_from([*LAYOUTS, "q4_0", "q5_0"]), rows=st.integers(1, 70), tiles=st.integers(1, 5),
        blocks=st.integers(1, 6), bias=st.booleans(), seed=st.integers(0, 2**16))
 def test_integer_linear_matches_its_twin_on_every_path(format, rows, tiles, blocks, bias, seed):
     """Int8QuantizedLinear on each path this CPU runs (the widest, AVX2, plain C) against
     quant.linear_int8: any row count (whole and partial groups of the kernel's 8 rows, several
-    row tiles past 64), any number of 16-output tiles and 32-input blocks, zero blocks of x."""
+    row tiles past 64), any number of 16-output tiles and 32-input blocks, zero blocks of x;
+    weights with mins of their own and with a fixed offset (Q4_0, Q5_0, Q8_0) alike."""
     from trillm.kernels import quant, quant_cpu
 
     weight = kernel_weight(format, 16 * tiles, 32 * blocks, seed)
@@ -752,8 +753,9 @@ def test_integer_linear_matches_its_twin_on_every_path(format, rows, tiles, bloc
        tiles=st.integers(1, 3), blocks=st.integers(1, 4), seed=st.integers(0, 2**16))
 def test_integer_linear_keeps_a_files_fp16_scales_in_fp16(format, rows, tiles, blocks, seed):
     """A file's block scales and mins are fp16: the integer kernel keeps them so, half the bytes
-    of fp32 copies; Q4_0's and Q5_0's mins, -8 d and -16 d, it does not keep at all, but makes
-    from d. On every path it gives what it gives on fp32 copies of them all, to the bit."""
+    of fp32 copies; Q4_0's and Q5_0's mins, -8 d and -16 d, it does not keep at all (it takes
+    8 or 16 sum v off in the integers instead). On every path it gives what it gives on fp32
+    copies of them, to the bit."""
     from trillm.kernels import quant, quant_cpu
 
     base = format.removesuffix("_as_bytes")
@@ -771,9 +773,37 @@ def test_integer_linear_keeps_a_files_fp16_scales_in_fp16(format, rows, tiles, b
         else:
             assert part.m.dtype == torch.float16
         wide_part.d = part.d.float()
-        wide_part.m = wide_part.d * implied if implied else None if part.m is None else part.m.float()
-        wide_part.m_of_d = 0.0
+        wide_part.m = None if part.m is None else part.m.float()
         assert torch.equal(narrow(x), wide(x)), isa
+
+
+@pytest.mark.parametrize("format", ["q8_0", "q4_0"])
+def test_a_fixed_offset_is_taken_off_in_the_integers(format):
+    """Q8_0's bytes are u = q + 128 to the kernel, Q4_0's nibbles u = q + 8: it starts each
+    block's integer dot from -128 (-8) sum v, so that it sums q v exactly. Where sum u v is
+    large and sum q v small (q in -1..1, x all near one value), nothing large then cancels in
+    fp32: on every path the result is sum d e sum(q v) over x's quantized blocks, as near as
+    fp32 sums of those products come (taken off in fp32, the offset's product alone would be off
+    by more than that bound)."""
+    from trillm.kernels import quant, quant_cpu
+
+    rows, blocks = 16, 8
+    g = torch.Generator().manual_seed(3)
+    q = torch.randint(-1, 2, (rows, blocks, 32), generator=g)
+    d = torch.ones(rows, blocks, 1, dtype=torch.float16).view(torch.uint8)
+    if format == "q8_0":
+        body = q.to(torch.int8).view(torch.uint8)
+    else:  # byte j: input j in the low nibble, j + 16 in the high one
+        u = (q + 8).to(torch.uint8)
+        body = u[..., :16] | (u[..., 16:] << 4)
+    weight = quant.from_gguf(format, torch.cat([d, body], -1).reshape(rows, -1))
+    x = 1 + torch.rand(4, 32 * blocks, generator=g) / 10
+    rows_q = quant.quantize_rows(x)
+    exact = torch.einsum("mbk,nbk->mn", rows_q.v.double().reshape(4, blocks, 32) * rows_q.e.double()[..., None],
+                         q.double())
+    for isa in quant_cpu.isas():
+        got = quant_cpu.Int8QuantizedLinear(weight, isa)(x).double()
+        assert (got - exact).abs().max() < 1e-5, isa
 
 
 def test_scales_and_mins_are_judged_on_the_whole_weight_even_by_slices():

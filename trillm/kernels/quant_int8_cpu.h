@@ -13,8 +13,12 @@
  *     sum_k w_k x_k ~ d e sum_k u_k v_k + m s,
  * where sum u v is exact in int32 and the only rounding beyond x's is fp32 at the block scales.
  * One form serves every format, and `vpdpbusd` (unsigned u times signed v) runs it as it is.
- * Q8_0's -128 d s is taken as d times -128 s (the same product, so the same bits): its m is not
- * stored, and a decode step, which streams every weight, reads a float less per block.
+ * Where a format's m is a fixed multiple of d, u = q + z (Q8_0's z = 128, Q4_0's 8, Q5_0's 16,
+ * Q6_K's 32 for each half block), that part is taken off in the integers instead: the dot starts
+ * from -z sum v (`offsets`, quantized beside v) and sums exactly q v, so that m is neither stored
+ * nor multiplied. A decode step streams no float for it, and the block's epilogue, which shares
+ * the multiplier's pipes with `vpdpbusd` once a batch has a few rows, loses a multiply-add; the
+ * sum is also nearer the exact one, since no two large fp32 products cancel.
  *
  * Layout: weights in tiles of 16 output rows, block by block, four inputs of one row in 32 bits,
  * so that one 64-byte register holds four inputs for all 16 rows (one 32-bit lane per row) and
@@ -41,9 +45,10 @@
  * at bits 2j and 2j + 1, so that a shift and a mask put them in place as Q5_1's fifth bits; sc
  * [N / 16, K / 32, 2, 16] int8 (each block's lower half, then its upper one); dk as above; d, m,
  * mn and mk NULL. A block's sum is then d e (sc0 (sum0 u v - 32 sum0 v) + sc1 (sum1 u v - 32 sum1
- * v)) over its halves, the sums of v (32 times, c) quantized beside v: 6.6 bits a weight, as the
- * file's 6.6, where 8-bit blocks of the same values would take 9.
- * Activations: v [M, K] int8, e and s [M, K / 32]; c [M, K / 16] int32 for Q6_K weights.
+ * v)) over its halves, each dot started from its half's offset: 6.6 bits a weight, as the file's
+ * 6.6, where 8-bit blocks of the same values would take 9.
+ * Activations: v [M, K] int8, e and s [M, K / 32]; for each weight with a z, offsets -z sum v
+ * [M, K / 32] int32 ([M, K / 16], by half blocks, for Q6_K).
  *
  * Three paths, chosen at run time, each checked against quant.py's twin: AVX512-VNNI; AVX2 (each
  * 16-row register split in two 8-row halves, with AVX-VNNI's `vpdpbusd` where the CPU has it,
@@ -75,15 +80,25 @@ struct int8_weight {
     const uint8_t *u, *h; /* h: the fifth bits or bit pairs, 5 and 6 bits only */
     const float *d, *m;   /* d: NULL with sc or dh; m: NULL without mins of the weight's own, with mh or m_of_d */
     const uint16_t *dh, *mh; /* fp16 d or m, in place of the fp32 one (each on its own; NULL with sc) */
-    float m_of_d;            /* m = m_of_d d where not 0 (Q4_0's -8, Q5_0's -16), m and mh NULL */
+    float m_of_d;            /* m = m_of_d d where not 0 (Q4_0's -8, Q5_0's -16: z), m and mh NULL */
     const uint8_t *sc, *mn; /* K-quant scales (above), or NULL; 6 bits: sc signed, mn NULL */
     const float *dk, *mk;
 };
 
-/* Whether the weight has mins: Q4_1, Q5_1, K-quants, a promoted Q8_0. */
+/* Whether the weight has mins of its own, taken as m s in fp32: Q4_1, Q5_1, Q4_K, Q5_K, a promoted Q8_0. */
 static inline int int8_has_mins(const struct int8_weight *w)
 {
-    return w->m != NULL || w->mh != NULL || w->mn != NULL || w->m_of_d != 0.0f;
+    return w->m != NULL || w->mh != NULL || w->mn != NULL;
+}
+
+/* log2 of the weight's z (above), -1 where it has none. */
+static inline int int8_offset_shift(const struct int8_weight *w)
+{
+    if (w->bits == 8) return 7;
+    if (w->bits == 6) return 5;
+    if (w->m_of_d == -8.0f) return 3;
+    if (w->m_of_d == -16.0f) return 4;
+    return -1;
 }
 
 static inline float int8_half_at(const uint16_t *h, int64_t at)
@@ -102,7 +117,6 @@ static inline float int8_d_at(const struct int8_weight *w, int64_t t, int64_t b,
 }
 static inline float int8_m_at(const struct int8_weight *w, int64_t t, int64_t b, int64_t block, int i)
 {
-    if (w->m_of_d != 0.0f) return w->m_of_d * int8_d_at(w, t, b, block, i);
     if (w->mh != NULL) return int8_half_at(w->mh, block * INT8_TILE_N + i);
     if (w->sc == NULL) return w->m != NULL ? w->m[block * INT8_TILE_N + i] : 0.0f;
     return w->mk[(t * (w->blocks / 8) + b / 8) * INT8_TILE_N + i] * (float)w->mn[block * INT8_TILE_N + i];
@@ -112,17 +126,18 @@ struct int8_rows {
     int64_t K, blocks;
     const int8_t *v;
     const float *e, *s;
-    const int32_t *c; /* for a Q6_K weight: 32 sum v over each half block, [M, blocks, 2]; else NULL */
+    const int32_t *offsets; /* -z sum v for the weight's z, [M, blocks] ([M, blocks, 2] for Q6_K); NULL: no z */
     int once;         /* every tile of the weight passes once: at most INT8_ROWS rows (int8_prefetch_next_tile) */
 };
 
-/* c of x's rows (above), from their quantized v. */
-static void int8_half_sums(const int8_t *v, int64_t M, int64_t K, int32_t *c)
+/* x's rows' offsets (above) for a weight's z = 2^shift, from their quantized v: by `width` inputs
+ * (32, or 16 for Q6_K's half blocks). */
+static void int8_offsets(const int8_t *v, int64_t M, int64_t K, int width, int shift, int32_t *offsets)
 {
-    for (int64_t half = 0; half < M * K / 16; half++) {
+    for (int64_t part = 0; part < M * K / width; part++) {
         int32_t sum = 0;
-        for (int k = 0; k < 16; k++) sum += v[half * 16 + k];
-        c[half] = 32 * sum;
+        for (int k = 0; k < width; k++) sum += v[part * width + k];
+        offsets[part] = -sum * (1 << shift);
     }
 }
 
@@ -191,19 +206,18 @@ static void int8_rows_generic(int rows, float *out, int64_t N, const struct int8
             const float e = x->e[(r0 + r) * x->blocks + b], s = x->s[(r0 + r) * x->blocks + b];
             for (int i = 0; i < INT8_TILE_N; i++) {
                 if (w->bits == 6) {
-                    int32_t half[2] = {0, 0};
+                    const int32_t *offsets = x->offsets + ((r0 + r) * x->blocks + b) * 2;
+                    int32_t half[2] = {offsets[0], offsets[1]};
                     for (int k = 0; k < INT8_BLOCK; k++) half[k / 16] += int8_weight_at(w, block, i, k) * v[b * INT8_BLOCK + k];
-                    const int32_t *c = x->c + ((r0 + r) * x->blocks + b) * 2;
-                    const float inner = fmaf(int8_q6_scale(w, t, b, block, 0, i), (float)(half[0] - c[0]),
-                                             int8_q6_scale(w, t, b, block, 1, i) * (float)(half[1] - c[1]));
+                    const float inner = fmaf(int8_q6_scale(w, t, b, block, 0, i), (float)half[0],
+                                             int8_q6_scale(w, t, b, block, 1, i) * (float)half[1]);
                     acc[i] = fmaf(e, inner, acc[i]);
                     continue;
                 }
-                int32_t dot = 0;
+                int32_t dot = x->offsets != NULL ? x->offsets[(r0 + r) * x->blocks + b] : 0;
                 for (int k = 0; k < INT8_BLOCK; k++) dot += int8_weight_at(w, block, i, k) * v[b * INT8_BLOCK + k];
                 const float d = int8_d_at(w, t, b, block, i);
                 acc[i] = fmaf(d * e, (float)dot, acc[i]);
-                if (w->bits == 8) acc[i] = fmaf(d, -128.0f * s, acc[i]);
                 if (int8_has_mins(w)) acc[i] = fmaf(int8_m_at(w, t, b, block, i), s, acc[i]);
             }
         }
@@ -322,15 +336,18 @@ static inline void int8_prefetch_next_tile(const struct int8_weight *w, int bits
     if (w->m != NULL) INT8_PREFETCH(once, w->m + ahead * INT8_TILE_N);
 }
 
-/* `rows` and `bits` are constants at each call site, so each pair compiles to its own loop
- * with the accumulators in registers. */
+/* `rows`, `bits` and `z` (the weight's u carries a z: its dots start from x's offsets; always for
+ * 6 and 8 bits) are constants at each call site, so each compiles to its own loop with the
+ * accumulators in registers. A 4- or 5-bit weight without a z has mins of its own. */
 __attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline)) static inline void int8_rows_avx512_body(
-    int rows, int bits, float *out, int64_t N, const struct int8_rows *x, int64_t r0, const struct int8_weight *w,
+    int rows, int bits, int z, float *out, int64_t N, const struct int8_rows *x, int64_t r0, const struct int8_weight *w,
     int64_t t)
 {
     __m512 acc[INT8_ROWS];
     _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
     const __m512i low = _mm512_set1_epi8(15);
+    const int32_t *offsets = x->offsets;
+    const int mins = bits == 8 ? int8_has_mins(w) : !z;
     for (int64_t b = 0; b < w->blocks; b++) {
         const int64_t block = t * w->blocks + b;
         int8_prefetch_next_tile(w, bits, block, x->once);
@@ -354,7 +371,6 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline)) static inl
                 : w->m != NULL ? _mm512_loadu_ps(w->m + block * INT8_TILE_N)
                                : _mm512_setzero_ps();
         }
-        if (bits != 6 && w->m_of_d != 0.0f) m = _mm512_mul_ps(d, _mm512_set1_ps(w->m_of_d));
         __m512i u[8];
         if (bits != 8) {
             const uint8_t *q = w->u + block * 4 * 64;
@@ -382,24 +398,29 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline)) static inl
         }
         _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) {
             const int8_t *v = x->v + (r0 + r) * x->K + b * INT8_BLOCK;
-            /* two chains of four: each vpdpbusd waits on the one before it in its chain */
+            const int64_t at = (r0 + r) * x->blocks + b;
+            /* two chains of four (each vpdpbusd waits on the one before it in its chain), each started
+             * from its offset where the weight has a z: Q6_K's halves each their own, else the block's */
             __m512i dot0 = _mm512_setzero_si512(), dot1 = _mm512_setzero_si512();
+            if (bits == 6) {
+                dot0 = _mm512_set1_epi32(offsets[2 * at]);
+                dot1 = _mm512_set1_epi32(offsets[2 * at + 1]);
+            } else if (z) {
+                dot0 = _mm512_set1_epi32(offsets[at]);
+            }
             _Pragma("GCC unroll 4") for (int g = 0; g < 4; g++) {
                 dot0 = _mm512_dpbusd_epi32(dot0, u[g], _mm512_set1_epi32(int8_word(v + 4 * g)));
                 dot1 = _mm512_dpbusd_epi32(dot1, u[g + 4], _mm512_set1_epi32(int8_word(v + 16 + 4 * g)));
             }
-            const int64_t at = (r0 + r) * x->blocks + b;
             if (bits == 6) {
-                const __m512 low_half = _mm512_cvtepi32_ps(_mm512_sub_epi32(dot0, _mm512_set1_epi32(x->c[2 * at])));
-                const __m512 high_half = _mm512_cvtepi32_ps(_mm512_sub_epi32(dot1, _mm512_set1_epi32(x->c[2 * at + 1])));
-                acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x->e[at]), _mm512_fmadd_ps(d, low_half, _mm512_mul_ps(m, high_half)),
+                acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x->e[at]),
+                                         _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(dot0), _mm512_mul_ps(m, _mm512_cvtepi32_ps(dot1))),
                                          acc[r]);
                 continue;
             }
             const __m512i dot = _mm512_add_epi32(dot0, dot1);
             acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(x->e[at])), _mm512_cvtepi32_ps(dot), acc[r]);
-            if (bits == 8) acc[r] = _mm512_fmadd_ps(d, _mm512_set1_ps(-128.0f * x->s[at]), acc[r]);
-            if (bits != 8 || int8_has_mins(w)) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(x->s[at]), acc[r]);
+            if (mins) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(x->s[at]), acc[r]);
         }
     }
     _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) _mm512_storeu_ps(out + (r0 + r) * N + t * INT8_TILE_N, acc[r]);
@@ -412,14 +433,18 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline)) static inl
     }
 #define INT8_ROWS_CASE(BODY, R)                                                                            \
     case R:                                                                                                \
-        if (w->bits == 4)                                                                                  \
-            BODY(R, 4, out, N, x, r0, w, t);                                                               \
+        if (w->bits == 4 && x->offsets != NULL)                                                            \
+            BODY(R, 4, 1, out, N, x, r0, w, t);                                                            \
+        else if (w->bits == 4)                                                                             \
+            BODY(R, 4, 0, out, N, x, r0, w, t);                                                            \
+        else if (w->bits == 5 && x->offsets != NULL)                                                       \
+            BODY(R, 5, 1, out, N, x, r0, w, t);                                                            \
         else if (w->bits == 5)                                                                             \
-            BODY(R, 5, out, N, x, r0, w, t);                                                               \
+            BODY(R, 5, 0, out, N, x, r0, w, t);                                                            \
         else if (w->bits == 6)                                                                             \
-            BODY(R, 6, out, N, x, r0, w, t);                                                               \
+            BODY(R, 6, 1, out, N, x, r0, w, t);                                                            \
         else                                                                                               \
-            BODY(R, 8, out, N, x, r0, w, t);                                                               \
+            BODY(R, 8, 1, out, N, x, r0, w, t);                                                            \
         break;
 
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) static void int8_rows_avx512vnni(
@@ -431,17 +456,18 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) static void int8_rows_avx
 /* The AVX2 body, once with AVX-VNNI's vpdpbusd and once with vpmaddubsw + vpmaddwd (DOT_NIBBLES:
  * a block's dot of unsigned values below 16; DOT_FIVES: below 32; DOT_SIXES: half p's (groups
  * 4p..4p + 3) of values below 64; DOT_BYTES: of any u, a Q8_0 byte; BYTES_DOT_Q: 1 when DOT_BYTES
- * sums q v (q = u - 128) rather than u v, which leaves out the -128 d s that Q8_0's u would
- * otherwise add). `half` there is a tile's lower or upper 8 rows, `p` a block's lower or upper 16
- * inputs. */
+ * sums q v (q = u - 128) rather than u v, so that Q8_0's offset is not added). `half` there is a
+ * tile's lower or upper 8 rows, `p` a block's lower or upper 16 inputs. */
 #define INT8_DEFINE_AVX2_BODY(NAME, TARGET, DOT_NIBBLES, DOT_FIVES, DOT_SIXES, DOT_BYTES, BYTES_DOT_Q)     \
     __attribute__((target(TARGET), always_inline)) static inline void NAME(                                \
-        int rows, int bits, float *out, int64_t N, const struct int8_rows *x, int64_t r0,                    \
+        int rows, int bits, int z, float *out, int64_t N, const struct int8_rows *x, int64_t r0,             \
         const struct int8_weight *w, int64_t t)                                                            \
     {                                                                                                      \
         __m256 acc[INT8_ROWS][2];                                                                          \
         _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps(); \
         const __m256i low = _mm256_set1_epi8(15), sixteen = _mm256_set1_epi8(16);                          \
+        const int32_t *offsets = x->offsets;                                                               \
+        const int mins = bits == 8 ? int8_has_mins(w) : !z;                                                \
         for (int64_t b = 0; b < w->blocks; b++) {                                                          \
             const int64_t block = t * w->blocks + b;                                                       \
             int8_prefetch_next_tile(w, bits, block, x->once);                                              \
@@ -468,7 +494,6 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) static void int8_rows_avx
                         : w->m != NULL ? _mm256_loadu_ps(w->m + at8)                                       \
                                        : _mm256_setzero_ps();                                              \
                 }                                                                                          \
-                if (bits != 6 && w->m_of_d != 0.0f) m = _mm256_mul_ps(d, _mm256_set1_ps(w->m_of_d));       \
                 __m256i u[8];                                                                              \
                 if (bits != 8) {                                                                           \
                     const uint8_t *q = w->u + block * 4 * 64 + 32 * half;                                  \
@@ -502,22 +527,19 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) static void int8_rows_avx
                     const int64_t at = (r0 + r) * x->blocks + b;                                           \
                     if (bits == 6) {                                                                       \
                         const __m256 lower = _mm256_cvtepi32_ps(                                           \
-                            _mm256_sub_epi32(DOT_SIXES(u, v, 0), _mm256_set1_epi32(x->c[2 * at])));        \
+                            _mm256_add_epi32(DOT_SIXES(u, v, 0), _mm256_set1_epi32(offsets[2 * at])));     \
                         const __m256 upper = _mm256_cvtepi32_ps(                                           \
-                            _mm256_sub_epi32(DOT_SIXES(u, v, 1), _mm256_set1_epi32(x->c[2 * at + 1])));    \
+                            _mm256_add_epi32(DOT_SIXES(u, v, 1), _mm256_set1_epi32(offsets[2 * at + 1]))); \
                         acc[r][half] = _mm256_fmadd_ps(_mm256_set1_ps(x->e[at]),                           \
                                                        _mm256_fmadd_ps(d, lower, _mm256_mul_ps(m, upper)), \
                                                        acc[r][half]);                                      \
                         continue;                                                                          \
                     }                                                                                      \
-                    const __m256i dot = bits == 4 ? DOT_NIBBLES(u, v) : bits == 5 ? DOT_FIVES(u, v)        \
-                                                                              : DOT_BYTES(u, v);           \
+                    __m256i dot = bits == 4 ? DOT_NIBBLES(u, v) : bits == 5 ? DOT_FIVES(u, v) : DOT_BYTES(u, v); \
+                    if (z && !(bits == 8 && BYTES_DOT_Q)) dot = _mm256_add_epi32(dot, _mm256_set1_epi32(offsets[at])); \
                     acc[r][half] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(x->e[at])),             \
                                                    _mm256_cvtepi32_ps(dot), acc[r][half]);                 \
-                    if (bits == 8 && !BYTES_DOT_Q)                                                         \
-                        acc[r][half] = _mm256_fmadd_ps(d, _mm256_set1_ps(-128.0f * x->s[at]), acc[r][half]); \
-                    if (bits != 8 || int8_has_mins(w))                                                     \
-                        acc[r][half] = _mm256_fmadd_ps(m, _mm256_set1_ps(x->s[at]), acc[r][half]);         \
+                    if (mins) acc[r][half] = _mm256_fmadd_ps(m, _mm256_set1_ps(x->s[at]), acc[r][half]);   \
                 }                                                                                          \
             }                                                                                              \
         }                                                                                                  \
@@ -682,7 +704,7 @@ struct int8_job {
     int8_rows_kernel *kernel;
     float *out;
     int64_t N;
-    struct int8_rows x;
+    struct int8_rows x[INT8_MAX_PARTS]; /* each part's: x's rows with that part's offsets */
     int parts;
     struct int8_weight w[INT8_MAX_PARTS];
     int64_t first_tile[INT8_MAX_PARTS + 1];
@@ -694,35 +716,41 @@ static void int8_rows(const void *ctx, int rows, int64_t r0, int64_t t)
     int p = 0;
     while (t >= job->first_tile[p + 1]) p++;
     const int64_t first = job->first_tile[p];
-    job->kernel(rows, job->out + first * INT8_TILE_N, job->N, &job->x, r0, &job->w[p], t - first);
+    job->kernel(rows, job->out + first * INT8_TILE_N, job->N, &job->x[p], r0, &job->w[p], t - first);
 }
 
 /* out [M, N] = x [M, K] W^T, fp32, contiguous; K a multiple of 32 (of 256 with K-quant scales),
  * N of 16; W in `parts` (1 to INT8_MAX_PARTS) weights stacked by rows, each's bits, arrays and
  * scales in the layout above (h NULL unless 5 or 6), its tiles set and together N / 16 (their
- * blocks are set here); `isa` one this CPU runs (int8_isa_supported). x is quantized once, then
- * every part's output tiles are cut in about `chunks` pieces for `run` (shared_cpu.h). Returns
- * 0, or -1 when out of memory. */
+ * blocks are set here); `isa` one this CPU runs (int8_isa_supported). x is quantized once, with
+ * the offsets of each z the parts have, then every part's output tiles are cut in about `chunks`
+ * pieces for `run` (shared_cpu.h). Returns 0, or -1 when out of memory. */
 static int int8_linear(float *out, const float *x, int64_t M, int64_t K, int64_t N, const struct int8_weight *weights,
                        int parts, int isa, pool_runner *run, int64_t chunks)
 {
     const int64_t blocks = K / INT8_BLOCK;
-    int six = 0;
-    for (int p = 0; p < parts; p++) six |= weights[p].bits == 6;
-    const int64_t halves = six ? 2 * M * blocks : 0;
-    int8_t *v = malloc((size_t)(M * K) + 2 * sizeof(float) * (size_t)(M * blocks) + sizeof(int32_t) * (size_t)halves);
+    int8_t *v = malloc((size_t)(M * K) + 2 * sizeof(float) * (size_t)(M * blocks) +
+                       sizeof(int32_t) * (size_t)(2 * M * blocks * parts));
     if (v == NULL) return -1;
     float *e = (float *)(v + M * K); /* K is a multiple of 32: aligned for floats */
     float *s = e + M * blocks;
-    int32_t *c = halves ? (int32_t *)(s + M * blocks) : NULL;
+    int32_t *spare = (int32_t *)(s + M * blocks); /* room for every part's offsets */
     int8_quantize_rows(isa, x, M, K, v, e, s);
-    if (c != NULL) int8_half_sums(v, M, K, c);
-    struct int8_job job = {int8_kernel_of(isa), out, N, {K, blocks, v, e, s, c, M <= INT8_ROWS}, parts};
+    struct int8_job job = {.kernel = int8_kernel_of(isa), .out = out, .N = N, .parts = parts};
     job.first_tile[0] = 0;
     for (int p = 0; p < parts; p++) {
         job.w[p] = weights[p];
         job.w[p].blocks = blocks;
         job.first_tile[p + 1] = job.first_tile[p] + weights[p].tiles;
+        job.x[p] = (struct int8_rows){K, blocks, v, e, s, NULL, M <= INT8_ROWS};
+        const int shift = int8_offset_shift(&weights[p]), width = weights[p].bits == 6 ? 16 : INT8_BLOCK;
+        for (int q = 0; q < p && shift >= 0; q++) /* a fused q|k|v's parts often share their z (and so width) */
+            if (int8_offset_shift(&weights[q]) == shift) job.x[p].offsets = job.x[q].offsets;
+        if (shift >= 0 && job.x[p].offsets == NULL) {
+            int8_offsets(v, M, K, width, shift, spare);
+            job.x[p].offsets = spare;
+            spare += M * K / width;
+        }
     }
     struct tile_loop loop = {int8_rows, &job, M, job.first_tile[parts], 0, INT8_M_TILE, INT8_ROWS};
     tile_loop_run(run, &loop, chunks);
