@@ -104,6 +104,25 @@ async def test_what_the_server_loaded_is_out_of_the_collectors_walks(server):
     assert gc.get_freeze_count() > 10 * len(gc.get_objects())
 
 
+def test_start_up_runs_no_full_collection_until_the_heap_is_frozen():
+    """Importing what a server loads (torch, transformers) sets off full collections, each walking
+    everything imported so far: with the collector paused, as the command line's `serve` pauses
+    it, none runs, and freezing the heap collects once and turns the collector back on."""
+    script = """
+import gc
+from trillm.heap import freeze_heap, pause_collector
+
+pause_collector()
+import torch, transformers.models.gemma
+full = gc.get_stats()[2]["collections"]
+freeze_heap()
+print(full, gc.get_stats()[2]["collections"], gc.isenabled())
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["0", "1", "True"]
+
+
 def test_a_frozen_heap_leaves_nothing_to_leak_at_exit():
     """The interpreter's last collections skip frozen objects, so cycles among them outlive their
     extension modules at exit, and Triton's bindings report them as leaks: what a server froze

@@ -19,6 +19,12 @@ the GGUF loader after each tensor (`trim_c_heap`), so that the freed slices of o
 under the next. Serving, a CPU step of prompt tokens leaves its layers' temporaries there in
 turn (`TrimAfterPrompts`).
 
+Start-up itself runs with the collector paused (`pause_collector`, from the command line's
+`serve`): importing torch and transformers and building a tokenizer allocate hundreds of
+thousands of objects that live as long as the process, and those allocations set off full
+collections, each walking everything loaded so far and finding next to nothing. `freeze_heap`'s
+one collection takes what start-up left as garbage, and turns the collector back on.
+
 A trim reaches all of one arena's free pages only in glibc's main arena: a thread's arena keeps
 its top chunk, where the engine's step thread leaves a prompt step's temporaries. A server
 process therefore allocates from one arena (`one_malloc_arena`).
@@ -40,11 +46,20 @@ def freeze_heap() -> None:
     collections. Call it once the process has loaded what it serves with and before it serves;
     calling it again freezes what came since (cheap: frozen objects are not walked again).
     Cyclic garbage made of objects frozen here is never collected, so a part that is replaced
-    while serving (new weights, an adapter) must not rely on the collector to free it."""
+    while serving (new weights, an adapter) must not rely on the collector to free it. Turns
+    the collector back on where `pause_collector` turned it off."""
     gc.collect()
     gc.freeze()
+    gc.enable()
     trim_c_heap()
     _thaw_at_exit()
+
+
+def pause_collector() -> None:
+    """Turns automatic collections off for a server's start-up (the module docstring): call it
+    before the heavy imports. `freeze_heap` turns them back on once start-up is over; a
+    process that never serves a model here (a data-parallel supervisor) calls `gc.enable()`."""
+    gc.disable()
 
 
 @functools.cache

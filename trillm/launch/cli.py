@@ -21,9 +21,10 @@ def main(argv: list[str] | None = None) -> None:
                 serve.error(f"the model is given twice: {args.model_tag} and --model {args.model}")
             args.model = args.model_tag
         del args.model_tag
-        from trillm.heap import one_malloc_arena
+        from trillm.heap import one_malloc_arena, pause_collector
 
         one_malloc_arena()  # before any thread starts
+        pause_collector()  # until the loaded heap is frozen (trillm.heap)
         from trillm.engine.flag_check import check_flags
         from trillm.launch.serve import run  # torch is imported only when serving, not for --help
         from trillm.model.loader import check_model

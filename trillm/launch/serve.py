@@ -15,6 +15,7 @@ a grace as long as the drain would delay every exit by the full drain timeout.
 """
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
@@ -164,6 +165,7 @@ def run(settings: ServerSettings) -> None:
     if settings.supervises:
         from trillm.launch import data_parallel
 
+        gc.enable()  # the command line paused it for a start-up that loads a model (trillm.heap)
         raise SystemExit(data_parallel.run(settings))
     from trillm.engine.api import launcher_init_method, launcher_rank, run_worker
 
