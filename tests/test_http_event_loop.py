@@ -107,20 +107,24 @@ async def test_what_the_server_loaded_is_out_of_the_collectors_walks(server):
 def test_start_up_runs_no_full_collection_until_the_heap_is_frozen():
     """Importing what a server loads (torch, transformers) sets off full collections, each walking
     everything imported so far: with the collector paused, as the command line's `serve` pauses
-    it, none runs, and freezing the heap collects once and turns the collector back on."""
+    it, none runs, and freezing the heap collects once and turns the collector back on; a
+    start-up that stops before serving leaves it on too."""
     script = """
 import gc
-from trillm.heap import freeze_heap, pause_collector
+from trillm.heap import collector_paused, freeze_heap
 
-pause_collector()
-import torch, transformers.models.gemma
-full = gc.get_stats()[2]["collections"]
-freeze_heap()
-print(full, gc.get_stats()[2]["collections"], gc.isenabled())
+with collector_paused():
+    import torch, transformers.models.gemma
+    full = gc.get_stats()[2]["collections"]
+    freeze_heap()
+    print(full, gc.get_stats()[2]["collections"], gc.isenabled())
+with collector_paused():
+    pass  # a start-up that stops before serving
+print(gc.isenabled())
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["0", "1", "True"]
+    assert done.stdout.split() == ["0", "1", "True", "True"]
 
 
 def test_a_frozen_heap_leaves_nothing_to_leak_at_exit():

@@ -19,7 +19,7 @@ the GGUF loader after each tensor (`trim_c_heap`), so that the freed slices of o
 under the next. Serving, a CPU step of prompt tokens leaves its layers' temporaries there in
 turn (`TrimAfterPrompts`).
 
-Start-up itself runs with the collector paused (`pause_collector`, from the command line's
+Start-up itself runs with the collector paused (`collector_paused`, around the command line's
 `serve`): importing torch and transformers and building a tokenizer allocate hundreds of
 thousands of objects that live as long as the process, and those allocations set off full
 collections, each walking everything loaded so far and finding next to nothing. `freeze_heap`'s
@@ -32,11 +32,13 @@ process therefore allocates from one arena (`one_malloc_arena`).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import ctypes.util
 import functools
 import gc
 import os
+from collections.abc import Iterator
 
 M_ARENA_MAX = -8  # glibc's mallopt parameter: the most arenas malloc makes
 
@@ -47,7 +49,7 @@ def freeze_heap() -> None:
     calling it again freezes what came since (cheap: frozen objects are not walked again).
     Cyclic garbage made of objects frozen here is never collected, so a part that is replaced
     while serving (new weights, an adapter) must not rely on the collector to free it. Turns
-    the collector back on where `pause_collector` turned it off."""
+    the collector back on where `collector_paused` turned it off."""
     gc.collect()
     gc.freeze()
     gc.enable()
@@ -55,11 +57,18 @@ def freeze_heap() -> None:
     _thaw_at_exit()
 
 
-def pause_collector() -> None:
-    """Turns automatic collections off for a server's start-up (the module docstring): call it
-    before the heavy imports. `freeze_heap` turns them back on once start-up is over; a
-    process that never serves a model here (a data-parallel supervisor) calls `gc.enable()`."""
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Automatic collections off for a server's start-up (the module docstring): enter it before
+    the heavy imports. `freeze_heap` turns them back on once start-up is over, and leaving the
+    block does where that never came (a start-up refused or stopped before serving), so that a
+    caller's process collects as before; a process that serves no model in it (a data-parallel
+    supervisor) turns them on with `gc.enable()`."""
     gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 @functools.cache

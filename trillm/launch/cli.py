@@ -21,26 +21,31 @@ def main(argv: list[str] | None = None) -> None:
                 serve.error(f"the model is given twice: {args.model_tag} and --model {args.model}")
             args.model = args.model_tag
         del args.model_tag
-        from trillm.heap import one_malloc_arena, pause_collector
+        from trillm.heap import collector_paused, one_malloc_arena
 
         one_malloc_arena()  # before any thread starts
-        pause_collector()  # until the loaded heap is frozen (trillm.heap)
-        from trillm.engine.flag_check import check_flags
-        from trillm.launch.serve import run  # torch is imported only when serving, not for --help
-        from trillm.model.loader import check_model
+        with collector_paused():  # until the loaded heap is frozen (trillm.heap)
+            _serve(serve, args)
 
+
+def _serve(serve: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Check the flags and the model (exit 2 on either), then serve."""
+    from trillm.engine.flag_check import check_flags
+    from trillm.launch.serve import run  # torch is imported only when serving, not for --help
+    from trillm.model.loader import check_model
+
+    try:
+        server_settings = settings.from_args(args)
+        check_flags(server_settings.engine)
+        if server_settings.supervises and server_settings.router_policy == settings.RouterPolicy.KV_AWARE:
+            from trillm.launch.router_events import check_config
+
+            check_config(server_settings.engine.kv_events_config)
+    except ValueError as exc:
+        serve.error(str(exc))  # exits 2, as for any flag argparse refuses
+    if server_settings.data_parallel_size != 0:  # 0: a front door alone, its replicas elsewhere
         try:
-            server_settings = settings.from_args(args)
-            check_flags(server_settings.engine)
-            if server_settings.supervises and server_settings.router_policy == settings.RouterPolicy.KV_AWARE:
-                from trillm.launch.router_events import check_config
-
-                check_config(server_settings.engine.kv_events_config)
-        except ValueError as exc:
-            serve.error(str(exc))  # exits 2, as for any flag argparse refuses
-        if server_settings.data_parallel_size != 0:  # 0: a front door alone, its replicas elsewhere
-            try:
-                check_model(server_settings.engine.model)
-            except (ValueError, OSError) as exc:  # in one line: a model is no usage mistake
-                serve.exit(2, f"{serve.prog}: error: {exc}\n")
-        run(server_settings)
+            check_model(server_settings.engine.model)
+        except (ValueError, OSError) as exc:  # in one line: a model is no usage mistake
+            serve.exit(2, f"{serve.prog}: error: {exc}\n")
+    run(server_settings)
