@@ -97,3 +97,6 @@ def test_merges_with_a_space_in_a_part_are_left_to_transformers():
     assert gguf_tokenizer._merge_strings("llama", fields) is None
     fields = {"tokens": ["a", "b", "c", "ab", "abc"], "scores": [0.0, 0.0, 0.0, -1.0, -2.0]}
     assert gguf_tokenizer._merge_strings("llama", fields) == ["a b", "ab c"]
+    fields["tokens"].append("a c")  # a space in a token no merge has as a part
+    fields["scores"].append(-3.0)
+    assert gguf_tokenizer._merge_strings("llama", fields) == ["a b", "ab c"]

@@ -92,6 +92,7 @@ def _merge_strings(architecture: str, fields: dict) -> list[str] | None:
     else:
         scores = dict(zip(tokens, fields["scores"]))
     merges = derived_merges({t: i for i, t in enumerate(tokens)}, scores)
-    if any(" " in left or " " in right for left, right in merges):
+    spaced = {token for token in tokens if " " in token}  # most vocabularies have none: no pass over the merges
+    if spaced and any(left in spaced or right in spaced for left, right in merges):
         return None
     return [f"{left} {right}" for left, right in merges]
