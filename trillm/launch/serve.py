@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 import trio
 from hypercorn.config import Config
 
+from trillm.heap import freeze_imports
 from trillm.http import logs
 from trillm.http.settings import ServerSettings
 
@@ -178,6 +179,9 @@ def run(settings: ServerSettings) -> None:
         from trillm.launch.fronts import share_metrics
 
         share_metrics()  # before anything imports prometheus_client
+    import trillm.http.app  # noqa: F401  (imported before the model loads, so frozen with the rest)
+
+    freeze_imports()  # the command line paused the collector (trillm.heap)
     failed = trio.run(serve, settings)
     # Served and closed: skip the interpreter's teardown, whose full collection of what the server
     # loaded takes most of a second of the drain's bound and frees nothing the system would not.
