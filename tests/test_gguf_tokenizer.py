@@ -9,6 +9,7 @@ from gguf import GGUFWriter, TokenType
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import PreTrainedTokenizerFast
+from transformers.integrations.gguf.gguf_tokenizer_mapping import sentencepiece_tokenizer
 from transformers.tokenization_utils_base import generate_merges
 
 from trillm.model import gguf_tokenizer
@@ -18,11 +19,12 @@ from trillm.model.loader import default_model_path
 TEXTS = ["Hello, world!", "  two  spaces and\ttabs\n\nnew lines", "déjà vu 日本語 🙂", "ab▁ba aab", ""]
 
 
-def sentencepiece_gguf(path: str) -> str:
+def sentencepiece_gguf(path: str, spaced: bool = False) -> str:
     """A SentencePiece vocabulary without merges, as llama.cpp writes Llama 2's: control tokens,
     byte fallbacks, and pieces whose scores tie, so that the recovered merges' order rests on
-    every rule of their sort."""
+    every rule of their sort; `spaced`: with pieces holding a space, parts of merges too."""
     pieces = ["▁", "a", "b", "▁a", "▁b", "ab", "ba", "aa", "▁ab", "▁ba", "aab", "abb", "▁aab", "bab", "▁abb"]
+    pieces += [" b", "a b", "a ba"] if spaced else []
     tokens = ["<unk>", "<s>", "</s>", *(f"<0x{byte:02X}>" for byte in range(256)), *pieces]
     scores = [0.0] * (3 + 256) + [-float(len(p) % 3) for p in pieces]  # few values: many ties
     types = [TokenType.UNKNOWN, TokenType.CONTROL, TokenType.CONTROL, *[TokenType.BYTE] * 256,
@@ -42,13 +44,13 @@ def sentencepiece_gguf(path: str) -> str:
     return path
 
 
-@pytest.fixture(params=["default", "gemma3", "sentencepiece"])
+@pytest.fixture(params=["default", "gemma3", "sentencepiece", "sentencepiece-spaced"])
 def gguf_path(request, tmp_path):
     if request.param == "default":
         return default_model_path()
     if request.param == "gemma3":
         return request.getfixturevalue("gemma3_gguf")
-    return sentencepiece_gguf(str(tmp_path / "sentencepiece.gguf"))
+    return sentencepiece_gguf(str(tmp_path / "sentencepiece.gguf"), spaced=request.param.endswith("spaced"))
 
 
 def test_the_tokenizer_is_the_one_transformers_builds_from_the_file(gguf_path):
@@ -90,13 +92,14 @@ def test_a_score_that_does_not_sort_as_a_float_is_refused(score):
         gguf_tokenizer.derived_merges({"a": 0, "b": 1, "ab": 2}, {"ab": score})
 
 
-def test_merges_with_a_space_in_a_part_are_left_to_transformers():
-    """A part holding a space cannot travel as "left right": such a vocabulary gets no merges
-    from here, and the builder recovers them itself."""
+def test_merges_with_a_space_in_a_part_are_seen_as_such():
+    """A part holding a space cannot travel as "left right", the form a builder that does more
+    than make its class (Phi-3's) takes merges in: there the builder recovers them itself."""
     fields = {"tokens": ["a", "b c", "ab c"], "scores": [0.0, 0.0, -1.0]}
-    assert gguf_tokenizer._merge_strings("llama", fields) is None
+    assert gguf_tokenizer._recovered(sentencepiece_tokenizer, fields).spaced()
     fields = {"tokens": ["a", "b", "c", "ab", "abc"], "scores": [0.0, 0.0, 0.0, -1.0, -2.0]}
-    assert gguf_tokenizer._merge_strings("llama", fields) == ["a b", "ab c"]
+    recovered = gguf_tokenizer._recovered(sentencepiece_tokenizer, fields)
+    assert recovered.merges == [("a", "b"), ("ab", "c")] and not recovered.spaced()
     fields["tokens"].append("a c")  # a space in a token no merge has as a part
     fields["scores"].append(-3.0)
-    assert gguf_tokenizer._merge_strings("llama", fields) == ["a b", "ab c"]
+    assert not gguf_tokenizer._recovered(sentencepiece_tokenizer, fields).spaced()

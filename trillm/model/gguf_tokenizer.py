@@ -7,17 +7,27 @@ a SentencePiece file keeps no merges (Llama 2, Mistral, Gemma) it recovers them 
 sorts each token's candidates apart and then sorts them all with a key function: for Gemma 3's
 262k tokens, most of its start-up. Here the strings come from one pass over the header
 (`GGUFFile.strings`) and the merges from `derived_merges` (compiled: trillm/model/merges.pyx),
-the same list from one sort. tests/test_gguf_tokenizer.py holds the result equal to
-transformers' own, JSON for JSON.
+the same list from one sort. Where the builder only hands the vocabulary and those merges to a
+tokenizer class (Gemma's and plain SentencePiece's), the class gets them as they are: through
+the builder, the merges would go as "left right" strings, joined here and split there again, for
+Gemma 3's 515k merges a fifth of a second. tests/test_gguf_tokenizer.py holds the result equal
+to transformers' own, JSON for JSON.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import NamedTuple
+
 from transformers import PreTrainedTokenizerFast
-from transformers.integrations.gguf import convert_gguf_tokenizer
 from transformers.integrations.gguf.gguf_tokenizer_mapping import (
-    GGUF_SENTENCEPIECE_BUILDERS,
     GGUF_TOKENIZER_MAPPING,
+    GemmaTokenizer,
+    LlamaTokenizer,
+    add_gguf_special_tokens,
     gemma_tokenizer,
+    select_tokenizer_builder,
+    sentencepiece_tokenizer,
+    set_split_regex,
 )
 
 from trillm.model.gguf_file import GGUFFile, StringCount
@@ -29,6 +39,22 @@ SPECIAL_TOKENS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "unk
 SPACE_MARK = "\u2581"  # SentencePiece's space
 # the arrays of strings read whole, as transformers' reader reads them; any other stays counted
 STRING_ARRAYS = frozenset({"tokenizer.ggml.tokens", "tokenizer.ggml.merges"})
+# SentencePiece builders that make their tokenizer class of the vocabulary and its merges alone
+BUILT_AS = {gemma_tokenizer: GemmaTokenizer, sentencepiece_tokenizer: LlamaTokenizer}
+
+
+class Recovered(NamedTuple):
+    """A SentencePiece vocabulary as its builder spells it (Gemma's respells a token of blanks as
+    SentencePiece spaces), by place, and the merges it implies, best first."""
+
+    vocab: dict[str, int]
+    merges: list[tuple[str, str]]
+
+    def spaced(self) -> bool:
+        """Whether a merge has a part with a space in it, which the form a file keeps merges in,
+        "left right", cannot carry."""
+        spaced = {token for token in self.vocab if " " in token}  # most vocabularies have none
+        return bool(spaced) and any(left in spaced or right in spaced for left, right in self.merges)
 
 
 def build(file: GGUFFile) -> PreTrainedTokenizerFast:
@@ -36,12 +62,18 @@ def build(file: GGUFFile) -> PreTrainedTokenizerFast:
     what transformers' builders raise for a vocabulary they cannot build (KeyError, ValueError,
     TypeError)."""
     architecture, fields, config = _fields(file)
+    builder = select_tokenizer_builder(architecture, fields.get("tokenizer_type"))
+    recovered = None
     if "merges" not in fields and fields.get("tokenizer_type") == "llama":
-        merges = _merge_strings(architecture, fields)
-        if merges is not None:
-            fields["merges"] = merges
-    backend, extra = convert_gguf_tokenizer(architecture, fields)
-    return PreTrainedTokenizerFast(tokenizer_object=_HandedOver(backend), **config, **extra)
+        recovered = _recovered(builder, fields)
+    if recovered is not None and builder in BUILT_AS:
+        tokenizer = BUILT_AS[builder](vocab=recovered.vocab, merges=recovered.merges)
+    elif recovered is not None and not recovered.spaced():  # a builder that does more: the merges as a file keeps them
+        tokenizer = builder(dict(fields, merges=[f"{left} {right}" for left, right in recovered.merges]))
+    else:  # the file's own merges; or the builder recovers them itself
+        tokenizer = builder(fields)
+    tokenizer = set_split_regex(add_gguf_special_tokens(tokenizer, fields), fields)
+    return PreTrainedTokenizerFast(tokenizer_object=_HandedOver(tokenizer.backend_tokenizer), **config)
 
 
 class _HandedOver:
@@ -79,20 +111,15 @@ def _fields(file: GGUFFile) -> tuple[str, dict, dict]:
     return metadata["general.architecture"], fields, config
 
 
-def _merge_strings(architecture: str, fields: dict) -> list[str] | None:
-    """The merges transformers' SentencePiece builders recover from a vocabulary without them,
-    as "left right" strings, the form a file keeps them in; None where a part holds a space,
-    which that form cannot (the builder then recovers them itself). Gemma's builder spells a
-    token of blanks as SentencePiece spaces and ranks merges by the token's place in the file;
-    the others rank them by the token's score."""
+def _recovered(builder: Callable, fields: dict) -> Recovered:
+    """The vocabulary and the merges transformers' SentencePiece builders recover from a
+    vocabulary without them. Gemma's builder spells a token of blanks as SentencePiece spaces and
+    ranks merges by the token's place in the file; the others rank them by the token's score."""
     tokens = fields["tokens"]
-    if GGUF_SENTENCEPIECE_BUILDERS.get(architecture) is gemma_tokenizer:
+    if builder is gemma_tokenizer:
         tokens = [SPACE_MARK * len(t) if " " in t and not t.strip() else t for t in tokens]
         scores = {token: -index for index, token in enumerate(tokens)}
     else:
         scores = dict(zip(tokens, fields["scores"]))
-    merges = derived_merges({t: i for i, t in enumerate(tokens)}, scores)
-    spaced = {token for token in tokens if " " in token}  # most vocabularies have none: no pass over the merges
-    if spaced and any(left in spaced or right in spaced for left, right in merges):
-        return None
-    return [f"{left} {right}" for left, right in merges]
+    vocab = {token: index for index, token in enumerate(tokens)}
+    return Recovered(vocab, derived_merges(vocab, scores))
