@@ -131,9 +131,9 @@ print(gc.isenabled())
 
 async def test_the_collection_before_serving_walks_what_loading_made_not_the_imports():
     """`trillm serve` freezes what its imports made (a few hundred thousand objects) before it
-    loads the model, so the one collection before it serves walks only what came since, a part
-    of it (what the load imported besides, with the model's config class): its walk of the
-    whole imported heap was a quarter of a second of every start-up."""
+    loads the model, so the one collection before it serves walks only what came since (what
+    the load imported besides, with the model's config class, and the app), fewer than were
+    frozen: its walk of the whole imported heap was a quarter of a second of every start-up."""
     wrapper = """
 import gc, sys
 
@@ -158,7 +158,7 @@ main(sys.argv[1:])
     walks = [line.split()[1:] for line in log[loading:] if line.startswith("collection ")]
     assert walks, "\n".join(log)
     generation, objects, frozen = walks[0]  # freeze_heap's: the collector is paused until then
-    assert generation == "2" and int(objects) < int(frozen) / 2, f"it walked {objects} objects, {frozen} frozen"
+    assert generation == "2" and int(objects) < int(frozen), f"it walked {objects} objects, {frozen} frozen"
 
 
 def test_a_frozen_heap_leaves_nothing_to_leak_at_exit():

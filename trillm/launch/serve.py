@@ -179,8 +179,6 @@ def run(settings: ServerSettings) -> None:
         from trillm.launch.fronts import share_metrics
 
         share_metrics()  # before anything imports prometheus_client
-    import trillm.http.app  # noqa: F401  (imported before the model loads, so frozen with the rest)
-
     freeze_imports()  # the command line paused the collector (trillm.heap)
     failed = trio.run(serve, settings)
     # Served and closed: skip the interpreter's teardown, whose full collection of what the server
