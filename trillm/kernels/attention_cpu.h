@@ -44,8 +44,7 @@
  * anywhere in the cache, so the hardware prefetcher cannot see the next one coming. Requested as
  * each KEY_BLOCK of rows is loaded: the next block whole and half of the one after it, since a
  * decode step's contexts come from memory (the other layers' rows and the weights evict them
- * between steps) and a block's work is too short to wait for them; 16, half the next block,
- * left the rest to be waited for. */
+ * between steps) and a block's work is too short to wait for them. */
 #define PREFETCH_AHEAD 48
 
 static inline void prefetch_row(const void *row, int64_t bytes)
