@@ -47,9 +47,19 @@
  * between steps) and a block's work is too short to wait for them. */
 #define PREFETCH_AHEAD 48
 
+/* A cache row's lines requested into L2 (prefetcht2), as quant_int8_cpu.h's decode weights are:
+ * a decode tile reads each row once, and a line asked into L1 holds one of the core's few L1
+ * miss buffers until it arrives, which caps the lines on their way from memory at a time (the
+ * prefetches themselves then stalled the core). From L2 the loads that use them are short. */
 static inline void prefetch_row(const void *row, int64_t bytes)
 {
-    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch((const char *)row + off);
+    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch((const char *)row + off, 0, 1);
+}
+
+/* Cache rows rows[0 .. n-1] (offsets in cache elements of `elem` bytes, `bytes` a row) requested. */
+static inline void prefetch_rows(const void *cache, const int64_t *rows, int64_t n, int64_t elem, int64_t bytes)
+{
+    for (int64_t j = 0; j < n; j++) prefetch_row((const char *)cache + rows[j] * elem, bytes);
 }
 
 /* Consecutive query rows of one request. */
@@ -146,8 +156,7 @@ TILE_INLINE void load_block(const struct attention_job *job, const void *cache, 
                             float *buf, const float **out, const int mode)
 {
     const int64_t values = job->num_kv_heads * job->head_dim, elem = kv_elem_bytes(job->kind);
-    for (int64_t j = 0; j < PREFETCH_AHEAD; j++)
-        prefetch_row((const char *)cache + rows[n + j] * elem, job->token_stride * elem);
+    prefetch_rows(cache, rows + n, PREFETCH_AHEAD, elem, job->token_stride * elem);
     for (int64_t j = 0; j < n; j++) {
         if (job->kind == KV_CACHE_F32) {
             out[j] = (const float *)cache + rows[j];

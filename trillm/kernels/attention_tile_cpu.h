@@ -312,11 +312,16 @@ TILE_FN void tile_pass(const struct tile_rows *t, const int values, const int mo
     const struct attention_job *job = t->job;
     const int64_t *const len = values ? t->n : t->padded; /* each row's keys in this pass */
     const int64_t total = len[t->m - 1], num_heads = job->num_heads;
+    const void *cache = values ? job->v_cache : job->k_cache;
+    const int64_t elem = kv_elem_bytes(job->kind);
+    /* load_block asks for the rows past each block; the first block's are asked for here, all at
+     * once, rather than met one load at a time */
+    prefetch_rows(cache, t->rows, KEY_BLOCK, elem, job->token_stride * elem);
     int64_t r_lo = 0;
     for (int64_t i0 = 0; i0 < total; i0 += KEY_BLOCK) {
         const int64_t nk = total - i0 < KEY_BLOCK ? total - i0 : KEY_BLOCK;
         while (len[r_lo] <= i0) r_lo++;
-        load_block(job, values ? job->v_cache : job->k_cache, t->rows + i0, nk, t->block, t->ptrs, mode);
+        load_block(job, cache, t->rows + i0, nk, t->block, t->ptrs, mode);
         const int64_t count = (t->m - r_lo) * t->group;
         for (int64_t g = 0; g < job->num_kv_heads; g++) {
             int64_t row = r_lo, head = 0; /* the next query's row, and its head within g's group */
