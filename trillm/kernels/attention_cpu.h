@@ -40,26 +40,24 @@
 #include "shared_cpu.h"
 
 #define QUERY_TILE 16
-/* Rows ahead of the ones in use whose cache lines are requested: the blocks of a request sit
- * anywhere in the cache, so the hardware prefetcher cannot see the next one coming. Requested as
- * each KEY_BLOCK of rows is loaded: the next block whole and half of the one after it, since a
- * decode step's contexts come from memory (the other layers' rows and the weights evict them
- * between steps) and a block's work is too short to wait for them. */
+/* Rows past a block whose lines are requested while the block is worked on: the blocks of a
+ * request sit anywhere in the cache, so the hardware prefetcher cannot see the next one coming.
+ * The next block whole and half of the one after it, since a decode step's contexts come from
+ * memory (the other layers' rows and the weights evict them between steps) and a block's work is
+ * too short to wait for them. Requested a KV head at a time, as the block's work goes from head
+ * to head (tile_pass): asked all at once as the block started, a row of many heads (4 KB for 32
+ * heads of 64) made thousands of requests in one burst, and the core waited on them. */
 #define PREFETCH_AHEAD 48
 
-/* A cache row's lines requested into L2 (prefetcht2), as quant_int8_cpu.h's decode weights are:
- * a decode tile reads each row once, and a line asked into L1 holds one of the core's few L1
- * miss buffers until it arrives, which caps the lines on their way from memory at a time (the
+/* The lines of bytes at p requested into L2 (prefetcht2), as quant_int8_cpu.h's decode weights
+ * are: a decode tile reads each row once, and a line asked into L1 holds one of the core's few
+ * L1 miss buffers until it arrives, which caps the lines on their way from memory at a time (the
  * prefetches themselves then stalled the core). From L2 the loads that use them are short. */
-static inline void prefetch_row(const void *row, int64_t bytes)
+static inline void prefetch_span(const void *p, int64_t bytes)
 {
-    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch((const char *)row + off, 0, 1);
-}
-
-/* Cache rows rows[0 .. n-1] (offsets in cache elements of `elem` bytes, `bytes` a row) requested. */
-static inline void prefetch_rows(const void *cache, const int64_t *rows, int64_t n, int64_t elem, int64_t bytes)
-{
-    for (int64_t j = 0; j < n; j++) prefetch_row((const char *)cache + rows[j] * elem, bytes);
+    const uintptr_t end = (uintptr_t)p + (uintptr_t)bytes;
+    for (uintptr_t line = (uintptr_t)p & ~(uintptr_t)63; line < end; line += 64)
+        __builtin_prefetch((const void *)line, 0, 1);
 }
 
 /* Consecutive query rows of one request. */
@@ -148,15 +146,13 @@ static void *thread_scratch(size_t bytes)
 enum row_mode { ROWS_FP32 = 0, ROWS_FP16 = 1, ROWS_INT8 = 2 };
 
 /* Pointers to the fp32 values of cache rows rows[0 .. n-1] (offsets in cache elements): in place,
- * or widened or dequantized into `buf` ([KEY_BLOCK, num_kv_heads * head_dim]); the next block's
- * rows are requested meanwhile. With `mode` ROWS_FP16 or ROWS_INT8 an fp16 or int8 cache's rows stay
+ * or widened or dequantized into `buf` ([KEY_BLOCK, num_kv_heads * head_dim]). With `mode` ROWS_FP16 or ROWS_INT8 an fp16 or int8 cache's rows stay
  * in place too (their pointers are to the cache's own values, which the tile converts as it
  * reads them). */
 TILE_INLINE void load_block(const struct attention_job *job, const void *cache, const int64_t *rows, int64_t n,
                             float *buf, const float **out, const int mode)
 {
     const int64_t values = job->num_kv_heads * job->head_dim, elem = kv_elem_bytes(job->kind);
-    prefetch_rows(cache, rows + n, PREFETCH_AHEAD, elem, job->token_stride * elem);
     for (int64_t j = 0; j < n; j++) {
         if (job->kind == KV_CACHE_F32) {
             out[j] = (const float *)cache + rows[j];

@@ -312,11 +312,11 @@ TILE_FN void tile_pass(const struct tile_rows *t, const int values, const int mo
     const struct attention_job *job = t->job;
     const int64_t *const len = values ? t->n : t->padded; /* each row's keys in this pass */
     const int64_t total = len[t->m - 1], num_heads = job->num_heads;
-    const void *cache = values ? job->v_cache : job->k_cache;
-    const int64_t elem = kv_elem_bytes(job->kind);
-    /* load_block asks for the rows past each block; the first block's are asked for here, all at
-     * once, rather than met one load at a time */
-    prefetch_rows(cache, t->rows, KEY_BLOCK, elem, job->token_stride * elem);
+    const char *cache = values ? job->v_cache : job->k_cache;
+    const int64_t elem = kv_elem_bytes(job->kind), head_bytes = kv_row_width(job->kind, job->head_dim) * elem;
+    /* the first block's rows asked for all at once, rather than met one load at a time; each
+     * later block's as the one before it is worked on */
+    for (int64_t j = 0; j < KEY_BLOCK; j++) prefetch_span(cache + t->rows[j] * elem, job->token_stride * elem);
     int64_t r_lo = 0;
     for (int64_t i0 = 0; i0 < total; i0 += KEY_BLOCK) {
         const int64_t nk = total - i0 < KEY_BLOCK ? total - i0 : KEY_BLOCK;
@@ -324,6 +324,8 @@ TILE_FN void tile_pass(const struct tile_rows *t, const int values, const int mo
         load_block(job, cache, t->rows + i0, nk, t->block, t->ptrs, mode);
         const int64_t count = (t->m - r_lo) * t->group;
         for (int64_t g = 0; g < job->num_kv_heads; g++) {
+            for (int64_t j = i0 + KEY_BLOCK; j < i0 + KEY_BLOCK + PREFETCH_AHEAD; j++)
+                prefetch_span(cache + t->rows[j] * elem + g * head_bytes, head_bytes);
             int64_t row = r_lo, head = 0; /* the next query's row, and its head within g's group */
             for (int64_t c = 0; c < count; c += QUERY_BLOCK) {
                 const int nq = count - c < QUERY_BLOCK ? (int)(count - c) : QUERY_BLOCK;
@@ -366,7 +368,7 @@ TILE_FN void tile_pass_as(const struct tile_rows *t, const int values, const int
 
 /* The tile's output rows from its request's context. Scratch: scores [num_rows, num_heads,
  * stride] (stride a multiple of 16 floats, so each row's and head's stripe is 64-byte aligned),
- * rows [padded + PREFETCH_AHEAD], block [KEY_BLOCK, num_kv_heads * head_dim], pointers
+ * rows [padded + KEY_BLOCK + PREFETCH_AHEAD], block [KEY_BLOCK, num_kv_heads * head_dim], pointers
  * [KEY_BLOCK]. The scores (tile_pass), a softmax per row and head, then the weighted values. */
 TILE_TARGET static void attend_tile(const struct attention_job *job, const struct attention_tile *t, float *scores,
                                     int64_t stride, int64_t *rows, float *block, const float **ptrs)
