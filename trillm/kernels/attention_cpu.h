@@ -152,7 +152,7 @@ enum row_mode { ROWS_FP32 = 0, ROWS_FP16 = 1, ROWS_INT8 = 2 };
 TILE_INLINE void load_block(const struct attention_job *job, const void *cache, const int64_t *rows, int64_t n,
                             float *buf, const float **out, const int mode)
 {
-    const int64_t values = job->num_kv_heads * job->head_dim, elem = kv_elem_bytes(job->kind);
+    const int64_t values = job->num_kv_heads * job->head_dim;
     for (int64_t j = 0; j < n; j++) {
         if (job->kind == KV_CACHE_F32) {
             out[j] = (const float *)cache + rows[j];
