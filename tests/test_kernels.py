@@ -554,6 +554,59 @@ def test_cpu_rotary_embedding_matches_its_twin(head_dim, is_neox):
 
 
 @pytest.mark.parametrize("cache_dtype", CPU_CACHE_DTYPES)
+def test_cpu_row_ops_cut_among_threads_give_one_threads_bits(cache_dtype):
+    """A prompt's rows are cut among the pool's threads (shared_cpu.h's rows_run, at least 16,384
+    elements a piece): each op, and the int8 linear's quantized activations, must give the bits one
+    thread gives, and a bad position or slot in the last piece must still stop the whole op."""
+    from trillm.kernels import ops_cpu, pool_cpu, quant, quant_cpu
+
+    rows, hk, head_dim, block_size = 301, 4, 64, 16  # 77,056 elements a row op: several pieces
+    x, residual, weight = randn(rows, 1024, seed=1), randn(rows, 1024, seed=2), randn(1024, seed=3)
+    gate_up = randn(rows, 2 * 1024, seed=4) * 4
+    qkv = randn(rows, 3 * hk * head_dim, seed=5)
+    positions = torch.randint(0, 512, (rows,), generator=torch.Generator().manual_seed(6))
+    cos_sin = randn(512, head_dim, seed=7)
+    slots = torch.randperm(rows + 40, generator=torch.Generator().manual_seed(8))[:rows]
+    slots[::7] = -1  # padding rows, skipped
+    linear = quant_cpu.Int8QuantizedLinear(quant.from_gguf("q4_1", random_gguf_blocks("q4_1", 64, 1024, seed=9)))
+
+    def run(threads):
+        previous = pool_cpu.set_threads(threads)
+        try:
+            q_and_k = qkv.clone()
+            q = q_and_k[:, : 2 * hk * head_dim].view(rows, 2 * hk, head_dim)
+            k = q_and_k[:, 2 * hk * head_dim :].view(rows, hk, head_dim)
+            ops_cpu.rotary_embedding(positions, q, k, cos_sin, True)
+            caches = [cache.to_cache(torch.zeros(rows // block_size + 4, block_size, hk, head_dim), cache_dtype)
+                      for _ in range(2)]
+            ops_cpu.write_kv(k, k * 0.5, *caches, slots)
+            return [ops_cpu.rms_norm(x, weight, 1e-6), *ops_cpu.fused_add_rms_norm(x, residual, weight, 1e-6),
+                    ops_cpu.silu_and_mul(gate_up), ops_cpu.gelu_tanh_and_mul(gate_up), q_and_k, *caches, linear(x)]
+        finally:
+            pool_cpu.set_threads(previous)
+
+    one, two = run(1), run(2)
+    assert all(torch.equal(a, b) for a, b in zip(one, two, strict=True))
+    assert_close(one[0], norm.rms_norm(x, weight, 1e-6), torch.float32)
+    assert_close(one[3], activation.silu_and_mul(gate_up), torch.float32)
+    previous = pool_cpu.set_threads(2)
+    try:
+        before = qkv.clone()
+        q, k = before[:, :128].view(rows, 2, head_dim), before[:, 128:256].view(rows, 2, head_dim)
+        with pytest.raises(IndexError):  # the last row's position is past the table: nothing rotated
+            ops_cpu.rotary_embedding(torch.cat([positions[:-1], torch.tensor([512])]), q, k, cos_sin, True)
+        assert torch.equal(before, qkv)
+        caches = [cache.to_cache(torch.zeros(rows // block_size + 4, block_size, hk, head_dim), cache_dtype)
+                  for _ in range(2)]
+        k = qkv[:, :256].view(rows, hk, head_dim)
+        with pytest.raises(IndexError):  # the last row's slot is past the cache: nothing written
+            ops_cpu.write_kv(k, k, *caches, torch.cat([slots[:-1], torch.tensor([10**6])]))
+        assert all(not c.any() for c in caches)
+    finally:
+        pool_cpu.set_threads(previous)
+
+
+@pytest.mark.parametrize("cache_dtype", CPU_CACHE_DTYPES)
 def test_cpu_write_kv_matches_its_twin(cache_dtype):
     """fp32 rows copied, rounded to fp16 exactly as torch's .to() rounds them (to nearest even:
     the values below include halfway cases and ones past fp16's range), or quantized to int8 rows

@@ -25,7 +25,7 @@ from trillm.kernels.attention_cpu import cache_kind
 from trillm.kernels.attention_cpu_h cimport paged_attention_c
 from trillm.kernels.cache import row_width
 from trillm.kernels.ops_cpu_h cimport (
-    gelu_tanh_and_mul_f32, rms_norm_f32, rotary_embedding_f32, silu_and_mul_f32, write_kv_c,
+    act_and_mul_pooled, rms_norm_f32, rms_norm_pooled, rotary_embedding_pooled, write_kv_pooled,
 )
 from trillm.kernels.quant_int8_cpu_h cimport int8_linear, int8_weight, int8_weights_of
 
@@ -226,12 +226,12 @@ cdef class DecoderStack:
                 layer = &self.layers[i]
                 # input norm: the first layer's residual is its input; later ones add the last output
                 if i == 0:
-                    rms_norm_f32(normed_p, NULL, layer_in, NULL, layer.input_norm, T, self.hidden, self.hidden,
-                                 self.eps)
+                    rms_norm_pooled(pool_cpu.run, chunks, normed_p, NULL, layer_in, NULL, layer.input_norm, T,
+                                    self.hidden, self.hidden, self.eps)
                     memcpy(res[cur], layer_in, T * self.hidden * sizeof(float))
                 else:
-                    rms_norm_f32(normed_p, res[1 - cur], layer_in, res[cur], layer.input_norm, T, self.hidden,
-                                 self.hidden, self.eps)
+                    rms_norm_pooled(pool_cpu.run, chunks, normed_p, res[1 - cur], layer_in, res[cur], layer.input_norm,
+                                    T, self.hidden, self.hidden, self.eps)
                     cur = 1 - cur
                 if _linear(qkv_p, normed_p, T, &layer.qkv, chunks) != 0:
                     failure = FAILED_MEMORY
@@ -249,15 +249,16 @@ cdef class DecoderStack:
                 if layer.q_norm != NULL:
                     keys, keys_stride = k_p, self.kv_size
                 table = 1 if layer.sliding_rope else 0
-                if (rotary_embedding_f32(q_p, pos_p, cos_sin[table], max_positions[table], T, self.num_heads,
-                                         self.head_dim, self.q_size, 1) != 0
-                        or rotary_embedding_f32(keys, pos_p, cos_sin[table], max_positions[table], T,
-                                                self.num_kv_heads, self.head_dim, keys_stride, 1) != 0):
+                if (rotary_embedding_pooled(pool_cpu.run, chunks, q_p, pos_p, cos_sin[table], max_positions[table], T,
+                                            self.num_heads, self.head_dim, self.q_size, 1) != 0
+                        or rotary_embedding_pooled(pool_cpu.run, chunks, keys, pos_p, cos_sin[table],
+                                                   max_positions[table], T, self.num_kv_heads, self.head_dim,
+                                                   keys_stride, 1) != 0):
                     failure = FAILED_POSITION
                     break
-                if write_kv_c(layer.k_cache, layer.v_cache, kind, keys,
-                              qkv_p + self.q_size + self.kv_size, slots_p, T, num_slots, self.num_kv_heads,
-                              self.head_dim, keys_stride, self.qkv_size) != 0:
+                if write_kv_pooled(pool_cpu.run, chunks, layer.k_cache, layer.v_cache, kind, keys,
+                                   qkv_p + self.q_size + self.kv_size, slots_p, T, num_slots, self.num_kv_heads,
+                                   self.head_dim, keys_stride, self.qkv_size) != 0:
                     failure = FAILED_SLOT
                     break
                 # every row its request's only query: a request with none or with more than its context is
@@ -272,26 +273,23 @@ cdef class DecoderStack:
                     break
                 to_add = proj_p
                 if layer.attn_out_norm != NULL:
-                    rms_norm_f32(sandwiched_p, NULL, proj_p, NULL, layer.attn_out_norm, T, self.hidden, self.hidden,
-                                 self.post_eps)
+                    rms_norm_pooled(pool_cpu.run, chunks, sandwiched_p, NULL, proj_p, NULL, layer.attn_out_norm, T,
+                                    self.hidden, self.hidden, self.post_eps)
                     to_add = sandwiched_p
-                rms_norm_f32(normed_p, res[1 - cur], to_add, res[cur], layer.post_norm, T, self.hidden, self.hidden,
-                             self.post_eps)
+                rms_norm_pooled(pool_cpu.run, chunks, normed_p, res[1 - cur], to_add, res[cur], layer.post_norm, T,
+                                self.hidden, self.hidden, self.post_eps)
                 cur = 1 - cur
                 if _linear(gate_up_p, normed_p, T, &layer.gate_up, chunks) != 0:
                     failure = FAILED_MEMORY
                     break
-                if layer.gelu:
-                    gelu_tanh_and_mul_f32(act_p, gate_up_p, T, self.inter)
-                else:
-                    silu_and_mul_f32(act_p, gate_up_p, T, self.inter)
+                act_and_mul_pooled(pool_cpu.run, chunks, act_p, gate_up_p, T, self.inter, layer.gelu)
                 # the MLP's output, normed into out where the layers norm it (proj is free again by now)
                 if _linear(proj_p if layer.mlp_out_norm != NULL else out_p, act_p, T, &layer.down, chunks) != 0:
                     failure = FAILED_MEMORY
                     break
                 if layer.mlp_out_norm != NULL:
-                    rms_norm_f32(out_p, NULL, proj_p, NULL, layer.mlp_out_norm, T, self.hidden, self.hidden,
-                                 self.post_eps)
+                    rms_norm_pooled(pool_cpu.run, chunks, out_p, NULL, proj_p, NULL, layer.mlp_out_norm, T,
+                                    self.hidden, self.hidden, self.post_eps)
                 layer_in = out_p
         if failure == FAILED_MEMORY:
             raise MemoryError("DecoderStack.run: no memory for a kernel's scratch")

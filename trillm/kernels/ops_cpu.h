@@ -9,7 +9,9 @@
  * cache.py); the sums and the exp may round differently in their last bits.
  *
  * Rows may be strided (row_stride floats apart, each row contiguous), so q and k are rotated in
- * place inside the fused q|k|v projection's output, as the twins do.
+ * place inside the fused q|k|v projection's output, as the twins do. Each op's *_pooled form cuts
+ * its rows among the kernels' pool (shared_cpu.h's rows_run); every row is computed the same
+ * whichever thread takes it.
  */
 #include <math.h>
 #include <stdint.h>
@@ -141,5 +143,111 @@ static int write_kv(void *restrict k_cache, void *restrict v_cache, int kind, co
             memcpy((float *)v_cache + slots[t] * row_size, v + t * v_stride, sizeof(float) * (size_t)row_size);
         }
     }
+    return 0;
+}
+
+
+struct rms_norm_args {
+    float *out, *sum_out;
+    const float *x, *residual, *weight;
+    int64_t size, x_stride;
+    float eps;
+};
+
+static void rms_norm_rows(const void *args, int64_t t0, int64_t t1)
+{
+    const struct rms_norm_args *a = args;
+    rms_norm_f32(a->out + t0 * a->size, a->sum_out == NULL ? NULL : a->sum_out + t0 * a->size, a->x + t0 * a->x_stride,
+                 a->residual == NULL ? NULL : a->residual + t0 * a->size, a->weight, t1 - t0, a->size, a->x_stride,
+                 a->eps);
+}
+
+/* rms_norm_f32 on the pool (rows_run). */
+static void rms_norm_pooled(pool_runner *run, int64_t chunks, float *out, float *sum_out, const float *x,
+                            const float *residual, const float *weight, int64_t T, int64_t size, int64_t x_stride,
+                            float eps)
+{
+    const struct rms_norm_args a = {out, sum_out, x, residual, weight, size, x_stride, eps};
+    rows_run(run, chunks, rms_norm_rows, &a, T, size);
+}
+
+struct act_and_mul_args {
+    float *out;
+    const float *x;
+    int64_t inter;
+    int gelu;
+};
+
+static void act_and_mul_rows(const void *args, int64_t t0, int64_t t1)
+{
+    const struct act_and_mul_args *a = args;
+    if (a->gelu)
+        gelu_tanh_and_mul_f32(a->out + t0 * a->inter, a->x + t0 * 2 * a->inter, t1 - t0, a->inter);
+    else
+        silu_and_mul_f32(a->out + t0 * a->inter, a->x + t0 * 2 * a->inter, t1 - t0, a->inter);
+}
+
+/* silu_and_mul_f32, or gelu_tanh_and_mul_f32 where `gelu`, on the pool (rows_run). */
+static void act_and_mul_pooled(pool_runner *run, int64_t chunks, float *out, const float *x, int64_t T, int64_t inter,
+                               int gelu)
+{
+    const struct act_and_mul_args a = {out, x, inter, gelu};
+    rows_run(run, chunks, act_and_mul_rows, &a, T, 3 * inter);
+}
+
+struct rotary_args {
+    float *x;
+    const int64_t *positions;
+    const float *cos_sin;
+    int64_t max_positions, heads, head_dim, row_stride;
+    int neox;
+};
+
+static void rotary_rows(const void *args, int64_t t0, int64_t t1)
+{
+    const struct rotary_args *a = args;
+    rotary_embedding_f32(a->x + t0 * a->row_stride, a->positions + t0, a->cos_sin, a->max_positions, t1 - t0, a->heads,
+                         a->head_dim, a->row_stride, a->neox);
+}
+
+/* rotary_embedding_f32 on the pool (rows_run): every position checked first, so that a bad one
+ * rotates nothing. */
+static int rotary_embedding_pooled(pool_runner *run, int64_t chunks, float *x, const int64_t *positions,
+                                   const float *cos_sin, int64_t max_positions, int64_t T, int64_t heads,
+                                   int64_t head_dim, int64_t row_stride, int neox)
+{
+    for (int64_t t = 0; t < T; t++)
+        if (positions[t] < 0 || positions[t] >= max_positions) return -1;
+    const struct rotary_args a = {x, positions, cos_sin, max_positions, heads, head_dim, row_stride, neox};
+    rows_run(run, chunks, rotary_rows, &a, T, heads * head_dim);
+    return 0;
+}
+
+struct write_kv_args {
+    void *k_cache, *v_cache;
+    int kind;
+    const float *k, *v;
+    const int64_t *slots;
+    int64_t num_slots, num_kv_heads, head_dim, k_stride, v_stride;
+};
+
+static void write_kv_rows(const void *args, int64_t t0, int64_t t1)
+{
+    const struct write_kv_args *a = args;
+    write_kv(a->k_cache, a->v_cache, a->kind, a->k + t0 * a->k_stride, a->v + t0 * a->v_stride, a->slots + t0, t1 - t0,
+             a->num_slots, a->num_kv_heads, a->head_dim, a->k_stride, a->v_stride);
+}
+
+/* write_kv on the pool (rows_run): every slot checked first, so that a bad one writes nothing.
+ * Rows go to distinct slots (a negative one is skipped), so the pieces never write the same. */
+static int write_kv_pooled(pool_runner *run, int64_t chunks, void *k_cache, void *v_cache, int kind, const float *k,
+                           const float *v, const int64_t *slots, int64_t T, int64_t num_slots, int64_t num_kv_heads,
+                           int64_t head_dim, int64_t k_stride, int64_t v_stride)
+{
+    for (int64_t t = 0; t < T; t++)
+        if (slots[t] >= num_slots) return -1;
+    const struct write_kv_args a = {k_cache, v_cache, kind, k, v, slots, num_slots, num_kv_heads, head_dim, k_stride,
+                                    v_stride};
+    rows_run(run, chunks, write_kv_rows, &a, T, 2 * num_kv_heads * head_dim);
     return 0;
 }

@@ -1,16 +1,16 @@
 # cython: language_level=3, wraparound=True
 """The model's per-token ops on CPU, compiled: the C kernels in ops_cpu.h behind the signatures of
 their torch twins (norm.py, activation.py, rotary.py, cache.py), which are their references.
-fp32 only; the GIL is released while each runs."""
+fp32 only; the GIL is released while each runs, and a prompt's rows are shared among the kernels'
+pool (pool_cpu)."""
 from libc.stdint cimport int64_t, uintptr_t
 
 import torch
 
+from trillm.kernels cimport pool_cpu
 from trillm.kernels.attention_cpu import cache_kind
 from trillm.kernels.cache import row_width
-from trillm.kernels.ops_cpu_h cimport (
-    gelu_tanh_and_mul_f32, rms_norm_f32, rotary_embedding_f32, silu_and_mul_f32, write_kv_c,
-)
+from trillm.kernels.ops_cpu_h cimport act_and_mul_pooled, rms_norm_pooled, rotary_embedding_pooled, write_kv_pooled
 
 
 cdef inline float *address(t):
@@ -37,7 +37,7 @@ def rms_norm(x, weight, float eps):
     cdef const float *x_ptr = address(x)
     cdef const float *w_ptr = address(weight)
     with nogil:
-        rms_norm_f32(out_ptr, NULL, x_ptr, NULL, w_ptr, T, size, stride, eps)
+        rms_norm_pooled(pool_cpu.run, pool_cpu.chunks(), out_ptr, NULL, x_ptr, NULL, w_ptr, T, size, stride, eps)
     return out
 
 
@@ -55,7 +55,7 @@ def fused_add_rms_norm(x, residual, weight, float eps):
     cdef const float *r_ptr = address(residual)
     cdef const float *w_ptr = address(weight)
     with nogil:
-        rms_norm_f32(out_ptr, sum_ptr, x_ptr, r_ptr, w_ptr, T, size, stride, eps)
+        rms_norm_pooled(pool_cpu.run, pool_cpu.chunks(), out_ptr, sum_ptr, x_ptr, r_ptr, w_ptr, T, size, stride, eps)
     return out, summed
 
 
@@ -78,10 +78,7 @@ def _act_and_mul(x, bint gelu):
     cdef float *out_ptr = address(out)
     cdef const float *x_ptr = address(x2)
     with nogil:
-        if gelu:
-            gelu_tanh_and_mul_f32(out_ptr, x_ptr, T, inter)
-        else:
-            silu_and_mul_f32(out_ptr, x_ptr, T, inter)
+        act_and_mul_pooled(pool_cpu.run, pool_cpu.chunks(), out_ptr, x_ptr, T, inter, gelu)
     return out
 
 
@@ -94,7 +91,8 @@ cdef rotate(x, positions, cos_sin, bint is_neox):
     cdef int64_t max_positions = cos_sin.shape[0]
     cdef int rc
     with nogil:
-        rc = rotary_embedding_f32(x_ptr, pos_ptr, cs_ptr, max_positions, T, heads, head_dim, stride, is_neox)
+        rc = rotary_embedding_pooled(pool_cpu.run, pool_cpu.chunks(), x_ptr, pos_ptr, cs_ptr, max_positions, T, heads,
+                                     head_dim, stride, is_neox)
     if rc != 0:
         raise IndexError("rotary_embedding: a position is past the end of the cos/sin table")
 
@@ -128,7 +126,7 @@ def write_kv(k, v, k_cache, v_cache, slot_mapping):
     cdef const int64_t *slots_ptr = <const int64_t *><uintptr_t>slot_mapping.data_ptr()
     cdef int rc
     with nogil:
-        rc = write_kv_c(kc_ptr, vc_ptr, kind, k_ptr, v_ptr, slots_ptr, T, num_slots, num_kv_heads, head_dim, k_stride,
-                        v_stride)
+        rc = write_kv_pooled(pool_cpu.run, pool_cpu.chunks(), kc_ptr, vc_ptr, kind, k_ptr, v_ptr, slots_ptr, T, num_slots,
+                             num_kv_heads, head_dim, k_stride, v_stride)
     if rc != 0:
         raise IndexError("write_kv: a slot is past the end of the cache")

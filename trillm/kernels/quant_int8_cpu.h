@@ -696,6 +696,21 @@ static int int8_best_isa(void)
     return INT8_GENERIC;
 }
 
+struct int8_quantize_args {
+    int isa;
+    const float *x;
+    int64_t K;
+    int8_t *v;
+    float *e, *s;
+};
+
+static void int8_quantize_row_range(const void *args, int64_t t0, int64_t t1)
+{
+    const struct int8_quantize_args *a = args;
+    const int64_t blocks = a->K / INT8_BLOCK;
+    int8_quantize_rows(a->isa, a->x + t0 * a->K, t1 - t0, a->K, a->v + t0 * a->K, a->e + t0 * blocks, a->s + t0 * blocks);
+}
+
 /* A projection's output rows may come in parts of different layouts (a fused q|k|v whose v a
  * K-quant file keeps in more bits than q and k): each part its own weight, of its own tiles. */
 #define INT8_MAX_PARTS 4
@@ -735,7 +750,8 @@ static int int8_linear(float *out, const float *x, int64_t M, int64_t K, int64_t
     float *e = (float *)(v + M * K); /* K is a multiple of 32: aligned for floats */
     float *s = e + M * blocks;
     int32_t *spare = (int32_t *)(s + M * blocks); /* room for every part's offsets */
-    int8_quantize_rows(isa, x, M, K, v, e, s);
+    const struct int8_quantize_args quantize = {isa, x, K, v, e, s};
+    rows_run(run, chunks, int8_quantize_row_range, &quantize, M, K);
     struct int8_job job = {.kernel = int8_kernel_of(isa), .out = out, .N = N, .parts = parts};
     job.first_tile[0] = 0;
     for (int p = 0; p < parts; p++) {

@@ -191,6 +191,46 @@ static inline kv_dequantize_fn *pick_kv_dequantize(void) { return kv_dequantize_
 typedef void pool_chunk_fn(void *ctx, int64_t chunk);
 typedef void pool_runner(pool_chunk_fn *fn, void *ctx, int64_t chunks);
 
+/* An op over rows t0 .. t1 - 1 of a job whose rows are independent of each other (a norm, an
+ * activation, the rotary embedding, the KV write, the activations' quantization); `args` holds the
+ * rest. */
+typedef void rows_fn(const void *args, int64_t t0, int64_t t1);
+
+struct rows_job {
+    rows_fn *op;
+    const void *args;
+    int64_t rows, per_chunk;
+};
+
+static void rows_chunk(void *ctx, int64_t c)
+{
+    const struct rows_job *job = ctx;
+    const int64_t t0 = c * job->per_chunk;
+    job->op(job->args, t0, t0 + job->per_chunk < job->rows ? t0 + job->per_chunk : job->rows);
+}
+
+/* Elements a piece of a row op gets at least: a pass over fewer takes less time than a helper
+ * takes to join. */
+#define ROWS_CHUNK_ELEMENTS 16384
+
+/* op over rows 0 .. rows - 1 (of `width` elements each), in up to `chunks` pieces on run's threads
+ * where the rows hold enough elements (ROWS_CHUNK_ELEMENTS a piece), else on the caller alone: a
+ * prompt's rows are otherwise one thread's pass while the pool's helpers wait for the next
+ * projection. */
+static inline void rows_run(pool_runner *run, int64_t chunks, rows_fn *op, const void *args, int64_t rows,
+                            int64_t width)
+{
+    int64_t pieces = rows * width / ROWS_CHUNK_ELEMENTS;
+    if (pieces > chunks) pieces = chunks;
+    if (pieces > rows) pieces = rows;
+    if (pieces < 2) {
+        op(args, 0, rows);
+        return;
+    }
+    struct rows_job job = {op, args, rows, (rows + pieces - 1) / pieces};
+    run(rows_chunk, &job, (rows + job.per_chunk - 1) / job.per_chunk);
+}
+
 /* The loop of both quantized linears (quant_cpu.h, quant_int8_cpu.h): one chunk is a run of
  * output tiles of W against every row of x, whose rows are taken m_tile at a time (they stay in
  * cache while those tiles pass) and `rows` at a time over each tile. */
