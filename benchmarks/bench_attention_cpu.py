@@ -4,7 +4,10 @@ model's shapes (9 query heads, 3 KV heads, head_dim 64, a cache in blocks of 16:
 
 - prefill: one request's chunk of `rows` query rows at the end of a `context`-token prompt, the
   best of three calls; GFLOP/s counts the score and value multiply-adds of every causal pair;
-- decode: `batch` requests of one row each over `context` tokens, the median of 200 calls.
+- decode: `batch` requests of one row each over `context` tokens, the median of 200 calls;
+- step: a decode step's attention over every layer, each layer's cache of its own (so, as in the
+  engine, each call reads its rows from memory, not from the last call's cache), at the shapes
+  of STEP_SHAPES, its blocks scattered; the median of 10 steps, ms for all layers.
 
     PYTHONPATH=. python benchmarks/bench_attention_cpu.py --threads 1 2 --json benchmarks/results/attention_cpu.json
 """
@@ -25,6 +28,9 @@ HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 CACHE_DTYPE = torch.float16  # --cache
 PREFILL = [(4096, 512), (4096, 64), (1024, 1024)]  # (context, rows)
 DECODE = [(1, 256), (1, 4096), (8, 256), (32, 256), (32, 1024)]  # (batch, context)
+# name: (layers, heads, kv heads, head_dim, batch, context)
+STEP_SHAPES = {"smollm2-135m": (30, 9, 3, 64, 32, 240), "smollm2-1.7b": (24, 32, 32, 64, 8, 220),
+               "llama-3.2-3b": (28, 24, 8, 128, 8, 400)}
 
 
 def cache(num_blocks: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,12 +71,30 @@ def decode(batch: int, context: int, generator: torch.Generator) -> dict:
     return {"batch": batch, "context": context, "us": statistics.median(times) * 1e6}
 
 
+def step(name: str, generator: torch.Generator) -> dict:
+    layers, heads, kv_heads, head_dim, batch, context = STEP_SHAPES[name]
+    per = context // BLOCK + 1
+    caches = [[to_cache(torch.randn(batch * per + 1, BLOCK, kv_heads, head_dim, generator=generator), CACHE_DTYPE)
+               for _ in range(2)] for _ in range(layers)]
+    tables = (torch.randperm(batch * per, generator=generator) + 1).int().view(batch, per).contiguous()
+    q = torch.randn(batch, heads, head_dim, generator=generator)
+    lens = torch.full((batch,), context, dtype=torch.int32)
+    times = []
+    for _ in range(12):
+        start = time.perf_counter()
+        for k, v in caches:
+            paged_attention(q, k, v, tables, lens, None, head_dim**-0.5)
+        times.append(time.perf_counter() - start)
+    return {"shape": name, "layers": layers, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim,
+            "batch": batch, "context": context, "ms": statistics.median(times[2:]) * 1e3}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="the kernels' pool threads")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--cache", choices=("float16", "int8"), default="float16", help="the cache's dtype")
-    parser.add_argument("--only", choices=("prefill", "decode"), help="run one kind")
+    parser.add_argument("--only", choices=("prefill", "decode", "step"), help="run one kind")
     args = parser.parse_args()
     global CACHE_DTYPE
     CACHE_DTYPE = getattr(torch, args.cache)
@@ -80,15 +104,20 @@ def main() -> None:
     for threads in args.threads:
         previous = pool_cpu.set_threads(threads)
         try:
-            for context, rows in PREFILL if args.only != "decode" else []:
+            for context, rows in PREFILL if args.only in (None, "prefill") else []:
                 r = {"threads": threads, "kind": "prefill", **prefill(context, rows, generator)}
                 print(f"threads {threads}  prefill: {rows:5d} rows at context {context:5d}  {r['ms']:8.1f} ms  "
                       f"{r['ns_per_pair']:6.1f} ns/pair  {r['gflops']:5.1f} GFLOP/s", flush=True)
                 results.append(r)
-            for batch, context in DECODE if args.only != "prefill" else []:
+            for batch, context in DECODE if args.only in (None, "decode") else []:
                 r = {"threads": threads, "kind": "decode", **decode(batch, context, generator)}
                 print(f"threads {threads}  decode: batch {batch:3d} at context {context:5d}  {r['us']:8.1f} us",
                       flush=True)
+                results.append(r)
+            for name in STEP_SHAPES if args.only in (None, "step") else []:
+                r = {"threads": threads, "kind": "step", **step(name, generator)}
+                print(f"threads {threads}  step: {name} batch {r['batch']} at context {r['context']}  "
+                      f"{r['ms']:8.2f} ms", flush=True)
                 results.append(r)
         finally:
             pool_cpu.set_threads(previous)
