@@ -146,9 +146,9 @@ static void *thread_scratch(size_t bytes)
 enum row_mode { ROWS_FP32 = 0, ROWS_FP16 = 1, ROWS_INT8 = 2 };
 
 /* Pointers to the fp32 values of cache rows rows[0 .. n-1] (offsets in cache elements): in place,
- * or widened or dequantized into `buf` ([KEY_BLOCK, num_kv_heads * head_dim]). With `mode` ROWS_FP16 or ROWS_INT8 an fp16 or int8 cache's rows stay
- * in place too (their pointers are to the cache's own values, which the tile converts as it
- * reads them). */
+ * or widened or dequantized into `buf` ([KEY_BLOCK, num_kv_heads * head_dim]). With `mode`
+ * ROWS_FP16 or ROWS_INT8 an fp16 or int8 cache's rows stay in place too (their pointers are to the
+ * cache's own values, which the tile converts as it reads them). */
 TILE_INLINE void load_block(const struct attention_job *job, const void *cache, const int64_t *rows, int64_t n,
                             float *buf, const float **out, const int mode)
 {

@@ -126,7 +126,7 @@ def write_kv(k, v, k_cache, v_cache, slot_mapping):
     cdef const int64_t *slots_ptr = <const int64_t *><uintptr_t>slot_mapping.data_ptr()
     cdef int rc
     with nogil:
-        rc = write_kv_pooled(pool_cpu.run, pool_cpu.chunks(), kc_ptr, vc_ptr, kind, k_ptr, v_ptr, slots_ptr, T, num_slots,
-                             num_kv_heads, head_dim, k_stride, v_stride)
+        rc = write_kv_pooled(pool_cpu.run, pool_cpu.chunks(), kc_ptr, vc_ptr, kind, k_ptr, v_ptr, slots_ptr, T,
+                             num_slots, num_kv_heads, head_dim, k_stride, v_stride)
     if rc != 0:
         raise IndexError("write_kv: a slot is past the end of the cache")

@@ -708,7 +708,8 @@ static void int8_quantize_row_range(const void *args, int64_t t0, int64_t t1)
 {
     const struct int8_quantize_args *a = args;
     const int64_t blocks = a->K / INT8_BLOCK;
-    int8_quantize_rows(a->isa, a->x + t0 * a->K, t1 - t0, a->K, a->v + t0 * a->K, a->e + t0 * blocks, a->s + t0 * blocks);
+    int8_quantize_rows(a->isa, a->x + t0 * a->K, t1 - t0, a->K, a->v + t0 * a->K, a->e + t0 * blocks,
+                       a->s + t0 * blocks);
 }
 
 /* A projection's output rows may come in parts of different layouts (a fused q|k|v whose v a
