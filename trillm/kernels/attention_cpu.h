@@ -45,8 +45,8 @@
  * The next block whole and half of the one after it, since a decode step's contexts come from
  * memory (the other layers' rows and the weights evict them between steps) and a block's work is
  * too short to wait for them. Requested a KV head at a time, as the block's work goes from head
- * to head (tile_pass): asked all at once as the block started, a row of many heads (4 KB for 32
- * heads of 64) made thousands of requests in one burst, and the core waited on them. */
+ * to head (tile_pass): asked all at once as the block started, the rows of a model with many KV
+ * heads made one long burst of requests, and the core waited on them. */
 #define PREFETCH_AHEAD 48
 
 /* The lines of bytes at p requested into L2 (prefetcht2), as quant_int8_cpu.h's decode weights
