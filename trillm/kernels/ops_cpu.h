@@ -76,16 +76,13 @@ static void gelu_tanh_and_mul_f32(float *restrict out, const float *restrict x, 
 
 /* Rotates the `heads` heads of token t (head_dim floats each, the token's row starting at
  * x + t * row_stride) by position positions[t]: cos_sin holds cos | sin, head_dim / 2 each, for
- * each of max_positions positions. neox pairs element i with i + head_dim / 2; otherwise (GPT-J)
- * 2i with 2i + 1. Returns 0, or -1 (rotating nothing) when a position is past the table. */
+ * each position, which must be in the table (rotary_embedding_pooled checks). neox pairs element
+ * i with i + head_dim / 2; otherwise (GPT-J) 2i with 2i + 1. */
 TRILLM_MULTIVERSION
-static int rotary_embedding_f32(float *restrict x, const int64_t *restrict positions, const float *restrict cos_sin,
-                                int64_t max_positions, int64_t T, int64_t heads, int64_t head_dim,
-                                int64_t row_stride, int neox)
+static void rotary_embedding_f32(float *restrict x, const int64_t *restrict positions, const float *restrict cos_sin,
+                                 int64_t T, int64_t heads, int64_t head_dim, int64_t row_stride, int neox)
 {
     const int64_t half = head_dim / 2;
-    for (int64_t t = 0; t < T; t++)
-        if (positions[t] < 0 || positions[t] >= max_positions) return -1;
     for (int64_t t = 0; t < T; t++) {
         const float *cos = cos_sin + positions[t] * head_dim, *sin = cos + half;
         for (int64_t h = 0; h < heads; h++) {
@@ -107,21 +104,17 @@ static int rotary_embedding_f32(float *restrict x, const int64_t *restrict posit
             }
         }
     }
-    return 0;
 }
 
 /* The rows of token t (num_kv_heads * head_dim floats, at k + t * k_stride and v + t * v_stride)
  * into cache slot slots[t] of each cache ([num_slots, num_kv_heads, kv_row_width] of `kind`
  * (enum kv_cache_kind): fp32 copied, fp16 rounded to nearest even, int8 quantized per head, the
- * keys rotated first); a
- * negative slot (padding) is skipped. Returns 0, or -1 (writing nothing) when a slot is past the
- * cache. */
-static int write_kv(void *restrict k_cache, void *restrict v_cache, int kind, const float *restrict k,
-                    const float *restrict v, const int64_t *restrict slots, int64_t T, int64_t num_slots,
-                    int64_t num_kv_heads, int64_t head_dim, int64_t k_stride, int64_t v_stride)
+ * keys rotated first); a negative slot (padding) is skipped, and every other must be in the cache
+ * (write_kv_pooled checks). */
+static void write_kv(void *restrict k_cache, void *restrict v_cache, int kind, const float *restrict k,
+                     const float *restrict v, const int64_t *restrict slots, int64_t T, int64_t num_kv_heads,
+                     int64_t head_dim, int64_t k_stride, int64_t v_stride)
 {
-    for (int64_t t = 0; t < T; t++)
-        if (slots[t] >= num_slots) return -1;
     f16_narrow_fn *narrow = kind == KV_CACHE_F16 ? pick_f16_narrow() : NULL;
     const int64_t row_size = num_kv_heads * head_dim, row_width = kv_row_width(kind, head_dim);
     float key[head_dim]; /* an int8 cache's key row, rotated (kv_rotate) before it is quantized */
@@ -143,7 +136,6 @@ static int write_kv(void *restrict k_cache, void *restrict v_cache, int kind, co
             memcpy((float *)v_cache + slots[t] * row_size, v + t * v_stride, sizeof(float) * (size_t)row_size);
         }
     }
-    return 0;
 }
 
 
@@ -199,26 +191,27 @@ struct rotary_args {
     float *x;
     const int64_t *positions;
     const float *cos_sin;
-    int64_t max_positions, heads, head_dim, row_stride;
+    int64_t heads, head_dim, row_stride;
     int neox;
 };
 
 static void rotary_rows(const void *args, int64_t t0, int64_t t1)
 {
     const struct rotary_args *a = args;
-    rotary_embedding_f32(a->x + t0 * a->row_stride, a->positions + t0, a->cos_sin, a->max_positions, t1 - t0, a->heads,
-                         a->head_dim, a->row_stride, a->neox);
+    rotary_embedding_f32(a->x + t0 * a->row_stride, a->positions + t0, a->cos_sin, t1 - t0, a->heads, a->head_dim,
+                         a->row_stride, a->neox);
 }
 
-/* rotary_embedding_f32 on the pool (rows_run): every position checked first, so that a bad one
- * rotates nothing. */
+/* rotary_embedding_f32 on the pool (rows_run), the table holding max_positions positions.
+ * Returns 0, or -1 (rotating nothing) when a position is past the table: every position is
+ * checked before any piece runs. */
 static int rotary_embedding_pooled(pool_runner *run, int64_t chunks, float *x, const int64_t *positions,
                                    const float *cos_sin, int64_t max_positions, int64_t T, int64_t heads,
                                    int64_t head_dim, int64_t row_stride, int neox)
 {
     for (int64_t t = 0; t < T; t++)
         if (positions[t] < 0 || positions[t] >= max_positions) return -1;
-    const struct rotary_args a = {x, positions, cos_sin, max_positions, heads, head_dim, row_stride, neox};
+    const struct rotary_args a = {x, positions, cos_sin, heads, head_dim, row_stride, neox};
     rows_run(run, chunks, rotary_rows, &a, T, heads * head_dim);
     return 0;
 }
@@ -228,26 +221,26 @@ struct write_kv_args {
     int kind;
     const float *k, *v;
     const int64_t *slots;
-    int64_t num_slots, num_kv_heads, head_dim, k_stride, v_stride;
+    int64_t num_kv_heads, head_dim, k_stride, v_stride;
 };
 
 static void write_kv_rows(const void *args, int64_t t0, int64_t t1)
 {
     const struct write_kv_args *a = args;
     write_kv(a->k_cache, a->v_cache, a->kind, a->k + t0 * a->k_stride, a->v + t0 * a->v_stride, a->slots + t0, t1 - t0,
-             a->num_slots, a->num_kv_heads, a->head_dim, a->k_stride, a->v_stride);
+             a->num_kv_heads, a->head_dim, a->k_stride, a->v_stride);
 }
 
-/* write_kv on the pool (rows_run): every slot checked first, so that a bad one writes nothing.
- * Rows go to distinct slots (a negative one is skipped), so the pieces never write the same. */
+/* write_kv on the pool (rows_run), each cache holding num_slots slots. Returns 0, or -1 (writing
+ * nothing) when a slot is past the cache: every slot is checked before any piece runs. Rows go to
+ * distinct slots (a negative one is skipped), so the pieces never write the same. */
 static int write_kv_pooled(pool_runner *run, int64_t chunks, void *k_cache, void *v_cache, int kind, const float *k,
                            const float *v, const int64_t *slots, int64_t T, int64_t num_slots, int64_t num_kv_heads,
                            int64_t head_dim, int64_t k_stride, int64_t v_stride)
 {
     for (int64_t t = 0; t < T; t++)
         if (slots[t] >= num_slots) return -1;
-    const struct write_kv_args a = {k_cache, v_cache, kind, k, v, slots, num_slots, num_kv_heads, head_dim, k_stride,
-                                    v_stride};
+    const struct write_kv_args a = {k_cache, v_cache, kind, k, v, slots, num_kv_heads, head_dim, k_stride, v_stride};
     rows_run(run, chunks, write_kv_rows, &a, T, 2 * num_kv_heads * head_dim);
     return 0;
 }
