@@ -7,6 +7,12 @@ on the loop. So the loop keeps serving while the model computes and while a long
 admitted; the step and the loop share the interpreter's lock, which is what the engine's own
 process takes away.
 
+Why a round at a time, each handed back before the next: the loop's work on a round (settling it,
+then framing and sending every stream's tokens) runs while the thread waits, when the kernels'
+threads are idle. A thread that stepped on would run that work beside a step, where it takes a core
+from the kernels' pool, and would outpace a loop that falls behind, so that aborts and disconnects
+land later (benchmarks/README.md, "Rounds back to back": no faster, measured).
+
 Ownership: the Trio thread alone submits and runs; the runner runs on a worker thread, one round
 at a time, on a limiter of its own (never Trio's default, which anything else may fill).
 """
