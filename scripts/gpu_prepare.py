@@ -26,6 +26,7 @@ import argparse
 import functools
 import hashlib
 import json
+import ssl
 import subprocess
 import tempfile
 import tomllib
@@ -99,10 +100,17 @@ def best_wheel(package: str, wheels: list[dict]) -> Wheel:
     return min(usable, key=rank)
 
 
+@functools.cache
+def tls() -> ssl.SSLContext:
+    """One TLS context for every download: urllib makes one for each request otherwise, and each
+    reads and parses the system's certificates again."""
+    return ssl.create_default_context()
+
+
 def download(wheel: Wheel, folder: Path) -> Path:
     """`wheel` into `folder`, checked against its sha256 (a mismatch leaves no file)."""
     path, digest = folder / wheel.name, hashlib.sha256()
-    with urllib.request.urlopen(wheel.url, timeout=180) as response, open(path, "wb") as f:
+    with urllib.request.urlopen(wheel.url, timeout=180, context=tls()) as response, open(path, "wb") as f:
         while chunk := response.read(1 << 20):
             digest.update(chunk)
             f.write(chunk)
@@ -162,6 +170,7 @@ def prepare(out: Path, include: list[str] = ()) -> dict:
         for stale in folder.iterdir():
             stale.unlink()
     uv_bin()
+    tls()  # made once, before the threads that share it
     with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(DOWNLOADS) as pool:
         # Waiting on the registry is most of the time: the model resolves while the rest does,
         # and the wheels download at once.
