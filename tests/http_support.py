@@ -14,6 +14,7 @@ import json
 import os
 import re
 import shutil
+import ssl
 import subprocess
 import threading
 from contextlib import asynccontextmanager, contextmanager
@@ -64,6 +65,14 @@ def tiny_core(model_dir: str) -> EngineCore:
     return EngineCore(EngineArgs(model=model_dir, num_kv_blocks=TINY_KV_BLOCKS, max_model_len=TINY_MAX_MODEL_LEN))
 
 
+@functools.cache
+def client_tls() -> ssl.SSLContext:
+    """One TLS context for the tests' clients. httpx makes one for each client it builds, even
+    for a plain-http server like these, and each reads and parses the system's certificates:
+    across the suite's clients, seconds of CPU."""
+    return ssl.create_default_context()
+
+
 @dataclass
 class LiveServer:
     url: str
@@ -77,6 +86,7 @@ class LiveServer:
 
     def openai(self, **kwargs) -> openai.AsyncOpenAI:
         api_key = kwargs.pop("api_key", "none")
+        kwargs.setdefault("http_client", openai.DefaultAsyncHttpxClient(verify=client_tls()))
         client = openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, **kwargs)
         self.clients.append(client)
         return client
@@ -97,7 +107,7 @@ class LiveServer:
         return client
 
     def http(self, **kwargs) -> httpx.AsyncClient:
-        client = httpx.AsyncClient(base_url=self.url, timeout=SETTLE_TIMEOUT, **kwargs)
+        client = httpx.AsyncClient(base_url=self.url, timeout=SETTLE_TIMEOUT, verify=client_tls(), **kwargs)
         self.clients.append(client)
         return client
 
@@ -176,7 +186,7 @@ async def metric_value(http: httpx.AsyncClient, name: str, **labels) -> float:
 async def metric_total(url: str, name: str, always_reported: bool = False) -> float:
     """The sum of a replica's /metrics samples named `name` over all their labels; 0 before any
     (a labelled counter has no sample until it counts), unless it is `always_reported`."""
-    async with httpx.AsyncClient(base_url=url) as http:
+    async with httpx.AsyncClient(base_url=url, verify=client_tls()) as http:
         text = (await http.get("/metrics")).text
     values = re.findall(rf"^{re.escape(name)}\{{[^}}]*\}} (\S+)$", text, re.M)
     assert values or not always_reported, f"{url} reports no {name}"
