@@ -33,10 +33,21 @@ STEP_SHAPES = {"smollm2-135m": (30, 9, 3, 64, 32, 240), "smollm2-1.7b": (24, 32,
                "llama-3.2-3b": (28, 24, 8, 128, 8, 400)}
 
 
-def cache(num_blocks: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    shape = (num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
+def cache(num_blocks: int, generator: torch.Generator, kv_heads: int = KV_HEADS,
+          head_dim: int = HEAD_DIM) -> tuple[torch.Tensor, torch.Tensor]:
+    shape = (num_blocks, BLOCK, kv_heads, head_dim)
     return (to_cache(torch.randn(shape, generator=generator), CACHE_DTYPE),
             to_cache(torch.randn(shape, generator=generator), CACHE_DTYPE))
+
+
+def decode_rows(batch: int, context: int, generator: torch.Generator, heads: int = HEADS,
+                head_dim: int = HEAD_DIM) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A decode step's block tables (each request's `context` tokens in blocks scattered over a
+    cache of batch * (context // BLOCK + 1) + 1), one query row a request, and the lengths."""
+    per = context // BLOCK + 1
+    tables = (torch.randperm(batch * per, generator=generator) + 1).int().view(batch, per).contiguous()
+    q = torch.randn(batch, heads, head_dim, generator=generator)
+    return tables, q, torch.full((batch,), context, dtype=torch.int32)
 
 
 def prefill(context: int, rows: int, generator: torch.Generator) -> dict:
@@ -56,11 +67,8 @@ def prefill(context: int, rows: int, generator: torch.Generator) -> dict:
 
 
 def decode(batch: int, context: int, generator: torch.Generator) -> dict:
-    per = context // BLOCK + 1
-    k, v = cache(batch * per + 1, generator)
-    tables = (torch.randperm(batch * per, generator=generator) + 1).int().view(batch, per).contiguous()
-    q = torch.randn(batch, HEADS, HEAD_DIM, generator=generator)
-    lens = torch.full((batch,), context, dtype=torch.int32)
+    k, v = cache(batch * (context // BLOCK + 1) + 1, generator)
+    tables, q, lens = decode_rows(batch, context, generator)
     for _ in range(10):
         paged_attention(q, k, v, tables, lens, None, HEAD_DIM**-0.5)
     times = []
@@ -73,12 +81,8 @@ def decode(batch: int, context: int, generator: torch.Generator) -> dict:
 
 def step(name: str, generator: torch.Generator) -> dict:
     layers, heads, kv_heads, head_dim, batch, context = STEP_SHAPES[name]
-    per = context // BLOCK + 1
-    caches = [[to_cache(torch.randn(batch * per + 1, BLOCK, kv_heads, head_dim, generator=generator), CACHE_DTYPE)
-               for _ in range(2)] for _ in range(layers)]
-    tables = (torch.randperm(batch * per, generator=generator) + 1).int().view(batch, per).contiguous()
-    q = torch.randn(batch, heads, head_dim, generator=generator)
-    lens = torch.full((batch,), context, dtype=torch.int32)
+    caches = [cache(batch * (context // BLOCK + 1) + 1, generator, kv_heads, head_dim) for _ in range(layers)]
+    tables, q, lens = decode_rows(batch, context, generator, heads, head_dim)
     times = []
     for _ in range(12):
         start = time.perf_counter()
