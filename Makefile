@@ -10,8 +10,9 @@ STAMP := $(VENV)/.installed
 
 .PHONY: install build serve test test-fast bench-scheduler
 
-# The suite runs on every core (at most three workers: each collects every module and holds its own
-# models, so a fourth on two cores added more work than it overlapped; a test file stays
+# The suite runs a worker a core (at most three: each collects every module and holds its own
+# models, so a fourth on two cores added more work than it overlapped, and a third measured
+# the same as two there; a test file stays
 # on one worker, so its module fixtures and cached engines are made once; files are handed
 # out in collection order, longest first (tests/conftest.py), where pytest-xdist would order
 # them by their number of tests and leave long one-test files to the end), then the tests
