@@ -18,6 +18,7 @@ from http_support import EXACT, exact_core, live_server
 from trillm.config import EngineArgs
 from trillm.engine.core import EngineCore
 from trillm.engine.llm import LLM
+from trillm.model.loader import default_model_path
 from trillm.sampling_params import SamplingParams
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [40, 41, 42], list(range(50, 90))]
@@ -79,13 +80,18 @@ def test_every_kernel_family_runs_sharded(tiny_model_dir, backend):
     assert_same(greedy(model, 2, attention_backend=backend), greedy(model, 1, attention_backend=backend))
 
 
-async def test_default_model_at_tp3_through_a_live_server(default_model_dir):
-    """SmolLM2's 9 heads and 3 KV heads over 3 ranks, its GGUF blocks cut on block boundaries."""
-    args = dict(model=default_model_dir, max_tokens=6, temperature=0, logprobs=2)
-    whole = exact_core(default_model_dir)
+@pytest.mark.parametrize("form", ["hf-dir", "gguf"])
+async def test_default_model_at_tp3_through_a_live_server(default_model_dir, form):
+    """SmolLM2's 9 heads and 3 KV heads over 3 ranks: its converted directory's tensors, and its
+    file's blocks in place, cut on block boundaries (the vocabulary's as they come, by slices)."""
+    model = default_model_dir if form == "hf-dir" else default_model_path()
+    args = dict(model=model, max_tokens=6, temperature=0, logprobs=2)
+    whole = exact_core(model)
     sharded = await trio.to_thread.run_sync(
-        lambda: EngineCore(EngineArgs(model=default_model_dir, tensor_parallel_size=3, num_kv_blocks=64, **EXACT)))
+        lambda: EngineCore(EngineArgs(model=model, tensor_parallel_size=3, num_kv_blocks=64, **EXACT)))
     try:
+        # every projection on the blocks, as the whole engine runs them: the vocabulary's too
+        assert (sharded.runner.model.lm_head.quantized is None) == (whole.runner.model.lm_head.quantized is None)
         answers = []
         for core in (whole, sharded):
             async with live_server(core) as server:

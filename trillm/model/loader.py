@@ -387,7 +387,8 @@ def rank_shards(model: LlamaForCausalLM, weights: Iterable[tuple[str, Weight]]) 
                              "qkv_proj and gate_up_proj).")
         cut = next((span for key, span in rows.items() if key in name), None)
         if cut is not None:
-            weight = weight.rows(slice(*cut)) if isinstance(weight, quant.QuantizedWeight) else weight[slice(*cut)]
+            blocks = isinstance(weight, (quant.QuantizedWeight, quant.RowSlices))  # a vocabulary's come by slices
+            weight = weight.rows(slice(*cut)) if blocks else weight[slice(*cut)]
         cut = next((span for key, span in columns.items() if name.endswith(key)), None)
         if cut is not None:
             weight = weight.columns(*cut) if isinstance(weight, quant.QuantizedWeight) else weight[:, slice(*cut)]
