@@ -427,6 +427,32 @@ def test_the_memory_available_stays_within_the_cgroup_limit(tmp_path):
     assert available_memory(str(tmp_path)) == available_memory(str(tmp_path / "absent")) > 0
 
 
+def test_a_runner_pinned_to_fewer_cores_loads_on_no_more_torch_threads(monkeypatch):
+    """torch sizes its thread pool as it is imported; a rank or a data-parallel replica is pinned
+    to its share of the cores later. Loaded on more threads than the cores it may run on, the
+    load's torch ops spun at every barrier (a replica took seconds where it takes a fraction of
+    one). The load runs on as many as it has cores; serving on `num_threads`."""
+    import trillm.model.runner
+
+    cores = os.sched_getaffinity(0)
+    during_load = []
+
+    def load_model(*args, **kwargs):
+        during_load.append(torch.get_num_threads())
+        return real_load(*args, **kwargs)
+
+    real_load = trillm.model.runner.load_model
+    monkeypatch.setattr(trillm.model.runner, "load_model", load_model)
+    torch.set_num_threads(2)  # as torch sized itself on a machine of two cores or more
+    os.sched_setaffinity(0, {min(cores)})
+    try:
+        runner = ModelRunner(EngineArgs(num_kv_blocks=16, kernel_threads=len(cores)))
+    finally:
+        os.sched_setaffinity(0, cores)
+    assert during_load == [1]
+    assert torch.get_num_threads() == runner.args.num_threads
+
+
 def test_kv_cache_memory_becomes_resident_only_as_blocks_are_written(tiny_model_dir):
     """A 4 GiB budget on CPU costs next to nothing until requests write blocks: the cache is an
     anonymous mapping (zero pages), not a zeroed, and so resident, allocation."""

@@ -101,8 +101,15 @@ class ModelRunner:
         others run `serve_steps`). Every rank builds its shard and its share of the KV cache."""
         self.args = args
         self.tp = tp
-        if tp.size > 1 and args.tp_cpu_binding and resolve_device(args.device).type == "cpu":
+        on_cpu = resolve_device(args.device).type == "cpu"
+        if tp.size > 1 and args.tp_cpu_binding and on_cpu:
             os.sched_setaffinity(0, rank_cpus(tp))  # before any thread pool starts
+        if on_cpu:
+            # Loading's torch ops on the cores this process may run on, and no more threads than
+            # those: torch sized its pool when it was imported, before a rank or a data-parallel
+            # replica was pinned to its share, and its OpenMP workers spin at each op's barrier
+            # for a core that one of them holds.
+            torch.set_num_threads(len(os.sched_getaffinity(0)))
         loaded = load_model(args, tp)
         self.model, self.config, self.tokenizer = self._prepared(loaded.model), loaded.config, loaded.tokenizer
         if self.config.device.type == "cpu":
