@@ -10,7 +10,8 @@ from lora_support import make_adapter, reference
 
 from http_support import EXACT
 from trillm.config import EngineArgs
-from trillm.engine.core import EngineCore, parse_lora_modules
+from trillm.engine.core import EngineCore
+from trillm.engine.flag_check import parse_lora_modules
 from trillm.model.lora import LoRAError
 from trillm.kernels import lora, lora_cpu, lora_triton
 from trillm.sampling_params import SamplingParamError, SamplingParams

@@ -15,6 +15,7 @@ import torch
 from trillm.config import EngineArgs
 from trillm.engine.draft_policy import DraftPolicy
 from trillm.engine.drafting import NgramDrafter, SpeculativeConfig
+from trillm.engine.flag_check import check_flags, parse_lora_modules
 from trillm.engine.kv_events import KVEventsConfig, ZmqEventPublisher, event_batch
 from trillm.engine.pooler import Pooler
 from trillm.engine.prompt_logprobs import PromptLogprobs, fill_prompt_logprobs
@@ -97,6 +98,7 @@ class EngineCore:
         """With tensor_parallel_size > 1 this is rank 0: it starts the other ranks (unless a
         launcher did, trillm.model.tp_worker) and joins their group before loading its shard.
         `close()` stops them."""
+        check_flags(args)  # before any rank starts or anything loads
         self.workers: Workers | None = None
         self.kv_events: ZmqEventPublisher | None = None
         self.tp = parallel.SINGLE
@@ -124,7 +126,6 @@ class EngineCore:
     def _build(self, args: EngineArgs) -> None:
         """This rank's shard, the scheduler, and what serves requests beside them."""
         self.args = args
-        check_lora_args(args)
         self.runner = ModelRunner(args, self.tp)
         self.config = self.runner.config  # resolved once, by the loader
         self.tokenizer = self.runner.tokenizer
@@ -629,27 +630,3 @@ def find_adapter(loras: LoRARegistry | None, name: str | None) -> LoRAAdapter | 
         raise SamplingParamError("model", str(exc), exc.status) from None
 
 
-def parse_lora_modules(spec: str | None) -> list[tuple[str, str]]:
-    """`--lora-modules`: "name=path" items, separated by commas (or spaces)."""
-    items = [] if not spec else [item for part in spec.split(",") for item in part.split()]
-    pairs = []
-    for item in items:
-        name, sep, path = item.partition("=")
-        if not sep or not name or not path:
-            raise ValueError(f"--lora-modules takes name=path items; got {item!r}.")
-        pairs.append((name, path))
-    return pairs
-
-
-def check_lora_args(args: EngineArgs) -> None:
-    """ValueError for LoRA settings that cannot run."""
-    if args.lora_modules and not args.enable_lora:
-        raise ValueError("--lora-modules needs --enable-lora.")
-    if not args.enable_lora:
-        return
-    if args.tensor_parallel_size > 1:
-        raise ValueError("LoRA adapters are not supported under tensor parallelism yet; use --data-parallel-size.")
-    if args.max_loras < 1 or args.max_lora_rank < 1:
-        raise ValueError("--max-loras and --max-lora-rank must be at least 1.")
-    if args.max_cpu_loras is not None and args.max_cpu_loras < args.max_loras:
-        raise ValueError("--max-cpu-loras must be at least --max-loras.")
