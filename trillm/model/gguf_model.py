@@ -56,6 +56,11 @@ def _head_dim(file: GGUFFile) -> int:
     return file.field("attention.key_length", file.field("embedding_length") // file.field("attention.head_count"))
 
 
+def max_positions(file: GGUFFile) -> int:
+    """The positions the model was made for (llama.cpp's context length; 2048 where unsaid)."""
+    return file.field("context_length", 2048)
+
+
 def hf_config(file: GGUFFile) -> PretrainedConfig:
     """The transformers config of the file's model (check_servable first)."""
     check_servable(file)
@@ -77,7 +82,7 @@ def hf_config(file: GGUFFile) -> PretrainedConfig:
         num_attention_heads=heads,
         num_key_value_heads=file.field("attention.head_count_kv", heads),
         head_dim=_head_dim(file),
-        max_position_embeddings=file.field("context_length", 2048),
+        max_position_embeddings=max_positions(file),
         rms_norm_eps=float(file.field("attention.layer_norm_rms_epsilon", 1e-6)),
         rope_parameters=rope,
         tie_word_embeddings="output.weight" not in file.tensors,

@@ -110,13 +110,13 @@ def resolve_model(model: str | None) -> str:
     raise FileNotFoundError(f"{model!r} is neither a .gguf file nor a directory with a config.json.")
 
 
-def check_model(model: str | None, tensor_parallel_size: int = 1) -> None:
+def check_model(model: str | None, tensor_parallel_size: int = 1, max_model_len: int | None = None) -> None:
     """Refuses, before anything heavy happens, a model the loader cannot serve: a path that is
     neither a GGUF file nor an HF directory (FileNotFoundError), a GGUF file of an architecture, a
     format or a tensor it does not read, or an HF directory of another model type
     (UnservableModel); and one whose heads (or a GGUF file's fused projections) do not split over
-    `tensor_parallel_size` ranks (ValueError). Reads the file's header or the directory's
-    config.json, no weight."""
+    `tensor_parallel_size` ranks, or whose positions end before `max_model_len` (ValueError).
+    Reads the file's header or the directory's config.json, no weight."""
     path = resolve_model(model)
     if gguf_file(path) is None:
         with open(os.path.join(path, "config.json")) as f:
@@ -131,6 +131,8 @@ def check_model(model: str | None, tensor_parallel_size: int = 1) -> None:
         if tensor_parallel_size > 1 and "num_attention_heads" in config:
             heads = config["num_attention_heads"]
             check_head_split(heads, config.get("num_key_value_heads") or heads, tensor_parallel_size)
+        if "max_position_embeddings" in config:
+            check_max_model_len(max_model_len, config["max_position_embeddings"])
         return
     with GGUFFile(path) as file:
         check_servable(file)
@@ -140,6 +142,7 @@ def check_model(model: str | None, tensor_parallel_size: int = 1) -> None:
             check_head_split(heads, file.field("attention.head_count_kv", heads), tensor_parallel_size)
             if any(param_shard(name)[1] is None for name in names):
                 raise ValueError(FUSED_UNSPLIT)
+        check_max_model_len(max_model_len, gguf_model.max_positions(file))
 
 
 def resolve_device(device: Device) -> torch.device:
@@ -310,12 +313,14 @@ def sentence_transformers_pooling(model_dir: str) -> PoolingType | None:
 
 
 def _max_model_len(args: EngineArgs, config: PretrainedConfig) -> int:
-    max_positions = config.max_position_embeddings
-    if args.max_model_len and args.max_model_len > max_positions:
-        raise ValueError(
-            f"max_model_len {args.max_model_len} exceeds the model's max_position_embeddings {max_positions}."
-        )
-    return args.max_model_len or max_positions
+    check_max_model_len(args.max_model_len, config.max_position_embeddings)
+    return args.max_model_len or config.max_position_embeddings
+
+
+def check_max_model_len(asked: int | None, max_positions: int) -> None:
+    """ValueError when a length asked for is beyond the positions the model was made for."""
+    if asked and asked > max_positions:
+        raise ValueError(f"max_model_len {asked} exceeds the model's max_position_embeddings {max_positions}.")
 
 
 # HF projection -> (our fused projection, its shard index)
