@@ -102,6 +102,17 @@ class ServerSettings:
                              "--data-parallel-address (the router alone, in front of replicas elsewhere).")
         if self.api_server_count < 1:
             raise ValueError("--api-server-count is the HTTP front processes: at least 1.")
+        if not 0 <= self.port <= 65535:
+            raise ValueError("--port is a TCP port: 0 (any free one) to 65535.")
+        for flag, value, least, what in (
+            ("--max-waiting", self.max_waiting, 0, "the requests that may wait for the engine"),
+            ("--backlog", self.backlog, 1, "the connections the kernel queues"),
+            ("--max-body-bytes", self.max_body_bytes, 1, "the largest request body taken"),
+            ("--drain-timeout", self.drain_timeout, 0, "the seconds a stop may take"),
+            ("--responses-store-size", self.responses_store_size, 0, "the responses kept"),
+        ):
+            if value < least:
+                raise ValueError(f"{flag} is {what}: at least {least}.")
         if self.api_server_count > 1:
             # Each of these needs every front idle at once, or a state every front follows, which
             # only one front can give today.

@@ -37,18 +37,25 @@ PREPARE_THREADS = 2  # requests tokenised, rendered or validated at once, beside
 T = TypeVar("T")
 
 
+def check_settings(settings: ServerSettings) -> None:
+    """ValueError for a setting that names what this server has not (a parser, a metrics prefix)
+    or an opt-in without what it needs (trillm/http/paths.py). `trillm serve` runs it before
+    loading the model, and every ServerState again."""
+    for name, value, known in (
+        ("tool_call_parser", settings.tool_call_parser, [*TOOL_PARSERS, "none"]),
+        ("reasoning_parser", settings.reasoning_parser, REASONING_PARSERS),
+        ("metrics_prefix", settings.metrics_prefix, ("trillm", "vllm")),
+    ):
+        if value is not None and value not in known:
+            raise ValueError(f"Unknown {name} {value!r}; known: {', '.join(known)}.")
+    paths.check_settings(settings)
+
+
 class ServerState:
     def __init__(self, settings: ServerSettings, core: EngineCore | EngineLink):
         self.engine = engine = AsyncEngine(core, settings.max_waiting)  # the app's only way to the core
         settings = self.settings = replace(settings, engine=engine.args)  # what runs, for /server_info
-        for name, value, known in (
-            ("tool_call_parser", settings.tool_call_parser, [*TOOL_PARSERS, "none"]),
-            ("reasoning_parser", settings.reasoning_parser, REASONING_PARSERS),
-            ("metrics_prefix", settings.metrics_prefix, ("trillm", "vllm")),
-        ):
-            if value is not None and value not in known:
-                raise ValueError(f"Unknown {name} {value!r}; known: {', '.join(known)}.")
-        paths.check_settings(settings)
+        check_settings(settings)
         self.tokenizer = engine.tokenizer
         # The tool-call parser for tool_choice auto; None ("none", or no parser fits the template) refuses auto.
         if settings.tool_call_parser is None:
