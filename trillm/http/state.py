@@ -23,11 +23,11 @@ from trillm.http.logprobs import TokenTexts
 from trillm.http.logs import REQUEST_ID
 from trillm.http.metrics import Metrics
 from trillm.http.prompts import PromptBound
-from trillm.http.reasoning import REASONING_PARSERS
 from trillm.http.request_templates import RequestTemplates
 from trillm.http.responses_store import ResponseStore, SharedResponseStore
 from trillm.http.settings import ServerSettings
-from trillm.http.tool_parsers import TOOL_PARSERS, default_parser
+from trillm.http.settings_check import check_settings
+from trillm.http.tool_parsers import default_parser
 
 EXTENSION = "trillm"
 # Bodies larger than this are decoded and validated in a worker thread: their cost grows with
@@ -35,20 +35,6 @@ EXTENSION = "trillm"
 OFF_LOOP_BYTES = 16 << 10
 PREPARE_THREADS = 2  # requests tokenised, rendered or validated at once, beside the engine's step
 T = TypeVar("T")
-
-
-def check_settings(settings: ServerSettings) -> None:
-    """ValueError for a setting that names what this server has not (a parser, a metrics prefix)
-    or an opt-in without what it needs (trillm/http/paths.py). `trillm serve` runs it before
-    loading the model, and every ServerState again."""
-    for name, value, known in (
-        ("tool_call_parser", settings.tool_call_parser, [*TOOL_PARSERS, "none"]),
-        ("reasoning_parser", settings.reasoning_parser, REASONING_PARSERS),
-        ("metrics_prefix", settings.metrics_prefix, ("trillm", "vllm")),
-    ):
-        if value is not None and value not in known:
-            raise ValueError(f"Unknown {name} {value!r}; known: {', '.join(known)}.")
-    paths.check_settings(settings)
 
 
 class ServerState:

@@ -38,7 +38,7 @@ def _serve(serve: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         server_settings = settings.from_args(args)
         check_flags(server_settings.engine)
         if not server_settings.supervises:  # a supervisor stays light; each replica checks its own
-            from trillm.http.state import check_settings
+            from trillm.http.settings_check import check_settings
 
             check_settings(server_settings)
         if server_settings.supervises and server_settings.router_policy == settings.RouterPolicy.KV_AWARE:
