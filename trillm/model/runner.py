@@ -112,7 +112,7 @@ class ModelRunner:
             torch.set_num_threads(len(os.sched_getaffinity(0)))
         loaded = load_model(args, tp)
         self.model, self.config, self.tokenizer = self._prepared(loaded.model), loaded.config, loaded.tokenizer
-        if self.config.device.type == "cpu":
+        if on_cpu:
             torch.set_num_threads(args.num_threads)
             self.model.kernels.set_threads(args.kernel_threads or len(os.sched_getaffinity(0)))
         self.lora_slots: LoRASlots | None = None  # the model's LoRA adapter slots (trillm/model/lora.py)
