@@ -100,11 +100,10 @@ class ServerSettings:
         if self.data_parallel_size < 0 or (self.data_parallel_size == 0 and not self.data_parallel_address):
             raise ValueError("--data-parallel-size is the replicas to start here: at least 1, or 0 with "
                              "--data-parallel-address (the router alone, in front of replicas elsewhere).")
-        if self.api_server_count < 1:
-            raise ValueError("--api-server-count is the HTTP front processes: at least 1.")
         if not 0 <= self.port <= 65535:
             raise ValueError("--port is a TCP port: 0 (any free one) to 65535.")
         for flag, value, least, what in (
+            ("--api-server-count", self.api_server_count, 1, "the HTTP front processes"),
             ("--max-waiting", self.max_waiting, 0, "the requests that may wait for the engine"),
             ("--backlog", self.backlog, 1, "the connections the kernel queues"),
             ("--max-body-bytes", self.max_body_bytes, 1, "the largest request body taken"),
