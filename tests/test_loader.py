@@ -59,7 +59,7 @@ def test_a_file_that_is_not_a_servable_gguf_is_refused_without_naming_it(tmp_pat
     write_foreign_gguf(str(tmp_path / "bert.gguf"))
     for name in (*cases, "bert.gguf"):
         with pytest.raises(UnservableModel) as refused:
-            check_model(str(tmp_path / name))
+            check_model(EngineArgs(model=str(tmp_path / name)))
         assert str(tmp_path) not in str(refused.value) and "\n" not in str(refused.value), name
     with pytest.raises(UnservableModel, match="architecture is 'bert'"):
         load_model(EngineArgs(model=str(tmp_path / "bert.gguf")))
@@ -412,9 +412,9 @@ def test_partial_rotary_embeddings_are_refused_before_loading(tiny_model_dir, tm
 
     model_dir = tmp_path / "model"
     shutil.copytree(tiny_model_dir("phi3"), model_dir)
-    check_model(str(model_dir))
+    check_model(EngineArgs(model=str(model_dir)))
     config = json.loads((model_dir / "config.json").read_text())
     config["rope_parameters"]["partial_rotary_factor"] = 0.75
     (model_dir / "config.json").write_text(json.dumps(config))
     with pytest.raises(UnservableModel, match="partial rotary"):
-        check_model(str(model_dir))
+        check_model(EngineArgs(model=str(model_dir)))

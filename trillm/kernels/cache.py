@@ -31,6 +31,17 @@ def row_width(head_dim: int, dtype: torch.dtype) -> int:
     return head_dim + INT8_SCALE_BYTES if dtype == torch.int8 else head_dim
 
 
+def cache_shape(layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
+                dtype: torch.dtype) -> tuple[int, ...]:
+    """A paged KV cache's [layers, K and V, num_blocks, block_size, kv_heads, row_width]."""
+    return (layers, 2, num_blocks, block_size, kv_heads, row_width(head_dim, dtype))
+
+
+def kv_block_bytes(layers: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes of one block of K and V over all layers."""
+    return math.prod(cache_shape(layers, 1, block_size, kv_heads, head_dim, dtype)) * dtype.itemsize
+
+
 def rotate_rows(x: torch.Tensor) -> torch.Tensor:
     """x [..., D] -> fp32 [..., D] times the normalized Walsh-Hadamard matrix when D is a power of
     two (x as fp32 otherwise), computed as the kernels do (shared_cpu.h's kv_rotate), so to the

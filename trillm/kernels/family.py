@@ -48,7 +48,7 @@ class Kernels:
         """`quantized_activations`: whether a family with a quantized_linear runs it on 8-bit
         activations (EngineArgs.quantized_activations); the others ignore it. `kv_cache_dtype`
         (EngineArgs.kv_cache_dtype) becomes self.kv_cache_dtype, "auto" the family's choice."""
-        self.kv_cache_dtype = KV_CACHE_DTYPES[kv_cache_dtype] or self.auto_kv_cache_dtype(dtype)
+        self.kv_cache_dtype = self.cache_dtype(dtype, kv_cache_dtype)
 
         def kernels(op: str):
             return importlib.import_module(f"trillm.kernels.{op}{self.module_suffix}")
@@ -63,7 +63,13 @@ class Kernels:
         self.paged_attention = kernels("attention").paged_attention
         self.lora_add = kernels("lora").lora_add  # each row's LoRA adapter update (trillm/model/lora.py)
 
-    def auto_kv_cache_dtype(self, dtype: torch.dtype) -> torch.dtype:
+    @classmethod
+    def cache_dtype(cls, dtype: torch.dtype, kv_cache_dtype: KVCacheDType) -> torch.dtype:
+        """The KV cache's dtype for a model in `dtype` asked for `kv_cache_dtype`."""
+        return KV_CACHE_DTYPES[kv_cache_dtype] or cls.auto_kv_cache_dtype(dtype)
+
+    @staticmethod
+    def auto_kv_cache_dtype(dtype: torch.dtype) -> torch.dtype:
         """The KV cache's dtype for a model in `dtype` when none is asked for."""
         return dtype
 
@@ -156,7 +162,8 @@ class CpuKernels(TorchKernels):
             self.rotary_embedding = ops_cpu.rotary_embedding
             self.lora_add = lora_cpu.lora_add
 
-    def auto_kv_cache_dtype(self, dtype: torch.dtype) -> torch.dtype:
+    @staticmethod
+    def auto_kv_cache_dtype(dtype: torch.dtype) -> torch.dtype:
         return torch.float16 if dtype == torch.float32 else dtype
 
     def describe(self) -> str:
@@ -195,23 +202,36 @@ def get_kernels(
     name: AttentionBackend, device: torch.device, dtype: torch.dtype, quantized_activations: bool = True,
     kv_cache_dtype: KVCacheDType = KVCacheDType.AUTO,
 ) -> Kernels:
-    """`name` is EngineArgs.attention_backend; "auto" means Triton on CUDA, and on CPU the cpu
-    family where its compiled kernel is built and oneDNN runs the dtype, else the torch twins.
-    `quantized_activations` and `kv_cache_dtype` go to the family (Kernels.__init__)."""
+    """The family `name` (EngineArgs.attention_backend) means (family_of), made;
+    `quantized_activations` and `kv_cache_dtype` go to it (Kernels.__init__)."""
+    family = family_of(name, device, dtype)
+    if name == AttentionBackend.AUTO and device.type == "cpu" and family is not CpuKernels:
+        log.warning("the compiled CPU kernels are not built, or do not run %s here: every op runs on the "
+                    "torch reference kernels, several times slower (build them: setup.py build_ext)", dtype)
+    kernels = family(dtype, quantized_activations, kv_cache_dtype)
+    log.info("kernels: the %s family on %s, %s weights, %s KV cache%s", family.name, device.type,
+             str(dtype).removeprefix("torch."), str(kernels.kv_cache_dtype).removeprefix("torch."),
+             kernels.describe())
+    return kernels
+
+
+def family_of(name: AttentionBackend, device: torch.device, dtype: torch.dtype) -> type[Kernels]:
+    """The family `name` means: "auto" is Triton on CUDA, and on CPU the cpu family where its
+    compiled kernels are built and oneDNN runs the dtype, else the torch twins. ValueError for
+    the cpu family where it does not run."""
     cpu_runs = device.type == "cpu" and _cpu_family_runs(dtype)
     if name == AttentionBackend.AUTO:
         name = (AttentionBackend.TRITON if device.type == "cuda" else
                 AttentionBackend.CPU if cpu_runs else AttentionBackend.TORCH)
-        if device.type == "cpu" and not cpu_runs:
-            log.warning("the compiled CPU kernels are not built, or do not run %s here: every op runs on the "
-                        "torch reference kernels, several times slower (build them: setup.py build_ext)", dtype)
     if name == AttentionBackend.CPU and not cpu_runs:
         raise ValueError("The cpu kernel family runs on the CPU, in float32 or (with AVX512-bf16) bfloat16, once built.")
-    kernels = FAMILIES[name](dtype, quantized_activations, kv_cache_dtype)
-    log.info("kernels: the %s family on %s, %s weights, %s KV cache%s", name, device.type,
-             str(dtype).removeprefix("torch."), str(kernels.kv_cache_dtype).removeprefix("torch."),
-             kernels.describe())
-    return kernels
+    return FAMILIES[name]
+
+
+def kv_cache_dtype_of(name: AttentionBackend, device: torch.device, dtype: torch.dtype,
+                      kv_cache_dtype: KVCacheDType) -> torch.dtype:
+    """The dtype of the KV cache get_kernels' family keeps, without making the family."""
+    return family_of(name, device, dtype).cache_dtype(dtype, kv_cache_dtype)
 
 
 def _cpu_family_runs(dtype: torch.dtype) -> bool:

@@ -49,8 +49,7 @@ def _serve(serve: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         serve.error(str(exc))  # exits 2, as for any flag argparse refuses
     if server_settings.data_parallel_size != 0:  # 0: a front door alone, its replicas elsewhere
         try:
-            engine = server_settings.engine
-            check_model(engine.model, engine.tensor_parallel_size, engine.max_model_len)
+            check_model(server_settings.engine)
         except (ValueError, OSError) as exc:  # in one line: a model is no usage mistake
             serve.exit(2, f"{serve.prog}: error: {exc}\n")
     run(server_settings)

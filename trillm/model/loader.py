@@ -35,7 +35,8 @@ from trillm.model.llama import (GEMMA, SUPPORTED_MODEL_TYPES, Embedding, Linear,
                                  check_head_split, head_dim_of, head_shards)
 from trillm.model.parallel import SINGLE, TensorParallel
 from trillm.kernels import quant
-from trillm.kernels.family import get_kernels
+from trillm.kernels.cache import kv_block_bytes
+from trillm.kernels.family import get_kernels, kv_cache_dtype_of
 from trillm.pooling_params import PoolingType
 
 log = logging.getLogger(__name__)
@@ -110,14 +111,16 @@ def resolve_model(model: str | None) -> str:
     raise FileNotFoundError(f"{model!r} is neither a .gguf file nor a directory with a config.json.")
 
 
-def check_model(model: str | None, tensor_parallel_size: int = 1, max_model_len: int | None = None) -> None:
-    """Refuses, before anything heavy happens, a model the loader cannot serve: a path that is
-    neither a GGUF file nor an HF directory (FileNotFoundError), a GGUF file of an architecture, a
-    format or a tensor it does not read, or an HF directory of another model type
+def check_model(args: EngineArgs) -> None:
+    """Refuses, before anything heavy happens, a model the loader cannot serve as `args` ask: a
+    path that is neither a GGUF file nor an HF directory (FileNotFoundError), a GGUF file of an
+    architecture, a format or a tensor it does not read, or an HF directory of another model type
     (UnservableModel); and one whose heads (or a GGUF file's fused projections) do not split over
-    `tensor_parallel_size` ranks, or whose positions end before `max_model_len` (ValueError).
-    Reads the file's header or the directory's config.json, no weight."""
-    path = resolve_model(model)
+    the tensor-parallel ranks, whose positions end before --max-model-len, or one block of whose
+    KV cache --kv-cache-memory does not hold (ValueError). Reads the file's header or the
+    directory's config.json, no weight."""
+    path = resolve_model(args.model)
+    tp_size = args.tensor_parallel_size
     if gguf_file(path) is None:
         with open(os.path.join(path, "config.json")) as f:
             config = json.load(f)
@@ -128,21 +131,37 @@ def check_model(model: str | None, tensor_parallel_size: int = 1, max_model_len:
         if config.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0)) != 1.0:
             raise UnservableModel("The model turns part of its heads' dimensions (partial rotary embeddings), which "
                                   "trillm does not run yet.")
-        if tensor_parallel_size > 1 and "num_attention_heads" in config:
-            heads = config["num_attention_heads"]
-            check_head_split(heads, config.get("num_key_value_heads") or heads, tensor_parallel_size)
-        if "max_position_embeddings" in config:
-            check_max_model_len(max_model_len, config["max_position_embeddings"])
-        return
-    with GGUFFile(path) as file:
-        check_servable(file)
-        names = [gguf_weights.hf_name(info.name, file.architecture) for info in file.tensors.values()]
-        if tensor_parallel_size > 1:
-            heads = file.field("attention.head_count")
-            check_head_split(heads, file.field("attention.head_count_kv", heads), tensor_parallel_size)
-            if any(param_shard(name)[1] is None for name in names):
+        hf_config = AutoConfig.from_pretrained(path)
+        positions = config.get("max_position_embeddings")
+    else:
+        with GGUFFile(path) as file:
+            check_servable(file)
+            hf_config = gguf_model.hf_config(file)
+            if tp_size > 1 and any(param_shard(gguf_weights.hf_name(info.name, file.architecture))[1] is None
+                                   for info in file.tensors.values()):
                 raise ValueError(FUSED_UNSPLIT)
-        check_max_model_len(max_model_len, gguf_model.max_positions(file))
+            positions = gguf_model.max_positions(file)
+    if tp_size > 1:
+        check_head_split(hf_config.num_attention_heads, hf_config.num_key_value_heads, tp_size)
+    if positions is not None:
+        check_max_model_len(args.max_model_len, positions)
+    _check_kv_cache_memory(args, hf_config)
+
+
+def _check_kv_cache_memory(args: EngineArgs, config: PretrainedConfig) -> None:
+    """ValueError where --kv-cache-memory is set on CPU (a GPU's budget is what it has free) and
+    each tensor-parallel rank's part of it holds none of its blocks (ModelRunner's budget)."""
+    device = resolve_device(args.device)
+    if args.kv_cache_memory is None or args.num_kv_blocks or device.type != "cpu":
+        return
+    tp = TensorParallel(0, args.tensor_parallel_size)
+    (kv_start, kv_end) = head_shards(config, tp)[1]
+    dtype = kv_cache_dtype_of(args.attention_backend, device, resolve_dtype(args.dtype, device), args.kv_cache_dtype)
+    block = kv_block_bytes(config.num_hidden_layers, args.block_size, kv_end - kv_start, head_dim_of(config), dtype)
+    if args.kv_cache_memory // tp.size < block:
+        raise ValueError(f"--kv-cache-memory {args.kv_cache_memory} holds no block of the KV cache: one of "
+                         f"{args.block_size} tokens takes {block * tp.size} bytes ({str(dtype).removeprefix('torch.')}"
+                         f"); raise it, or lower --block-size.")
 
 
 def resolve_device(device: Device) -> torch.device:

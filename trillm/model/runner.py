@@ -21,7 +21,7 @@ import torch
 from trillm.config import EngineArgs, LoadFormat, default_kv_cache_memory
 from trillm.heap import TrimAfterPrompts
 from trillm.kernels.attention_metadata import AttentionMetadata
-from trillm.kernels.cache import row_width
+from trillm.kernels.cache import cache_shape, kv_block_bytes
 from trillm.model.cuda_graphs import DecodeGraphs, use_cuda_graphs
 from trillm.model.llama import Linear, LlamaForCausalLM, head_dim_of
 from trillm.model.loader import load_model, pack_linear_weights, resolve_device
@@ -218,14 +218,15 @@ class ModelRunner:
     @property
     def block_bytes(self) -> int:
         """Bytes of one block of K and V over all layers (this rank's heads)."""
-        return math.prod(self._kv_cache_shape(1)) * self._kv_dtype.itemsize
+        cfg = self.config.hf_config
+        return kv_block_bytes(cfg.num_hidden_layers, self.block_size, self._kv_heads, head_dim_of(cfg), self._kv_dtype)
 
     def _kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         """[layers, K and V, num_blocks, block_size, Hk, row_width] (trillm/kernels/cache.py: D, or
         D + 2 for an int8 cache's scales)."""
         cfg = self.config.hf_config
-        return (cfg.num_hidden_layers, 2, num_blocks, self.block_size, self._kv_heads,
-                row_width(head_dim_of(cfg), self._kv_dtype))
+        return cache_shape(cfg.num_hidden_layers, num_blocks, self.block_size, self._kv_heads, head_dim_of(cfg),
+                           self._kv_dtype)
 
     def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer (K, V), each [num_blocks, block_size, Hk, row_width] and contiguous, carved
