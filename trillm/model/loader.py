@@ -131,29 +131,39 @@ def check_model(args: EngineArgs) -> None:
         if config.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0)) != 1.0:
             raise UnservableModel("The model turns part of its heads' dimensions (partial rotary embeddings), which "
                                   "trillm does not run yet.")
-        hf_config = AutoConfig.from_pretrained(path)
-        positions = config.get("max_position_embeddings")
-    else:
-        with GGUFFile(path) as file:
-            check_servable(file)
-            hf_config = gguf_model.hf_config(file)
-            if tp_size > 1 and any(param_shard(gguf_weights.hf_name(info.name, file.architecture))[1] is None
-                                   for info in file.tensors.values()):
+        if tp_size > 1 and "num_attention_heads" in config:
+            heads = config["num_attention_heads"]
+            check_head_split(heads, config.get("num_key_value_heads") or heads, tp_size)
+        if "max_position_embeddings" in config:
+            check_max_model_len(args.max_model_len, config["max_position_embeddings"])
+        if _kv_cache_memory_set(args):
+            _check_kv_cache_memory(args, AutoConfig.from_pretrained(path))
+        return
+    with GGUFFile(path) as file:
+        check_servable(file)
+        names = [gguf_weights.hf_name(info.name, file.architecture) for info in file.tensors.values()]
+        if tp_size > 1:
+            heads = file.field("attention.head_count")
+            check_head_split(heads, file.field("attention.head_count_kv", heads), tp_size)
+            if any(param_shard(name)[1] is None for name in names):
                 raise ValueError(FUSED_UNSPLIT)
-            positions = gguf_model.max_positions(file)
-    if tp_size > 1:
-        check_head_split(hf_config.num_attention_heads, hf_config.num_key_value_heads, tp_size)
-    if positions is not None:
-        check_max_model_len(args.max_model_len, positions)
-    _check_kv_cache_memory(args, hf_config)
+        check_max_model_len(args.max_model_len, gguf_model.max_positions(file))
+        if _kv_cache_memory_set(args):
+            _check_kv_cache_memory(args, gguf_model.hf_config(file))
+
+
+def _kv_cache_memory_set(args: EngineArgs) -> bool:
+    """Whether --kv-cache-memory sizes the KV cache: set, on CPU (a GPU's budget is what it has
+    free), and not overruled by --num-kv-blocks. Only then is a config made to check it (the
+    transformers config classes take a second to import, where a data-parallel supervisor
+    imports none)."""
+    return args.kv_cache_memory is not None and not args.num_kv_blocks and resolve_device(args.device).type == "cpu"
 
 
 def _check_kv_cache_memory(args: EngineArgs, config: PretrainedConfig) -> None:
-    """ValueError where --kv-cache-memory is set on CPU (a GPU's budget is what it has free) and
-    each tensor-parallel rank's part of it holds none of its blocks (ModelRunner's budget)."""
+    """ValueError where each tensor-parallel rank's part of --kv-cache-memory holds none of its
+    blocks (ModelRunner's budget)."""
     device = resolve_device(args.device)
-    if args.kv_cache_memory is None or args.num_kv_blocks or device.type != "cpu":
-        return
     tp = TensorParallel(0, args.tensor_parallel_size)
     (kv_start, kv_end) = head_shards(config, tp)[1]
     dtype = kv_cache_dtype_of(args.attention_backend, device, resolve_dtype(args.dtype, device), args.kv_cache_dtype)
