@@ -8,6 +8,7 @@ import re
 import signal
 import sys
 import tempfile
+import threading
 
 import httpx
 import openai
@@ -16,8 +17,9 @@ import trio
 from http_support import EXACT, SETTLE_TIMEOUT, finish_of_stream, greedy_ids, live_server, metric_value
 from lora_support import make_adapter
 from process_support import live, start_server, started_by
+from trillm import SamplingParams
 from trillm.config import EngineArgs
-from trillm.engine.api import EngineLink, EngineProcess
+from trillm.engine.api import AsyncEngine, EngineLink, EngineProcess, RequestGroup
 
 
 async def test_two_fronts_share_one_engine(tiny_text_model_dir):
@@ -105,6 +107,32 @@ async def test_two_fronts_share_one_engine(tiny_text_model_dir):
             with trio.fail_after(SETTLE_TIMEOUT):
                 while "three" in {m.id for m in (await clients[0].models.list()).data}:
                     await trio.sleep(0.02)
+
+
+async def test_a_front_made_before_the_engine_links_to_it_loses_no_request(tiny_text_model_dir):
+    """The engine's process connects to a front's sockets some time after the front binds them
+    (within a tenth of a second while it runs; here it is stopped for a second). A command sent
+    before found no peer and was dropped, and its request waited for ever: on a loaded machine
+    the test above hung so. A front now serves once the engine has linked to it, and the
+    request it takes at once is answered."""
+    args = EngineArgs(model=tiny_text_model_dir, num_kv_blocks=64, max_model_len=256)
+    with EngineProcess(args, fronts=2) as first:
+        os.kill(first.process.pid, signal.SIGSTOP)
+        resume = threading.Timer(1.0, os.kill, (first.process.pid, signal.SIGCONT))
+        resume.start()
+        try:
+            with EngineLink(first.front_specs()[0]) as second:
+                engine = AsyncEngine(second, max_waiting=4)
+                async with trio.open_nursery() as nursery:
+                    await nursery.start(engine.run)
+                    with trio.fail_after(SETTLE_TIMEOUT):
+                        stream = await engine.add(RequestGroup("first", [([10, 11], SamplingParams(max_tokens=3))]))
+                        outputs = [out async for _, out in stream]
+                    assert outputs[-1].finished and outputs[-1].finish_reason == "length"
+                    await engine.aclose()
+        finally:
+            resume.cancel()
+            os.kill(first.process.pid, signal.SIGCONT)
 
 
 def _fronts(log: list[str]) -> dict[int, int]:

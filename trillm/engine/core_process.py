@@ -21,6 +21,7 @@ import logging
 import multiprocessing
 import os
 import pickle
+import select
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -47,6 +48,7 @@ from trillm.subprocesses import start_process
 log = logging.getLogger(__name__)
 JOIN_S = 10.0  # how long `close` waits for the engine's process to end before it kills it
 EXIT_GRACE_S = 0.5  # once the engine's process has ended, how long what it sent last may take to arrive
+LINK_POLL_MS = 200  # while a front waits for the engine's process to connect, how often it checks that one runs
 
 
 def faster_in_own_process(args: EngineArgs) -> bool:
@@ -100,6 +102,7 @@ class EngineLink:
             self._serve(spec.ready)
 
     def _serve(self, ready: Ready) -> None:
+        self._wait_linked()
         self.config, self.args, self.tokenizer, self._stats = ready.config, ready.args, ready.tokenizer, ready.stats
         # The adapters requests may name, as the engine's process last said (its registry is the
         # truth: it refuses what this copy let through); their records only, never their weights.
@@ -108,6 +111,26 @@ class EngineLink:
             self.loras = LoRARegistry(self.config.hf_config, self.args.max_lora_rank, 1)  # holds no weights
             self.follow_adapters(ready.adapters)
         self.grammars = Grammars.of(self.tokenizer, self.config, self.args.grammar_compile_timeout)
+
+    def _wait_linked(self) -> None:
+        """Block until the engine's process has connected to this front's commands socket. Until
+        then the bound socket has no peer to queue a command for, so `submit` would lose it and
+        its request would wait for ever: the engine's process connects to a front's address some
+        time after the front binds it (its I/O thread retries the address until it is there).
+        EngineUnavailableError if the process ends first."""
+        while not self._commands.poll(LINK_POLL_MS, zmq.POLLOUT):
+            if not self._engine_running():
+                raise EngineUnavailableError("The engine's process exited before it linked to this front.")
+
+    def _engine_running(self) -> bool:
+        try:
+            pidfd = os.pidfd_open(self._engine_pid)  # readable once it ends, though it is not our child
+        except ProcessLookupError:
+            return False
+        try:
+            return not select.select([pidfd], [], [], 0)[0]
+        finally:
+            os.close(pidfd)
 
     def follow_adapters(self, adapters: list[LoRAAdapter]) -> None:
         """The engine's registry as it now is (another front loaded or unloaded one)."""
@@ -248,6 +271,9 @@ class EngineProcess(EngineLink):
             raise pickle.loads(message[1:])
         assert message[:1] == READY
         return pickle.loads(message[1:])
+
+    def _engine_running(self) -> bool:
+        return self.process.is_alive()
 
     async def _exited(self) -> int | None:
         await trio.lowlevel.wait_readable(self.process.sentinel)
