@@ -7,7 +7,7 @@ import os
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFWriter
+from gguf import GGMLQuantizationType, GGUFWriter, RopeScalingType
 from gguf.quants import quantize
 from safetensors.torch import load_file
 from transformers import AutoConfig
@@ -41,7 +41,8 @@ def permute(weight: torch.Tensor, heads: int) -> torch.Tensor:
 
 def write_gguf(hf_dir: str, path: str, kind: GGMLQuantizationType = GGMLQuantizationType.F32) -> str:
     """The tiny model at `hf_dir` as a GGUF file at `path`, its 2-D weights in `kind` (quantized by
-    gguf-py), its 1-D ones in F32; Gemma's norms as 1 + w, its layer types as a per-layer flag.
+    gguf-py), its 1-D ones in F32; Gemma's norms as 1 + w, its layer types as a per-layer flag; a linear or
+    yarn RoPE scaling as llama.cpp's keys.
     Returns `path`."""
     config = AutoConfig.from_pretrained(hf_dir)
     arch = GGUF_ARCHITECTURES.get(config.model_type, config.model_type)
@@ -57,6 +58,11 @@ def write_gguf(hf_dir: str, path: str, kind: GGMLQuantizationType = GGMLQuantiza
     writer.add_value_length(head_dim)
     rope = config.rope_parameters.get("full_attention", config.rope_parameters)
     writer.add_rope_freq_base(rope["rope_theta"])
+    if rope.get("rope_type") in ("linear", "yarn"):
+        writer.add_rope_scaling_type(RopeScalingType(rope["rope_type"]))
+        writer.add_rope_scaling_factor(rope["factor"])
+        if rope["rope_type"] == "yarn":
+            writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     if arch == "phi3":
         writer.add_sliding_window(config.sliding_window)
     if arch == "gemma3":

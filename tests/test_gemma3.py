@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 from http_support import live_server
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.initialization import no_init_weights
 
 from trillm.config import EngineArgs
@@ -37,7 +37,8 @@ def reference(gemma3_gguf, core):
     """transformers' Gemma3ForCausalLM on the file's weights, dequantized as gguf-py does (its
     norms back from the file's 1 + w to w), with the tokenizer read from the file."""
     with GGUFFile(gemma3_gguf) as file:
-        config = gguf_model.hf_config(file)
+        model_type, architecture, fields = gguf_model.config_fields(file)
+        config = AutoConfig.for_model(model_type, architectures=[architecture], **fields)
         with no_init_weights():  # every parameter is loaded below (the assert): a random start is waste
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
         state = {name: tensor - 1 if name.endswith("norm.weight") else tensor

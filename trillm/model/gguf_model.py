@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 
-from transformers import AutoConfig, PretrainedConfig, PreTrainedTokenizerBase
+from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from trillm.model import gguf_tokenizer
 from trillm.model.gguf_file import GGUFFile, UnservableModel
@@ -61,8 +61,44 @@ def max_positions(file: GGUFFile) -> int:
     return file.field("context_length", 2048)
 
 
-def hf_config(file: GGUFFile) -> PretrainedConfig:
-    """The transformers config of the file's model (check_servable first)."""
+class GGUFConfig(PretrainedConfig):
+    """A GGUF file's model config: the fields trillm reads, each as the model type's own
+    transformers config class would hold it (config_fields). That class is not imported: its
+    module pulls in transformers' model-loading stack (torch.distributed, sympy), about a second
+    of every start. `model_type` is the instance's (a class has one alone)."""
+
+    def to_dict(self) -> dict:
+        return {**super().to_dict(), "model_type": self.model_type}
+
+
+# What each model type's transformers config class sets where a GGUF file says nothing, among the
+# fields trillm reads or compares (loader.ARCHITECTURE_FIELDS); tests/test_gguf_config.py holds
+# them to the classes
+TYPE_DEFAULTS = {
+    "llama": dict(hidden_act="silu", mlp_bias=False),
+    "qwen2": dict(hidden_act="silu", sliding_window=None, use_sliding_window=False),
+    "qwen3": dict(hidden_act="silu", attention_bias=False, sliding_window=None, use_sliding_window=False),
+    "phi3": dict(hidden_act="silu", original_max_position_embeddings=4096),
+    "gemma3_text": dict(attention_bias=False, final_logit_softcapping=None, attn_logit_softcapping=None),
+}
+
+
+def hf_config(file: GGUFFile) -> GGUFConfig:
+    """The config of the file's model (check_servable first), as its type's transformers config
+    class would make it from config_fields."""
+    model_type, architecture, fields = config_fields(file)
+    fields = {**TYPE_DEFAULTS[model_type], **fields}
+    if model_type in ("qwen2", "qwen3"):  # their classes name every layer's type
+        fields.setdefault("layer_types", ["full_attention"] * fields["num_hidden_layers"])
+    if model_type == "phi3":  # its class states the whole rotation
+        fields["rope_parameters"] = {**fields["rope_parameters"], "partial_rotary_factor": 1.0}
+    return GGUFConfig(model_type=model_type, architectures=[architecture], **fields)
+
+
+def config_fields(file: GGUFFile) -> tuple[str, str, dict]:
+    """The file's model type, its transformers class's name and the config fields llama.cpp's keys
+    give (check_servable first): what `AutoConfig.for_model(model_type, architectures=[name],
+    **fields)` takes, as transformers' own GGUF loader fills them."""
     check_servable(file)
     heads = file.field("attention.head_count")
     hidden = file.field("embedding_length")
@@ -97,7 +133,7 @@ def hf_config(file: GGUFFile) -> PretrainedConfig:
     if file.architecture == "phi3":  # Phi-3 mini attends within a window, as transformers runs it
         fields["sliding_window"] = file.field("attention.sliding_window")
     model_type, architecture = ARCHITECTURES[file.architecture]
-    return AutoConfig.for_model(model_type, architectures=[architecture], **fields)
+    return model_type, architecture, fields
 
 
 def _gemma_fields(file: GGUFFile, rope: dict) -> dict:
