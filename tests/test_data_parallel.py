@@ -82,6 +82,9 @@ async def test_cache_aware_routing_keeps_a_shared_prefix_on_one_replica(tiny_tex
         process, router, replicas, log = await start_replicated(nursery, tiny_text_model_dir, "cache_aware")
         try:
             assert len(replicas) == 2
+            # the supervisor runs no model: it checked the model in a fork of its replicas' server
+            with open(f"/proc/{process.pid}/maps") as maps:
+                assert "libtorch" not in maps.read()
             await ask_with_shared_prefix(router, model, 8)
             hits = [await prefix_hits(url) for url in replicas]
             # All on one replica: it caches the prefix once, then hits it seven times.

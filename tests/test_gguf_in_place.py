@@ -119,7 +119,8 @@ def test_serve_refuses_a_model_it_cannot_serve_in_one_line_before_loading(tmp_pa
     """`trillm serve` on a file of another architecture, a cut file or a missing path, named by
     --model or first without the flag (as `vllm serve MODEL`), or two models at once, over
     tensor-parallel ranks its heads or fused projections do not split over, for a longer
-    context than its positions, or in a KV cache budget too small for a block: exit 2, one line on
+    context than its positions, or in a KV cache budget too small for a block, served alone or by
+    data-parallel replicas (checked in a fork of their server, the supervisor light): exit 2, one line on
     stderr saying why, no traceback, and no rank started. One process runs the command line for
     each (each start would import torch again); anything but a SystemExit would end it with a
     traceback."""
@@ -137,7 +138,9 @@ def test_serve_refuses_a_model_it_cannot_serve_in_one_line_before_loading(tmp_pa
              (["serve", phi3, "--tensor-parallel-size", "2"], "fused projections"),
              (["serve", "--max-model-len", "100000"], "exceeds the model's max_position_embeddings 8192"),
              (["serve", tiny_model_dir("llama"), "--max-model-len", "100000"], "max_position_embeddings"),
-             (["serve", "--kv-cache-memory", "1"], "holds no block of the KV cache")]
+             (["serve", "--kv-cache-memory", "1"], "holds no block of the KV cache"),
+             (["serve", "--data-parallel-size", "2", "--max-model-len", "100000"], "max_position_embeddings 8192"),
+             (["serve", "--data-parallel-size", "2", "--model", bert], "architecture is 'bert'")]
     run = subprocess.run([sys.executable, "-c", SERVE_EACH, *(json.dumps(argv) for argv, _ in cases)],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and run.stderr == "", run.stderr[-2000:]

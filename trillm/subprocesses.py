@@ -4,6 +4,7 @@ cores, and a death tied to their parent's, so that no child outlives the server 
 from __future__ import annotations
 
 import ctypes
+import importlib
 import multiprocessing
 import os
 import signal
@@ -78,6 +79,37 @@ def start_preloaded(target, *args, preload: tuple[str, ...] = MODEL_SIDE, daemon
     process = context.Process(target=_preloaded_child, args=(cpus, target, *args), daemon=daemon)
     process.start()
     return process
+
+
+def call_preloaded(target: str, *args, preload: tuple[str, ...] = MODEL_SIDE):
+    """`target` ("module:function") called with `args` in a child forked from the fork server
+    (start_preloaded): its result here, or here what it raised. For work that needs the preloaded
+    modules in a process that should not import them itself: a data-parallel supervisor, which
+    runs no model, checking the one its replicas will fork to load. Named, not passed, so that
+    this process need not import it. Blocks until the child has answered and ended."""
+    reader, writer = multiprocessing.get_context("forkserver").Pipe(duplex=False)
+    process = start_preloaded(_call_and_send, writer, target, *args, preload=preload)
+    writer.close()  # the child's copy alone: an end without an answer reads as EOF
+    try:
+        succeeded, value = reader.recv()
+    except EOFError:
+        raise ChildProcessError(f"{target} ended its process without an answer.") from None
+    finally:
+        reader.close()
+        process.join()
+    if not succeeded:
+        raise value
+    return value
+
+
+def _call_and_send(writer, target: str, *args) -> None:
+    module, _, name = target.partition(":")
+    try:
+        answer = (True, getattr(importlib.import_module(module), name)(*args))
+    except Exception as exc:  # sent back to be raised there
+        answer = (False, exc)
+    writer.send(answer)
+    writer.close()
 
 
 def _preloaded_child(cpus: set[int] | None, target, *args) -> None:

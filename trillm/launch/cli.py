@@ -32,7 +32,6 @@ def _serve(serve: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Check the flags and the model (exit 2 on either), then serve."""
     from trillm.engine.flag_check import check_flags
     from trillm.launch.serve import run  # torch is imported only when serving, not for --help
-    from trillm.model.loader import check_model
 
     try:
         server_settings = settings.from_args(args)
@@ -49,7 +48,15 @@ def _serve(serve: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         serve.error(str(exc))  # exits 2, as for any flag argparse refuses
     if server_settings.data_parallel_size != 0:  # 0: a front door alone, its replicas elsewhere
         try:
-            check_model(server_settings.engine)
+            if server_settings.supervises:
+                # in a fork of the server the replicas fork from: a supervisor imports no model code
+                from trillm.subprocesses import SERVER, call_preloaded
+
+                call_preloaded("trillm.model.loader:check_model", server_settings.engine, preload=SERVER)
+            else:
+                from trillm.model.loader import check_model
+
+                check_model(server_settings.engine)
         except (ValueError, OSError) as exc:  # in one line: a model is no usage mistake
             serve.exit(2, f"{serve.prog}: error: {exc}\n")
     run(server_settings)
