@@ -140,6 +140,25 @@ def _fronts(log: list[str]) -> dict[int, int]:
     return {int(m[1]): int(m[2]) for line in log if (m := re.search(r"front (\d+) serves in process (\d+)", line))}
 
 
+async def test_a_signal_as_the_fronts_come_up_stops_every_front_at_once(tiny_text_model_dir):
+    """SIGINT in the moment after the other fronts serve and before the first takes signals
+    itself (it makes its app): the first stops there and tells the others, which drain and end.
+    They were left serving untold, and the first waited out --drain-timeout for them."""
+    command = [sys.executable, "-m", "trillm", "serve", "--api-server-count", "2", "--port", "0", "--model",
+               tiny_text_model_dir, "--num-kv-blocks", "64", "--drain-timeout", "120"]
+    async with trio.open_nursery() as nursery:
+        process, _, log = await start_server(nursery, command)  # the second front's "Running on" comes first
+        with trio.fail_after(SETTLE_TIMEOUT):
+            while not any("2 HTTP fronts serve the port" in line for line in log):
+                await trio.sleep(0.002)
+        processes = started_by(process.pid)
+        process.send_signal(signal.SIGINT)
+        with trio.fail_after(SETTLE_TIMEOUT):  # not the drain timeout
+            await process.wait()
+            while any(map(live, processes)):
+                await trio.sleep(0.05)
+
+
 async def test_three_fronts_serve_one_port_and_one_that_dies_stops_the_server_after_a_drain(tiny_text_model_dir):
     command = [sys.executable, "-m", "trillm", "serve", "--api-server-count", "3", "--port", "0", "--model",
                tiny_text_model_dir, "--num-kv-blocks", "64", "--drain-timeout", "60"]

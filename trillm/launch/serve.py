@@ -96,6 +96,8 @@ async def serve(settings: ServerSettings, *, task_status=trio.TASK_STATUS_IGNORE
             await serve_app(settings, core, config, task_status=task_status)
     finally:
         if others is not None:  # the engine serves them until they have drained
+            if not others.stopping:  # this one ends untold (a signal before it took them, an error): they drain too
+                others.tell()
             await trio.to_thread.run_sync(others.close, settings.drain_timeout)
         await trio.to_thread.run_sync(core.close)  # the other tensor-parallel ranks stop with the server
     return others is not None and others.failed
