@@ -6,12 +6,14 @@ and stops whole when a front dies."""
 import os
 import re
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
 
 import httpx
 import openai
+import pytest
 import trio
 
 from http_support import EXACT, SETTLE_TIMEOUT, finish_of_stream, greedy_ids, live_server, metric_value
@@ -140,23 +142,36 @@ def _fronts(log: list[str]) -> dict[int, int]:
     return {int(m[1]): int(m[2]) for line in log if (m := re.search(r"front (\d+) serves in process (\d+)", line))}
 
 
-async def test_a_signal_as_the_fronts_come_up_stops_every_front_at_once(tiny_text_model_dir):
-    """SIGINT in the moment after the other fronts serve and before the first takes signals
-    itself (it makes its app): the first stops there and tells the others, which drain and end.
-    They were left serving untold, and the first waited out --drain-timeout for them."""
-    command = [sys.executable, "-m", "trillm", "serve", "--api-server-count", "2", "--port", "0", "--model",
+@pytest.mark.parametrize("fronts,moment", [(1, "loading"), (2, "2 HTTP fronts serve the port")])
+async def test_a_signal_while_the_server_starts_stops_it_as_any_signal_does(tiny_text_model_dir, fronts, moment):
+    """SIGINT while the model loads, or in the moment after the other fronts serve and before the
+    first serves itself: once started, the server drains (nothing to drain) and exits 0, every
+    front with it. It raised a KeyboardInterrupt wherever the first front's task next resumed:
+    after the fronts' start, it left them untold and its exit waited for them for ever
+    (multiprocessing's exit joins its children, and fronts ignore SIGTERM)."""
+    command = [sys.executable, "-m", "trillm", "serve", "--api-server-count", str(fronts), "--port", "0", "--model",
                tiny_text_model_dir, "--num-kv-blocks", "64", "--drain-timeout", "120"]
     async with trio.open_nursery() as nursery:
-        process, _, log = await start_server(nursery, command)  # the second front's "Running on" comes first
+        process = await nursery.start(lambda task_status: trio.run_process(
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, check=False, task_status=task_status))
+        log = []
+
+        async def read_log():
+            async for data in process.stdout:
+                log.extend(data.decode(errors="replace").splitlines())
+
+        nursery.start_soon(read_log)
         with trio.fail_after(SETTLE_TIMEOUT):
-            while not any("2 HTTP fronts serve the port" in line for line in log):
+            while not any(moment in line for line in log):
                 await trio.sleep(0.002)
         processes = started_by(process.pid)
         process.send_signal(signal.SIGINT)
-        with trio.fail_after(SETTLE_TIMEOUT):  # not the drain timeout
+        with trio.move_on_after(SETTLE_TIMEOUT):  # not the drain timeout
             await process.wait()
             while any(map(live, processes)):
                 await trio.sleep(0.05)
+        assert process.returncode == 0 and not any(map(live, processes)), "\n".join(log[-30:])
+        assert any("SIGINT: draining" in line for line in log) and not any("Traceback" in line for line in log)
 
 
 async def test_three_fronts_serve_one_port_and_one_that_dies_stops_the_server_after_a_drain(tiny_text_model_dir):

@@ -16,7 +16,7 @@ serves once every front does.
 Signals: the other fronts ignore SIGINT and SIGTERM (a terminal's Ctrl-C, or a service manager's
 SIGTERM, may reach the whole group) and drain when the first front tells them (SIGUSR1, once per
 signal it gets: a second one cuts their drain short as it does its own; and once as it ends, if
-it ends untold: trillm.launch.serve.serve). A front that dies stops
+it ends by an error: trillm.launch.serve.serve). A front that dies stops
 the server (the first front drains and exits 1); the fronts die with the first (SIGKILL).
 """
 from __future__ import annotations

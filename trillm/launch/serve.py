@@ -7,7 +7,9 @@ its listeners and, after a short grace for those last chunks, its connections. T
 process is gone within `drain_timeout` of the signal (an orchestrator kills it at
 its own grace period, which operators set to the same number): `ShutdownBudget`
 keeps the end of it for the aborts, the last chunks and closing, and the process
-exits without the interpreter's teardown. A second signal cuts the drain short.
+exits without the interpreter's teardown. A second signal cuts the drain short. The
+signals are taken from the start: one that comes while the model loads (or the other fronts
+start) waits for that, then stops the server as any other does, with nothing to drain.
 
 The drain runs inside Hypercorn's shutdown trigger, not after it, because
 Hypercorn holds idle keep-alive connections open for its whole grace period:
@@ -15,6 +17,7 @@ a grace as long as the drain would delay every exit by the full drain timeout.
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
@@ -71,44 +74,49 @@ async def serve(settings: ServerSettings, *, task_status=trio.TASK_STATUS_IGNORE
     (trillm.launch.fronts), told of each signal this one gets."""
     from trillm.engine.api import EngineCore, EngineProcess
 
-    log.info("loading %s", settings.engine.model or "the default model")
-    count = settings.api_server_count
-    if engine_process(settings):
-        core = await trio.to_thread.run_sync(EngineProcess, settings.engine, count)
-    else:
-        core = await trio.to_thread.run_sync(EngineCore, settings.engine)
-    config = hypercorn_config(settings)
-    others = None
-    try:
-        if count > 1:
-            from trillm.launch.fronts import Fronts
-
-            try:
-                others = await trio.to_thread.run_sync(Fronts.start, settings, config, core.front_specs())
-            except RuntimeError as exc:  # a front ended while starting: it logged why
-                log.error("%s Stopping the server.", exc)
-                return True
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(others.watch)
-                await serve_app(settings, core, config, others.sockets, others.tell, task_status=task_status)
-                nursery.cancel_scope.cancel()
+    # Taken before anything starts: a KeyboardInterrupt raised while a worker thread loads or
+    # starts the fronts would land where this task next resumes, past what it started.
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as received:
+        log.info("loading %s", settings.engine.model or "the default model")
+        count = settings.api_server_count
+        if engine_process(settings):
+            core = await trio.to_thread.run_sync(EngineProcess, settings.engine, count)
         else:
-            await serve_app(settings, core, config, task_status=task_status)
-    finally:
-        if others is not None:  # the engine serves them until they have drained
-            if not others.stopping:  # this one ends untold (a signal before it took them, an error): they drain too
-                others.tell()
-            await trio.to_thread.run_sync(others.close, settings.drain_timeout)
-        await trio.to_thread.run_sync(core.close)  # the other tensor-parallel ranks stop with the server
+            core = await trio.to_thread.run_sync(EngineCore, settings.engine)
+        config = hypercorn_config(settings)
+        others = None
+        try:
+            if count > 1:
+                from trillm.launch.fronts import Fronts
+
+                try:
+                    others = await trio.to_thread.run_sync(Fronts.start, settings, config, core.front_specs())
+                except RuntimeError as exc:  # a front ended while starting: it logged why
+                    log.error("%s Stopping the server.", exc)
+                    return True
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(others.watch)
+                    await serve_app(settings, core, config, others.sockets, others.tell, received=received,
+                                    task_status=task_status)
+                    nursery.cancel_scope.cancel()
+            else:
+                await serve_app(settings, core, config, received=received, task_status=task_status)
+        finally:
+            if others is not None:  # the engine serves them until they have drained
+                if not others.stopping:  # this one ends untold (an error): they drain too
+                    others.tell()
+                await trio.to_thread.run_sync(others.close, settings.drain_timeout)
+            await trio.to_thread.run_sync(core.close)  # the other tensor-parallel ranks stop with the server
     return others is not None and others.failed
 
 
 async def serve_app(settings: ServerSettings, core, config: Config, sockets=None, on_signal=None,
-                    signals=(signal.SIGTERM, signal.SIGINT), listening=None, *,
+                    signals=(signal.SIGTERM, signal.SIGINT), listening=None, *, received=None,
                     task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Serve an app on `core` under Hypercorn (on `sockets` if given, else on `config`'s bind)
     until one of `signals`, then drain (the module docstring); `on_signal()` after each one;
-    `listening()` once the signals are taken (before that they do what they did)."""
+    `listening()` once the signals are taken (before that they do what they did). `received`:
+    a receiver that took them already (one that came meanwhile stops the server at once)."""
     from hypercorn.trio.run import worker_serve
     from hypercorn.utils import wrap_app
 
@@ -141,7 +149,7 @@ async def serve_app(settings: ServerSettings, core, config: Config, sockets=None
         # Hypercorn reads its grace once this trigger returns.
         config.graceful_timeout = budget.flush_grace(trio.current_time())
 
-    with trio.open_signal_receiver(*signals) as received:
+    with contextlib.nullcontext(received) if received is not None else trio.open_signal_receiver(*signals) as received:
         if listening is not None:
             listening()
         await worker_serve(wrap_app(app, config.wsgi_max_body_size, None), config, sockets=sockets,
