@@ -9,7 +9,7 @@ its own grace period, which operators set to the same number): `ShutdownBudget`
 keeps the end of it for the aborts, the last chunks and closing, and the process
 exits without the interpreter's teardown. A second signal cuts the drain short. The
 signals are taken from the start: one that comes while the model loads (or the other fronts
-start) waits for that, then stops the server as any other does, with nothing to drain.
+start) stops the start where it is, and the process leaves at once.
 
 The drain runs inside Hypercorn's shutdown trigger, not after it, because
 Hypercorn holds idle keep-alive connections open for its whole grace period:
@@ -18,6 +18,7 @@ a grace as long as the drain would delay every exit by the full drain timeout.
 from __future__ import annotations
 
 import contextlib
+import enum
 import gc
 import logging
 import os
@@ -71,29 +72,18 @@ async def serve(settings: ServerSettings, *, task_status=trio.TASK_STATUS_IGNORE
     """Load the model, then serve until a signal; `task_status` gets the bound URLs. Returns
     whether it stopped because a front failed. With
     --api-server-count N the other N - 1 fronts serve the same port from processes of their own
-    (trillm.launch.fronts), told of each signal this one gets."""
-    from trillm.engine.api import EngineCore, EngineProcess
-
+    (trillm.launch.fronts), told of each signal this one gets. A signal before it serves stops
+    the start where it is (see _start)."""
     # Taken before anything starts: a KeyboardInterrupt raised while a worker thread loads or
     # starts the fronts would land where this task next resumes, past what it started.
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as received:
-        log.info("loading %s", settings.engine.model or "the default model")
-        count = settings.api_server_count
-        if engine_process(settings):
-            core = await trio.to_thread.run_sync(EngineProcess, settings.engine, count)
-        else:
-            core = await trio.to_thread.run_sync(EngineCore, settings.engine)
         config = hypercorn_config(settings)
-        others = None
+        started = await _start(settings, config, received)
+        if isinstance(started, Unstarted):
+            return started is Unstarted.FRONT_ENDED
+        core, others = started
         try:
-            if count > 1:
-                from trillm.launch.fronts import Fronts
-
-                try:
-                    others = await trio.to_thread.run_sync(Fronts.start, settings, config, core.front_specs())
-                except RuntimeError as exc:  # a front ended while starting: it logged why
-                    log.error("%s Stopping the server.", exc)
-                    return True
+            if others is not None:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(others.watch)
                     await serve_app(settings, core, config, others.sockets, others.tell, received=received,
@@ -108,6 +98,60 @@ async def serve(settings: ServerSettings, *, task_status=trio.TASK_STATUS_IGNORE
                 await trio.to_thread.run_sync(others.close, settings.drain_timeout)
             await trio.to_thread.run_sync(core.close)  # the other tensor-parallel ranks stop with the server
     return others is not None and others.failed
+
+
+class Unstarted(enum.Enum):
+    """Why _start did not start the server."""
+
+    SIGNALLED = enum.auto()  # a signal came first
+    FRONT_ENDED = enum.auto()  # another front ended while starting (it logged why)
+
+
+async def _start(settings: ServerSettings, config: Config, received) -> tuple | Unstarted:
+    """(the engine, the other fronts or None), loaded and started in worker threads (the fronts
+    on `config`'s sockets), taking the first signal from `received` meanwhile. On a signal the
+    threads are abandoned where they are: the process leaves at once (run), and what they
+    started ends with it (an engine's or a front's process dies with this one), so that a stop
+    asked for while a large model loads is as quick as any other. A front that ends while
+    starting: the engine is closed."""
+    from trillm.engine.api import EngineCore, EngineProcess
+
+    signalled: list[int] = []
+    started = None
+    async with trio.open_nursery() as nursery:
+
+        async def stop_on_signal() -> None:
+            signalled.append(await anext(received))
+            nursery.cancel_scope.cancel()
+
+        nursery.start_soon(stop_on_signal)
+        log.info("loading %s", settings.engine.model or "the default model")
+        count = settings.api_server_count
+        if engine_process(settings):
+            core = await trio.to_thread.run_sync(EngineProcess, settings.engine, count, abandon_on_cancel=True)
+        else:
+            core = await trio.to_thread.run_sync(EngineCore, settings.engine, abandon_on_cancel=True)
+        others = None
+        if count > 1:
+            from trillm.launch.fronts import Fronts
+
+            try:
+                others = await trio.to_thread.run_sync(Fronts.start, settings, config, core.front_specs(),
+                                                       abandon_on_cancel=True)
+            except RuntimeError as exc:  # a front ended while starting: it logged why
+                log.error("%s Stopping the server.", exc)
+                await trio.to_thread.run_sync(core.close)
+                nursery.cancel_scope.cancel()
+                return Unstarted.FRONT_ENDED
+        started = core, others
+        nursery.cancel_scope.cancel()
+    if signalled and started is not None:
+        # it came as the start ended, and the watcher took it: serving takes it again, and stops
+        signal.raise_signal(signalled[0])
+    elif signalled:
+        log.info("%s while starting: stopping", signal.Signals(signalled[0]).name)
+        return Unstarted.SIGNALLED
+    return started
 
 
 async def serve_app(settings: ServerSettings, core, config: Config, sockets=None, on_signal=None,
