@@ -267,16 +267,16 @@ def test_kv_cache_sized_from_the_memory_budget(tiny_model_dir, kv_cache_dtype, d
     assert runner.config.max_model_len == cfg.max_position_embeddings == 256
     assert runner.config.eos_token_id == 2
     # `trillm serve` refuses from the header alone the budgets the runner would find hold no block
-    args = replace(runner.args, kv_cache_memory=runner.block_bytes)
-    check_model(args)
-    assert ModelRunner(args).num_kv_blocks == 1
-    for args in (replace(args, kv_cache_memory=runner.block_bytes - 1),  # each of 2 ranks: 1 of the 2 KV heads
-                 replace(args, kv_cache_memory=runner.block_bytes - 1, tensor_parallel_size=2)):
+    one_block = replace(runner.args, kv_cache_memory=runner.block_bytes)
+    check_model(one_block)
+    assert ModelRunner(one_block).num_kv_blocks == 1
+    short = replace(one_block, kv_cache_memory=runner.block_bytes - 1)
+    for args in (short, replace(short, tensor_parallel_size=2)):  # each of 2 ranks: 1 of the 2 KV heads
         with pytest.raises(ValueError, match=f"holds no block of the KV cache: one of 8 tokens takes "
                                              f"{runner.block_bytes} bytes"):
             check_model(args)
     with pytest.raises(ValueError, match="holds no block"):
-        ModelRunner(replace(args, tensor_parallel_size=1))
+        ModelRunner(short)
     with pytest.raises(ValueError, match="max_position_embeddings"):
         ModelRunner(EngineArgs(model=tiny_model_dir("qwen3"), num_kv_blocks=4, max_model_len=257))
 
