@@ -16,7 +16,7 @@ import json
 import logging
 import os
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from glob import glob
 from typing import NamedTuple
@@ -136,8 +136,7 @@ def check_model(args: EngineArgs) -> None:
             check_head_split(heads, config.get("num_key_value_heads") or heads, tp_size)
         if "max_position_embeddings" in config:
             check_max_model_len(args.max_model_len, config["max_position_embeddings"])
-        if _kv_cache_memory_set(args):
-            _check_kv_cache_memory(args, AutoConfig.from_pretrained(path))
+        _check_kv_cache_memory(args, lambda: AutoConfig.from_pretrained(path))
         return
     with GGUFFile(path) as file:
         check_servable(file)
@@ -148,22 +147,18 @@ def check_model(args: EngineArgs) -> None:
             if any(param_shard(name)[1] is None for name in names):
                 raise ValueError(FUSED_UNSPLIT)
         check_max_model_len(args.max_model_len, gguf_model.max_positions(file))
-        if _kv_cache_memory_set(args):
-            _check_kv_cache_memory(args, gguf_model.hf_config(file))
+        _check_kv_cache_memory(args, lambda: gguf_model.hf_config(file))
 
 
-def _kv_cache_memory_set(args: EngineArgs) -> bool:
-    """Whether --kv-cache-memory sizes the KV cache: set, on CPU (a GPU's budget is what it has
-    free), and not overruled by --num-kv-blocks. Only then is a config made to check it (the
-    transformers config classes take a second to import, where a data-parallel supervisor
-    imports none)."""
-    return args.kv_cache_memory is not None and not args.num_kv_blocks and resolve_device(args.device).type == "cpu"
-
-
-def _check_kv_cache_memory(args: EngineArgs, config: PretrainedConfig) -> None:
-    """ValueError where each tensor-parallel rank's part of --kv-cache-memory holds none of its
-    blocks (ModelRunner's budget)."""
+def _check_kv_cache_memory(args: EngineArgs, config_of: Callable[[], PretrainedConfig]) -> None:
+    """ValueError where --kv-cache-memory sizes the KV cache (set, on CPU: a GPU's budget is what
+    it has free; not overruled by --num-kv-blocks) and each tensor-parallel rank's part of it
+    holds none of its blocks (ModelRunner's budget). `config_of()` makes the model's config, only
+    then: an HF directory's imports its type's transformers class, about a second."""
     device = resolve_device(args.device)
+    if args.kv_cache_memory is None or args.num_kv_blocks or device.type != "cpu":
+        return
+    config = config_of()
     tp = TensorParallel(0, args.tensor_parallel_size)
     (kv_start, kv_end) = head_shards(config, tp)[1]
     dtype = kv_cache_dtype_of(args.attention_backend, device, resolve_dtype(args.dtype, device), args.kv_cache_dtype)
