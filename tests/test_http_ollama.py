@@ -12,7 +12,9 @@ import trillm
 from http_support import TINY_MAX_MODEL_LEN, live_server, node_modules, run_node, settled_stats, tiny_core
 from trillm.model.loader import default_model_path
 
-QUESTION = [{"role": "user", "content": "Name three colors."}]
+# Asks for more than num_predict tokens: a question whose greedy answer fits in 12 ends with "stop"
+# on one CPU's rounding and "length" on another's.
+QUESTION = [{"role": "user", "content": "Name ten colors."}]
 GREEDY = {"temperature": 0, "num_predict": 12}
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Get the current weather for a city",
@@ -86,7 +88,7 @@ async def test_generate_templated_raw_and_with_context(server):
     `raw` is the prompt as it is (the completion's text); the `context` an answer returns carries
     the conversation on into the next prompt."""
     client = server.ollama()
-    generated = await client.generate(server.model, "Name three colors.", system="Answer briefly.", options=GREEDY)
+    generated = await client.generate(server.model, QUESTION[0]["content"], system="Answer briefly.", options=GREEDY)
     chatted = await client.chat(server.model, options=GREEDY, messages=[
         {"role": "system", "content": "Answer briefly."}, *QUESTION])
     assert generated.response == chatted.message.content and generated.prompt_eval_count == chatted.prompt_eval_count
