@@ -94,14 +94,34 @@ def write_gguf(hf_dir: str, path: str, kind: GGMLQuantizationType = GGMLQuantiza
 
 def write_foreign_gguf(path: str, arch: str = "bert") -> str:
     """A well-formed GGUF file holding token embeddings alone: of an architecture trillm does not
-    serve, or ("llama") one whose header passes the checks and whose load finds every layer
+    serve, or ("llama") one whose header passes every check but that its layers' tensors are
     missing."""
+    return _write_small_gguf(path, arch, {"token_embd.weight": np.zeros((8, 32), dtype=np.float32)})
+
+
+def write_misshapen_gguf(path: str) -> str:
+    """A Llama GGUF file holding every tensor its header's two layers need, whose header passes
+    every check, but whose MLP's down projections are (8, 32) where the header makes them
+    (32, 64): only loading it finds that out."""
+    shapes = {"attn_norm": (32,), "ffn_norm": (32,), "attn_q": (32, 32), "attn_k": (32, 32), "attn_v": (32, 32),
+              "attn_output": (32, 32), "ffn_gate": (64, 32), "ffn_up": (64, 32), "ffn_down": (8, 32)}
+    tensors = {"token_embd.weight": np.zeros((8, 32), dtype=np.float32),
+               "output_norm.weight": np.ones(32, dtype=np.float32)}
+    for layer in range(2):
+        tensors.update({f"blk.{layer}.{name}.weight": np.ones(shape, dtype=np.float32)
+                        for name, shape in shapes.items()})
+    return _write_small_gguf(path, "llama", tensors)
+
+
+def _write_small_gguf(path: str, arch: str, tensors: dict[str, np.ndarray]) -> str:
+    """`tensors` in a GGUF file of `arch` whose header says: two layers, 32 wide, a 64-wide MLP, two heads."""
     writer = GGUFWriter(path, arch)
     writer.add_block_count(2)
     writer.add_embedding_length(32)
     writer.add_feed_forward_length(64)
     writer.add_head_count(2)
-    writer.add_tensor("token_embd.weight", np.zeros((8, 32), dtype=np.float32))
+    for name, tensor in tensors.items():
+        writer.add_tensor(name, tensor)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -116,16 +116,17 @@ for argv in map(json.loads, sys.argv[1:]):
 
 
 def test_serve_refuses_a_model_it_cannot_serve_in_one_line_before_loading(tmp_path, tiny_model_dir):
-    """`trillm serve` on a file of another architecture, a cut file or a missing path, named by
-    --model or first without the flag (as `vllm serve MODEL`), or two models at once, over
-    tensor-parallel ranks its heads or fused projections do not split over, for a longer
-    context than its positions, or in a KV cache budget too small for a block, served alone or by
-    data-parallel replicas (checked in a fork of their server, the supervisor light): exit 2, one line on
-    stderr saying why, no traceback, and no rank started. One process runs the command line for
-    each (each start would import torch again); anything but a SystemExit would end it with a
-    traceback."""
+    """`trillm serve` on a file of another architecture, a cut file, one short of its layers'
+    tensors or a missing path, named by --model or first without the flag (as `vllm serve
+    MODEL`), or two models at once, over tensor-parallel ranks its heads or fused projections do
+    not split over, for a longer context than its positions, or in a KV cache budget too small
+    for a block, served alone or by data-parallel replicas (checked in a fork of their server,
+    the supervisor light): exit 2, one line on stderr saying why, no traceback, and no rank
+    started. One process runs the command line for each (each start would import torch again);
+    anything but a SystemExit would end it with a traceback."""
     from gguf_support import write_foreign_gguf, write_gguf
 
+    layerless = write_foreign_gguf(str(tmp_path / "layerless.gguf"), "llama")
     data = open(write_foreign_gguf(str(tmp_path / "bert.gguf")), "rb").read()
     (tmp_path / "cut.gguf").write_bytes(data[: len(data) // 2])
     bert, cut, missing = (str(tmp_path / name) for name in ("bert.gguf", "cut.gguf", "missing"))
@@ -140,7 +141,9 @@ def test_serve_refuses_a_model_it_cannot_serve_in_one_line_before_loading(tmp_pa
              (["serve", tiny_model_dir("llama"), "--max-model-len", "100000"], "max_position_embeddings"),
              (["serve", "--kv-cache-memory", "1"], "holds no block of the KV cache"),
              (["serve", "--data-parallel-size", "2", "--max-model-len", "100000"], "max_position_embeddings 8192"),
-             (["serve", "--data-parallel-size", "2", "--model", bert], "architecture is 'bert'")]
+             (["serve", "--data-parallel-size", "2", "--model", bert], "architecture is 'bert'"),
+             (["serve", layerless], "lacks 19 of the tensors its 2 layers need, e.g. output_norm.weight"),
+             (["serve", "--data-parallel-size", "2", layerless], "lacks 19 of the tensors")]
     run = subprocess.run([sys.executable, "-c", SERVE_EACH, *(json.dumps(argv) for argv, _ in cases)],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and run.stderr == "", run.stderr[-2000:]

@@ -26,8 +26,8 @@ from transformers import PretrainedConfig
 from trillm.heap import trim_c_heap
 from trillm.kernels import quant
 from trillm.model.gguf_file import GGUFFile, TensorInfo, UnservableModel, to_float
-from trillm.model.gguf_model import GEMMA_ARCHITECTURES, PERMUTED_QK
-from trillm.model.llama import head_dim_of
+from trillm.model.gguf_model import ARCHITECTURES, GEMMA_ARCHITECTURES, PERMUTED_QK
+from trillm.model.llama import GEMMA, QK_NORM, head_dim_of
 
 log = logging.getLogger(__name__)
 # Formats stored as they are, not quantized: their dense tensors are exact.
@@ -86,6 +86,26 @@ def hf_name(gguf_name: str, architecture: str) -> str | None:
     if match is None or match[2] not in layer_tensors:
         raise UnservableModel(f"The model file holds a tensor trillm has no place for: {gguf_name!r}.")
     return f"model.layers.{match[1]}.{layer_tensors[match[2]]}.{match[3]}"
+
+
+def missing_tensors(file: GGUFFile) -> list[str]:
+    """The tensors the model of the file's header needs (check_servable first) that the file does
+    not hold, by llama.cpp's names, layer by layer: read from the header, before any weight, so
+    that a file short of a layer is refused in a line rather than found out half loaded. q, k and
+    v may come as three or fused (attn_qkv); Phi-3's gate and up come fused in its ffn_up."""
+    model_type = ARCHITECTURES[file.architecture][0]
+    needed = ["attn_norm", "ffn_norm", "attn_output", "ffn_up", "ffn_down"]
+    needed += [] if file.architecture == "phi3" else ["ffn_gate"]
+    needed += ["attn_q_norm", "attn_k_norm"] if model_type in QK_NORM else []
+    needed += ["post_attention_norm", "post_ffw_norm"] if model_type in GEMMA else []
+    missing = [name for name in ("output_norm.weight",) if name not in file.tensors]
+    for layer in range(file.field("block_count")):
+        names = [f"blk.{layer}.{name}.weight" for name in needed]
+        if f"blk.{layer}.attn_qkv.weight" not in file.tensors:
+            names += [f"blk.{layer}.{name}.weight" for name in ("attn_q", "attn_k", "attn_v")]
+            names += [f"blk.{layer}.{name}.bias" for name in ("attn_q", "attn_k", "attn_v") if model_type == "qwen2"]
+        missing += [name for name in names if name not in file.tensors]
+    return missing
 
 
 def is_projection(name: str) -> bool:

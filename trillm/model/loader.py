@@ -114,11 +114,11 @@ def resolve_model(model: str | None) -> str:
 def check_model(args: EngineArgs) -> None:
     """Refuses, before anything heavy happens, a model the loader cannot serve as `args` ask: a
     path that is neither a GGUF file nor an HF directory (FileNotFoundError), a GGUF file of an
-    architecture, a format or a tensor it does not read, or an HF directory of another model type
-    (UnservableModel); and one whose heads (or a GGUF file's fused projections) do not split over
-    the tensor-parallel ranks, whose positions end before --max-model-len, or one block of whose
-    KV cache --kv-cache-memory does not hold (ValueError). Reads the file's header or the
-    directory's config.json, no weight."""
+    architecture, a format or a tensor it does not read or short of one its layers need, or an
+    HF directory of another model type (UnservableModel); and one whose heads (or a GGUF file's
+    fused projections) do not split over the tensor-parallel ranks, whose positions end before
+    --max-model-len, or one block of whose KV cache --kv-cache-memory does not hold (ValueError).
+    Reads the file's header or the directory's config.json, no weight."""
     path = resolve_model(args.model)
     tp_size = args.tensor_parallel_size
     if gguf_file(path) is None:
@@ -141,6 +141,9 @@ def check_model(args: EngineArgs) -> None:
     with GGUFFile(path) as file:
         check_servable(file)
         names = [gguf_weights.hf_name(info.name, file.architecture) for info in file.tensors.values()]
+        if missing := gguf_weights.missing_tensors(file):
+            raise UnservableModel(f"The model file lacks {len(missing)} of the tensors its "
+                                  f"{file.field('block_count')} layers need, e.g. {', '.join(missing[:3])}.")
         if tp_size > 1:
             heads = file.field("attention.head_count")
             check_head_split(heads, file.field("attention.head_count_kv", heads), tp_size)
