@@ -60,7 +60,7 @@ class TextBlock(Strict):
     type: Literal["text"]
     text: str
     cache_control: CacheControl | None = None
-    citations: list[dict[str, Any]] | None = None
+    citations: list[dict[str, Any]] | None = Field(None, max_length=MAX_LIST_ITEMS)
 
 
 class MediaBlock(BaseModel):
@@ -84,7 +84,8 @@ class ToolUseBlock(Strict):
 class ToolResultBlock(Strict):
     type: Literal["tool_result"]
     tool_use_id: str
-    content: str | list[Annotated[TextBlock | MediaBlock, Field(discriminator="type")]] | None = None
+    content: str | Annotated[list[Annotated[TextBlock | MediaBlock, Field(discriminator="type")]],
+                             Field(max_length=MAX_LIST_ITEMS)] | None = None
     is_error: bool | None = None
     cache_control: CacheControl | None = None
     toolset_name: str | None = None
@@ -157,10 +158,10 @@ class AnthropicTool(Strict):
     strict: bool | None = None
     cache_control: CacheControl | None = None
     # Anthropic's, about its own tool runner: accepted, no effect here.
-    allowed_callers: list[str] | None = None
+    allowed_callers: list[str] | None = Field(None, max_length=MAX_LIST_ITEMS)
     defer_loading: bool | None = None
     eager_input_streaming: bool | None = None
-    input_examples: list[dict[str, Any]] | None = None
+    input_examples: list[dict[str, Any]] | None = Field(None, max_length=MAX_LIST_ITEMS)
 
 
 class ToolChoiceAuto(Strict):

@@ -43,9 +43,10 @@ class ToolCallMessage(Strict):
 
 class ChatMessage(Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[Annotated[TextPart | MediaPart, Field(discriminator="type")]] | None = None
+    content: str | Annotated[list[Annotated[TextPart | MediaPart, Field(discriminator="type")]],
+                             Field(max_length=MAX_LIST_ITEMS)] | None = None
     name: str | None = None
-    tool_calls: list[ToolCallMessage] | None = None
+    tool_calls: list[ToolCallMessage] | None = Field(None, max_length=MAX_TOOLS)
     tool_call_id: str | None = None
     reasoning_content: str | None = None  # an earlier answer's reasoning; templates drop it
 
@@ -111,9 +112,9 @@ class ChatCompletionRequest(SamplingFields):
     # modalities must be text alone.
     metadata: dict[str, str] | None = Field(None, max_length=16)
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
-    functions: list[FunctionDefinition] | None = None
+    functions: list[FunctionDefinition] | None = Field(None, max_length=MAX_TOOLS)
     function_call: Literal["none", "auto"] | LegacyFunctionChoice | None = None
-    modalities: list[Literal["text", "audio"]] | None = None
+    modalities: list[Literal["text", "audio"]] | None = Field(None, max_length=MAX_LIST_ITEMS)
     # OpenAI's, accepted without effect here (README: why each).
     store: bool | None = None
     service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
@@ -131,7 +132,7 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False
-    documents: list[dict[str, Any]] | None = None
+    documents: list[dict[str, Any]] | None = Field(None, max_length=MAX_LIST_ITEMS)
     include_reasoning: bool = True  # false: the reasoning is dropped (vllm-router sends it on every request)
     do_preprocess: bool = True  # false: messages is the prompt, as it is (no template)
     enable_thinking: bool | None = None

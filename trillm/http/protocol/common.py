@@ -19,8 +19,11 @@ MAX_PROMPTS = 2048  # prompts in one request's list (OpenAI's bound for a batch 
 
 # Bounds on a request's other lists, each refused by its length before any item is read: a
 # list's cost (validation, template rendering, a grammar compile, the sampler's masks) grows
-# with it, and the body limit alone lets through millions of short items.
-MAX_LIST_ITEMS = 10_000  # chat messages, Responses input items, bad_words
+# with it, and the body limit alone lets through millions of short items. Inside a union, the
+# bound goes on the list member (`str | Annotated[list[str], Field(max_length=...)]`), where
+# pydantic checks it first: on the union it is checked after every item has failed, each with an
+# error of its own, built holding the interpreter lock (seconds, for a body of 300,000 integers).
+MAX_LIST_ITEMS = 10_000  # chat messages and their parts, Responses input items, bad_words, stop strings
 
 
 MAX_TOOLS = 1024  # tools (OpenAI allows 128)
@@ -76,12 +79,15 @@ def bounded_prompts(value):
 
 
 PromptList = Annotated[list[str], Field(max_length=MAX_PROMPTS)]
+# Token ids, as long as a context: not bounded by count, but the first item that is not one fails
+# the list, where each would add an error of its own.
+TokenIds = Annotated[list[int], Field(fail_fast=True)]
 
 
-TokenPromptList = Annotated[list[list[int]], Field(max_length=MAX_PROMPTS)]
+TokenPromptList = Annotated[list[TokenIds], Field(max_length=MAX_PROMPTS)]
 
 
-Prompt = Annotated[str | PromptList | list[int] | TokenPromptList, pydantic.BeforeValidator(bounded_prompts)]
+Prompt = Annotated[str | PromptList | TokenIds | TokenPromptList, pydantic.BeforeValidator(bounded_prompts)]
 
 
 TextList = Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)]

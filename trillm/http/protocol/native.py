@@ -11,10 +11,12 @@ from trillm.http.protocol.chat import ChatMessage, Tool
 from trillm.http.protocol.common import (
     MAX_LIST_ITEMS,
     MAX_N,
+    MAX_PROMPTS,
     MAX_TOOLS,
     PromptList,
     Strict,
     TemplateOptions,
+    TokenIds,
     TokenPromptList,
     bounded_prompts,
     session_name,
@@ -37,14 +39,16 @@ class GenerateRequest(Strict):
 
     text: str | PromptList | None = None
     input_ids: Annotated[list[int] | TokenPromptList | None, pydantic.BeforeValidator(bounded_prompts)] = None
-    sampling_params: NativeSamplingParams | Annotated[list[NativeSamplingParams], Field(min_length=1)] = Field(
+    sampling_params: NativeSamplingParams | Annotated[list[NativeSamplingParams],
+                                                      Field(min_length=1, max_length=MAX_PROMPTS)] = Field(
         default_factory=NativeSamplingParams)
     stream: bool = False
-    rid: str | Annotated[list[str], Field(min_length=1)] | None = None
+    rid: str | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)] | None = None
     return_logprob: bool = False
     top_logprobs_num: int = 0
     logprob_start_len: int = Field(-1, ge=-1)  # SGLang's: -1, the output's logprobs only
-    lora_path: str | None | Annotated[list[str | None], Field(min_length=1)] = None  # SGLang's: an adapter's name, or one per prompt
+    # SGLang's: an adapter's name, or one per prompt
+    lora_path: str | None | Annotated[list[str | None], Field(min_length=1, max_length=MAX_PROMPTS)] = None
 
     def to_sampling_params(self, num_prompts: int) -> SamplingParams | list[SamplingParams]:
         """The batch's settings, or one per prompt; the rid and sampling_params lists checked
@@ -80,7 +84,7 @@ class LMDeployGenerateRequest(SamplingKnobs):
     `session_id`. It becomes SGLang's form (`to_native`), so both run the same way."""
 
     prompt: str | None = None
-    input_ids: list[int] | None = None
+    input_ids: TokenIds | None = None
     session_id: int | None = -1
     max_tokens: int = 128
     stream: bool | None = False
@@ -137,4 +141,4 @@ class TokenizeRequest(Strict):
 
 class DetokenizeRequest(Strict):
     model: str | None = None
-    tokens: list[int]
+    tokens: TokenIds

@@ -22,7 +22,7 @@ unknown field or option is a 400, as on every route. Images are refused: this mo
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, StrictBool, StrictInt, field_validator
 
@@ -236,7 +236,7 @@ class GenerateRequest(Generating):
 
 class EmbedRequest(Strict):
     model: str = ""
-    input: str | list[str] = Field(..., max_length=MAX_LIST_ITEMS)
+    input: str | Annotated[list[str], Field(max_length=MAX_LIST_ITEMS)]
     truncate: StrictBool = True
     dimensions: StrictInt | None = Field(None, ge=1)
     options: Options | None = None

@@ -63,7 +63,8 @@ class Item(Strict):
 class MessageItem(Item):
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
-    content: str | list[Annotated[InputText | OutputText, Field(discriminator="type")]]
+    content: str | Annotated[list[Annotated[InputText | OutputText, Field(discriminator="type")]],
+                             Field(max_length=MAX_LIST_ITEMS)]
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
@@ -91,8 +92,8 @@ class ReasoningItem(Item):
     """An earlier answer's reasoning; chat templates drop it, as they drop reasoning_content."""
 
     type: Literal["reasoning"]
-    summary: list[Any] = Field(default_factory=list)
-    content: list[ReasoningText] | None = None
+    summary: list[Any] = Field(default_factory=list, max_length=MAX_LIST_ITEMS)
+    content: list[ReasoningText] | None = Field(None, max_length=MAX_LIST_ITEMS)
     encrypted_content: str | None = None
 
 

@@ -10,7 +10,7 @@ owns them, and its SamplingParamError names the field.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import Field, StrictBool, StrictInt
 
@@ -21,6 +21,7 @@ from trillm.http.protocol.common import (
     LoRARequest,
     StreamOptions,
     Strict,
+    TokenIds,
     session_name,
 )
 from trillm.http.protocol.structured import (
@@ -41,8 +42,8 @@ class SamplingKnobs(Strict):
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop: str | Annotated[list[str], Field(max_length=MAX_LIST_ITEMS)] | None = None
+    stop_token_ids: TokenIds | None = None
     ignore_eos: bool | None = False
     include_stop_str_in_output: bool | None = False
     skip_special_tokens: bool | None = True
@@ -84,7 +85,7 @@ class SamplingFields(PenaltyKnobs):
     n: StrictInt = Field(1, ge=1, le=MAX_N)
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = Field(None, fail_fast=True)  # a vocabulary's worth: no bound on count
     user: str | None = None
     max_tokens: StrictInt | None = None
     max_completion_tokens: StrictInt | None = None  # chat's name, accepted by completions too; it wins
@@ -99,7 +100,7 @@ class SamplingFields(PenaltyKnobs):
     prompt_logprobs: int | None = None  # vLLM's: the prompt tokens' logprobs, with this many top ones
     cache_salt: str | None = None  # vLLM's and TensorRT-LLM's: prefix-cache isolation between tenants
     priority: int = Field(0, ge=-(2**31), lt=2**31)  # vLLM's: lower runs first (--scheduling-policy priority)
-    allowed_token_ids: list[int] | None = None  # vLLM's: only these may be sampled
+    allowed_token_ids: TokenIds | None = None  # vLLM's: only these may be sampled
     bad_words: list[str] | None = Field(None, max_length=MAX_LIST_ITEMS)  # vLLM's: words the output must not contain
     truncate_prompt_tokens: int | None = Field(None, ge=-1)  # vLLM's, TensorRT-LLM's: keep the last k (-1: the context)
     return_token_ids: bool = False  # vLLM's, LMDeploy's: prompt and output token ids in the response

@@ -10,7 +10,7 @@ import pydantic
 from pydantic import Field
 
 from trillm.http import json_body
-from trillm.http.protocol.common import MAX_CHOICES, Strict
+from trillm.http.protocol.common import MAX_CHOICES, MAX_LIST_ITEMS, Strict
 from trillm.sampling_params import SamplingParamError, StructuredOutput
 
 
@@ -42,8 +42,8 @@ class ResponseFormat(Strict):
     regex_schema: str | None = None
     ebnf: str | None = None
     format: dict[str, Any] | None = None
-    structures: list[TagStructure] | None = None
-    triggers: list[str] | None = None
+    structures: list[TagStructure] | None = Field(None, max_length=MAX_LIST_ITEMS)
+    triggers: list[str] | None = Field(None, max_length=MAX_LIST_ITEMS)
 
     def to_structured_output(self, param: str = "response_format") -> StructuredOutput | None:
         """None for plain text. A schema is strict (no property it does not name) unless
