@@ -38,7 +38,7 @@ class GenerateRequest(Strict):
     give each its own `sampling_params` (lists as long as the batch)."""
 
     text: str | PromptList | None = None
-    input_ids: Annotated[list[int] | TokenPromptList | None, pydantic.BeforeValidator(bounded_prompts)] = None
+    input_ids: Annotated[TokenIds | TokenPromptList | None, pydantic.BeforeValidator(bounded_prompts)] = None
     sampling_params: NativeSamplingParams | Annotated[list[NativeSamplingParams],
                                                       Field(min_length=1, max_length=MAX_PROMPTS)] = Field(
         default_factory=NativeSamplingParams)
