@@ -27,7 +27,7 @@ from trillm.heap import trim_c_heap
 from trillm.kernels import quant
 from trillm.model.gguf_file import GGUFFile, TensorInfo, UnservableModel, to_float
 from trillm.model.gguf_model import ARCHITECTURES, GEMMA_ARCHITECTURES, PERMUTED_QK
-from trillm.model.llama import GEMMA, QK_NORM, head_dim_of
+from trillm.model.llama import GEMMA, QK_NORM, QKV_BIAS, head_dim_of
 
 log = logging.getLogger(__name__)
 # Formats stored as they are, not quantized: their dense tensors are exact.
@@ -103,7 +103,7 @@ def missing_tensors(file: GGUFFile) -> list[str]:
         names = [f"blk.{layer}.{name}.weight" for name in needed]
         if f"blk.{layer}.attn_qkv.weight" not in file.tensors:
             names += [f"blk.{layer}.{name}.weight" for name in ("attn_q", "attn_k", "attn_v")]
-            names += [f"blk.{layer}.{name}.bias" for name in ("attn_q", "attn_k", "attn_v") if model_type == "qwen2"]
+            names += [f"blk.{layer}.{name}.bias" for name in ("attn_q", "attn_k", "attn_v") if model_type in QKV_BIAS]
         missing += [name for name in names if name not in file.tensors]
     return missing
 

@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text")
 GEMMA = frozenset({"gemma3_text"})
 QK_NORM = frozenset({"qwen3", "gemma3_text"})
+QKV_BIAS = frozenset({"qwen2"})  # q/k/v biases by type; a Llama's are its config's attention_bias
 
 def _empty(*shape: int) -> nn.Parameter:
     """Parameters start uninitialized: the loader writes every one of them, and skipping torch's
@@ -245,7 +246,7 @@ class Attention(nn.Module):
         assert self.num_heads % self.num_kv_heads == 0
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         attention_bias = getattr(config, "attention_bias", False)
-        qkv_bias = attention_bias or config.model_type == "qwen2"
+        qkv_bias = attention_bias or config.model_type in QKV_BIAS
         self.qkv_sizes = [q_size, kv_size, kv_size]
         self.qkv_proj = Linear(config.hidden_size, self.qkv_sizes, qkv_bias)
         self.o_proj = Linear(q_size, [config.hidden_size], attention_bias, reduce=tp)
