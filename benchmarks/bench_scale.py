@@ -99,6 +99,9 @@ def main() -> None:
         for peer in [s for s in args.order if s != "trillm"]:
             for c in args.concurrency:
                 ours, theirs = results[name]["trillm"][str(c)], results[name][peer][str(c)]
+                if not theirs["total_output_tokens"]:  # every request failed, or `vllm bench serve` counted none
+                    print(f"{name} c={c}: {peer} has no output tokens counted: read its log")
+                    continue
                 print(f"{name} c={c}: trillm / {peer} throughput "
                       f"{ours['output_throughput'] / theirs['output_throughput']:.2f}, TPOT "
                       f"{ours['mean_tpot_ms'] / theirs['mean_tpot_ms']:.2f}")
