@@ -458,9 +458,9 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) static void int8_rows_avx
  * 4p..4p + 3) of values below 64; DOT_BYTES: of any u, a Q8_0 byte; BYTES_DOT_Q: 1 when DOT_BYTES
  * sums q v (q = u - 128) rather than u v, so that Q8_0's offset is not added). `half` there is a
  * tile's lower or upper 8 rows, `p` a block's lower or upper 16 inputs. The loop over x's rows
- * stays rolled: AVX2 has 16 registers, and unrolled, the rows' accumulators (two each) beside the
- * block's eight u registers spilled every one of them on every row; rolled, u stays in registers
- * and each accumulator makes one trip to L1 a block. */
+ * is unrolled by two only: AVX2 has 16 registers, and unrolled by eight, the rows' accumulators
+ * (two each) beside the block's eight u registers spilled every one of them on every row; by two,
+ * u stays in registers, each accumulator makes one trip to L1 a block, and two rows' dots overlap. */
 #define INT8_DEFINE_AVX2_BODY(NAME, TARGET, DOT_NIBBLES, DOT_FIVES, DOT_SIXES, DOT_BYTES, BYTES_DOT_Q)     \
     __attribute__((target(TARGET), always_inline)) static inline void NAME(                                \
         int rows, int bits, int z, float *out, int64_t N, const struct int8_rows *x, int64_t r0,             \
@@ -525,7 +525,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) static void int8_rows_avx
                     const uint8_t *q = w->u + block * 8 * 64 + 32 * half;                                  \
                     for (int g = 0; g < 8; g++) u[g] = _mm256_loadu_si256((const __m256i *)(q + g * 64));  \
                 }                                                                                          \
-                _Pragma("GCC unroll 1") for (int r = 0; r < rows; r++) {                                   \
+                _Pragma("GCC unroll 2") for (int r = 0; r < rows; r++) {                                   \
                     const int8_t *v = x->v + (r0 + r) * x->K + b * INT8_BLOCK;                             \
                     const int64_t at = (r0 + r) * x->blocks + b;                                           \
                     if (bits == 6) {                                                                       \
