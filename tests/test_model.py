@@ -523,15 +523,18 @@ prompted = resident_bytes()
 run_step(runner, [one.chunk(999, 1), two.chunk(999, 1)])
 print(prompted - before, prompted - resident_bytes())
 # steps sampling ever more rows
-sequences = make_sequences(runner, [20] * 48, seed=5)
+sequences = make_sequences(runner, [20] * 96, seed=5)
 for sequence in sequences:
     run_step(runner, [sequence.chunk(0, 19)])
+steps = [Schedule([Scheduled(r, k, s) for r, s, k in (q.chunk(19, 1) for q in sequences[:n])])
+         for n in range(1, len(sequences) + 1)]
+for step in steps:  # the forward's own temporaries at each row count, first made here: not measured
+    runner.execute(step)
 raised = torch.empty(31 << 20, dtype=torch.uint8)
 del raised  # glibc takes allocations below 31 MiB from its heap from now on
 before = resident_bytes()
-for n in range(1, len(sequences) + 1):
-    runner.step_logits(runner.execute(
-        Schedule([Scheduled(r, k, s) for r, s, k in (q.chunk(19, 1) for q in sequences[:n])])).sample_hidden)
+for step in steps:
+    runner.step_logits(runner.execute(step).sample_hidden)
 print(resident_bytes() - before, len(sequences) * runner.config.hf_config.vocab_size * 4)
 """
 
@@ -564,10 +567,11 @@ def test_outgrown_logits_buffers_leave_no_memory_behind(heap_probe):
     """As a step's sampled rows rise (drafts add them a few at a time), each outgrown logits
     buffer goes back to the system: the process grows by the last buffer alone. Taken from
     glibc's heap, as they were, each stayed behind as a hole once a prefill's freed temporaries
-    had raised the size above which glibc maps an allocation: the process grew by 18 to 46 MiB
-    where the last buffer is 9."""
+    had raised the size above which glibc maps an allocation: the process grew by 27 to 55 MiB
+    where the last buffer is 18. The forward's own temporaries are made once before the measure:
+    their first use at each row count grows the process by a few MiB of its own."""
     grown, last_buffer = heap_probe[2:]
-    assert grown < last_buffer + (6 << 20), (grown, last_buffer)
+    assert grown < last_buffer + (4 << 20), (grown, last_buffer)
 
 
 def test_a_prompt_computes_the_same_whatever_else_the_step_holds():
