@@ -3,6 +3,7 @@ a server started as a user starts it, in a process of its own."""
 import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import trio
@@ -24,6 +25,16 @@ def resident_bytes(pid: int | str = "self") -> int:
     """A process's resident set now (this one's by default)."""
     with open(f"/proc/{pid}/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def fresh_process_output(source: str, *args: str) -> str:
+    """The stdout of `source` run in a fresh interpreter, whose heap no other test has shaped,
+    with these helpers and the tests' modules importable."""
+    tests = os.path.dirname(__file__)
+    path = os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", source, *args], cwd=tests, capture_output=True, text=True,
+                          check=True, env={**os.environ, "PYTHONPATH": path})
+    return done.stdout
 
 
 ARENA_BYTES = 64 << 20  # glibc's HEAP_MAX_SIZE on 64 bits: a thread's arena reserves this much, aligned

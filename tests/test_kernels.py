@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
+from process_support import fresh_process_output
 
 from trillm.kernels import activation, attention, cache, norm, rotary
 from trillm.kernels import activation_triton, attention_triton, cache_triton, lora_triton, norm_triton, rotary_triton
@@ -637,7 +638,7 @@ def test_cpu_write_kv_matches_its_twin(cache_dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 8, 33, 300])
+@pytest.mark.parametrize("rows", [1, 8, 33, 256, 2100])
 def test_packed_linear_matches_f_linear(dtype, rows):
     from trillm.kernels import linear_cpu
 
@@ -650,6 +651,38 @@ def test_packed_linear_matches_f_linear(dtype, rows):
         assert_close(linear_cpu.linear(x, packed, b), torch.nn.functional.linear(x, weight, b), dtype)
     strided = torch.randn(rows, 160).to(dtype)[:, ::2]  # a view, as a split of a fused projection is
     assert_close(linear_cpu.linear(strided, packed, bias), torch.nn.functional.linear(strided, weight, bias), dtype)
+
+
+PACKED_ROWS_PROBE = """
+import torch
+from process_support import resident_bytes
+from trillm.kernels import linear_cpu
+packed, x = linear_cpu.pack(torch.randn(256, 128)), torch.randn(1000, 128)
+before = resident_bytes()
+for rows in range(1, len(x) + 1):
+    linear_cpu.linear(x[:rows], packed, None)
+print(resident_bytes() - before)
+"""
+
+
+def test_packed_linear_memory_stays_flat_over_every_row_count():
+    """A server's steps come in every row count up to its token budget. oneDNN keeps what it
+    builds for each row count it runs: run as they came, 1 to 1,000 rows grew a fresh process
+    by 670 MiB or more. `linear` runs 64 counts up to 1,000 rows (run_rows): about 46."""
+    from trillm.kernels import linear_cpu
+
+    if not linear_cpu.is_available(torch.float32):
+        pytest.skip("this torch has no oneDNN")
+    assert int(fresh_process_output(PACKED_ROWS_PROBE)) < 96 << 20
+
+
+def test_packed_linear_runs_few_row_counts():
+    from trillm.kernels.linear_cpu import MAX_RUN_ROWS, run_rows
+
+    counts = [run_rows(rows) for rows in range(1, MAX_RUN_ROWS + 1)]
+    assert len(set(counts)) == 72 and max(counts) == MAX_RUN_ROWS
+    assert all(rows <= count <= rows * 1.125 for rows, count in enumerate(counts, 1))
+    assert counts == sorted(counts)
 
 
 # --- GGUF-quantized linears ----------------------------------------------------------------

@@ -5,13 +5,11 @@ its own chunk boundaries and block tables: chunks that end mid-block, blocks out
 """
 import os
 import random
-import subprocess
-import sys
 from dataclasses import dataclass, replace
 
 import pytest
 import torch
-from process_support import resident_bytes
+from process_support import fresh_process_output, resident_bytes
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -541,11 +539,8 @@ print(resident_bytes() - before, len(sequences) * runner.config.hf_config.vocab_
 
 @pytest.fixture(scope="module")
 def heap_probe() -> list[int]:
-    """HEAP_PROBE's figures, in a process of its own, whose heap no other test has shaped."""
-    tests = os.path.dirname(__file__)
-    done = subprocess.run([sys.executable, "-c", HEAP_PROBE], cwd=tests, capture_output=True, text=True, check=True,
-                          env={**os.environ, "PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])})
-    return [int(n) for n in done.stdout.split()]
+    """HEAP_PROBE's figures, in a process of its own."""
+    return [int(n) for n in fresh_process_output(HEAP_PROBE).split()]
 
 
 def test_decoding_after_prompts_hands_their_temporaries_back(heap_probe):
