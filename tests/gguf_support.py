@@ -100,26 +100,41 @@ def write_foreign_gguf(path: str, arch: str = "bert") -> str:
 
 
 def write_misshapen_gguf(path: str) -> str:
-    """A Llama GGUF file holding every tensor its header's two layers need, whose header passes
-    every check, but whose MLP's down projections are (8, 32) where the header makes them
-    (32, 64): only loading it finds that out."""
+    """A Llama GGUF file holding every tensor its header's two layers need, but whose MLP's down
+    projections are (8, 32) where the header makes them (32, 64)."""
+    return _write_small_gguf(path, "llama", _small_llama_tensors(down=(8, 32)))
+
+
+def write_untokenizable_gguf(path: str) -> str:
+    """A Llama GGUF file whose header passes every check and whose tensors are all of their
+    shapes, but whose vocabulary names a byte-pair tokenizer without its merges: only building
+    the tokenizer, as a load does, finds that out."""
+    tokens = [f"t{i}" for i in range(8)]
+    return _write_small_gguf(path, "llama", _small_llama_tensors(down=(32, 64)),
+                             lambda writer: (writer.add_tokenizer_model("gpt2"), writer.add_token_list(tokens)))
+
+
+def _small_llama_tensors(down: tuple[int, int]) -> dict[str, np.ndarray]:
+    """Every tensor the two layers of _write_small_gguf's header need, the down projections `down`."""
     shapes = {"attn_norm": (32,), "ffn_norm": (32,), "attn_q": (32, 32), "attn_k": (32, 32), "attn_v": (32, 32),
-              "attn_output": (32, 32), "ffn_gate": (64, 32), "ffn_up": (64, 32), "ffn_down": (8, 32)}
+              "attn_output": (32, 32), "ffn_gate": (64, 32), "ffn_up": (64, 32), "ffn_down": down}
     tensors = {"token_embd.weight": np.zeros((8, 32), dtype=np.float32),
                "output_norm.weight": np.ones(32, dtype=np.float32)}
     for layer in range(2):
         tensors.update({f"blk.{layer}.{name}.weight": np.ones(shape, dtype=np.float32)
                         for name, shape in shapes.items()})
-    return _write_small_gguf(path, "llama", tensors)
+    return tensors
 
 
-def _write_small_gguf(path: str, arch: str, tensors: dict[str, np.ndarray]) -> str:
-    """`tensors` in a GGUF file of `arch` whose header says: two layers, 32 wide, a 64-wide MLP, two heads."""
+def _write_small_gguf(path: str, arch: str, tensors: dict[str, np.ndarray], add_metadata=lambda writer: None) -> str:
+    """`tensors` in a GGUF file of `arch` whose header says: two layers, 32 wide, a 64-wide MLP, two
+    heads (and what `add_metadata` adds to the writer)."""
     writer = GGUFWriter(path, arch)
     writer.add_block_count(2)
     writer.add_embedding_length(32)
     writer.add_feed_forward_length(64)
     writer.add_head_count(2)
+    add_metadata(writer)
     for name, tensor in tensors.items():
         writer.add_tensor(name, tensor)
     writer.write_header_to_file()

@@ -276,18 +276,18 @@ async def test_a_replica_elsewhere_joins_the_router_and_round_robin_spreads_a_pr
 
 
 async def test_a_replica_that_cannot_start_fails_the_server_at_once_and_says_which(tmp_path):
-    from gguf_support import write_misshapen_gguf
+    from gguf_support import write_untokenizable_gguf
 
-    # its header passes the supervisor's checks; loading it in a replica finds a tensor of another shape
-    misshapen = write_misshapen_gguf(str(tmp_path / "misshapen.gguf"))
-    command = [sys.executable, "-m", "trillm", "serve", "--model", misshapen, "--port", "0", "--data-parallel-size",
-               "2"]
+    # its header passes the supervisor's checks; loading it in a replica finds its tokenizer cannot be built
+    untokenizable = write_untokenizable_gguf(str(tmp_path / "untokenizable.gguf"))
+    command = [sys.executable, "-m", "trillm", "serve", "--model", untokenizable, "--port", "0",
+               "--data-parallel-size", "2"]
     with trio.fail_after(120):
         result = await trio.run_process(command, capture_stdout=True, stderr=subprocess.STDOUT, check=False)
     log = result.stdout.decode(errors="replace")
     assert result.returncode == 1, log
-    assert re.search(r"replica \d exited while starting \(status 1\)", log), log
-    assert "has shape (8, 32), expected" in log  # the replica's own words
+    assert re.search(r"replica \d exited while starting \(status 2\)", log), log
+    assert "tokenizer cannot be built (KeyError)" in log  # the replica's own words
 
 
 def test_a_start_that_never_answers_is_given_up_and_named(caplog):

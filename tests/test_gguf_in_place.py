@@ -4,6 +4,7 @@ allowance."""
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 
@@ -100,6 +101,30 @@ async def test_a_served_gguf_writes_nothing_and_stays_within_its_memory_bound(tm
     assert written == [], written
 
 
+def test_a_model_found_unservable_while_loading_is_refused_in_one_line(tmp_path, tiny_model_dir):
+    """What the header checks do not show is found while loading, in the engine's own process or
+    in this one: here a GGUF vocabulary no tokenizer is built of, and a checkpoint directory one
+    of whose tensors has another shape than its config makes it. The server ends as the checks
+    would have refused it, exit 2 and one line on stderr, not a traceback."""
+    from gguf_support import write_untokenizable_gguf
+    from safetensors.torch import load_file, save_file
+
+    untokenizable = write_untokenizable_gguf(str(tmp_path / "untokenizable.gguf"))
+    misshapen = shutil.copytree(tiny_model_dir("llama"), tmp_path / "misshapen")
+    weights = load_file(misshapen / "model.safetensors")
+    weights["model.layers.1.mlp.down_proj.weight"] = weights["model.layers.1.mlp.down_proj.weight"][:8]
+    save_file(weights, misshapen / "model.safetensors", metadata={"format": "pt"})
+    cases = [([untokenizable, "--engine-process"], "The model file's tokenizer cannot be built (KeyError)."),
+             ([untokenizable, "--no-engine-process"], "The model file's tokenizer cannot be built (KeyError)."),
+             ([str(misshapen)], "'model.layers.1.mlp.down_proj.weight' has shape (8, 128), expected (64, 128).")]
+    for argv, why in cases:
+        run = subprocess.run([sys.executable, "-m", "trillm", "serve", *argv, "--port", "0"],
+                             capture_output=True, text=True, timeout=120)
+        said = run.stderr.splitlines()  # the log's lines, a progress bar's (cleared), then the refusal
+        assert run.returncode == 2 and said[-1] == f"trillm serve: error: {why}", (argv, run.stderr)
+        assert "Traceback" not in run.stderr and run.stderr.count("error") == 1, (argv, run.stderr)
+
+
 SERVE_EACH = """
 import contextlib, io, json, sys
 from trillm.launch.cli import main
@@ -117,16 +142,18 @@ for argv in map(json.loads, sys.argv[1:]):
 
 def test_serve_refuses_a_model_it_cannot_serve_in_one_line_before_loading(tmp_path, tiny_model_dir):
     """`trillm serve` on a file of another architecture, a cut file, one short of its layers'
-    tensors or a missing path, named by --model or first without the flag (as `vllm serve
-    MODEL`), or two models at once, over tensor-parallel ranks its heads or fused projections do
-    not split over, for a longer context than its positions, or in a KV cache budget too small
-    for a block, served alone or by data-parallel replicas (checked in a fork of their server,
-    the supervisor light): exit 2, one line on stderr saying why, no traceback, and no rank
-    started. One process runs the command line for each (each start would import torch again);
-    anything but a SystemExit would end it with a traceback."""
-    from gguf_support import write_foreign_gguf, write_gguf
+    tensors or holding one of another shape than its header makes it, or a missing path, named
+    by --model or first without the flag (as `vllm serve MODEL`), or two models at once, over
+    tensor-parallel ranks its heads or fused projections do not split over, for a longer context
+    than its positions, or in a KV cache budget too small for a block, served alone or by
+    data-parallel replicas (checked in a fork of their server, the supervisor light): exit 2,
+    one line on stderr saying why, no traceback, and no rank started. One process runs the
+    command line for each (each start would import torch again); anything but a SystemExit
+    would end it with a traceback."""
+    from gguf_support import write_foreign_gguf, write_gguf, write_misshapen_gguf
 
     layerless = write_foreign_gguf(str(tmp_path / "layerless.gguf"), "llama")
+    misshapen = write_misshapen_gguf(str(tmp_path / "misshapen.gguf"))
     data = open(write_foreign_gguf(str(tmp_path / "bert.gguf")), "rb").read()
     (tmp_path / "cut.gguf").write_bytes(data[: len(data) // 2])
     bert, cut, missing = (str(tmp_path / name) for name in ("bert.gguf", "cut.gguf", "missing"))
@@ -143,7 +170,10 @@ def test_serve_refuses_a_model_it_cannot_serve_in_one_line_before_loading(tmp_pa
              (["serve", "--data-parallel-size", "2", "--max-model-len", "100000"], "max_position_embeddings 8192"),
              (["serve", "--data-parallel-size", "2", "--model", bert], "architecture is 'bert'"),
              (["serve", layerless], "lacks 19 of the tensors its 2 layers need, e.g. output_norm.weight"),
-             (["serve", "--data-parallel-size", "2", layerless], "lacks 19 of the tensors")]
+             (["serve", "--data-parallel-size", "2", layerless], "lacks 19 of the tensors"),
+             (["serve", misshapen], "2 tensors of another shape than its header's model has for them, e.g. "
+                                    "blk.0.ffn_down.weight (8, 32; the model's 32, 64)"),
+             (["serve", "--data-parallel-size", "2", misshapen], "blk.0.ffn_down.weight (8, 32; the model's")]
     run = subprocess.run([sys.executable, "-c", SERVE_EACH, *(json.dumps(argv) for argv, _ in cases)],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and run.stderr == "", run.stderr[-2000:]

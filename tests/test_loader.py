@@ -48,7 +48,7 @@ def test_a_file_that_is_not_a_servable_gguf_is_refused_without_naming_it(tmp_pat
     """Refusals name what is wrong, never the path (a request or a log may carry them)."""
     from gguf_support import write_foreign_gguf
 
-    from trillm.model.gguf_file import UnservableModel
+    from trillm.model.unservable import UnservableModel
     from trillm.model.loader import check_model
 
     cases = {"short.gguf": b"GGUF", "other.gguf": b"PK\x03\x04" + b"\0" * 40,
@@ -63,6 +63,23 @@ def test_a_file_that_is_not_a_servable_gguf_is_refused_without_naming_it(tmp_pat
         assert str(tmp_path) not in str(refused.value) and "\n" not in str(refused.value), name
     with pytest.raises(UnservableModel, match="architecture is 'bert'"):
         load_model(EngineArgs(model=str(tmp_path / "bert.gguf")))
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral", "phi3", "gemma3_text"])
+def test_the_header_check_knows_every_tensor_shape_transformers_gives(tiny_model_dir, kind):
+    """The shapes check_model holds a GGUF file's tensors to (from its header's config, without
+    building the model) are those of transformers' own model of each family served: q/k/v
+    biases, q/k norms, Phi-3's fused projections, Gemma's extra norms, a head_dim of its own."""
+    from safetensors import safe_open
+
+    from trillm.model.gguf_weights import hf_shape
+
+    model_dir = tiny_model_dir(kind)
+    config = AutoConfig.from_pretrained(model_dir)
+    with safe_open(os.path.join(model_dir, "model.safetensors"), framework="pt") as f:
+        shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+    assert len(shapes) > 10 and {hf_shape(name, config) for name in shapes} > {(config.hidden_size,)}
+    assert {name: hf_shape(name, config) for name in shapes} == shapes
 
 
 def test_resolve_model_takes_hf_dirs_and_never_a_hub_name(tiny_model_dir, tmp_path):
@@ -407,7 +424,7 @@ def test_slower_paths_are_logged_at_start(tiny_model_dir, tmp_path, caplog):
 def test_partial_rotary_embeddings_are_refused_before_loading(tiny_model_dir, tmp_path):
     """Phi-4-mini turns 3/4 of each head's dimensions: refused by check_model (so by `trillm
     serve` at once) rather than failing inside the model's construction."""
-    from trillm.model.gguf_file import UnservableModel
+    from trillm.model.unservable import UnservableModel
     from trillm.model.loader import check_model
 
     model_dir = tmp_path / "model"

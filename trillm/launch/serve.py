@@ -32,6 +32,7 @@ from hypercorn.config import Config
 from trillm.heap import freeze_imports
 from trillm.http import logs
 from trillm.http.settings import ServerSettings
+from trillm.model.unservable import UnservableModel
 
 log = logging.getLogger(__name__)
 FLUSH_GRACE = 3.0  # seconds after the drain for aborted streams to send their last chunk
@@ -234,7 +235,16 @@ def run(settings: ServerSettings) -> None:
 
         share_metrics()  # before anything imports prometheus_client
     freeze_imports()  # the command line paused the collector (trillm.heap)
-    failed = trio.run(serve, settings)
+    try:
+        failed = trio.run(serve, settings)
+    except* UnservableModel as refused:
+        # found while loading, where the command line's header check (loader.check_model) could
+        # not see it, e.g. a vocabulary no tokenizer is built of: refused as that check refuses
+        while isinstance(refused, BaseExceptionGroup):
+            refused = refused.exceptions[0]
+        sys.stderr.write(f"trillm serve: error: {refused}\n")
+        sys.stderr.flush()
+        os._exit(2)
     # Served and closed: skip the interpreter's teardown, whose full collection of what the server
     # loaded takes most of a second of the drain's bound and frees nothing the system would not.
     logging.shutdown()

@@ -22,7 +22,8 @@ from collections.abc import Callable
 import torch
 
 from trillm.model import gguf_model
-from trillm.model.gguf_file import GGUFFile, UnservableModel
+from trillm.model.gguf_file import GGUFFile
+from trillm.model.unservable import UnservableModel
 from trillm.model.loader import gguf_file, resolve_model
 
 

@@ -27,6 +27,8 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
+from trillm.model.unservable import UnservableModel
+
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)  # v1 counted in 32 bits; no file in use still has it
 DEFAULT_ALIGNMENT = 32
@@ -70,10 +72,6 @@ class TensorRows:
 
     def close(self) -> None:
         self._close()
-
-
-class UnservableModel(ValueError):
-    """A model file trillm cannot serve, said in one line that names no path."""
 
 
 class TensorInfo(NamedTuple):

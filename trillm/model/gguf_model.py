@@ -14,7 +14,8 @@ import logging
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from trillm.model import gguf_tokenizer
-from trillm.model.gguf_file import GGUFFile, UnservableModel
+from trillm.model.gguf_file import GGUFFile
+from trillm.model.unservable import UnservableModel
 
 log = logging.getLogger(__name__)
 

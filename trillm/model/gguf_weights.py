@@ -25,9 +25,10 @@ from transformers import PretrainedConfig
 
 from trillm.heap import trim_c_heap
 from trillm.kernels import quant
-from trillm.model.gguf_file import GGUFFile, TensorInfo, UnservableModel, to_float
+from trillm.model.gguf_file import GGUFFile, TensorInfo, to_float
 from trillm.model.gguf_model import ARCHITECTURES, GEMMA_ARCHITECTURES, PERMUTED_QK
 from trillm.model.llama import GEMMA, QK_NORM, QKV_BIAS, head_dim_of
+from trillm.model.unservable import UnservableModel
 
 log = logging.getLogger(__name__)
 # Formats stored as they are, not quantized: their dense tensors are exact.
@@ -160,6 +161,34 @@ def quantized_weights(file: GGUFFile, config: PretrainedConfig,
         log.info("%s projections requantized to 8-bit blocks for the integer kernels, which read %s blocks as "
                  "they are", ", ".join(f"{count} {kind}" for kind, count in sorted(requantized.items())),
                  ", ".join(k.name for k, f in FORMATS.items() if quant.LAYOUT_OF[f] in layouts))
+
+
+def hf_shape(name: str, config: PretrainedConfig) -> tuple[int, ...]:
+    """The shape of HF tensor `name` (hf_name's) in the model of `config`, as a checkpoint of it
+    holds the tensor: what the model's own parameters make of the config, without building it."""
+    hidden, inter, head_dim = config.hidden_size, config.intermediate_size, head_dim_of(config)
+    q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+    rows = {"embed_tokens": config.vocab_size, "lm_head": config.vocab_size, "q_proj": q, "k_proj": kv,
+            "v_proj": kv, "qkv_proj": q + 2 * kv, "o_proj": hidden, "gate_proj": inter, "up_proj": inter,
+            "gate_up_proj": 2 * inter, "down_proj": hidden, "q_norm": head_dim, "k_norm": head_dim}
+    module, kind = name.split(".")[-2:]
+    width = rows.get(module, hidden)  # the rest are norms over the hidden state
+    if kind == "bias" or module.endswith("norm"):
+        return (width,)
+    return width, q if module == "o_proj" else inter if module == "down_proj" else hidden
+
+
+def misshapen_tensors(file: GGUFFile, config: PretrainedConfig) -> list[str]:
+    """The file's tensors whose shape is not the one the model of its header (`config`) holds
+    them in, each as "name (its shape; the model's)": read from the header, so that such a file
+    is refused in a line rather than found out half loaded."""
+    misshapen = []
+    for info in file.tensors.values():
+        name = hf_name(info.name, file.architecture)
+        if name is not None and info.shape != (expected := hf_shape(name, config)):
+            misshapen.append(f"{info.name} ({', '.join(map(str, info.shape))}; the model's "
+                             f"{', '.join(map(str, expected))})")
+    return misshapen
 
 
 def dense_weights(file: GGUFFile, config: PretrainedConfig, skip: Callable[[str], bool]

@@ -29,7 +29,8 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrained
 from trillm.config import DType, Device, EngineArgs, LoadFormat
 from trillm.heap import trim_c_heap
 from trillm.model import gguf_model, gguf_weights
-from trillm.model.gguf_file import GGUFFile, UnservableModel
+from trillm.model.gguf_file import GGUFFile
+from trillm.model.unservable import UnservableModel
 from trillm.model.gguf_model import check_servable
 from trillm.model.llama import (GEMMA, SUPPORTED_MODEL_TYPES, Embedding, Linear, LlamaForCausalLM, RMSNorm,
                                  check_head_split, head_dim_of, head_shards)
@@ -114,11 +115,12 @@ def resolve_model(model: str | None) -> str:
 def check_model(args: EngineArgs) -> None:
     """Refuses, before anything heavy happens, a model the loader cannot serve as `args` ask: a
     path that is neither a GGUF file nor an HF directory (FileNotFoundError), a GGUF file of an
-    architecture, a format or a tensor it does not read or short of one its layers need, or an
-    HF directory of another model type (UnservableModel); and one whose heads (or a GGUF file's
-    fused projections) do not split over the tensor-parallel ranks, whose positions end before
-    --max-model-len, or one block of whose KV cache --kv-cache-memory does not hold (ValueError).
-    Reads the file's header or the directory's config.json, no weight."""
+    architecture, a format or a tensor it does not read, short of one its layers need or holding
+    one of another shape than its header's model has for it, or an HF directory of another model
+    type (UnservableModel); and one whose heads (or a GGUF file's fused projections) do not split
+    over the tensor-parallel ranks, whose positions end before --max-model-len, or one block of
+    whose KV cache --kv-cache-memory does not hold (ValueError). Reads the file's header or the
+    directory's config.json, no weight."""
     path = resolve_model(args.model)
     tp_size = args.tensor_parallel_size
     if gguf_file(path) is None:
@@ -144,6 +146,9 @@ def check_model(args: EngineArgs) -> None:
         if missing := gguf_weights.missing_tensors(file):
             raise UnservableModel(f"The model file lacks {len(missing)} of the tensors its "
                                   f"{file.field('block_count')} layers need, e.g. {', '.join(missing[:3])}.")
+        if misshapen := gguf_weights.misshapen_tensors(file, gguf_model.hf_config(file)):
+            raise UnservableModel(f"The model file holds {len(misshapen)} tensors of another shape than its "
+                                  f"header's model has for them, e.g. {', '.join(misshapen[:2])}.")
         if tp_size > 1:
             heads = file.field("attention.head_count")
             check_head_split(heads, file.field("attention.head_count_kv", heads), tp_size)
@@ -207,7 +212,9 @@ def load_model(args: EngineArgs, tp: TensorParallel = SINGLE, same_as: Pretraine
     _check_config(args, same_as, config)
     model = _build(args, tp, config)
     if args.load_format is LoadFormat.AUTO:
-        load_weights(model, rank_shards(model, _norms_as_multipliers(config, _safetensors_weights(path))))
+        # closed at once where a tensor is refused: its progress bar gives the line back to the refusal
+        with contextlib.closing(_safetensors_weights(path)) as weights:
+            load_weights(model, rank_shards(model, _norms_as_multipliers(config, weights)))
     pooling = args.pooling_type or sentence_transformers_pooling(path) or PoolingType.LAST
     return LoadedModel(model.eval(), _model_config(args, model, _eos_token_ids(path, config), pooling),
                        _load_tokenizer(path), path)
@@ -440,7 +447,8 @@ def rank_shards(model: LlamaForCausalLM, weights: Iterable[tuple[str, Weight]]) 
 def load_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Copies HF checkpoint tensors into the model's parameters, fused ones shard by shard.
     Every parameter shard must be written exactly once: a checkpoint that misses one (or holds
-    one twice) is refused rather than run with uninitialized memory."""
+    one twice, or of another shape) is refused (UnservableModel) rather than run with
+    uninitialized memory."""
     params = dict(model.named_parameters())
     todo = {(name, i) for name in params for i in range(_num_shards(model, name))}
     for hf_name, tensor in weights:
@@ -451,18 +459,18 @@ def load_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str, torch.Ten
         name, shard = param_shard(hf_name)
         shards = {(name, i) for i in (range(_num_shards(model, name)) if shard is None else (shard,))}
         if not shards <= todo:
-            raise ValueError(f"Unexpected or repeated checkpoint tensor {hf_name!r}.")
+            raise UnservableModel(f"Unexpected or repeated checkpoint tensor {hf_name!r}.")
         todo -= shards
         target = params[name]
         module = model.get_submodule(name.rpartition(".")[0])
         if isinstance(module, Linear) and shard is not None:
             target = module.shard(target, shard)
         if target.shape != tensor.shape:
-            raise ValueError(f"{hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}.")
+            raise UnservableModel(f"{hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}.")
         target.copy_(tensor)
     if todo:
         missing = sorted(f"{name} (shard {shard})" for name, shard in todo)
-        raise ValueError(f"The checkpoint lacks {len(missing)} tensors, e.g. {', '.join(missing[:3])}.")
+        raise UnservableModel(f"The checkpoint lacks {len(missing)} tensors, e.g. {', '.join(missing[:3])}.")
 
 
 def on_quantized_blocks(model: LlamaForCausalLM, hf_name: str) -> bool:
