@@ -23,8 +23,8 @@ import torch
 
 from trillm.model import gguf_model
 from trillm.model.gguf_file import GGUFFile
-from trillm.model.unservable import UnservableModel
 from trillm.model.loader import gguf_file, resolve_model
+from trillm.model.unservable import UnservableModel
 
 
 def cache_root() -> str:

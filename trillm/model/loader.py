@@ -30,11 +30,11 @@ from trillm.config import DType, Device, EngineArgs, LoadFormat
 from trillm.heap import trim_c_heap
 from trillm.model import gguf_model, gguf_weights
 from trillm.model.gguf_file import GGUFFile
-from trillm.model.unservable import UnservableModel
 from trillm.model.gguf_model import check_servable
 from trillm.model.llama import (GEMMA, SUPPORTED_MODEL_TYPES, Embedding, Linear, LlamaForCausalLM, RMSNorm,
                                  check_head_split, head_dim_of, head_shards)
 from trillm.model.parallel import SINGLE, TensorParallel
+from trillm.model.unservable import UnservableModel
 from trillm.kernels import quant
 from trillm.kernels.cache import kv_block_bytes
 from trillm.kernels.family import get_kernels, kv_cache_dtype_of
