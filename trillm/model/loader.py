@@ -146,7 +146,8 @@ def check_model(args: EngineArgs) -> None:
         if missing := gguf_weights.missing_tensors(file):
             raise UnservableModel(f"The model file lacks {len(missing)} of the tensors its "
                                   f"{file.field('block_count')} layers need, e.g. {', '.join(missing[:3])}.")
-        if misshapen := gguf_weights.misshapen_tensors(file, gguf_model.hf_config(file)):
+        config = gguf_model.hf_config(file)
+        if misshapen := gguf_weights.misshapen_tensors(file, config):
             raise UnservableModel(f"The model file holds {len(misshapen)} tensors of another shape than its "
                                   f"header's model has for them, e.g. {', '.join(misshapen[:2])}.")
         if tp_size > 1:
@@ -155,7 +156,7 @@ def check_model(args: EngineArgs) -> None:
             if any(param_shard(name)[1] is None for name in names):
                 raise ValueError(FUSED_UNSPLIT)
         check_max_model_len(args.max_model_len, gguf_model.max_positions(file))
-        _check_kv_cache_memory(args, lambda: gguf_model.hf_config(file))
+        _check_kv_cache_memory(args, lambda: config)
 
 
 def _check_kv_cache_memory(args: EngineArgs, config_of: Callable[[], PretrainedConfig]) -> None:
