@@ -411,37 +411,43 @@ def linear(x: torch.Tensor, weight: QuantizedWeight | QuantizedParts, bias: torc
 
 
 class QuantizedRows(NamedTuple):
-    """Activations in 8-bit blocks of 32 (llama.cpp's Q8_1): x ~ e * v per block, s = e * sum(v)."""
+    """Activations in 8-bit blocks of 32 (llama.cpp's Q8_1): x ~ e * v, one e per block or, for a
+    weight with K-quant scales, per super-block of 256 (llama.cpp's Q8_K), and s = e * sum(v) per
+    block."""
 
     v: torch.Tensor  # [M, K] int8, -127..127
-    e: torch.Tensor  # [M, K / 32] fp32
+    e: torch.Tensor  # [M, K / 32] fp32; by super-blocks [M, K / 256]
     s: torch.Tensor  # [M, K / 32] fp32
 
 
-def quantize_rows(x: torch.Tensor) -> QuantizedRows:
+def quantize_rows(x: torch.Tensor, super_blocks: bool = False) -> QuantizedRows:
     """x [M, K] fp32 -> its blocks, as trillm/kernels/quant_int8_cpu.h makes them, bit for bit:
-    e = max|x| / 127, v = round-half-even(x * (1 / e)), 0 where e is 0."""
+    over each block (or super-block) e = max|x| / 127, v = round-half-even(x * (1 / e)), 0 where
+    e is 0."""
     rows, k = x.shape
-    blocks = x.reshape(rows, k // BLOCK, BLOCK)
-    e = blocks.abs().amax(dim=-1) / 127.0
+    span = BLOCK * SUPER_BLOCKS if super_blocks else BLOCK
+    spans = x.reshape(rows, k // span, span)
+    e = spans.abs().amax(dim=-1) / 127.0
     inv = torch.where(e != 0, 1.0 / e, torch.zeros_like(e))
-    v = torch.round(blocks * inv[..., None]).to(torch.int8)
-    s = e * v.sum(dim=-1, dtype=torch.int32).float()
+    v = torch.round(spans * inv[..., None]).to(torch.int8).reshape(rows, k // BLOCK, BLOCK)
+    per_block = e.repeat_interleave(span // BLOCK, dim=1)
+    s = per_block * v.sum(dim=-1, dtype=torch.int32).float()
     return QuantizedRows(v.reshape(rows, k), e, s)
 
 
 def linear_int8(x: torch.Tensor, weight: QuantizedWeight | QuantizedParts,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The twin of quant_cpu.Int8QuantizedLinear: x's rows quantized by `quantize_rows`, then per
-    block of 32 inputs d e sum(q v) + m s (q8_0 without mins: the exact d e sum(q v)), in float64 so that
-    only the kernel's fp32 sums differ from it."""
+    """The twin of quant_cpu.Int8QuantizedLinear: x's rows quantized by `quantize_rows` (by
+    super-blocks where the weight keeps K-quant scales), then per block of 32 inputs d e sum(q v)
+    + m s (q8_0 without mins: the exact d e sum(q v)), in float64 so that only the kernel's fp32
+    sums differ from it."""
     if isinstance(weight, QuantizedParts):
         y = torch.cat([linear_int8(x, w) for w in weight.parts], dim=-1)
         return y if bias is None else y + bias
     shape = x.shape
-    rows = quantize_rows(x.reshape(-1, shape[-1]).float())
+    rows = quantize_rows(x.reshape(-1, shape[-1]).float(), super_blocks=weight.k_scales is not None)
     q = _signed_quants(weight)
-    n, per_scale = q.shape[0], q.shape[1] // rows.e.shape[1]  # scales a block of x: 1, or q6_k's 2
+    n, per_scale = q.shape[0], q.shape[1] // rows.e.shape[1]  # scales under one e: 1 or 2 by blocks, 8 or 16 by supers
     v = rows.v.reshape(-1, q.shape[1], q.shape[2])
     dots = torch.einsum("mbk,nbk->mnb", v.double(), q.double())  # exact: integers below 2^53
     e = rows.e.double().repeat_interleave(per_scale, dim=1)

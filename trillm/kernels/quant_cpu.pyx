@@ -112,7 +112,7 @@ def requantize(weight) -> QuantizedWeight:
     cdef float *s_ptr = <float *><uintptr_t>s.data_ptr()
     cdef int isa = int8_best_isa()
     with nogil:
-        int8_quantize_rows(isa, x_ptr, M, K, v_ptr, e_ptr, s_ptr)
+        int8_quantize_rows(isa, x_ptr, M, K, 0, v_ptr, e_ptr, s_ptr, NULL, NULL)
     return weight_of_rows(QuantizedRows(v, e, s))
 
 

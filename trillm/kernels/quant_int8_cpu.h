@@ -35,20 +35,29 @@
  * are not stored at all: m_of_d (-8, -16) makes the same fp32 products from d, so a Q4_0 or Q5_0
  * block streams the file's bytes. A weight from Q4_K / Q5_K blocks keeps its scales as the
  * file does instead (`sc` set, d and m NULL): sc and mn, [N / 16, K / 32, 16] bytes, each block's
- * 6-bit factors, and dk and mk, [N / 16, K / 256, 16] fp32, each super-block's d and -dmin, so
- * d = dk sc and m = mk mn, computed in registers, exactly the fp32 products the twin uses: a
- * decode step streams 3 bytes of scales a block and row where fp32 d and m take 8.
+ * 6-bit factors, and dk and mk, [N / 16, K / 256, 16] fp32, each super-block's d and -dmin (d =
+ * dk sc and m = mk mn): a decode step streams 3 bytes of scales a block and row where fp32 d and
+ * m take 8.
  * Q6_K keeps its own form too (bits 6): u = q, 0..63, w = d sc (q - 32), sc a signed 8-bit factor
  * for each half of a block (16 inputs) and d the super-block's. Its low nibbles as Q4_1's; h two
  * planes, [N / 16, K / 32, 2, 16, 4] bytes, plane p holding the top two bits of the values of
  * groups 4p..4p + 3 (the low nibbles' registers for p = 0, the high ones' for 1), group 4p + j's
  * at bits 2j and 2j + 1, so that a shift and a mask put them in place as Q5_1's fifth bits; sc
  * [N / 16, K / 32, 2, 16] int8 (each block's lower half, then its upper one); dk as above; d, m,
- * mn and mk NULL. A block's sum is then d e (sc0 (sum0 u v - 32 sum0 v) + sc1 (sum1 u v - 32 sum1
- * v)) over its halves, each dot started from its half's offset: 6.6 bits a weight, as the file's
- * 6.6, where 8-bit blocks of the same values would take 9.
- * Activations: v [M, K] int8, e and s [M, K / 32]; for each weight with a z, offsets -z sum v
- * [M, K / 32] int32 ([M, K / 16], by half blocks, for Q6_K).
+ * mn and mk NULL: 6.6 bits a weight, as the file's 6.6, where 8-bit blocks of the same values
+ * would take 9.
+ * The K-quant arithmetic (any weight with `sc`: Q4_K, Q5_K, Q6_K, and a Q4_K promoted to bytes).
+ * x is quantized by super-blocks, one e for 256 inputs (llama.cpp's Q8_K), so that a block's
+ * integer factor can multiply its dot in the integers: over a super-block, sum = sum_b sc_b
+ * dot_b (Q6_K: sum over half blocks of sc (sum q v - 32 sum v)) and mins = sum_b mn_b sum_b v,
+ * both exact in int32, and the super-block adds dk e sum + mk e mins in fp32, once. Every path
+ * makes the same integers and the same fp32 operations on them, so the same floats. Where the
+ * AVX2 path widens 16-bit pair sums with vpmaddwd anyway, the factor rides in it; a block then
+ * adds one int32 register where the per-block fp32 epilogue (a conversion, a multiply, two
+ * multiply-adds, sharing vpmaddubsw's pipes) bound the kernel.
+ * Activations: v [M, K] int8, e [M, K / 32] (by super-blocks [M, K / 256]) and s [M, K / 32];
+ * for each weight with a z, offsets -z sum v [M, K / 32] int32 ([M, K / 16], by half blocks, for
+ * Q6_K); by super-blocks also sum v by blocks and half blocks, int16.
  *
  * Three paths, chosen at run time, each checked against quant.py's twin: AVX512-VNNI; AVX2 (each
  * 16-row register split in two 8-row halves, with AVX-VNNI's `vpdpbusd` where the CPU has it,
@@ -69,6 +78,7 @@
 #define INT8_TILE_N 16
 #define INT8_ROWS 8   /* rows of x that share each block of weights in registers */
 #define INT8_M_TILE 64 /* rows of x kept in cache while every tile of W passes */
+#define INT8_SUPER_SHIFT 3 /* log2 of the blocks in a K-quant super-block */
 
 enum int8_isa { INT8_AUTO = 0, INT8_GENERIC = 1, INT8_AVX2 = 2, INT8_AVXVNNI = 3, INT8_AVX512VNNI = 4 };
 
@@ -108,24 +118,22 @@ static inline float int8_half_at(const uint16_t *h, int64_t at)
     return value;
 }
 
-/* Row i's scale and min of block b of tile t (block = t * blocks + b). */
-static inline float int8_d_at(const struct int8_weight *w, int64_t t, int64_t b, int64_t block, int i)
+/* Row i's scale and min of block `block` (no K-quant scales). */
+static inline float int8_d_at(const struct int8_weight *w, int64_t block, int i)
 {
-    if (w->dh != NULL) return int8_half_at(w->dh, block * INT8_TILE_N + i);
-    if (w->sc == NULL) return w->d[block * INT8_TILE_N + i];
-    return w->dk[(t * (w->blocks / 8) + b / 8) * INT8_TILE_N + i] * (float)w->sc[block * INT8_TILE_N + i];
+    return w->dh != NULL ? int8_half_at(w->dh, block * INT8_TILE_N + i) : w->d[block * INT8_TILE_N + i];
 }
-static inline float int8_m_at(const struct int8_weight *w, int64_t t, int64_t b, int64_t block, int i)
+static inline float int8_m_at(const struct int8_weight *w, int64_t block, int i)
 {
     if (w->mh != NULL) return int8_half_at(w->mh, block * INT8_TILE_N + i);
-    if (w->sc == NULL) return w->m != NULL ? w->m[block * INT8_TILE_N + i] : 0.0f;
-    return w->mk[(t * (w->blocks / 8) + b / 8) * INT8_TILE_N + i] * (float)w->mn[block * INT8_TILE_N + i];
+    return w->m != NULL ? w->m[block * INT8_TILE_N + i] : 0.0f;
 }
 
 struct int8_rows {
     int64_t K, blocks;
     const int8_t *v;
-    const float *e, *s;
+    const float *e, *s; /* e [M, blocks], or by super-blocks (for a weight with `sc`) [M, blocks / 8]; s [M, blocks] */
+    const int16_t *sums, *halves; /* by super-blocks only: sum v by block [M, blocks] and half block [M, blocks, 2] */
     const int32_t *offsets; /* -z sum v for the weight's z, [M, blocks] ([M, blocks, 2] for Q6_K); NULL: no z */
     int once;         /* every tile of the weight passes once: at most INT8_ROWS rows (int8_prefetch_next_tile) */
 };
@@ -141,26 +149,56 @@ static void int8_offsets(const int8_t *v, int64_t M, int64_t K, int width, int s
     }
 }
 
-/* Quantizes x [M, K] fp32 (K a multiple of 32) into v, e, s, as the twin does: e = max|x| / 127,
- * v = round-half-even(x * (1 / e)) (0 where e is 0), s = e * sum(v). */
-static void int8_quantize_rows_generic(const float *x, int64_t M, int64_t K, int8_t *v, float *e, float *s)
+/* max |x| over a block of 32. */
+static float int8_block_amax_generic(const float *xb)
 {
-    const int64_t blocks = K / INT8_BLOCK;
+    float amax = 0.0f;
+    for (int k = 0; k < INT8_BLOCK; k++) amax = fmaxf(amax, fabsf(xb[k]));
+    return amax;
+}
+
+/* v = round-half-even(x * inv) for a block of 32; halves: the sums of v over its inputs 0-15 and 16-31. */
+static void int8_block_quantize_generic(const float *xb, float inv, int8_t *v, int32_t halves[2])
+{
+    halves[0] = halves[1] = 0;
+    for (int k = 0; k < INT8_BLOCK; k++) {
+        const int32_t q = (int32_t)nearbyintf(xb[k] * inv);
+        v[k] = (int8_t)q;
+        halves[k / 16] += q;
+    }
+}
+
+typedef float int8_block_amax_fn(const float *xb);
+typedef void int8_block_quantize_fn(const float *xb, float inv, int8_t *v, int32_t halves[2]);
+
+/* Quantizes x [M, K] fp32 (K a multiple of 32 << shift) into v, e and s, as the twin does, by
+ * spans of 32 << shift inputs (shift 0: blocks; INT8_SUPER_SHIFT: super-blocks): e = max|x| / 127
+ * over the span, v = round-half-even(x * (1 / e)) (0 where e is 0), and for each block of 32
+ * s = e * sum(v). Where `sums` is not NULL, also each block's sum v into sums [M, K / 32] and its
+ * halves' into halves [M, K / 16] (in int16: at most 32 * 127 in magnitude). */
+static void int8_quantize_rows_by(int8_block_amax_fn *amax_of, int8_block_quantize_fn *quantize, const float *x,
+                                  int64_t M, int64_t K, int shift, int8_t *v, float *e, float *s, int16_t *sums,
+                                  int16_t *halves)
+{
+    const int64_t blocks = K / INT8_BLOCK, per = (int64_t)1 << shift;
     for (int64_t r = 0; r < M; r++)
-        for (int64_t b = 0; b < blocks; b++) {
-            const float *xb = x + r * K + b * INT8_BLOCK;
-            float amax = 0.0f;
-            for (int k = 0; k < INT8_BLOCK; k++) amax = fmaxf(amax, fabsf(xb[k]));
+        for (int64_t span = 0; span < blocks / per; span++) {
+            const float *xs = x + r * K + span * per * INT8_BLOCK;
+            float amax = amax_of(xs);
+            for (int64_t j = 1; j < per; j++) amax = fmaxf(amax, amax_of(xs + j * INT8_BLOCK));
             const float eb = amax / 127.0f;
             const float inv = eb != 0.0f ? 1.0f / eb : 0.0f;
-            int32_t sum = 0;
-            for (int k = 0; k < INT8_BLOCK; k++) {
-                const int32_t q = (int32_t)nearbyintf(xb[k] * inv);
-                v[r * K + b * INT8_BLOCK + k] = (int8_t)q;
-                sum += q;
+            e[r * (blocks / per) + span] = eb;
+            for (int64_t j = 0; j < per; j++) {
+                const int64_t b = span * per + j;
+                int32_t half[2];
+                quantize(xs + j * INT8_BLOCK, inv, v + r * K + b * INT8_BLOCK, half);
+                s[r * blocks + b] = eb * (float)(half[0] + half[1]);
+                if (sums == NULL) continue;
+                sums[r * blocks + b] = (int16_t)(half[0] + half[1]);
+                halves[(r * blocks + b) * 2] = (int16_t)half[0];
+                halves[(r * blocks + b) * 2 + 1] = (int16_t)half[1];
             }
-            e[r * blocks + b] = eb;
-            s[r * blocks + b] = eb * (float)sum;
         }
 }
 
@@ -170,13 +208,6 @@ typedef void int8_rows_kernel(int rows, float *out, int64_t N, const struct int8
 
 /* 64-byte lines of quants a block and tile: 8 for bytes, 4 for nibbles */
 static inline int int8_weight_groups(const struct int8_weight *w) { return w->bits == 8 ? 8 : 4; }
-
-/* Q6_K's d sc of row i for half `half` of block b of tile t. */
-static inline float int8_q6_scale(const struct int8_weight *w, int64_t t, int64_t b, int64_t block, int half, int i)
-{
-    return w->dk[(t * (w->blocks / 8) + b / 8) * INT8_TILE_N + i] *
-           (float)((const int8_t *)w->sc)[(block * 2 + half) * INT8_TILE_N + i];
-}
 
 /* u of input k of output row i in block `block` (a tile's blocks follow each other). */
 static inline int32_t int8_weight_at(const struct int8_weight *w, int64_t block, int i, int k)
@@ -195,30 +226,59 @@ static inline int32_t int8_weight_at(const struct int8_weight *w, int64_t block,
     return nibble | ((w->h[block * INT8_TILE_N * 4 + i * 4 + k % 4] >> group) & 1) << 4;
 }
 
+/* Row i's sum of factors times dots over super-block sb of tile t (the K-quant arithmetic above),
+ * and into *by_mins its mins' sum mn sum v (4, 5 and 8 bits). */
+static int32_t int8_kquant_sum_generic(const struct int8_weight *w, const struct int8_rows *x, int64_t row, int64_t t,
+                                       int64_t sb, int i, int32_t *by_mins)
+{
+    int32_t sum = 0;
+    *by_mins = 0;
+    for (int j = 0; j < 1 << INT8_SUPER_SHIFT; j++) {
+        const int64_t b = (sb << INT8_SUPER_SHIFT) + j, block = t * w->blocks + b, at = row * x->blocks + b;
+        const int8_t *v = x->v + row * x->K + b * INT8_BLOCK;
+        if (w->bits == 6) {
+            for (int h = 0; h < 2; h++) {
+                int32_t dot = x->offsets[2 * at + h];
+                for (int k = 16 * h; k < 16 * h + 16; k++) dot += int8_weight_at(w, block, i, k) * v[k];
+                sum += ((const int8_t *)w->sc)[(block * 2 + h) * INT8_TILE_N + i] * dot;
+            }
+            continue;
+        }
+        int32_t dot = w->bits == 8 ? x->offsets[at] : 0;
+        for (int k = 0; k < INT8_BLOCK; k++) dot += int8_weight_at(w, block, i, k) * v[k];
+        sum += w->sc[block * INT8_TILE_N + i] * dot;
+        *by_mins += w->mn[block * INT8_TILE_N + i] * x->sums[at];
+    }
+    return sum;
+}
+
 static void int8_rows_generic(int rows, float *out, int64_t N, const struct int8_rows *x, int64_t r0,
                               const struct int8_weight *w, int64_t t)
 {
     for (int r = 0; r < rows; r++) {
         float acc[INT8_TILE_N] = {0};
         const int8_t *v = x->v + (r0 + r) * x->K;
-        for (int64_t b = 0; b < w->blocks; b++) {
+        if (w->sc != NULL) {
+            const int64_t supers = w->blocks >> INT8_SUPER_SHIFT;
+            for (int64_t sb = 0; sb < supers; sb++) {
+                const float e = x->e[(r0 + r) * supers + sb];
+                for (int i = 0; i < INT8_TILE_N; i++) {
+                    int32_t by_mins;
+                    const int32_t sum = int8_kquant_sum_generic(w, x, r0 + r, t, sb, i, &by_mins);
+                    acc[i] = fmaf(w->dk[(t * supers + sb) * INT8_TILE_N + i] * e, (float)sum, acc[i]);
+                    if (w->bits == 6) continue;
+                    acc[i] = fmaf(w->mk[(t * supers + sb) * INT8_TILE_N + i] * e, (float)by_mins, acc[i]);
+                }
+            }
+        }
+        for (int64_t b = 0; b < w->blocks && w->sc == NULL; b++) {
             const int64_t block = t * w->blocks + b;
             const float e = x->e[(r0 + r) * x->blocks + b], s = x->s[(r0 + r) * x->blocks + b];
             for (int i = 0; i < INT8_TILE_N; i++) {
-                if (w->bits == 6) {
-                    const int32_t *offsets = x->offsets + ((r0 + r) * x->blocks + b) * 2;
-                    int32_t half[2] = {offsets[0], offsets[1]};
-                    for (int k = 0; k < INT8_BLOCK; k++) half[k / 16] += int8_weight_at(w, block, i, k) * v[b * INT8_BLOCK + k];
-                    const float inner = fmaf(int8_q6_scale(w, t, b, block, 0, i), (float)half[0],
-                                             int8_q6_scale(w, t, b, block, 1, i) * (float)half[1]);
-                    acc[i] = fmaf(e, inner, acc[i]);
-                    continue;
-                }
                 int32_t dot = x->offsets != NULL ? x->offsets[(r0 + r) * x->blocks + b] : 0;
                 for (int k = 0; k < INT8_BLOCK; k++) dot += int8_weight_at(w, block, i, k) * v[b * INT8_BLOCK + k];
-                const float d = int8_d_at(w, t, b, block, i);
-                acc[i] = fmaf(d * e, (float)dot, acc[i]);
-                if (int8_has_mins(w)) acc[i] = fmaf(int8_m_at(w, t, b, block, i), s, acc[i]);
+                acc[i] = fmaf(int8_d_at(w, block, i) * e, (float)dot, acc[i]);
+                if (int8_has_mins(w)) acc[i] = fmaf(int8_m_at(w, block, i), s, acc[i]);
             }
         }
         memcpy(out + (r0 + r) * N + t * INT8_TILE_N, acc, sizeof(acc));
@@ -235,58 +295,56 @@ static inline int32_t int8_word(const int8_t *p)
     return word;
 }
 
-/* As int8_quantize_rows_generic, a block in two registers (vcvtps2dq rounds half to even). */
-__attribute__((target("avx512f,avx512bw"))) static void int8_quantize_rows_avx512(const float *x, int64_t M, int64_t K,
-                                                                                 int8_t *v, float *e, float *s)
+/* As int8_block_amax_generic and int8_block_quantize_generic, a block in two registers
+ * (vcvtps2dq rounds half to even). */
+__attribute__((target("avx512f,avx512bw"))) static float int8_block_amax_avx512(const float *xb)
 {
-    const int64_t blocks = K / INT8_BLOCK;
-    for (int64_t r = 0; r < M; r++)
-        for (int64_t b = 0; b < blocks; b++) {
-            const float *xb = x + r * K + b * INT8_BLOCK;
-            const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
-            const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
-            const float eb = amax / 127.0f;
-            const __m512 inv = _mm512_set1_ps(eb != 0.0f ? 1.0f / eb : 0.0f);
-            const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, inv)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, inv));
-            _mm_storeu_si128((__m128i *)(v + r * K + b * INT8_BLOCK), _mm512_cvtepi32_epi8(q0));
-            _mm_storeu_si128((__m128i *)(v + r * K + b * INT8_BLOCK + 16), _mm512_cvtepi32_epi8(q1));
-            e[r * blocks + b] = eb;
-            s[r * blocks + b] = eb * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
-        }
+    return _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(xb)), _mm512_abs_ps(_mm512_loadu_ps(xb + 16))));
+}
+__attribute__((target("avx512f,avx512bw"))) static void int8_block_quantize_avx512(const float *xb, float inv, int8_t *v,
+                                                                                  int32_t halves[2])
+{
+    const __m512 scale = _mm512_set1_ps(inv);
+    const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb), scale));
+    const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb + 16), scale));
+    _mm_storeu_si128((__m128i *)v, _mm512_cvtepi32_epi8(q0));
+    _mm_storeu_si128((__m128i *)(v + 16), _mm512_cvtepi32_epi8(q1));
+    halves[0] = _mm512_reduce_add_epi32(q0);
+    halves[1] = _mm512_reduce_add_epi32(q1);
 }
 
-/* As int8_quantize_rows_generic, a block in four registers (vcvtps2dq rounds half to even). */
-__attribute__((target("avx2"))) static void int8_quantize_rows_avx2(const float *x, int64_t M, int64_t K, int8_t *v,
-                                                                    float *e, float *s)
+/* The same, a block in four registers. */
+__attribute__((target("avx2"))) static float int8_block_amax_avx2(const float *xb)
 {
-    const int64_t blocks = K / INT8_BLOCK;
     const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-    for (int64_t r = 0; r < M; r++)
-        for (int64_t b = 0; b < blocks; b++) {
-            const float *xb = x + r * K + b * INT8_BLOCK;
-            __m256 xs[4];
-            for (int i = 0; i < 4; i++) xs[i] = _mm256_loadu_ps(xb + 8 * i);
-            __m256 top = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(xs[0], magnitude), _mm256_and_ps(xs[1], magnitude)),
-                                       _mm256_max_ps(_mm256_and_ps(xs[2], magnitude), _mm256_and_ps(xs[3], magnitude)));
-            __m128 half = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
-            half = _mm_max_ps(half, _mm_movehl_ps(half, half));
-            half = _mm_max_ss(half, _mm_shuffle_ps(half, half, 1));
-            const float eb = _mm_cvtss_f32(half) / 127.0f;
-            const __m256 inv = _mm256_set1_ps(eb != 0.0f ? 1.0f / eb : 0.0f);
-            __m256i q[4];
-            for (int i = 0; i < 4; i++) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(xs[i], inv));
-            /* int32 -> int8 in order: the packs work within 128-bit lanes, the permute restores it */
-            const __m256i words = _mm256_packs_epi32(q[0], q[1]), words2 = _mm256_packs_epi32(q[2], q[3]);
-            const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(words, words2),
-                                                              _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-            _mm256_storeu_si256((__m256i *)(v + r * K + b * INT8_BLOCK), bytes);
-            const __m256i total = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
-            __m128i sum = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
-            sum = _mm_add_epi32(sum, _mm_shuffle_epi32(sum, 0x4E));
-            sum = _mm_add_epi32(sum, _mm_shuffle_epi32(sum, 0xB1));
-            e[r * blocks + b] = eb;
-            s[r * blocks + b] = eb * (float)_mm_cvtsi128_si32(sum);
-        }
+    __m256 xs[4];
+    for (int i = 0; i < 4; i++) xs[i] = _mm256_and_ps(_mm256_loadu_ps(xb + 8 * i), magnitude);
+    const __m256 top = _mm256_max_ps(_mm256_max_ps(xs[0], xs[1]), _mm256_max_ps(xs[2], xs[3]));
+    __m128 half = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+    half = _mm_max_ps(half, _mm_movehl_ps(half, half));
+    half = _mm_max_ss(half, _mm_shuffle_ps(half, half, 1));
+    return _mm_cvtss_f32(half);
+}
+__attribute__((target("avx2"))) static inline int32_t int8_sum_avx2(__m256i q)
+{
+    __m128i sum = _mm_add_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+    sum = _mm_add_epi32(sum, _mm_shuffle_epi32(sum, 0x4E));
+    sum = _mm_add_epi32(sum, _mm_shuffle_epi32(sum, 0xB1));
+    return _mm_cvtsi128_si32(sum);
+}
+__attribute__((target("avx2"))) static void int8_block_quantize_avx2(const float *xb, float inv, int8_t *v,
+                                                                    int32_t halves[2])
+{
+    const __m256 scale = _mm256_set1_ps(inv);
+    __m256i q[4];
+    for (int i = 0; i < 4; i++) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + 8 * i), scale));
+    /* int32 -> int8 in order: the packs work within 128-bit lanes, the permute restores it */
+    const __m256i words = _mm256_packs_epi32(q[0], q[1]), words2 = _mm256_packs_epi32(q[2], q[3]);
+    const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(words, words2),
+                                                      _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256((__m256i *)v, bytes);
+    halves[0] = int8_sum_avx2(_mm256_add_epi32(q[0], q[1]));
+    halves[1] = int8_sum_avx2(_mm256_add_epi32(q[2], q[3]));
 }
 
 /* A fifth-bit plane's bit g (the layout above) moved to bit 4 of every byte, alone: the
@@ -336,8 +394,53 @@ static inline void int8_prefetch_next_tile(const struct int8_weight *w, int bits
     if (w->m != NULL) INT8_PREFETCH(once, w->m + ahead * INT8_TILE_N);
 }
 
+/* A block's values u[g] for the whole tile: nibbles, with their fifth bits or top bit pairs put
+ * in place, or bytes. */
+__attribute__((target("avx512f,avx512bw"), always_inline)) static inline void int8_unpack_avx512(
+    int bits, const struct int8_weight *w, int64_t block, __m512i u[8])
+{
+    if (bits == 8) {
+        const uint8_t *q = w->u + block * 8 * 64;
+        _Pragma("GCC unroll 8") for (int g = 0; g < 8; g++) u[g] = _mm512_loadu_si512(q + g * 64);
+        return;
+    }
+    const __m512i low = _mm512_set1_epi8(15);
+    const uint8_t *q = w->u + block * 4 * 64;
+    _Pragma("GCC unroll 4") for (int g = 0; g < 4; g++) {
+        const __m512i packed = _mm512_loadu_si512(q + g * 64);
+        u[g] = _mm512_and_si512(packed, low);
+        u[g + 4] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+    }
+    if (bits == 5) {
+        const __m512i plane = _mm512_loadu_si512(w->h + block * 64), sixteen = _mm512_set1_epi8(16);
+        _Pragma("GCC unroll 8") for (int g = 0; g < 8; g++) u[g] = _mm512_or_si512(
+            u[g], INT8_FIFTH_BITS(_mm512_slli_epi16, _mm512_srli_epi16, _mm512_and_si512, plane, g, sixteen));
+    }
+    if (bits == 6) {
+        const __m512i top = _mm512_set1_epi8(0x30);
+        _Pragma("GCC unroll 2") for (int p = 0; p < 2; p++) {
+            const __m512i plane = _mm512_loadu_si512(w->h + block * 128 + p * 64);
+            _Pragma("GCC unroll 4") for (int j = 0; j < 4; j++) u[4 * p + j] = _mm512_or_si512(
+                u[4 * p + j], INT8_BIT_PAIRS(_mm512_slli_epi16, _mm512_srli_epi16, _mm512_and_si512, plane, j, top));
+        }
+    }
+}
+
+/* A block's dots for the 16 rows, as two chains of four (each vpdpbusd waits on the one before it
+ * in its chain): dot[0] of the lower 16 inputs, dot[1] of the upper, each started from `start`. */
+__attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline)) static inline void int8_dots_avx512(
+    const __m512i u[8], const int8_t *v, __m512i start0, __m512i start1, __m512i dot[2])
+{
+    dot[0] = start0;
+    dot[1] = start1;
+    _Pragma("GCC unroll 4") for (int g = 0; g < 4; g++) {
+        dot[0] = _mm512_dpbusd_epi32(dot[0], u[g], _mm512_set1_epi32(int8_word(v + 4 * g)));
+        dot[1] = _mm512_dpbusd_epi32(dot[1], u[g + 4], _mm512_set1_epi32(int8_word(v + 16 + 4 * g)));
+    }
+}
+
 /* `rows`, `bits` and `z` (the weight's u carries a z: its dots start from x's offsets; always for
- * 6 and 8 bits) are constants at each call site, so each compiles to its own loop with the
+ * 8 bits) are constants at each call site, so each compiles to its own loop with the
  * accumulators in registers. A 4- or 5-bit weight without a z has mins of its own. */
 __attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline)) static inline void int8_rows_avx512_body(
     int rows, int bits, int z, float *out, int64_t N, const struct int8_rows *x, int64_t r0, const struct int8_weight *w,
@@ -345,82 +448,80 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline)) static inl
 {
     __m512 acc[INT8_ROWS];
     _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
-    const __m512i low = _mm512_set1_epi8(15);
-    const int32_t *offsets = x->offsets;
     const int mins = bits == 8 ? int8_has_mins(w) : !z;
     for (int64_t b = 0; b < w->blocks; b++) {
         const int64_t block = t * w->blocks + b;
         int8_prefetch_next_tile(w, bits, block, x->once);
-        __m512 d, m;
-        if (bits == 6) { /* d: the lower half's d sc, m: the upper half's */
-            const __m512 dk = _mm512_loadu_ps(w->dk + (t * (w->blocks / 8) + b / 8) * INT8_TILE_N);
-            const int8_t *sc = (const int8_t *)w->sc + block * 2 * INT8_TILE_N;
-            d = _mm512_mul_ps(dk, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)sc))));
-            m = _mm512_mul_ps(dk, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                                      _mm_loadu_si128((const __m128i *)(sc + INT8_TILE_N)))));
-        } else if (w->sc != NULL) {
-            const int64_t super = (t * (w->blocks / 8) + b / 8) * INT8_TILE_N;
-            d = _mm512_mul_ps(_mm512_loadu_ps(w->dk + super), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-                                  _mm_loadu_si128((const __m128i *)(w->sc + block * INT8_TILE_N)))));
-            m = _mm512_mul_ps(_mm512_loadu_ps(w->mk + super), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-                                  _mm_loadu_si128((const __m128i *)(w->mn + block * INT8_TILE_N)))));
-        } else { /* each of d and m in fp16 or fp32 */
-            d = w->dh != NULL ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->dh + block * INT8_TILE_N)))
-                              : _mm512_loadu_ps(w->d + block * INT8_TILE_N);
-            m = w->mh != NULL  ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->mh + block * INT8_TILE_N)))
-                : w->m != NULL ? _mm512_loadu_ps(w->m + block * INT8_TILE_N)
-                               : _mm512_setzero_ps();
-        }
+        /* each of d and m in fp16 or fp32 */
+        const __m512 d = w->dh != NULL ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->dh + block * INT8_TILE_N)))
+                                       : _mm512_loadu_ps(w->d + block * INT8_TILE_N);
+        const __m512 m = w->mh != NULL  ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->mh + block * INT8_TILE_N)))
+                         : w->m != NULL ? _mm512_loadu_ps(w->m + block * INT8_TILE_N)
+                                        : _mm512_setzero_ps();
         __m512i u[8];
-        if (bits != 8) {
-            const uint8_t *q = w->u + block * 4 * 64;
-            _Pragma("GCC unroll 4") for (int g = 0; g < 4; g++) {
-                const __m512i packed = _mm512_loadu_si512(q + g * 64);
-                u[g] = _mm512_and_si512(packed, low);
-                u[g + 4] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
-            }
-            if (bits == 5) {
-                const __m512i plane = _mm512_loadu_si512(w->h + block * 64), sixteen = _mm512_set1_epi8(16);
-                _Pragma("GCC unroll 8") for (int g = 0; g < 8; g++) u[g] = _mm512_or_si512(
-                    u[g], INT8_FIFTH_BITS(_mm512_slli_epi16, _mm512_srli_epi16, _mm512_and_si512, plane, g, sixteen));
-            }
-            if (bits == 6) {
-                const __m512i top = _mm512_set1_epi8(0x30);
-                _Pragma("GCC unroll 2") for (int p = 0; p < 2; p++) {
-                    const __m512i plane = _mm512_loadu_si512(w->h + block * 128 + p * 64);
-                    _Pragma("GCC unroll 4") for (int j = 0; j < 4; j++) u[4 * p + j] = _mm512_or_si512(
-                        u[4 * p + j], INT8_BIT_PAIRS(_mm512_slli_epi16, _mm512_srli_epi16, _mm512_and_si512, plane, j, top));
-                }
-            }
-        } else {
-            const uint8_t *q = w->u + block * 8 * 64;
-            _Pragma("GCC unroll 8") for (int g = 0; g < 8; g++) u[g] = _mm512_loadu_si512(q + g * 64);
-        }
+        int8_unpack_avx512(bits, w, block, u);
         _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) {
-            const int8_t *v = x->v + (r0 + r) * x->K + b * INT8_BLOCK;
             const int64_t at = (r0 + r) * x->blocks + b;
-            /* two chains of four (each vpdpbusd waits on the one before it in its chain), each started
-             * from its offset where the weight has a z: Q6_K's halves each their own, else the block's */
-            __m512i dot0 = _mm512_setzero_si512(), dot1 = _mm512_setzero_si512();
-            if (bits == 6) {
-                dot0 = _mm512_set1_epi32(offsets[2 * at]);
-                dot1 = _mm512_set1_epi32(offsets[2 * at + 1]);
-            } else if (z) {
-                dot0 = _mm512_set1_epi32(offsets[at]);
-            }
-            _Pragma("GCC unroll 4") for (int g = 0; g < 4; g++) {
-                dot0 = _mm512_dpbusd_epi32(dot0, u[g], _mm512_set1_epi32(int8_word(v + 4 * g)));
-                dot1 = _mm512_dpbusd_epi32(dot1, u[g + 4], _mm512_set1_epi32(int8_word(v + 16 + 4 * g)));
-            }
-            if (bits == 6) {
-                acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x->e[at]),
-                                         _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(dot0), _mm512_mul_ps(m, _mm512_cvtepi32_ps(dot1))),
-                                         acc[r]);
-                continue;
-            }
-            const __m512i dot = _mm512_add_epi32(dot0, dot1);
-            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(x->e[at])), _mm512_cvtepi32_ps(dot), acc[r]);
+            __m512i dot[2];
+            int8_dots_avx512(u, x->v + (r0 + r) * x->K + b * INT8_BLOCK,
+                             z ? _mm512_set1_epi32(x->offsets[at]) : _mm512_setzero_si512(), _mm512_setzero_si512(), dot);
+            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(x->e[at])),
+                                     _mm512_cvtepi32_ps(_mm512_add_epi32(dot[0], dot[1])), acc[r]);
             if (mins) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(x->s[at]), acc[r]);
+        }
+    }
+    _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) _mm512_storeu_ps(out + (r0 + r) * N + t * INT8_TILE_N, acc[r]);
+}
+
+/* A K-quant weight (`sc` set) on AVX-512: the K-quant arithmetic above, each block's dots
+ * times its factors by vpmulld. */
+__attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline)) static inline void int8_rows_avx512_kquant_body(
+    int rows, int bits, float *out, int64_t N, const struct int8_rows *x, int64_t r0, const struct int8_weight *w,
+    int64_t t)
+{
+    const int64_t supers = w->blocks >> INT8_SUPER_SHIFT;
+    __m512 acc[INT8_ROWS];
+    _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t sb = 0; sb < supers; sb++) {
+        __m512i sum[INT8_ROWS], by_mins[INT8_ROWS];
+        _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) sum[r] = by_mins[r] = _mm512_setzero_si512();
+        for (int j = 0; j < 1 << INT8_SUPER_SHIFT; j++) {
+            const int64_t b = (sb << INT8_SUPER_SHIFT) + j, block = t * w->blocks + b;
+            int8_prefetch_next_tile(w, bits, block, x->once);
+            __m512i factor, upper, mn = _mm512_setzero_si512(); /* 6 bits: the lower 16 inputs' sc, the upper's */
+            if (bits == 6) {
+                const int8_t *sc = (const int8_t *)w->sc + block * 2 * INT8_TILE_N;
+                factor = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)sc));
+                upper = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(sc + INT8_TILE_N)));
+            } else {
+                factor = upper = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w->sc + block * INT8_TILE_N)));
+                mn = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w->mn + block * INT8_TILE_N)));
+            }
+            __m512i u[8];
+            int8_unpack_avx512(bits, w, block, u);
+            _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) {
+                const int64_t at = (r0 + r) * x->blocks + b;
+                const int8_t *v = x->v + (r0 + r) * x->K + b * INT8_BLOCK;
+                __m512i dot[2];
+                if (bits == 6) {
+                    int8_dots_avx512(u, v, _mm512_set1_epi32(x->offsets[2 * at]),
+                                     _mm512_set1_epi32(x->offsets[2 * at + 1]), dot);
+                    sum[r] = _mm512_add_epi32(sum[r], _mm512_add_epi32(_mm512_mullo_epi32(dot[0], factor),
+                                                                       _mm512_mullo_epi32(dot[1], upper)));
+                    continue;
+                }
+                int8_dots_avx512(u, v, bits == 8 ? _mm512_set1_epi32(x->offsets[at]) : _mm512_setzero_si512(),
+                                 _mm512_setzero_si512(), dot);
+                sum[r] = _mm512_add_epi32(sum[r], _mm512_mullo_epi32(_mm512_add_epi32(dot[0], dot[1]), factor));
+                by_mins[r] = _mm512_add_epi32(by_mins[r], _mm512_mullo_epi32(mn, _mm512_set1_epi32(x->sums[at])));
+            }
+        }
+        const __m512 dk = _mm512_loadu_ps(w->dk + (t * supers + sb) * INT8_TILE_N);
+        const __m512 mk = bits == 6 ? dk : _mm512_loadu_ps(w->mk + (t * supers + sb) * INT8_TILE_N);
+        _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) {
+            const __m512 e = _mm512_set1_ps(x->e[(r0 + r) * supers + sb]);
+            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dk, e), _mm512_cvtepi32_ps(sum[r]), acc[r]);
+            if (bits != 6) acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(mk, e), _mm512_cvtepi32_ps(by_mins[r]), acc[r]);
         }
     }
     _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) _mm512_storeu_ps(out + (r0 + r) * N + t * INT8_TILE_N, acc[r]);
@@ -441,27 +542,48 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline)) static inl
             BODY(R, 5, 1, out, N, x, r0, w, t);                                                            \
         else if (w->bits == 5)                                                                             \
             BODY(R, 5, 0, out, N, x, r0, w, t);                                                            \
-        else if (w->bits == 6)                                                                             \
-            BODY(R, 6, 1, out, N, x, r0, w, t);                                                            \
         else                                                                                               \
             BODY(R, 8, 1, out, N, x, r0, w, t);                                                            \
         break;
 
+#define INT8_KQUANT_CASE(BODY, R)                                                                          \
+    case R:                                                                                                \
+        if (w->bits == 4)                                                                                  \
+            BODY(R, 4, out, N, x, r0, w, t);                                                               \
+        else if (w->bits == 5)                                                                             \
+            BODY(R, 5, out, N, x, r0, w, t);                                                               \
+        else if (w->bits == 6)                                                                             \
+            BODY(R, 6, out, N, x, r0, w, t);                                                               \
+        else                                                                                               \
+            BODY(R, 8, out, N, x, r0, w, t);                                                               \
+        break;
+/* Dispatches a K-quant weight to BODY and returns. */
+#define INT8_KQUANT_SWITCH(BODY)                                                                           \
+    if (w->sc != NULL) {                                                                                   \
+        switch (rows) {                                                                                    \
+            INT8_KQUANT_CASE(BODY, 1) INT8_KQUANT_CASE(BODY, 2) INT8_KQUANT_CASE(BODY, 3)                  \
+            INT8_KQUANT_CASE(BODY, 4) INT8_KQUANT_CASE(BODY, 5) INT8_KQUANT_CASE(BODY, 6)                  \
+            INT8_KQUANT_CASE(BODY, 7) INT8_KQUANT_CASE(BODY, 8)                                            \
+        }                                                                                                  \
+        return;                                                                                            \
+    }
+
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) static void int8_rows_avx512vnni(
     int rows, float *out, int64_t N, const struct int8_rows *x, int64_t r0, const struct int8_weight *w, int64_t t)
 {
+    INT8_KQUANT_SWITCH(int8_rows_avx512_kquant_body)
     INT8_ROWS_SWITCH(int8_rows_avx512_body)
 }
 
-/* The AVX2 body, once with AVX-VNNI's vpdpbusd and once with vpmaddubsw + vpmaddwd (DOT_NIBBLES:
- * a block's dot of unsigned values below 16; DOT_FIVES: below 32; DOT_SIXES: half p's (groups
- * 4p..4p + 3) of values below 64; DOT_BYTES: of any u, a Q8_0 byte; BYTES_DOT_Q: 1 when DOT_BYTES
- * sums q v (q = u - 128) rather than u v, so that Q8_0's offset is not added). `half` there is a
- * tile's lower or upper 8 rows, `p` a block's lower or upper 16 inputs. The loop over x's rows
- * is unrolled by two only: AVX2 has 16 registers, and unrolled by eight, the rows' accumulators
- * (two each) beside the block's eight u registers spilled every one of them on every row; by two,
- * u stays in registers, each accumulator makes one trip to L1 a block, and two rows' dots overlap. */
-#define INT8_DEFINE_AVX2_BODY(NAME, TARGET, DOT_NIBBLES, DOT_FIVES, DOT_SIXES, DOT_BYTES, BYTES_DOT_Q)     \
+/* The AVX2 body for weights without K-quant scales, once with AVX-VNNI's vpdpbusd and once with
+ * vpmaddubsw + vpmaddwd (DOT_NIBBLES: a block's dot of unsigned values below 16; DOT_FIVES: below
+ * 32; DOT_BYTES: of any u, a Q8_0 byte; BYTES_DOT_Q: 1 when DOT_BYTES sums q v (q = u - 128)
+ * rather than u v, so that Q8_0's offset is not added). `half` there is a tile's lower or upper 8
+ * rows. The loop over x's rows is unrolled by two only: AVX2 has 16 registers, and unrolled by
+ * eight, the rows' accumulators (two each) beside the block's eight u registers spilled every one
+ * of them on every row; by two, u stays in registers, each accumulator makes one trip to L1 a
+ * block, and two rows' dots overlap. */
+#define INT8_DEFINE_AVX2_BODY(NAME, TARGET, DOT_NIBBLES, DOT_FIVES, DOT_BYTES, BYTES_DOT_Q)                \
     __attribute__((target(TARGET), always_inline)) static inline void NAME(                                \
         int rows, int bits, int z, float *out, int64_t N, const struct int8_rows *x, int64_t r0,             \
         const struct int8_weight *w, int64_t t)                                                            \
@@ -475,69 +597,18 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) static void int8_rows_avx
             const int64_t block = t * w->blocks + b;                                                       \
             int8_prefetch_next_tile(w, bits, block, x->once);                                              \
             for (int half = 0; half < 2; half++) {                                                         \
-                __m256 d, m; /* 6 bits: the lower 16 inputs' d sc, and the upper's */                     \
-                if (bits == 6) {                                                                           \
-                    const __m256 dk = _mm256_loadu_ps(w->dk + (t * (w->blocks / 8) + b / 8) * INT8_TILE_N + 8 * half); \
-                    const int8_t *sc = (const int8_t *)w->sc + block * 2 * INT8_TILE_N + 8 * half;         \
-                    d = _mm256_mul_ps(dk, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)sc)))); \
-                    m = _mm256_mul_ps(dk, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(                         \
-                                              _mm_loadl_epi64((const __m128i *)(sc + INT8_TILE_N)))));     \
-                } else if (w->sc != NULL) {                                                                \
-                    const int64_t super = (t * (w->blocks / 8) + b / 8) * INT8_TILE_N + 8 * half;          \
-                    const int64_t at8 = block * INT8_TILE_N + 8 * half;                                    \
-                    d = _mm256_mul_ps(_mm256_loadu_ps(w->dk + super), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32( \
-                                          _mm_loadl_epi64((const __m128i *)(w->sc + at8)))));              \
-                    m = _mm256_mul_ps(_mm256_loadu_ps(w->mk + super), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32( \
-                                          _mm_loadl_epi64((const __m128i *)(w->mn + at8)))));              \
-                } else { /* each of d and m in fp16 or fp32 */                                             \
-                    const int64_t at8 = block * INT8_TILE_N + 8 * half;                                    \
-                    d = w->dh != NULL ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w->dh + at8)))   \
-                                      : _mm256_loadu_ps(w->d + at8);                                       \
-                    m = w->mh != NULL  ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w->mh + at8)))  \
-                        : w->m != NULL ? _mm256_loadu_ps(w->m + at8)                                       \
-                                       : _mm256_setzero_ps();                                              \
-                }                                                                                          \
+                const int64_t at8 = block * INT8_TILE_N + 8 * half;                                        \
+                /* each of d and m in fp16 or fp32 */                                                      \
+                const __m256 d = w->dh != NULL ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w->dh + at8))) \
+                                               : _mm256_loadu_ps(w->d + at8);                              \
+                const __m256 m = w->mh != NULL  ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w->mh + at8))) \
+                                 : w->m != NULL ? _mm256_loadu_ps(w->m + at8)                              \
+                                                : _mm256_setzero_ps();                                     \
                 __m256i u[8];                                                                              \
-                if (bits != 8) {                                                                           \
-                    const uint8_t *q = w->u + block * 4 * 64 + 32 * half;                                  \
-                    for (int g = 0; g < 4; g++) {                                                          \
-                        const __m256i packed = _mm256_loadu_si256((const __m256i *)(q + g * 64));          \
-                        u[g] = _mm256_and_si256(packed, low);                                              \
-                        u[g + 4] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);                    \
-                    }                                                                                      \
-                    if (bits == 5) {                                                                       \
-                        const __m256i plane = _mm256_loadu_si256((const __m256i *)(w->h + block * 64 + 32 * half)); \
-                        _Pragma("GCC unroll 8") for (int g = 0; g < 8; g++) u[g] = _mm256_or_si256(        \
-                            u[g], INT8_FIFTH_BITS(_mm256_slli_epi16, _mm256_srli_epi16, _mm256_and_si256,  \
-                                                  plane, g, sixteen));                                     \
-                    }                                                                                      \
-                    if (bits == 6) {                                                                       \
-                        const __m256i top = _mm256_set1_epi8(0x30);                                        \
-                        for (int p = 0; p < 2; p++) {                                                      \
-                            const __m256i plane = _mm256_loadu_si256(                                      \
-                                (const __m256i *)(w->h + block * 128 + p * 64 + 32 * half));               \
-                            _Pragma("GCC unroll 4") for (int j = 0; j < 4; j++) u[4 * p + j] = _mm256_or_si256( \
-                                u[4 * p + j], INT8_BIT_PAIRS(_mm256_slli_epi16, _mm256_srli_epi16,         \
-                                                             _mm256_and_si256, plane, j, top));            \
-                        }                                                                                  \
-                    }                                                                                      \
-                } else {                                                                                   \
-                    const uint8_t *q = w->u + block * 8 * 64 + 32 * half;                                  \
-                    for (int g = 0; g < 8; g++) u[g] = _mm256_loadu_si256((const __m256i *)(q + g * 64));  \
-                }                                                                                          \
+                int8_unpack_avx2(bits, w, block, half, low, sixteen, u);                                   \
                 _Pragma("GCC unroll 2") for (int r = 0; r < rows; r++) {                                   \
                     const int8_t *v = x->v + (r0 + r) * x->K + b * INT8_BLOCK;                             \
                     const int64_t at = (r0 + r) * x->blocks + b;                                           \
-                    if (bits == 6) {                                                                       \
-                        const __m256 lower = _mm256_cvtepi32_ps(                                           \
-                            _mm256_add_epi32(DOT_SIXES(u, v, 0), _mm256_set1_epi32(offsets[2 * at])));     \
-                        const __m256 upper = _mm256_cvtepi32_ps(                                           \
-                            _mm256_add_epi32(DOT_SIXES(u, v, 1), _mm256_set1_epi32(offsets[2 * at + 1]))); \
-                        acc[r][half] = _mm256_fmadd_ps(_mm256_set1_ps(x->e[at]),                           \
-                                                       _mm256_fmadd_ps(d, lower, _mm256_mul_ps(m, upper)), \
-                                                       acc[r][half]);                                      \
-                        continue;                                                                          \
-                    }                                                                                      \
                     __m256i dot = bits == 4 ? DOT_NIBBLES(u, v) : bits == 5 ? DOT_FIVES(u, v) : DOT_BYTES(u, v); \
                     if (z && !(bits == 8 && BYTES_DOT_Q)) dot = _mm256_add_epi32(dot, _mm256_set1_epi32(offsets[at])); \
                     acc[r][half] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(x->e[at])),             \
@@ -557,6 +628,37 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) static void int8_rows_avx
 __attribute__((target("avx2"), always_inline)) static inline __m256i int8_group(const int8_t *v, int g)
 {
     return _mm256_set1_epi32(int8_word(v + 4 * g));
+}
+
+/* A block's values u[g] for one half (8 rows) of the tile: nibbles, with their fifth bits or
+ * top bit pairs put in place, or bytes. */
+__attribute__((target("avx2"), always_inline)) static inline void int8_unpack_avx2(
+    int bits, const struct int8_weight *w, int64_t block, int half, __m256i low, __m256i sixteen, __m256i u[8])
+{
+    if (bits == 8) {
+        const uint8_t *q = w->u + block * 8 * 64 + 32 * half;
+        for (int g = 0; g < 8; g++) u[g] = _mm256_loadu_si256((const __m256i *)(q + g * 64));
+        return;
+    }
+    const uint8_t *q = w->u + block * 4 * 64 + 32 * half;
+    for (int g = 0; g < 4; g++) {
+        const __m256i packed = _mm256_loadu_si256((const __m256i *)(q + g * 64));
+        u[g] = _mm256_and_si256(packed, low);
+        u[g + 4] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
+    }
+    if (bits == 5) {
+        const __m256i plane = _mm256_loadu_si256((const __m256i *)(w->h + block * 64 + 32 * half));
+        _Pragma("GCC unroll 8") for (int g = 0; g < 8; g++) u[g] = _mm256_or_si256(
+            u[g], INT8_FIFTH_BITS(_mm256_slli_epi16, _mm256_srli_epi16, _mm256_and_si256, plane, g, sixteen));
+    }
+    if (bits == 6) {
+        const __m256i top = _mm256_set1_epi8(0x30);
+        for (int p = 0; p < 2; p++) {
+            const __m256i plane = _mm256_loadu_si256((const __m256i *)(w->h + block * 128 + p * 64 + 32 * half));
+            _Pragma("GCC unroll 4") for (int j = 0; j < 4; j++) u[4 * p + j] = _mm256_or_si256(
+                u[4 * p + j], INT8_BIT_PAIRS(_mm256_slli_epi16, _mm256_srli_epi16, _mm256_and_si256, plane, j, top));
+        }
+    }
 }
 
 /* Nibbles: a vpmaddubsw pair sum is at most 2 * 15 * 127 = 3810 in magnitude, so the eight groups'
@@ -580,20 +682,6 @@ __attribute__((target("avx2"), always_inline)) static inline __m256i int8_block_
         __m256i pairs = _mm256_maddubs_epi16(u[4 * half], int8_group(v, 4 * half));
         for (int g = 4 * half + 1; g < 4 * half + 4; g++)
             pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(u[g], int8_group(v, g)));
-        dot = _mm256_add_epi32(dot, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
-    }
-    return dot;
-}
-
-/* Six bits: a pair sum is at most 2 * 63 * 127 = 16002, so two groups add up in 16 bits (32004):
- * half p's four groups take two vpmaddwd. */
-__attribute__((target("avx2"), always_inline)) static inline __m256i int8_half_sixes_maddubs(const __m256i u[8],
-                                                                                              const int8_t *v, int p)
-{
-    __m256i dot = _mm256_setzero_si256();
-    for (int g = 4 * p; g < 4 * p + 4; g += 2) {
-        const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(u[g], int8_group(v, g)),
-                                               _mm256_maddubs_epi16(u[g + 1], int8_group(v, g + 1)));
         dot = _mm256_add_epi32(dot, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
     }
     return dot;
@@ -631,19 +719,153 @@ __attribute__((target("avx2,avxvnni"), always_inline)) static inline __m256i int
 }
 
 INT8_DEFINE_AVX2_BODY(int8_rows_avx2_body, "avx2,fma,f16c", int8_block_nibbles_maddubs, int8_block_fives_maddubs,
-                      int8_half_sixes_maddubs, int8_block_bytes_maddubs, 1)
+                      int8_block_bytes_maddubs, 1)
 INT8_DEFINE_AVX2_BODY(int8_rows_avxvnni_body, "avx2,fma,f16c,avxvnni", int8_block_avxvnni, int8_block_avxvnni,
-                      int8_half_avxvnni, int8_block_avxvnni, 0)
+                      int8_block_avxvnni, 0)
+
+/* K-quant weights (`sc` set: the K-quant arithmetic above) on AVX2. A block's factors for 8
+ * rows, `f`: without VNNI, each lane's factor in both of its 16-bit halves, for the vpmaddwd that
+ * widens the 16-bit pair sums (6 bits: the lower and the upper 16 inputs', then (-32 sc0, -32
+ * sc1), at most 4096 in magnitude; 8 bits: the factor in 32 bits, for vpmulld); with VNNI, in 32
+ * bits for vpmulld (6 bits: lower, upper, then the same pairs). Q6_K's -32 (sc0 sum0 v + sc1 sum1
+ * v) comes from x's half-block sums by one vpmaddwd of those pairs. */
+__attribute__((target("avx2"), always_inline)) static inline void int8_kquant_factors(
+    int bits, int widened, const struct int8_weight *w, int64_t block, int half, __m256i f[3])
+{
+    if (bits == 6) {
+        const int8_t *sc = (const int8_t *)w->sc + block * 2 * INT8_TILE_N + 8 * half;
+        const __m128i sc0 = _mm_loadl_epi64((const __m128i *)sc), sc1 = _mm_loadl_epi64((const __m128i *)(sc + INT8_TILE_N));
+        f[0] = widened ? _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(sc0, sc0)) : _mm256_cvtepi8_epi32(sc0);
+        f[1] = widened ? _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(sc1, sc1)) : _mm256_cvtepi8_epi32(sc1);
+        f[2] = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(_mm_unpacklo_epi8(sc0, sc1)), _mm256_set1_epi16(-32));
+        return;
+    }
+    const __m128i sc = _mm_loadl_epi64((const __m128i *)(w->sc + block * INT8_TILE_N + 8 * half));
+    f[0] = f[1] = f[2] = widened && bits != 8 ? _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(sc, sc)) : _mm256_cvtepu8_epi32(sc);
+}
+
+/* Q6_K's offsets times the factors: -32 (sc0 sum0 v + sc1 sum1 v), from row `at`'s half-block sums. */
+__attribute__((target("avx2"), always_inline)) static inline __m256i int8_q6_offsets(const __m256i f[3],
+                                                                                   const struct int8_rows *x, int64_t at)
+{
+    return _mm256_madd_epi16(f[2], _mm256_set1_epi32(int8_word((const int8_t *)(x->halves + 2 * at))));
+}
+
+/* A block's (8 rows') sum of its factors times dots, without VNNI: pair sums added in 16 bits as
+ * far as they cannot overflow (a 6-bit pair sum is at most 2 * 63 * 127 = 16002, so two groups;
+ * 5 bits four, 4 bits all eight, as int8_block_fives_maddubs and int8_block_nibbles_maddubs say),
+ * then widened times the factor. A super-block's sum stays below 2^26 in magnitude for Q5_K (8
+ * blocks of 63 * 32 * 31 * 127) and 2^28 for Q6_K (16 halves of 128 * 16 * 32 * 127, each
+ * block's parts below 2^25); the mins' 8 products of 63 and 32 * 127 below 2^22. */
+__attribute__((target("avx2"), always_inline)) static inline __m256i int8_kquant_dot_maddubs(
+    int bits, const __m256i u[8], const int8_t *v, const __m256i f[3], const struct int8_rows *x, int64_t at)
+{
+    if (bits == 8) return _mm256_mullo_epi32(int8_block_bytes_maddubs(u, v), f[0]);
+    __m256i pairs[8];
+    for (int g = 0; g < 8; g++) pairs[g] = _mm256_maddubs_epi16(u[g], int8_group(v, g));
+    const __m256i lower = _mm256_add_epi16(pairs[0], pairs[1]), lower2 = _mm256_add_epi16(pairs[2], pairs[3]);
+    const __m256i upper = _mm256_add_epi16(pairs[4], pairs[5]), upper2 = _mm256_add_epi16(pairs[6], pairs[7]);
+    if (bits == 4)
+        return _mm256_madd_epi16(_mm256_add_epi16(_mm256_add_epi16(lower, lower2), _mm256_add_epi16(upper, upper2)), f[0]);
+    if (bits == 5)
+        return _mm256_add_epi32(_mm256_madd_epi16(_mm256_add_epi16(lower, lower2), f[0]),
+                                _mm256_madd_epi16(_mm256_add_epi16(upper, upper2), f[0]));
+    const __m256i dot = _mm256_add_epi32(_mm256_add_epi32(_mm256_madd_epi16(lower, f[0]), _mm256_madd_epi16(lower2, f[0])),
+                                         _mm256_add_epi32(_mm256_madd_epi16(upper, f[1]), _mm256_madd_epi16(upper2, f[1])));
+    return _mm256_add_epi32(dot, int8_q6_offsets(f, x, at));
+}
+
+/* The same with AVX-VNNI's vpdpbusd (8 bits: u = q + 128, the dot started from its offset). */
+__attribute__((target("avx2,avxvnni"), always_inline)) static inline __m256i int8_kquant_dot_avxvnni(
+    int bits, const __m256i u[8], const int8_t *v, const __m256i f[3], const struct int8_rows *x, int64_t at)
+{
+    if (bits == 6)
+        return _mm256_add_epi32(_mm256_add_epi32(_mm256_mullo_epi32(int8_half_avxvnni(u, v, 0), f[0]),
+                                                 _mm256_mullo_epi32(int8_half_avxvnni(u, v, 1), f[1])),
+                                int8_q6_offsets(f, x, at));
+    __m256i dot = int8_block_avxvnni(u, v);
+    if (bits == 8) dot = _mm256_add_epi32(dot, _mm256_set1_epi32(x->offsets[at]));
+    return _mm256_mullo_epi32(dot, f[0]);
+}
+
+/* `rows` and `bits` are constants at each call site. The tile's 16 rows in two halves of 8, a
+ * block's factors times dots summed in int32 over each super-block, then its d e (and mk e times
+ * the mins' sum, made at its end from pairs of blocks' mn against x's block sums) in fp32. */
+#define INT8_DEFINE_AVX2_KQUANT_BODY(NAME, TARGET, WIDENED, KQUANT_DOT)                                    \
+    __attribute__((target(TARGET), always_inline)) static inline void NAME(                                \
+        int rows, int bits, float *out, int64_t N, const struct int8_rows *x, int64_t r0,                    \
+        const struct int8_weight *w, int64_t t)                                                            \
+    {                                                                                                      \
+        const int64_t supers = w->blocks >> INT8_SUPER_SHIFT;                                              \
+        const __m256i low = _mm256_set1_epi8(15), sixteen = _mm256_set1_epi8(16);                          \
+        __m256 acc[INT8_ROWS][2];                                                                          \
+        _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps(); \
+        for (int64_t sb = 0; sb < supers; sb++) {                                                          \
+            __m256i sum[INT8_ROWS][2];                                                                     \
+            _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) sum[r][0] = sum[r][1] = _mm256_setzero_si256(); \
+            for (int j = 0; j < 1 << INT8_SUPER_SHIFT; j++) {                                              \
+                const int64_t b = (sb << INT8_SUPER_SHIFT) + j, block = t * w->blocks + b;                 \
+                int8_prefetch_next_tile(w, bits, block, x->once);                                          \
+                for (int half = 0; half < 2; half++) {                                                     \
+                    __m256i u[8], f[3];                                                                    \
+                    int8_unpack_avx2(bits, w, block, half, low, sixteen, u);                          \
+                    int8_kquant_factors(bits, WIDENED, w, block, half, f);                                 \
+                    _Pragma("GCC unroll 2") for (int r = 0; r < rows; r++) {                               \
+                        const int64_t at = (r0 + r) * x->blocks + b;                                       \
+                        sum[r][half] = _mm256_add_epi32(                                                   \
+                            sum[r][half], KQUANT_DOT(bits, u, x->v + (r0 + r) * x->K + b * INT8_BLOCK, f, x, at)); \
+                    }                                                                                      \
+                }                                                                                          \
+            }                                                                                              \
+            for (int half = 0; half < 2; half++) {                                                         \
+                const int64_t super = (t * supers + sb) * INT8_TILE_N + 8 * half;                          \
+                const __m256 dk = _mm256_loadu_ps(w->dk + super);                                          \
+                __m256 mk = dk;                                                                            \
+                __m256i mins[4]; /* lane i: (mn of block 2 k, of block 2 k + 1) of row 8 half + i */       \
+                if (bits != 6) {                                                                           \
+                    mk = _mm256_loadu_ps(w->mk + super);                                                   \
+                    const uint8_t *mn = w->mn + (t * w->blocks + (sb << INT8_SUPER_SHIFT)) * INT8_TILE_N + 8 * half; \
+                    for (int k = 0; k < 4; k++)                                                            \
+                        mins[k] = _mm256_cvtepu8_epi16(                                                    \
+                            _mm_unpacklo_epi8(_mm_loadl_epi64((const __m128i *)(mn + 2 * k * INT8_TILE_N)),     \
+                                              _mm_loadl_epi64((const __m128i *)(mn + (2 * k + 1) * INT8_TILE_N)))); \
+                }                                                                                          \
+                _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) {                                   \
+                    const __m256 e = _mm256_set1_ps(x->e[(r0 + r) * supers + sb]);                        \
+                    acc[r][half] = _mm256_fmadd_ps(_mm256_mul_ps(dk, e), _mm256_cvtepi32_ps(sum[r][half]), acc[r][half]); \
+                    if (bits == 6) continue;                                                               \
+                    const int8_t *sums = (const int8_t *)(x->sums + (r0 + r) * x->blocks + (sb << INT8_SUPER_SHIFT)); \
+                    __m256i by_mins = _mm256_madd_epi16(mins[0], _mm256_set1_epi32(int8_word(sums)));      \
+                    for (int k = 1; k < 4; k++)                                                            \
+                        by_mins = _mm256_add_epi32(                                                        \
+                            by_mins, _mm256_madd_epi16(mins[k], _mm256_set1_epi32(int8_word(sums + 4 * k)))); \
+                    acc[r][half] = _mm256_fmadd_ps(_mm256_mul_ps(mk, e), _mm256_cvtepi32_ps(by_mins), acc[r][half]); \
+                }                                                                                          \
+            }                                                                                              \
+        }                                                                                                  \
+        _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) {                                           \
+            _mm256_storeu_ps(out + (r0 + r) * N + t * INT8_TILE_N, acc[r][0]);                             \
+            _mm256_storeu_ps(out + (r0 + r) * N + t * INT8_TILE_N + 8, acc[r][1]);                         \
+        }                                                                                                  \
+    }
+
+INT8_DEFINE_AVX2_KQUANT_BODY(int8_rows_avx2_kquant_body, "avx2,fma,f16c", 1, int8_kquant_dot_maddubs)
+INT8_DEFINE_AVX2_KQUANT_BODY(int8_rows_avxvnni_kquant_body, "avx2,fma,f16c,avxvnni", 0, int8_kquant_dot_avxvnni)
+
+
+
 
 __attribute__((target("avx2,fma,f16c"))) static void int8_rows_avx2(
     int rows, float *out, int64_t N, const struct int8_rows *x, int64_t r0, const struct int8_weight *w, int64_t t)
 {
+    INT8_KQUANT_SWITCH(int8_rows_avx2_kquant_body)
     INT8_ROWS_SWITCH(int8_rows_avx2_body)
 }
 
 __attribute__((target("avx2,fma,f16c,avxvnni"))) static void int8_rows_avxvnni(
     int rows, float *out, int64_t N, const struct int8_rows *x, int64_t r0, const struct int8_weight *w, int64_t t)
 {
+    INT8_KQUANT_SWITCH(int8_rows_avxvnni_kquant_body)
     INT8_ROWS_SWITCH(int8_rows_avxvnni_body)
 }
 
@@ -673,20 +895,23 @@ static int8_rows_kernel *int8_kernel_of(int isa)
     }
     return int8_rows_generic;
 }
-static void int8_quantize_rows(int isa, const float *x, int64_t M, int64_t K, int8_t *v, float *e, float *s)
+static void int8_quantize_rows(int isa, const float *x, int64_t M, int64_t K, int shift, int8_t *v, float *e, float *s,
+                               int16_t *sums, int16_t *halves)
 {
     if (isa == INT8_AVX512VNNI)
-        int8_quantize_rows_avx512(x, M, K, v, e, s);
+        int8_quantize_rows_by(int8_block_amax_avx512, int8_block_quantize_avx512, x, M, K, shift, v, e, s, sums, halves);
     else if (isa == INT8_AVX2 || isa == INT8_AVXVNNI)
-        int8_quantize_rows_avx2(x, M, K, v, e, s);
+        int8_quantize_rows_by(int8_block_amax_avx2, int8_block_quantize_avx2, x, M, K, shift, v, e, s, sums, halves);
     else
-        int8_quantize_rows_generic(x, M, K, v, e, s);
+        int8_quantize_rows_by(int8_block_amax_generic, int8_block_quantize_generic, x, M, K, shift, v, e, s, sums,
+                              halves);
 }
 #else
 static int int8_isa_supported(int isa) { return isa == INT8_GENERIC; }
-static void int8_quantize_rows(int isa, const float *x, int64_t M, int64_t K, int8_t *v, float *e, float *s)
+static void int8_quantize_rows(int isa, const float *x, int64_t M, int64_t K, int shift, int8_t *v, float *e, float *s,
+                               int16_t *sums, int16_t *halves)
 {
-    int8_quantize_rows_generic(x, M, K, v, e, s);
+    int8_quantize_rows_by(int8_block_amax_generic, int8_block_quantize_generic, x, M, K, shift, v, e, s, sums, halves);
 }
 static int8_rows_kernel *int8_kernel_of(int isa) { return int8_rows_generic; }
 #endif
@@ -703,16 +928,19 @@ struct int8_quantize_args {
     int isa;
     const float *x;
     int64_t K;
+    int shift;
     int8_t *v;
     float *e, *s;
+    int16_t *sums, *halves;
 };
 
 static void int8_quantize_row_range(const void *args, int64_t t0, int64_t t1)
 {
     const struct int8_quantize_args *a = args;
     const int64_t blocks = a->K / INT8_BLOCK;
-    int8_quantize_rows(a->isa, a->x + t0 * a->K, t1 - t0, a->K, a->v + t0 * a->K, a->e + t0 * blocks,
-                       a->s + t0 * blocks);
+    int8_quantize_rows(a->isa, a->x + t0 * a->K, t1 - t0, a->K, a->shift, a->v + t0 * a->K,
+                       a->e + t0 * (blocks >> a->shift), a->s + t0 * blocks, a->sums ? a->sums + t0 * blocks : NULL,
+                       a->halves ? a->halves + t0 * 2 * blocks : NULL);
 }
 
 /* A projection's output rows may come in parts of different layouts (a fused q|k|v whose v a
@@ -741,40 +969,58 @@ static void int8_rows(const void *ctx, int rows, int64_t r0, int64_t t)
 /* out [M, N] = x [M, K] W^T, fp32, contiguous; K a multiple of 32 (of 256 with K-quant scales),
  * N of 16; W in `parts` (1 to INT8_MAX_PARTS) weights stacked by rows, each's bits, arrays and
  * scales in the layout above (h NULL unless 5 or 6), its tiles set and together N / 16 (their
- * blocks are set here); `isa` one this CPU runs (int8_isa_supported). x is quantized once, with
- * the offsets of each z the parts have, then every part's output tiles are cut in about `chunks`
- * pieces for `run` (shared_cpu.h). Returns 0, or -1 when out of memory. */
+ * blocks are set here); `isa` one this CPU runs (int8_isa_supported). x is quantized once by
+ * blocks where a part has no K-quant scales, once by super-blocks where one has, with the offsets
+ * of each z the parts have; then every part's output tiles are cut in about `chunks` pieces for
+ * `run` (shared_cpu.h). Returns 0, or -1 when out of memory. */
 static int int8_linear(float *out, const float *x, int64_t M, int64_t K, int64_t N, const struct int8_weight *weights,
                        int parts, int isa, pool_runner *run, int64_t chunks)
 {
     const int64_t blocks = K / INT8_BLOCK;
-    int8_t *v = malloc((size_t)(M * K) + 2 * sizeof(float) * (size_t)(M * blocks) +
-                       sizeof(int32_t) * (size_t)(2 * M * blocks * parts));
-    if (v == NULL) return -1;
-    float *e = (float *)(v + M * K); /* K is a multiple of 32: aligned for floats */
-    float *s = e + M * blocks;
-    int32_t *spare = (int32_t *)(s + M * blocks); /* room for every part's offsets */
-    const struct int8_quantize_args quantize = {isa, x, K, v, e, s};
-    rows_run(run, chunks, int8_quantize_row_range, &quantize, M, K);
+    int by_block = 0, by_super = 0;
+    for (int p = 0; p < parts; p++) {
+        by_block |= weights[p].sc == NULL;
+        by_super |= weights[p].sc != NULL;
+    }
+    /* per kind: v [M, K], s and e [M, blocks]; then room for every part's offsets; then, by
+     * super-blocks, sums and halves (K is a multiple of 32: each array stays aligned for its type) */
+    const size_t kind_bytes = (size_t)(M * K) + sizeof(float) * (size_t)(2 * M * blocks);
+    const size_t offset_bytes = sizeof(int32_t) * (size_t)(2 * M * blocks * parts);
+    const size_t sum_bytes = sizeof(int16_t) * (size_t)(3 * M * blocks);
+    int8_t *memory = malloc((by_block + by_super) * kind_bytes + offset_bytes + by_super * sum_bytes);
+    if (memory == NULL) return -1;
+    int32_t *spare = (int32_t *)(memory + (by_block + by_super) * kind_bytes); /* room for every part's offsets */
+    int16_t *sums = (int16_t *)((int8_t *)spare + offset_bytes), *halves = sums + M * blocks;
+    struct int8_rows kinds[2]; /* by blocks, by super-blocks */
+    for (int kind = 0, at = 0; kind < 2; kind++) {
+        if (!(kind ? by_super : by_block)) continue;
+        const int shift = kind ? INT8_SUPER_SHIFT : 0;
+        int8_t *v = memory + at++ * kind_bytes;
+        float *s = (float *)(v + M * K), *e = s + M * blocks;
+        int16_t *by_sums = kind ? sums : NULL, *by_halves = kind ? halves : NULL;
+        const struct int8_quantize_args quantize = {isa, x, K, shift, v, e, s, by_sums, by_halves};
+        rows_run(run, chunks, int8_quantize_row_range, &quantize, M, K);
+        kinds[kind] = (struct int8_rows){K, blocks, v, e, s, by_sums, by_halves, NULL, M <= INT8_ROWS};
+    }
     struct int8_job job = {.kernel = int8_kernel_of(isa), .out = out, .N = N, .parts = parts};
     job.first_tile[0] = 0;
     for (int p = 0; p < parts; p++) {
         job.w[p] = weights[p];
         job.w[p].blocks = blocks;
         job.first_tile[p + 1] = job.first_tile[p] + weights[p].tiles;
-        job.x[p] = (struct int8_rows){K, blocks, v, e, s, NULL, M <= INT8_ROWS};
+        job.x[p] = kinds[weights[p].sc != NULL];
         const int shift = int8_offset_shift(&weights[p]), width = weights[p].bits == 6 ? 16 : INT8_BLOCK;
-        for (int q = 0; q < p && shift >= 0; q++) /* a fused q|k|v's parts often share their z (and so width) */
-            if (int8_offset_shift(&weights[q]) == shift) job.x[p].offsets = job.x[q].offsets;
+        for (int q = 0; q < p && shift >= 0; q++) /* a fused q|k|v's parts often share their z, width and rows */
+            if (int8_offset_shift(&weights[q]) == shift && job.x[q].v == job.x[p].v) job.x[p].offsets = job.x[q].offsets;
         if (shift >= 0 && job.x[p].offsets == NULL) {
-            int8_offsets(v, M, K, width, shift, spare);
+            int8_offsets(job.x[p].v, M, K, width, shift, spare);
             job.x[p].offsets = spare;
             spare += M * K / width;
         }
     }
     struct tile_loop loop = {int8_rows, &job, M, job.first_tile[parts], 0, INT8_M_TILE, INT8_ROWS};
     tile_loop_run(run, &loop, chunks);
-    free(v);
+    free(memory);
     return 0;
 }
 

@@ -1,5 +1,5 @@
 # The integer kernel of quant_int8_cpu.h, declared once for every module that calls it.
-from libc.stdint cimport int8_t, int64_t, uint8_t, uint16_t, uintptr_t
+from libc.stdint cimport int8_t, int16_t, int64_t, uint8_t, uint16_t, uintptr_t
 
 from trillm.kernels.pool_cpu cimport pool_runner
 
@@ -25,7 +25,8 @@ cdef extern from "quant_int8_cpu.h" nogil:
     int INT8_MAX_PARTS
     int int8_linear(float *out, const float *x, int64_t M, int64_t K, int64_t N, const int8_weight *weights,
                     int parts, int isa, pool_runner *run, int64_t chunks)
-    void int8_quantize_rows(int isa, const float *x, int64_t M, int64_t K, int8_t *v, float *e, float *s)
+    void int8_quantize_rows(int isa, const float *x, int64_t M, int64_t K, int shift, int8_t *v, float *e, float *s,
+                            int16_t *sums, int16_t *halves)
 
 
 cdef inline uintptr_t _address(t):
