@@ -617,10 +617,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) static void int8_rows_avx
                 }                                                                                          \
             }                                                                                              \
         }                                                                                                  \
-        _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) {                                           \
-            _mm256_storeu_ps(out + (r0 + r) * N + t * INT8_TILE_N, acc[r][0]);                             \
-            _mm256_storeu_ps(out + (r0 + r) * N + t * INT8_TILE_N + 8, acc[r][1]);                         \
-        }                                                                                                  \
+        int8_store_avx2(rows, out, N, r0, t, acc);                                                         \
     }
 
 /* A block's sum u v per 32-bit lane (one output row), for the eight groups of four inputs u[g]
@@ -628,6 +625,17 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) static void int8_rows_avx
 __attribute__((target("avx2"), always_inline)) static inline __m256i int8_group(const int8_t *v, int g)
 {
     return _mm256_set1_epi32(int8_word(v + 4 * g));
+}
+
+/* The rows' accumulators (each tile half's register) into their outputs of tile t. */
+__attribute__((target("avx2"), always_inline)) static inline void int8_store_avx2(int rows, float *out, int64_t N,
+                                                                                 int64_t r0, int64_t t,
+                                                                                 __m256 acc[][2])
+{
+    _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) {
+        _mm256_storeu_ps(out + (r0 + r) * N + t * INT8_TILE_N, acc[r][0]);
+        _mm256_storeu_ps(out + (r0 + r) * N + t * INT8_TILE_N + 8, acc[r][1]);
+    }
 }
 
 /* A block's values u[g] for one half (8 rows) of the tile: nibbles, with their fifth bits or
@@ -843,10 +851,7 @@ __attribute__((target("avx2,avxvnni"), always_inline)) static inline __m256i int
                 }                                                                                          \
             }                                                                                              \
         }                                                                                                  \
-        _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) {                                           \
-            _mm256_storeu_ps(out + (r0 + r) * N + t * INT8_TILE_N, acc[r][0]);                             \
-            _mm256_storeu_ps(out + (r0 + r) * N + t * INT8_TILE_N + 8, acc[r][1]);                         \
-        }                                                                                                  \
+        int8_store_avx2(rows, out, N, r0, t, acc);                                                         \
     }
 
 INT8_DEFINE_AVX2_KQUANT_BODY(int8_rows_avx2_kquant_body, "avx2,fma,f16c", 1, int8_kquant_dot_maddubs)
