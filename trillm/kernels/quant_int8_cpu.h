@@ -427,7 +427,7 @@ __attribute__((target("avx512f,avx512bw"), always_inline)) static inline void in
 }
 
 /* A block's dots for the 16 rows, as two chains of four (each vpdpbusd waits on the one before it
- * in its chain): dot[0] of the lower 16 inputs, dot[1] of the upper, each started from `start`. */
+ * in its chain): dot[0] of the lower 16 inputs from start0, dot[1] of the upper from start1. */
 __attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline)) static inline void int8_dots_avx512(
     const __m512i u[8], const int8_t *v, __m512i start0, __m512i start1, __m512i dot[2])
 {
@@ -816,7 +816,7 @@ __attribute__((target("avx2,avxvnni"), always_inline)) static inline __m256i int
                 int8_prefetch_next_tile(w, bits, block, x->once);                                          \
                 for (int half = 0; half < 2; half++) {                                                     \
                     __m256i u[8], f[3];                                                                    \
-                    int8_unpack_avx2(bits, w, block, half, low, sixteen, u);                          \
+                    int8_unpack_avx2(bits, w, block, half, low, sixteen, u);                               \
                     int8_kquant_factors(bits, WIDENED, w, block, half, f);                                 \
                     _Pragma("GCC unroll 2") for (int r = 0; r < rows; r++) {                               \
                         const int64_t at = (r0 + r) * x->blocks + b;                                       \
