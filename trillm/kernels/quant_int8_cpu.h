@@ -15,8 +15,9 @@
  * One form serves every format, and `vpdpbusd` (unsigned u times signed v) runs it as it is.
  * Where a format's m is a fixed multiple of d, u = q + z (Q8_0's z = 128, Q4_0's 8, Q5_0's 16,
  * Q6_K's 32 for each half block), that part is taken off in the integers instead: the dot starts
- * from -z sum v (`offsets`, quantized beside v) and sums exactly q v, so that m is neither stored
- * nor multiplied. A decode step streams no float for it, and the block's epilogue, which shares
+ * from -z sum v (`offsets`, summed beside v; with K-quant scales, z times x's block or half-block
+ * sums) and sums exactly q v, so that m is neither stored nor multiplied. A decode step streams
+ * no float for it, and the block's epilogue, which shares
  * the multiplier's pipes with `vpdpbusd` once a batch has a few rows, loses a multiply-add; the
  * sum is also nearer the exact one, since no two large fp32 products cancel.
  *
@@ -56,8 +57,8 @@
  * adds one int32 register where the per-block fp32 epilogue (a conversion, a multiply, two
  * multiply-adds, sharing vpmaddubsw's pipes) bound the kernel.
  * Activations: v [M, K] int8, e [M, K / 32] (by super-blocks [M, K / 256]) and s [M, K / 32];
- * for each weight with a z, offsets -z sum v [M, K / 32] int32 ([M, K / 16], by half blocks, for
- * Q6_K); by super-blocks also sum v by blocks and half blocks, int16.
+ * by blocks, for each weight with a z, offsets -z sum v [M, K / 32] int32; by super-blocks, sum v
+ * by blocks and half blocks, int16.
  *
  * Three paths, chosen at run time, each checked against quant.py's twin: AVX512-VNNI; AVX2 (each
  * 16-row register split in two 8-row halves, with AVX-VNNI's `vpdpbusd` where the CPU has it,
@@ -101,11 +102,13 @@ static inline int int8_has_mins(const struct int8_weight *w)
     return w->m != NULL || w->mh != NULL || w->mn != NULL;
 }
 
-/* log2 of the weight's z (above), -1 where it has none. */
+#define INT8_Q8_Z 128 /* Q8_0's z */
+#define INT8_Q6_Z 32  /* Q6_K's */
+
+/* log2 of the z (above) of a weight without K-quant scales, -1 where it has none. */
 static inline int int8_offset_shift(const struct int8_weight *w)
 {
     if (w->bits == 8) return 7;
-    if (w->bits == 6) return 5;
     if (w->m_of_d == -8.0f) return 3;
     if (w->m_of_d == -16.0f) return 4;
     return -1;
@@ -134,18 +137,17 @@ struct int8_rows {
     const int8_t *v;
     const float *e, *s; /* e [M, blocks], or by super-blocks (for a weight with `sc`) [M, blocks / 8]; s [M, blocks] */
     const int16_t *sums, *halves; /* by super-blocks only: sum v by block [M, blocks] and half block [M, blocks, 2] */
-    const int32_t *offsets; /* -z sum v for the weight's z, [M, blocks] ([M, blocks, 2] for Q6_K); NULL: no z */
+    const int32_t *offsets; /* by blocks: -z sum v for the weight's z, [M, blocks]; NULL: no z */
     int once;         /* every tile of the weight passes once: at most INT8_ROWS rows (int8_prefetch_next_tile) */
 };
 
-/* x's rows' offsets (above) for a weight's z = 2^shift, from their quantized v: by `width` inputs
- * (32, or 16 for Q6_K's half blocks). */
-static void int8_offsets(const int8_t *v, int64_t M, int64_t K, int width, int shift, int32_t *offsets)
+/* x's rows' offsets (above) for a weight's z = 2^shift, from their quantized v, by blocks. */
+static void int8_offsets(const int8_t *v, int64_t M, int64_t K, int shift, int32_t *offsets)
 {
-    for (int64_t part = 0; part < M * K / width; part++) {
+    for (int64_t block = 0; block < M * K / INT8_BLOCK; block++) {
         int32_t sum = 0;
-        for (int k = 0; k < width; k++) sum += v[part * width + k];
-        offsets[part] = -sum * (1 << shift);
+        for (int k = 0; k < INT8_BLOCK; k++) sum += v[block * INT8_BLOCK + k];
+        offsets[block] = -sum * (1 << shift);
     }
 }
 
@@ -238,13 +240,13 @@ static int32_t int8_kquant_sum_generic(const struct int8_weight *w, const struct
         const int8_t *v = x->v + row * x->K + b * INT8_BLOCK;
         if (w->bits == 6) {
             for (int h = 0; h < 2; h++) {
-                int32_t dot = x->offsets[2 * at + h];
+                int32_t dot = -INT8_Q6_Z * x->halves[2 * at + h];
                 for (int k = 16 * h; k < 16 * h + 16; k++) dot += int8_weight_at(w, block, i, k) * v[k];
                 sum += ((const int8_t *)w->sc)[(block * 2 + h) * INT8_TILE_N + i] * dot;
             }
             continue;
         }
-        int32_t dot = w->bits == 8 ? x->offsets[at] : 0;
+        int32_t dot = w->bits == 8 ? -INT8_Q8_Z * x->sums[at] : 0;
         for (int k = 0; k < INT8_BLOCK; k++) dot += int8_weight_at(w, block, i, k) * v[k];
         sum += w->sc[block * INT8_TILE_N + i] * dot;
         *by_mins += w->mn[block * INT8_TILE_N + i] * x->sums[at];
@@ -504,13 +506,13 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline)) static inl
                 const int8_t *v = x->v + (r0 + r) * x->K + b * INT8_BLOCK;
                 __m512i dot[2];
                 if (bits == 6) {
-                    int8_dots_avx512(u, v, _mm512_set1_epi32(x->offsets[2 * at]),
-                                     _mm512_set1_epi32(x->offsets[2 * at + 1]), dot);
+                    int8_dots_avx512(u, v, _mm512_set1_epi32(-INT8_Q6_Z * x->halves[2 * at]),
+                                     _mm512_set1_epi32(-INT8_Q6_Z * x->halves[2 * at + 1]), dot);
                     sum[r] = _mm512_add_epi32(sum[r], _mm512_add_epi32(_mm512_mullo_epi32(dot[0], factor),
                                                                        _mm512_mullo_epi32(dot[1], upper)));
                     continue;
                 }
-                int8_dots_avx512(u, v, bits == 8 ? _mm512_set1_epi32(x->offsets[at]) : _mm512_setzero_si512(),
+                int8_dots_avx512(u, v, bits == 8 ? _mm512_set1_epi32(-INT8_Q8_Z * x->sums[at]) : _mm512_setzero_si512(),
                                  _mm512_setzero_si512(), dot);
                 sum[r] = _mm512_add_epi32(sum[r], _mm512_mullo_epi32(_mm512_add_epi32(dot[0], dot[1]), factor));
                 by_mins[r] = _mm512_add_epi32(by_mins[r], _mm512_mullo_epi32(mn, _mm512_set1_epi32(x->sums[at])));
@@ -745,7 +747,7 @@ __attribute__((target("avx2"), always_inline)) static inline void int8_kquant_fa
         const __m128i sc0 = _mm_loadl_epi64((const __m128i *)sc), sc1 = _mm_loadl_epi64((const __m128i *)(sc + INT8_TILE_N));
         f[0] = widened ? _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(sc0, sc0)) : _mm256_cvtepi8_epi32(sc0);
         f[1] = widened ? _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(sc1, sc1)) : _mm256_cvtepi8_epi32(sc1);
-        f[2] = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(_mm_unpacklo_epi8(sc0, sc1)), _mm256_set1_epi16(-32));
+        f[2] = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(_mm_unpacklo_epi8(sc0, sc1)), _mm256_set1_epi16(-INT8_Q6_Z));
         return;
     }
     const __m128i sc = _mm_loadl_epi64((const __m128i *)(w->sc + block * INT8_TILE_N + 8 * half));
@@ -783,7 +785,7 @@ __attribute__((target("avx2"), always_inline)) static inline __m256i int8_kquant
     return _mm256_add_epi32(dot, int8_q6_offsets(f, x, at));
 }
 
-/* The same with AVX-VNNI's vpdpbusd (8 bits: u = q + 128, the dot started from its offset). */
+/* The same with AVX-VNNI's vpdpbusd (8 bits: u = q + 128, the dot started from -128 sum v). */
 __attribute__((target("avx2,avxvnni"), always_inline)) static inline __m256i int8_kquant_dot_avxvnni(
     int bits, const __m256i u[8], const int8_t *v, const __m256i f[3], const struct int8_rows *x, int64_t at)
 {
@@ -792,7 +794,7 @@ __attribute__((target("avx2,avxvnni"), always_inline)) static inline __m256i int
                                                  _mm256_mullo_epi32(int8_half_avxvnni(u, v, 1), f[1])),
                                 int8_q6_offsets(f, x, at));
     __m256i dot = int8_block_avxvnni(u, v);
-    if (bits == 8) dot = _mm256_add_epi32(dot, _mm256_set1_epi32(x->offsets[at]));
+    if (bits == 8) dot = _mm256_add_epi32(dot, _mm256_set1_epi32(-INT8_Q8_Z * x->sums[at]));
     return _mm256_mullo_epi32(dot, f[0]);
 }
 
@@ -990,7 +992,7 @@ static int int8_linear(float *out, const float *x, int64_t M, int64_t K, int64_t
     /* per kind: v [M, K], s and e [M, blocks]; then room for every part's offsets; then, by
      * super-blocks, sums and halves (K is a multiple of 32: each array stays aligned for its type) */
     const size_t kind_bytes = (size_t)(M * K) + sizeof(float) * (size_t)(2 * M * blocks);
-    const size_t offset_bytes = sizeof(int32_t) * (size_t)(2 * M * blocks * parts);
+    const size_t offset_bytes = sizeof(int32_t) * (size_t)(M * blocks * parts);
     const size_t sum_bytes = sizeof(int16_t) * (size_t)(3 * M * blocks);
     int8_t *memory = malloc((by_block + by_super) * kind_bytes + offset_bytes + by_super * sum_bytes);
     if (memory == NULL) return -1;
@@ -1014,13 +1016,14 @@ static int int8_linear(float *out, const float *x, int64_t M, int64_t K, int64_t
         job.w[p].blocks = blocks;
         job.first_tile[p + 1] = job.first_tile[p] + weights[p].tiles;
         job.x[p] = kinds[weights[p].sc != NULL];
-        const int shift = int8_offset_shift(&weights[p]), width = weights[p].bits == 6 ? 16 : INT8_BLOCK;
-        for (int q = 0; q < p && shift >= 0; q++) /* a fused q|k|v's parts often share their z, width and rows */
-            if (int8_offset_shift(&weights[q]) == shift && job.x[q].v == job.x[p].v) job.x[p].offsets = job.x[q].offsets;
+        if (weights[p].sc != NULL) continue; /* its offsets come from x's sums */
+        const int shift = int8_offset_shift(&weights[p]);
+        for (int q = 0; q < p && shift >= 0; q++) /* a fused q|k|v's parts often share their z */
+            if (weights[q].sc == NULL && int8_offset_shift(&weights[q]) == shift) job.x[p].offsets = job.x[q].offsets;
         if (shift >= 0 && job.x[p].offsets == NULL) {
-            int8_offsets(job.x[p].v, M, K, width, shift, spare);
+            int8_offsets(job.x[p].v, M, K, shift, spare);
             job.x[p].offsets = spare;
-            spare += M * K / width;
+            spare += M * blocks;
         }
     }
     struct tile_loop loop = {int8_rows, &job, M, job.first_tile[parts], 0, INT8_M_TILE, INT8_ROWS};
