@@ -18,13 +18,13 @@ from trillm.sched_ext.status import PrefixHashAlgo, SchedulingPolicy
 CPU_KV_CACHE_SHARE = 0.5  # of the memory available: kv_cache_memory's default on CPU
 
 
-def available_memory(cgroup: str = "/sys/fs/cgroup") -> int:
+def available_memory(cgroup: str = "/sys/fs/cgroup", meminfo: str = "/proc/meminfo") -> int:
     """Bytes this process can still take without swapping: Linux's MemAvailable (elsewhere the
     free pages), and no more than its cgroup's (v2) limit leaves, as in a container."""
     available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     try:
-        with open("/proc/meminfo") as meminfo:
-            available = next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemAvailable:"))
+        with open(meminfo) as lines:
+            available = next(int(line.split()[1]) * 1024 for line in lines if line.startswith("MemAvailable:"))
     except (OSError, StopIteration):
         pass
     try:
