@@ -6,6 +6,7 @@ block size x head dim x GQA ratio x batch mix x window x split-KV x dtype, where
 appears in several combinations, rather than all of it.
 """
 import dis
+import functools
 import itertools
 import types
 
@@ -1118,6 +1119,51 @@ def test_a_fused_projection_keeps_each_shards_layout_in_parts(layouts, rows, see
         got = quant_cpu.Int8QuantizedLinear(stacked, isa)(x)
         assert ((got - want).abs() <= 1e-5 * magnitude + 1e-6).all(), isa
     assert not quant_cpu.QuantizedLinear.runs(stacked) or len(merged) == 1
+
+
+@settings(max_examples=30, deadline=None)
+@given(formats=st.lists(st.sampled_from(["q4_k", "q5_k", "q6_k"]), min_size=1, max_size=4),
+       rows=st.lists(st.integers(1, 40), min_size=4, max_size=4), supers=st.integers(1, 3),
+       step=st.integers(1, 48), permuted=st.booleans(), seed=st.integers(0, 2**16))
+def test_k_quants_regrouped_from_the_file_are_the_repacked_ones_to_the_bit(formats, rows, supers, step, permuted,
+                                                                          seed):
+    """A fused projection's K-quant shards regrouped straight from the file's bytes into the
+    integer kernel's tiles (Int8Part.of_file, read `step` rows at a time, a shard's rows taken
+    in another order where llama.cpp permuted them) hold every array Int8Part makes of their
+    repacked, permuted and stacked QuantizedWeights, to the bit: shards whose rows split a
+    tile of 16 included, the part's total filling whole tiles."""
+    import contextlib
+
+    from trillm.kernels import quant, quant_cpu
+
+    sizes, start = rows[: len(formats)], 0
+    for end in range(len(formats)):
+        if end + 1 == len(formats) or formats[end + 1] != formats[end]:  # a run of one format ends
+            sizes[end] += -sum(sizes[start : end + 1]) % 16  # and fills its tiles (int8_runs)
+            start = end + 1
+    g = torch.Generator().manual_seed(seed)
+    raws = [random_gguf_blocks(f, n, 256 * supers, seed + i) for i, (f, n) in enumerate(zip(formats, sizes))]
+    orders = [torch.randperm(n, generator=g) if permuted else None for n in sizes]
+
+    def read(raw, rows):
+        return contextlib.nullcontext(raw[rows].numpy())
+
+    file_shards = quant.FileShards(tuple(
+        quant.FileBlocks(f, n, 256 * supers, functools.partial(read, raw), order, None, step)
+        for f, n, raw, order in zip(formats, sizes, raws, orders)))
+    assert quant_cpu.Int8QuantizedLinear.runs(file_shards)
+    got = quant_cpu.Int8QuantizedLinear(file_shards)
+    repacked = [quant_cpu.from_gguf(f, raw) for f, raw in zip(formats, raws)]
+    repacked = [w if order is None else w.rows(order) for w, order in zip(repacked, orders)]
+    want = quant_cpu.Int8QuantizedLinear(quant.cat(repacked, parts=True) if len(repacked) > 1 else repacked[0])
+    assert got.bits == want.bits and (got.out_features, got.in_features) == (want.out_features, want.in_features)
+    for mine, theirs in zip(got.parts, want.parts, strict=True):
+        assert vars(mine).keys() == vars(theirs).keys()
+        for name, value in vars(theirs).items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(getattr(mine, name), value), name
+            else:
+                assert getattr(mine, name) == value, name
 
 
 def test_q6_k_is_sliced_and_stacked_in_its_own_layout_where_it_can_be():

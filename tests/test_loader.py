@@ -259,6 +259,29 @@ def test_the_gguf_table_is_read_as_gguf_py_reads_it():
         file.close()  # idempotent
 
 
+def test_a_tensor_read_where_the_file_is_mapped_leaves_no_page_of_it_resident():
+    """GGUFFile.mapped: a tensor's rows as the file holds them, no copy (the kernels regroup
+    them from there), and once read their pages leave the process: a load that reads every
+    tensor this way never holds the file's pages besides its own copy of the weights."""
+    import numpy as np
+
+    from trillm.model.gguf_file import GGUFFile
+
+    def file_pages() -> int:
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) << 10 for line in status if line.startswith("RssFile:"))
+
+    with GGUFFile(default_model_path()) as file:
+        info = file.tensors["token_embd.weight"]
+        before = file_pages()
+        with file.mapped(info.name, slice(1, info.rows)) as rows:
+            assert not rows.flags.writeable and rows.shape == (info.rows - 1, info.row_bytes)
+            assert np.array_equal(rows, file.blocks(info.name)[1:])
+            held = file_pages()
+        assert held - before > info.nbytes * 0.9, (held, before, info.nbytes)
+        assert file_pages() - before < 1 << 20, (file_pages(), before)
+
+
 def test_the_pooling_type_comes_from_a_sentence_transformers_config(tmp_path):
     from trillm.model.loader import sentence_transformers_pooling
     from trillm.pooling_params import PoolingType

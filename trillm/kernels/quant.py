@@ -43,8 +43,10 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager
 from typing import NamedTuple
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -331,6 +333,50 @@ class QuantizedParts(NamedTuple):
     @property
     def in_features(self) -> int:
         return self.parts[0].in_features
+
+
+class FileBlocks(NamedTuple):
+    """A projection's rows as a GGUF file keeps them, not read yet: a kernel that regroups the
+    file's blocks straight into its own layout (its `file_formats`) reads them `step` rows at a
+    time; anything else takes `weight()`, the QuantizedWeight they repack into."""
+
+    file_format: str  # a GGUF_BLOCKS key
+    out_features: int
+    in_features: int
+    # the raw blocks of a range of rows while the context lasts, [rows, bytes of a row] uint8
+    read: Callable[[slice], AbstractContextManager[np.ndarray]]
+    order: torch.Tensor | None  # the stored row each row is (None: its own): llama.cpp's q / k permutation
+    weight: Callable[[], QuantizedWeight]
+    step: int
+
+    @property
+    def format(self) -> str:
+        """The layout its QuantizedWeight has."""
+        return LAYOUT_OF[self.file_format]
+
+
+class FileShards(NamedTuple):
+    """A projection's shards, each rows of a file not read yet, stacked in order."""
+
+    shards: tuple[FileBlocks, ...]
+
+    @property
+    def out_features(self) -> int:
+        return sum(shard.out_features for shard in self.shards)
+
+    @property
+    def in_features(self) -> int:
+        return self.shards[0].in_features
+
+    def runs(self) -> list[tuple[FileBlocks, ...]]:
+        """Its shards in runs of one file format: each run becomes one part of a kernel's."""
+        runs = [[self.shards[0]]]
+        for shard in self.shards[1:]:
+            if shard.file_format == runs[-1][0].file_format:
+                runs[-1].append(shard)
+            else:
+                runs.append([shard])
+        return [tuple(run) for run in runs]
 
 
 def cat(weights: list[QuantizedWeight], parts: bool = False) -> QuantizedWeight | QuantizedParts:

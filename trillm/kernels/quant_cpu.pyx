@@ -5,9 +5,11 @@ kernel in quant_cpu.h (QuantizedLinear, the exact path) and the integer one in q
 quant.py's `linear` and `linear_int8`. Both share their output tiles among the threads of
 pool_cpu; the GIL is released while a kernel runs."""
 from libc.stdint cimport int8_t, int64_t, uint8_t, uint32_t, uintptr_t
+from libc.string cimport memcpy
 
 import itertools
 
+import numpy as np
 import torch
 
 from trillm.kernels cimport pool_cpu
@@ -19,7 +21,8 @@ from trillm.kernels.quant_int8_cpu_h cimport (
 
 from trillm.kernels import quant
 from trillm.kernels.quant import (
-    BLOCK, LAYOUT_BYTES, SUPER_BLOCKS, QuantizedParts, QuantizedRows, QuantizedWeight, RowSlices, weight_of_rows,
+    BLOCK, LAYOUT_BYTES, SUPER_BLOCKS, FileBlocks, FileShards, QuantizedParts, QuantizedRows, QuantizedWeight,
+    RowSlices, weight_of_rows,
 )
 
 cdef extern from "quant_cpu.h" nogil:
@@ -48,12 +51,20 @@ def runs(weight: QuantizedWeight | RowSlices) -> bool:
 
 # the integer kernel's layouts and their bits (quant_int8_cpu.h)
 INT8_BITS = {"q4_1": 4, "q5_1": 5, "q6_k": 6, "q8_0": 8}
+# the file formats Int8Part regroups straight from a file's blocks (Int8Part.of_file), their bits
+FILE_FORMATS = {"q4_k": 4, "q5_k": 5, "q6_k": 6}
 
 
-def int8_runs(weight: QuantizedWeight | QuantizedParts | RowSlices) -> bool:
-    """Whether the integer kernel takes this weight (each part's): its rows must fill tiles of 16."""
+def int8_runs(weight: QuantizedWeight | QuantizedParts | RowSlices | FileShards) -> bool:
+    """Whether the integer kernel takes this weight (each part's): its rows must fill tiles of 16;
+    a file's shards, in the formats it regroups from the file (FILE_FORMATS)."""
     if isinstance(weight, QuantizedParts):
         return len(weight.parts) <= INT8_MAX_PARTS and all(int8_runs(w) for w in weight.parts)
+    if isinstance(weight, FileShards):
+        runs = weight.runs()
+        return len(runs) <= INT8_MAX_PARTS and all(
+            run[0].file_format in FILE_FORMATS and sum(shard.out_features for shard in run) % TILE_N == 0
+            for run in runs)
     return weight.format in INT8_BITS and weight.out_features % TILE_N == 0
 
 
@@ -290,6 +301,7 @@ class _TiledLinear:
 
     runs = staticmethod(runs)
     layouts = frozenset(FORMATS)  # the layouts of quant.py it multiplies by
+    file_formats = frozenset()  # the GGUF formats it takes as FileShards, regrouped straight from the file
     takes_parts = False  # whether it takes QuantizedParts (else quant.cat promotes mixed shards to one layout)
     from_gguf = staticmethod(from_gguf)
     requantize = staticmethod(requantize)
@@ -353,12 +365,17 @@ class Int8QuantizedLinear(_TiledLinear):
 
     runs = staticmethod(int8_runs)
     layouts = frozenset(INT8_BITS)
+    file_formats = frozenset(FILE_FORMATS)
     takes_parts = True
 
-    def __init__(self, weight: QuantizedWeight | QuantizedParts | RowSlices, isa: str | None = None):
+    def __init__(self, weight: QuantizedWeight | QuantizedParts | RowSlices | FileShards, isa: str | None = None):
         assert int8_runs(weight), (weight, weight.out_features)
         assert isa is None or isa in isas(), (isa, isas())
-        if isinstance(weight, RowSlices):
+        if isinstance(weight, FileShards):
+            self.isa = ISAS[isa] if isa is not None else int8_best_isa()
+            self.out_features, self.in_features = weight.out_features, weight.in_features
+            self.parts = tuple(Int8Part.of_file(run) for run in weight.runs())
+        elif isinstance(weight, RowSlices):
             self._regroup_by_rows(weight)
             if isa is not None:
                 self.isa = ISAS[isa]
@@ -406,6 +423,118 @@ def _tile_arrays(linear: _TiledLinear):
                 yield holder, name, value
 
 
+GGUF_STRIDE = {4: 144, 5: 176, 6: 210}  # bytes of a super-block of FILE_FORMATS, by bits
+cdef enum:
+    FILE_CHUNK_ROWS = 64  # rows a thread regroups at a time
+
+
+cdef struct _FileTiles:
+    const uint8_t *src  # rows of a file's super-blocks, row_bytes apart
+    const float *d  # their super-blocks' d, [rows, supers]
+    const float *mk  # their -dmin (4 and 5 bits), [rows, supers]
+    const int64_t *source  # the row of src each row is, or NULL: its own
+    int64_t rows, first, supers, blocks, row_bytes
+    int bits
+    uint8_t *u  # the part's arrays (Int8Part), written at rows first ..
+    uint8_t *h
+    uint8_t *sc
+    uint8_t *mn
+    float *dk
+    float *mk_tiled
+
+
+cdef void _file_tiles_chunk(void *ctx, int64_t chunk) noexcept nogil:
+    """Rows FILE_CHUNK_ROWS chunk .. of a _FileTiles job, super-block by super-block: each row's
+    bytes go where Int8Part's torch regrouping puts them (its arrays' shapes say where)."""
+    cdef _FileTiles *job = <_FileTiles *>ctx
+    cdef int64_t i, r, t, s, at, row
+    cdef int l
+    cdef const uint8_t *sb
+    for i in range(chunk * FILE_CHUNK_ROWS, min((chunk + 1) * FILE_CHUNK_ROWS, job.rows)):
+        row = job.source[i] if job.source != NULL else i
+        r = job.first + i
+        t, l = r // TILE_N, r % TILE_N
+        for s in range(job.supers):
+            sb = job.src + row * job.row_bytes + s * (job.row_bytes // job.supers)
+            at = t * job.blocks + 8 * s  # the super-block's first block in the tile
+            if job.bits == 6:
+                _q6_k_tiles(sb, job.u + at * 256 + l * 4, job.h + at * 128 + l * 4, job.sc + at * 32 + l)
+            else:
+                _q45_k_tiles(sb, job.bits, job.u + at * 256 + l * 4, job.h + at * 64 + l * 4 if job.bits == 5 else NULL,
+                             job.sc + at * 16 + l, job.mn + at * 16 + l)
+                job.mk_tiled[(t * job.supers + s) * TILE_N + l] = job.mk[row * job.supers + s]
+            job.dk[(t * job.supers + s) * TILE_N + l] = job.d[row * job.supers + s]
+
+
+cdef inline uint32_t _word(const uint8_t *p) noexcept nogil:
+    """The 4 bytes at p (any alignment), byte i in bits 8 i: each byte of a word is worked on
+    as its own lane below, with masks that keep bits from crossing into the next one."""
+    cdef uint32_t w
+    memcpy(&w, p, 4)
+    return w
+
+
+cdef inline void _put(uint8_t *p, uint32_t w) noexcept nogil:
+    memcpy(p, &w, 4)
+
+
+cdef inline void _q45_k_tiles(const uint8_t *sb, int bits, uint8_t *u, uint8_t *h, uint8_t *sc,
+                              uint8_t *mn) noexcept nogil:
+    """A Q4_K / Q5_K super-block into one row's place in a tile: u [8 blocks: 256 apart][4 words:
+    64 apart] of q4_1 nibbles (_q4_k_quants' bytes), Q5_K's plane h [8: 64 apart] (byte c of
+    block k: bit g the fifth bit of input 4 g + c, as _fifth_bit_plane), the 6-bit factors sc,
+    mn [8: 16 apart] (_k_scales')."""
+    cdef const uint8_t *qs = sb + (16 if bits == 4 else 48)
+    cdef const uint8_t *qh = sb + 16
+    cdef const uint8_t *p = sb + 4
+    cdef int c, w, k, g
+    cdef uint32_t lo, hi, plane
+    for c in range(4):  # 32 bytes: block 2c in their low nibbles, 2c + 1 in their high ones
+        for w in range(4):
+            lo, hi = _word(qs + 32 * c + 4 * w), _word(qs + 32 * c + 16 + 4 * w)
+            _put(u + (2 * c) * 256 + w * 64, (lo & 0x0F0F0F0F) | ((hi & 0x0F0F0F0F) << 4))
+            _put(u + (2 * c + 1) * 256 + w * 64, ((lo >> 4) & 0x0F0F0F0F) | (hi & ~(<uint32_t>0x0F0F0F0F)))
+    if bits == 5:
+        for k in range(8):
+            plane = 0
+            for g in range(8):
+                plane |= ((_word(qh + 4 * g) >> k) & 0x01010101) << g
+            _put(h + k * 64, plane)
+    for w in range(4):
+        sc[w * 16] = p[w] & 0x3F
+        sc[(4 + w) * 16] = (p[8 + w] & 0x0F) | ((p[w] >> 2) & 0x30)
+        mn[w * 16] = p[4 + w] & 0x3F
+        mn[(4 + w) * 16] = (p[8 + w] >> 4) | ((p[4 + w] >> 2) & 0x30)
+
+
+cdef inline void _q6_k_tiles(const uint8_t *sb, uint8_t *u, uint8_t *h, uint8_t *sc) noexcept nogil:
+    """A Q6_K super-block into one row's place in a tile: u as _q45_k_tiles' (the values' low
+    nibbles, _q6_k_quants' bytes), the bit-pair planes h [8 blocks: 128 apart][2 planes: 64
+    apart] (byte c of plane p: bits 2 g the pair of input 16 p + 4 g + c, as _bit_pair_planes),
+    the signed factors sc [8 blocks: 32 apart][2 halves: 16 apart]. Value l of quarter q of a
+    half: nibble q / 2 of byte l + 32 (q % 2) of its 64, bit pair q of byte l of its 32."""
+    cdef const uint8_t *ql
+    cdef const uint8_t *qh
+    cdef int half, quarter, k, w, p, g
+    cdef uint32_t plane
+    for half in range(2):
+        ql = sb + 64 * half
+        qh = sb + 128 + 32 * half
+        for quarter in range(4):
+            k = 4 * half + quarter
+            for w in range(4):
+                _put(u + k * 256 + w * 64,
+                     ((_word(ql + 32 * (quarter & 1) + 4 * w) >> (4 * (quarter >> 1))) & 0x0F0F0F0F)
+                     | (((_word(ql + 32 * (quarter & 1) + 16 + 4 * w) >> (4 * (quarter >> 1))) & 0x0F0F0F0F) << 4))
+            for p in range(2):
+                plane = 0
+                for g in range(4):
+                    plane |= ((_word(qh + 16 * p + 4 * g) >> (2 * quarter)) & 0x03030303) << (2 * g)
+                _put(h + k * 128 + p * 64, plane)
+            sc[k * 32] = sb[192 + 2 * k]
+            sc[k * 32 + 16] = sb[192 + 2 * k + 1]
+
+
 class Int8Part:
     """One QuantizedWeight regrouped into the integer kernel's tiles: its quants as bytes [N / 16,
     blocks, c, 16, 4] (4 inputs a 32-bit lane), the top bits' planes, the scales as the layout
@@ -437,6 +566,65 @@ class Int8Part:
             self.d = _tiled(_half_if_exact(weight.scales), tiles, blocks)
             self.m = None if weight.mins is None else _tiled(_half_if_exact(weight.mins), tiles, blocks)
         self.m_of_d = 0.0
+
+    @classmethod
+    def of_file(cls, run: tuple[FileBlocks, ...]) -> Int8Part:
+        """The part of shards in one of FILE_FORMATS, regrouped from the file's blocks straight
+        into the tiles, a shard's `step` rows read at a time (a permuted shard's all at once):
+        Int8Part(weight) of the QuantizedWeight they stack into, bit for bit, without making it.
+        Runs on the kernels' threads (pool_cpu)."""
+        part = cls.__new__(cls)
+        file_format, K = run[0].file_format, run[0].in_features
+        part.out_features = sum(shard.out_features for shard in run)
+        part.bits = FILE_FORMATS[file_format]
+        tiles, blocks, supers = part.out_features // TILE_N, K // BLOCK, K // (BLOCK * SUPER_BLOCKS)
+        part.u = torch.empty(tiles, blocks, 4, TILE_N, 4, dtype=torch.uint8)
+        part.h = (None if part.bits == 4 else torch.empty(tiles, blocks, TILE_N, 4, dtype=torch.uint8)
+                  if part.bits == 5 else torch.empty(tiles, blocks, 2, TILE_N, 4, dtype=torch.uint8))
+        part.sc = torch.empty(tiles, blocks, 2 if part.bits == 6 else 1, TILE_N, dtype=torch.uint8)
+        part.mn = None if part.bits == 6 else torch.empty(tiles, blocks, 1, TILE_N, dtype=torch.uint8)
+        part.dk = torch.empty(tiles, supers, 1, TILE_N, dtype=torch.float32)
+        part.mk = None if part.bits == 6 else torch.empty_like(part.dk)
+        part.d = part.m = None
+        part.m_of_d = 0.0
+        first = 0
+        for shard in run:
+            assert shard.file_format == file_format and shard.in_features == K, (shard, file_format, K)
+            step = shard.out_features if shard.order is not None else shard.step
+            for start in range(0, shard.out_features, step):
+                with shard.read(slice(start, min(start + step, shard.out_features))) as raw:
+                    part._write_file_rows(raw, first + start, shard.order)
+            first += shard.out_features
+        return part
+
+    def _write_file_rows(self, raw, first: int, order) -> None:
+        """Rows first.. of the tiles from raw blocks [rows, bytes of a row] (numpy uint8, C order;
+        its row order[i] becomes row first + i where `order` is given)."""
+        cdef _FileTiles job
+        rows, stride = raw.shape[0], GGUF_STRIDE[self.bits]
+        assert raw.dtype == np.uint8 and raw.flags.c_contiguous and raw.shape[1] % stride == 0, (raw.dtype, raw.shape)
+        grouped = raw.reshape(rows, -1, stride)
+        at = 208 if self.bits == 6 else 0
+        d = np.ascontiguousarray(grouped[..., at : at + 2]).view(np.float16).reshape(rows, -1).astype(np.float32)
+        mk = None if self.bits == 6 else -np.ascontiguousarray(grouped[..., 2:4]).view(np.float16).reshape(
+            rows, -1).astype(np.float32)
+        source = None if order is None else np.ascontiguousarray(order.numpy(), dtype=np.int64)
+        assert source is None or source.shape == (rows,), (rows, order.shape)
+        job.src = <const uint8_t *><uintptr_t>raw.ctypes.data
+        job.d = <const float *><uintptr_t>d.ctypes.data
+        job.mk = <const float *><uintptr_t>(mk.ctypes.data if mk is not None else 0)
+        job.source = <const int64_t *><uintptr_t>(source.ctypes.data if source is not None else 0)
+        job.rows, job.first, job.supers, job.blocks, job.bits = rows, first, d.shape[1], d.shape[1] * 8, self.bits
+        job.row_bytes = raw.shape[1]
+        job.u = <uint8_t *><uintptr_t>self.u.data_ptr()
+        job.h = <uint8_t *><uintptr_t>(self.h.data_ptr() if self.h is not None else 0)
+        job.sc = <uint8_t *><uintptr_t>self.sc.data_ptr()
+        job.mn = <uint8_t *><uintptr_t>(self.mn.data_ptr() if self.mn is not None else 0)
+        job.dk = <float *><uintptr_t>self.dk.data_ptr()
+        job.mk_tiled = <float *><uintptr_t>(self.mk.data_ptr() if self.mk is not None else 0)
+        cdef int64_t chunks = (rows + FILE_CHUNK_ROWS - 1) // FILE_CHUNK_ROWS
+        with nogil:
+            pool_cpu.run(_file_tiles_chunk, &job, chunks)
 
     def drop_implied_mins(self) -> None:
         """Q4_0's and Q5_0's mins, -8 d and -16 d (quant.from_gguf): dropped, the kernel makes the

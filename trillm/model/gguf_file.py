@@ -15,10 +15,12 @@ Errors never quote the file's path: a request or a log line may carry them.
 """
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import struct
 import weakref
+from collections.abc import Iterator
 from math import prod
 from typing import NamedTuple
 
@@ -150,6 +152,21 @@ class GGUFFile:
         out = np.empty((stop - start, info.row_bytes), dtype=np.uint8)
         _read_into(self._fd, out, info.offset + start * info.row_bytes)
         return out
+
+    @contextlib.contextmanager
+    def mapped(self, name: str, rows: slice = slice(None)) -> Iterator[np.ndarray]:
+        """[rows, bytes of a row] uint8, read-only: the tensor's rows (some of them) where the
+        file is mapped, no copy made; on the way out the pages they were read through are
+        unmapped from this process (the page cache keeps them), so that a load that reads every
+        tensor this way holds no more than one of them as file pages."""
+        info = self.tensors[name]
+        start, stop, _ = rows.indices(info.rows)
+        begin, end = info.offset + start * info.row_bytes, info.offset + stop * info.row_bytes
+        try:
+            yield self._map[begin:end].reshape(stop - start, info.row_bytes)
+        finally:
+            first = begin - begin % mmap.PAGESIZE
+            self._header.madvise(mmap.MADV_DONTNEED, first, end - first)
 
     def row_reader(self, name: str) -> TensorRows:
         """Reads of the tensor's rows that outlive this object (on a descriptor of their own)."""

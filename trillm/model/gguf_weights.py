@@ -7,7 +7,8 @@ at most the model's kernel form and one tensor's worth beside it; a large tensor
 slice of rows at a time. Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K blocks are
 repacked exactly into the kernels' layouts (trillm/kernels/quant.py) where the kernel reads that
 layout; other formats are requantized to 8-bit blocks from gguf-py's dequantization, which an
-INFO line counts. Where llama.cpp's converter
+INFO line counts. The integer kernel regroups K-quant tensors from the file's bytes itself
+(`quantized_weights(..., in_place=True)` hands them on unread). Where llama.cpp's converter
 permuted q and k rows for its RoPE layout (PERMUTED_QK), they get the reordering transformers
 applies; a repacked weight dequantizes to the tensor transformers loads from the file, which the
 tests check.
@@ -115,8 +116,8 @@ def is_projection(name: str) -> bool:
         name.endswith(".weight") and name.rpartition(".")[0].partition(".layers.")[2].partition(".")[2] in PROJECTIONS)
 
 
-def quantized_weights(file: GGUFFile, config: PretrainedConfig,
-                      kernel=None) -> Iterator[tuple[str, quant.QuantizedWeight | quant.RowSlices]]:
+def quantized_weights(file: GGUFFile, config: PretrainedConfig, kernel=None, in_place: bool = False
+                      ) -> Iterator[tuple[str, quant.QuantizedWeight | quant.RowSlices | quant.FileBlocks]]:
     """(HF name, weight) for every quantized projection of the file, the token embeddings where
     they are tied (the vocabulary projection then; untied, they are a lookup table): repacked
     exactly when its format is one of FORMATS and its layout one of the kernel's, else
@@ -124,9 +125,11 @@ def quantized_weights(file: GGUFFile, config: PretrainedConfig,
     goes to a kernel as RowSlices, which it regroups slice by slice, so that the largest tensor is
     never held twice. `kernel`: the linear class that will take them (its `layouts`,
     and its twins of quant.from_gguf and quant.requantize, which load faster); None: every
-    layout, by the torch twins. Unquantized tensors (F32, F16, BF16) are left to
-    `dense_weights`."""
+    layout, by the torch twins. `in_place`: a tensor in one of the kernel's `file_formats`
+    comes unread, as FileBlocks, for the kernel to regroup from the file itself (repacking is
+    then its `weight()`). Unquantized tensors (F32, F16, BF16) are left to `dense_weights`."""
     layouts = frozenset(quant.LAYOUT_BYTES) if kernel is None else kernel.layouts
+    file_formats = kernel.file_formats if in_place else frozenset()
     repack = quant.from_gguf if kernel is None else kernel.from_gguf
     requantize = quant.requantize if kernel is None else kernel.requantize
     requantized: dict[str, int] = {}
@@ -148,9 +151,13 @@ def quantized_weights(file: GGUFFile, config: PretrainedConfig,
             slice_of = functools.partial(_requantized, file, info, requantize)
             requantized[info.kind.name] = requantized.get(info.kind.name, 0) + 1
         weight = quant.RowSlices(layout, info.rows, info.shape[1], slice_of, ROWS_AT_ONCE)
-        if kernel is None or info.name not in VOCABULARY:
-            order = _unpermute_order(file, config, name)
-            weight = weight.whole() if order is None else weight.whole().rows(order)
+        order = _unpermute_order(file, config, name)
+        if FORMATS.get(info.kind) in file_formats:
+            weight = quant.FileBlocks(FORMATS[info.kind], info.rows, info.shape[1],
+                                      functools.partial(file.mapped, info.name), order,
+                                      functools.partial(_whole, weight, order), ROWS_AT_ONCE)
+        elif kernel is None or info.name not in VOCABULARY:
+            weight = _whole(weight, order)
         yield name, weight
         del weight
         unfreed, untrimmed = unfreed + info.nbytes, untrimmed + 1
@@ -161,6 +168,10 @@ def quantized_weights(file: GGUFFile, config: PretrainedConfig,
         log.info("%s projections requantized to 8-bit blocks for the integer kernels, which read %s blocks as "
                  "they are", ", ".join(f"{count} {kind}" for kind, count in sorted(requantized.items())),
                  ", ".join(k.name for k, f in FORMATS.items() if quant.LAYOUT_OF[f] in layouts))
+
+
+def _whole(weight: quant.RowSlices, order: torch.Tensor | None) -> quant.QuantizedWeight:
+    return weight.whole() if order is None else weight.whole().rows(order)
 
 
 def hf_shape(name: str, config: PretrainedConfig) -> tuple[int, ...]:

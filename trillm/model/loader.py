@@ -238,7 +238,8 @@ def _load_gguf(args: EngineArgs, tp: TensorParallel, same_as: PretrainedConfig |
         quantized_linear = model.kernels.quantized_linear
         if args.quantized_weights and quantized_linear is not None:
             # first: the projections that move onto the blocks never read their dense tensors
-            blocks = gguf_weights.quantized_weights(file, config, quantized_linear)
+            # a tensor-parallel rank cuts repacked weights; one alone has the kernel regroup the file's
+            blocks = gguf_weights.quantized_weights(file, config, quantized_linear, in_place=tp.size == 1)
             moved = load_quantized_weights(model, rank_shards(model, blocks))
             embeddings = model.model.embed_tokens
             if tp.size == 1 and (not config.tie_word_embeddings or model.lm_head.quantized is not None):
@@ -269,6 +270,8 @@ def _build(args: EngineArgs, tp: TensorParallel, config: PretrainedConfig) -> Ll
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     kernels = get_kernels(args.attention_backend, device, dtype, args.quantized_activations, args.kv_cache_dtype)
+    # serving's number of them, from the load on: the file's blocks are regrouped on them
+    kernels.set_threads(args.kernel_threads or len(os.sched_getaffinity(0)))
     with torch.device(device), _default_dtype(dtype):
         model = LlamaForCausalLM(config, kernels, tp)
     if args.load_format is LoadFormat.DUMMY:
@@ -381,11 +384,15 @@ def param_shard(hf_name: str) -> tuple[str, int | None]:
     return hf_name, None if any(fused in hf_name for fused in FUSED) else 0
 
 
-def load_quantized_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str, quant.QuantizedWeight]]) -> int:
+def load_quantized_weights(model: LlamaForCausalLM,
+                           weights: Iterable[tuple[str, quant.QuantizedWeight | quant.RowSlices | quant.FileBlocks]]
+                           ) -> int:
     """For kernels with a quantized_linear: puts the projections whose every shard comes
     quantized onto those blocks (shards in different layouts kept apart in parts where the
-    kernel takes them, else promoted to one: quant.cat), and releases their fp32 weights. Called before load_weights, it spares reading
-    those weights at all (load_weights skips them); a projection with a shard missing here or a
+    kernel takes them, else promoted to one: quant.cat; shards all still in the file,
+    quant.FileBlocks, go to the kernel unread as quant.FileShards, the others repacked), and
+    releases their fp32 weights. Called before load_weights, it spares reading those weights at
+    all (load_weights skips them); a projection with a shard missing here or a
     shape the kernel does not take stays on its fp32 weights, which load_weights fills. A
     projection moves as soon as its last shard arrives, so that only the shards of the
     projections still incomplete are held besides the kernels' own copies. Returns how many
@@ -398,6 +405,7 @@ def load_quantized_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str,
         name, shard = param_shard(hf_name)
         module_name = name.rpartition(".")[0]
         module = model.get_submodule(module_name)
+        shards = [weight]
         if shard is not None:  # one shard of a projection we fuse: it moves with the others
             parts = pending.setdefault(module_name, {})
             parts[shard] = weight
@@ -405,7 +413,11 @@ def load_quantized_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str,
                 continue
             del pending[module_name]
             shards = [parts.pop(i) for i in range(module.num_shards)]
-            kernel = model.kernels.quantized_linear
+        kernel = model.kernels.quantized_linear
+        if all(isinstance(s, quant.FileBlocks) for s in shards):  # the kernel reads them from the file
+            weight = quant.FileShards(tuple(shards))
+        else:
+            shards = [s.weight() if isinstance(s, quant.FileBlocks) else s for s in shards]
             weight = shards[0] if len(shards) == 1 else quant.cat(shards, kernel.takes_parts)  # one: no copy
         if model.kernels.quantized_linear.runs(weight):
             module.quantize(weight, model.kernels.quantized_linear)

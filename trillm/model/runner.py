@@ -113,8 +113,7 @@ class ModelRunner:
         loaded = load_model(args, tp)
         self.model, self.config, self.tokenizer = self._prepared(loaded.model), loaded.config, loaded.tokenizer
         if on_cpu:
-            torch.set_num_threads(args.num_threads)
-            self.model.kernels.set_threads(args.kernel_threads or len(os.sched_getaffinity(0)))
+            torch.set_num_threads(args.num_threads)  # the kernels' own threads were set as it was built
         self.lora_slots: LoRASlots | None = None  # the model's LoRA adapter slots (trillm/model/lora.py)
         self.asleep: set[SleepTag] = set()  # what sleep mode freed (empty: serving)
         self.block_size = args.block_size
