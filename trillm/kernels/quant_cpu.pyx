@@ -609,7 +609,8 @@ class Int8Part:
         mk = None if self.bits == 6 else -np.ascontiguousarray(grouped[..., 2:4]).view(np.float16).reshape(
             rows, -1).astype(np.float32)
         source = None if order is None else np.ascontiguousarray(order.numpy(), dtype=np.int64)
-        assert source is None or source.shape == (rows,), (rows, order.shape)
+        # every row it names inside raw: the loop below reads them unchecked
+        assert source is None or (source.shape == (rows,) and 0 <= source.min() and source.max() < rows), rows
         job.src = <const uint8_t *><uintptr_t>raw.ctypes.data
         job.d = <const float *><uintptr_t>d.ctypes.data
         job.mk = <const float *><uintptr_t>(mk.ctypes.data if mk is not None else 0)

@@ -419,8 +419,8 @@ def load_quantized_weights(model: LlamaForCausalLM,
         else:
             shards = [s.weight() if isinstance(s, quant.FileBlocks) else s for s in shards]
             weight = shards[0] if len(shards) == 1 else quant.cat(shards, kernel.takes_parts)  # one: no copy
-        if model.kernels.quantized_linear.runs(weight):
-            module.quantize(weight, model.kernels.quantized_linear)
+        if kernel.runs(weight):
+            module.quantize(weight, kernel)
             moved += 1
     return moved
 
