@@ -423,7 +423,6 @@ def _tile_arrays(linear: _TiledLinear):
                 yield holder, name, value
 
 
-GGUF_STRIDE = {4: 144, 5: 176, 6: 210}  # bytes of a super-block of FILE_FORMATS, by bits
 cdef enum:
     FILE_CHUNK_ROWS = 64  # rows a thread regroups at a time
 
@@ -593,15 +592,15 @@ class Int8Part:
             step = shard.out_features if shard.order is not None else shard.step
             for start in range(0, shard.out_features, step):
                 with shard.read(slice(start, min(start + step, shard.out_features))) as raw:
-                    part._write_file_rows(raw, first + start, shard.order)
+                    part._write_file_rows(raw, first + start, shard.order, file_format)
             first += shard.out_features
         return part
 
-    def _write_file_rows(self, raw, first: int, order) -> None:
-        """Rows first.. of the tiles from raw blocks [rows, bytes of a row] (numpy uint8, C order;
-        its row order[i] becomes row first + i where `order` is given)."""
+    def _write_file_rows(self, raw, first: int, order, file_format: str) -> None:
+        """Rows first.. of the tiles from raw blocks of `file_format` [rows, bytes of a row] (numpy
+        uint8, C order; its row order[i] becomes row first + i where `order` is given)."""
         cdef _FileTiles job
-        rows, stride = raw.shape[0], GGUF_STRIDE[self.bits]
+        rows, stride = raw.shape[0], quant.GGUF_BLOCKS[file_format][1]
         assert raw.dtype == np.uint8 and raw.flags.c_contiguous and raw.shape[1] % stride == 0, (raw.dtype, raw.shape)
         grouped = raw.reshape(rows, -1, stride)
         at = 208 if self.bits == 6 else 0
