@@ -349,11 +349,6 @@ class FileBlocks(NamedTuple):
     weight: Callable[[], QuantizedWeight]
     step: int
 
-    @property
-    def format(self) -> str:
-        """The layout its QuantizedWeight has."""
-        return LAYOUT_OF[self.file_format]
-
 
 class FileShards(NamedTuple):
     """A projection's shards, each rows of a file not read yet, stacked in order."""
@@ -369,14 +364,9 @@ class FileShards(NamedTuple):
         return self.shards[0].in_features
 
     def runs(self) -> list[tuple[FileBlocks, ...]]:
-        """Its shards in runs of one file format: each run becomes one part of a kernel's."""
-        runs = [[self.shards[0]]]
-        for shard in self.shards[1:]:
-            if shard.file_format == runs[-1][0].file_format:
-                runs[-1].append(shard)
-            else:
-                runs.append([shard])
-        return [tuple(run) for run in runs]
+        """Its shards in runs of one file format (as `cat` stacks runs of one layout): each run
+        becomes one part of a kernel's."""
+        return [tuple(run) for _, run in itertools.groupby(self.shards, lambda shard: shard.file_format)]
 
 
 def cat(weights: list[QuantizedWeight], parts: bool = False) -> QuantizedWeight | QuantizedParts:
@@ -386,13 +376,7 @@ def cat(weights: list[QuantizedWeight], parts: bool = False) -> QuantizedWeight 
     but a q6_k shard, which first becomes q8_0 blocks of its values (`requantize`), the one
     inexact step."""
     if parts and len({w.format for w in weights}) > 1:
-        runs = [[weights[0]]]
-        for w in weights[1:]:
-            if w.format == runs[-1][0].format:
-                runs[-1].append(w)
-            else:
-                runs.append([w])
-        return QuantizedParts(tuple(cat(run) for run in runs))
+        return QuantizedParts(tuple(cat(list(run)) for _, run in itertools.groupby(weights, lambda w: w.format)))
     if len({w.format for w in weights}) > 1:
         weights = [as_bytes(requantize(dequantize(w)) if w.format == "q6_k" else w) for w in weights]
     if any(w.mins is not None for w in weights):
