@@ -3,6 +3,7 @@ requests come back to it; what the fronts share lives in the engine's process (a
 client's name, the LoRA adapters, the queue's gauges) or in files they all write (the metrics);
 `trillm serve --api-server-count 2` serves one port from two processes, drains both on SIGTERM,
 and stops whole when a front dies."""
+import fcntl
 import os
 import re
 import signal
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+from multiprocessing.reduction import ForkingPickler
 
 import httpx
 import openai
@@ -30,6 +32,16 @@ async def test_two_fronts_share_one_engine(tiny_text_model_dir):
                       **EXACT)
     settings = dict(allow_runtime_lora=True, allowed_weights_dir=tempfile.gettempdir())
     with EngineProcess(args, fronts=2) as first, EngineLink(first.front_specs()[0]) as second:
+        # Spawning a front writes its pickled arguments into a pipe; where they outgrow it (the
+        # tokenizer did), the start blocks until the child has imported all that unpickling them
+        # needs, and the fronts started one after another.
+        reader, writer = os.pipe()
+        try:
+            capacity = fcntl.fcntl(writer, fcntl.F_GETPIPE_SZ)
+        finally:
+            os.close(reader)
+            os.close(writer)
+        assert len(ForkingPickler.dumps(first.front_specs()[0])) < capacity
         async with live_server(first, **settings) as one, live_server(second, **settings) as two:
             clients = one.openai(), two.openai()
             # each front's requests come back to it, at once and alike

@@ -48,6 +48,7 @@ from trillm.subprocesses import start_process
 log = logging.getLogger(__name__)
 JOIN_S = 10.0  # how long `close` waits for the engine's process to end before it kills it
 EXIT_GRACE_S = 0.5  # once the engine's process has ended, how long what it sent last may take to arrive
+READY_FILE = "ready.pickle"  # in the fronts' directory: the engine's Ready, for the fronts other than the first
 LINK_POLL_MS = 200  # while a front waits for the engine's process to connect, how often it checks that one runs
 
 
@@ -71,7 +72,11 @@ class FrontSpec:
     commands_address: str
     rounds_address: str
     engine_pid: int
-    ready: Ready
+    # The engine's Ready, pickled, as a file in `directory` (None: the first front, which waits
+    # for it). Not the Ready itself: spawning a front pickles its arguments into a pipe, and with
+    # a tokenizer in them they outgrow it, so multiprocessing's start blocks until the child has
+    # imported everything their unpickling needs, and the fronts started one after another.
+    ready: str | None
 
 
 class EngineLink:
@@ -99,7 +104,8 @@ class EngineLink:
         self.grammars: Grammars | None = None
         self._engine_pid = spec.engine_pid
         if spec.ready is not None:
-            self._serve(spec.ready)
+            with open(spec.ready, "rb") as f:
+                self._serve(pickle.load(f))
 
     def _serve(self, ready: Ready) -> None:
         self._wait_linked()
@@ -248,9 +254,9 @@ class EngineProcess(EngineLink):
                 target=serve_core, name="trillm-engine", daemon=args.tensor_parallel_size == 1,
                 args=(args, self._addresses, os.getpid(), logging.getLogger().getEffectiveLevel()))
             start_process(self.process)
-            self._ready = self._wait_ready()
+            ready = self._wait_ready()
             self._engine_pid = self.process.pid
-            self._serve(self._ready)
+            self._serve(ready)
         except BaseException:
             self.close()
             raise
@@ -258,10 +264,12 @@ class EngineProcess(EngineLink):
 
     def front_specs(self) -> list[FrontSpec]:
         """What each other front needs to reach the engine (its sockets bind there, in its own process)."""
-        return [FrontSpec(i, self.fronts, self.directory, commands, rounds, self.process.pid, self._ready)
+        ready = os.path.join(self.directory, READY_FILE)
+        return [FrontSpec(i, self.fronts, self.directory, commands, rounds, self.process.pid, ready)
                 for i, (commands, rounds) in enumerate(self._addresses) if i]
 
     def _wait_ready(self) -> Ready:
+        """The engine's Ready, also written as it came (pickled) into READY_FILE for the other fronts."""
         while not self._rounds.poll(200):
             if not self.process.is_alive():
                 raise EngineUnavailableError(
@@ -270,6 +278,9 @@ class EngineProcess(EngineLink):
         if message[:1] == FAILED:
             raise pickle.loads(message[1:])
         assert message[:1] == READY
+        if self.fronts > 1:
+            with open(os.path.join(self.directory, READY_FILE), "wb") as f:
+                f.write(message[1:])
         return pickle.loads(message[1:])
 
     def _engine_running(self) -> bool:
