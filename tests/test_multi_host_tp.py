@@ -36,7 +36,7 @@ async def test_tensor_parallel_ranks_on_two_hosts_answer_as_one_and_fail_cleanly
         torchrun = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nnodes", "2", "--nproc-per-node",
                     "1", "--master-addr", head.address, "--master-port", "29511"]
         serve = ["-m", "trillm", "serve", "--model", tiny_text_model_dir, "--tensor-parallel-size", "2",
-                 "--tp-timeout", "10", "--num-kv-blocks", "32", "--no-quantized-activations", "--kv-cache-dtype",
+                 "--tp-timeout", "4", "--num-kv-blocks", "32", "--no-quantized-activations", "--kv-cache-dtype",
                  "float32", "--host", head.address, "--port", str(PORT), "--log-level", "warning"]
         url = f"http://{head.address}:{PORT}"
         async with trio.open_nursery() as nursery:
@@ -56,7 +56,7 @@ async def test_tensor_parallel_ranks_on_two_hosts_answer_as_one_and_fail_cleanly
                 assert got == want
                 stream = await client.completions.create(model=model, prompt="Once upon a time", max_tokens=240,
                                                          stream=True, extra_body={"ignore_eos": True})
-                with trio.fail_after(60), pytest.raises(Exception) as failed:  # --tp-timeout is 10 s
+                with trio.fail_after(60), pytest.raises(Exception) as failed:  # --tp-timeout is 4 s
                     async for chunk in stream:
                         if chunk.choices and chunk.choices[0].text and not other.is_cut:
                             other.cut()
