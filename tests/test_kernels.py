@@ -1121,17 +1121,19 @@ def test_a_fused_projection_keeps_each_shards_layout_in_parts(layouts, rows, see
     assert not quant_cpu.QuantizedLinear.runs(stacked) or len(merged) == 1
 
 
-@settings(max_examples=30, deadline=None)
-@given(formats=st.lists(st.sampled_from(["q4_k", "q5_k", "q6_k"]), min_size=1, max_size=4),
+@settings(max_examples=40, deadline=None)
+@given(formats=st.lists(st.sampled_from(["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k"]),
+                        min_size=1, max_size=4),
        rows=st.lists(st.integers(1, 40), min_size=4, max_size=4), supers=st.integers(1, 3),
        step=st.integers(1, 48), permuted=st.booleans(), seed=st.integers(0, 2**16))
-def test_k_quants_regrouped_from_the_file_are_the_repacked_ones_to_the_bit(formats, rows, supers, step, permuted,
-                                                                          seed):
-    """A fused projection's K-quant shards regrouped straight from the file's bytes into the
-    integer kernel's tiles (Int8Part.of_file, read `step` rows at a time, a shard's rows taken
-    in another order where llama.cpp permuted them) hold every array Int8Part makes of their
-    repacked, permuted and stacked QuantizedWeights, to the bit: shards whose rows split a
-    tile of 16 included, the part's total filling whole tiles."""
+def test_blocks_regrouped_from_the_file_are_the_repacked_ones_to_the_bit(formats, rows, supers, step, permuted, seed):
+    """A fused projection's shards regrouped straight from the file's bytes into the integer
+    kernel's tiles (Int8Part.of_file, read `step` rows at a time, a shard's rows taken in
+    another order where llama.cpp permuted them) hold every array Int8Part makes of their
+    repacked, permuted and stacked QuantizedWeights, to the bit, in every format it reads so:
+    shards whose rows split a tile of 16 included, the part's total filling whole tiles. Runs of
+    two formats of one layout next to each other (Q4_0 then Q4_1) are not taken from the file:
+    repacking stacks them into one part."""
     import contextlib
 
     from trillm.kernels import quant, quant_cpu
@@ -1151,6 +1153,10 @@ def test_k_quants_regrouped_from_the_file_are_the_repacked_ones_to_the_bit(forma
     file_shards = quant.FileShards(tuple(
         quant.FileBlocks(f, n, 256 * supers, functools.partial(read, raw), order, None, step)
         for f, n, raw, order in zip(formats, sizes, raws, orders)))
+    layouts = [quant.LAYOUT_OF[f] for f, _ in itertools.groupby(formats)]
+    if any(a == b for a, b in zip(layouts, layouts[1:])):
+        assert not quant_cpu.Int8QuantizedLinear.runs(file_shards)
+        return
     assert quant_cpu.Int8QuantizedLinear.runs(file_shards)
     got = quant_cpu.Int8QuantizedLinear(file_shards)
     repacked = [quant_cpu.from_gguf(f, raw) for f, raw in zip(formats, raws)]

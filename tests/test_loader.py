@@ -318,6 +318,42 @@ def test_the_start_log_names_the_kernels_and_every_fallback(caplog, monkeypatch,
 
 
 
+def test_a_projection_in_two_formats_of_one_layout_is_repacked_not_read_in_place(tiny_model_dir):
+    """Shards still in the file (FileBlocks) go to the integer kernel unread, regrouped into a
+    part a format; but where two formats of one layout meet (Q4_0's q beside Q4_1's k and v),
+    repacking stacks them into one part, which the file's shards cannot make: that projection
+    is repacked, and moves onto the kernel all the same instead of staying on fp32 weights."""
+    import contextlib
+
+    from test_kernels import random_gguf_blocks
+
+    from trillm.kernels import quant, quant_cpu
+    from trillm.model.loader import load_quantized_weights
+
+    model = load_model(EngineArgs(model=tiny_model_dir("llama"))).model
+    read = []
+    weights, repacked = [], {0: [], 1: []}
+    for layer, formats in enumerate((("q4_0", "q4_1", "q4_1"), ("q5_0", "q5_0", "q8_0"))):
+        for seed, (proj, rows, format) in enumerate(zip(("q_proj", "k_proj", "v_proj"), (64, 32, 32), formats)):
+            raw = random_gguf_blocks(format, rows, 64, 3 * layer + seed)
+
+            def rows_of(which, raw=raw, layer=layer):
+                read.append(layer)
+                return contextlib.nullcontext(raw[which].numpy())
+
+            repacked[layer].append(quant_cpu.from_gguf(format, raw))
+            blocks = quant.FileBlocks(format, rows, 64, rows_of, None, lambda w=repacked[layer][-1]: w, rows)
+            weights.append((f"model.layers.{layer}.self_attn.{proj}.weight", blocks))
+    assert load_quantized_weights(model, weights) == 2
+    assert set(read) == {1}, "layer 1's shards regrouped from the file, layer 0's repacked"
+    x = torch.randn(3, 64)
+    for layer in (0, 1):
+        got = model.get_submodule(f"model.layers.{layer}.self_attn.qkv_proj").quantized
+        assert isinstance(got, quant_cpu.Int8QuantizedLinear)
+        want = quant_cpu.Int8QuantizedLinear(quant.cat(repacked[layer], parts=True))
+        assert got.bits == want.bits == ((4,), (5, 8))[layer] and torch.equal(got(x), want(x))
+
+
 def test_a_gguf_file_of_other_formats_runs_them_on_the_kernels_layouts(tmp_path, caplog):
     """A file whose projections are Q4_0, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K (what llama-quantize's
     Q4_0, Q4_K_M and Q5_K_M files of the default model hold): all come out repacked for the

@@ -4,7 +4,7 @@ kernel in quant_cpu.h (QuantizedLinear, the exact path) and the integer one in q
 (Int8QuantizedLinear, activations quantized to 8 bits). Their references are trillm/kernels/
 quant.py's `linear` and `linear_int8`. Both share their output tiles among the threads of
 pool_cpu; the GIL is released while a kernel runs."""
-from libc.stdint cimport int8_t, int64_t, uint8_t, uint32_t, uintptr_t
+from libc.stdint cimport int8_t, int64_t, uint8_t, uint16_t, uint32_t, uintptr_t
 from libc.string cimport memcpy
 
 import itertools
@@ -52,17 +52,23 @@ def runs(weight: QuantizedWeight | RowSlices) -> bool:
 # the integer kernel's layouts and their bits (quant_int8_cpu.h)
 INT8_BITS = {"q4_1": 4, "q5_1": 5, "q6_k": 6, "q8_0": 8}
 # the file formats Int8Part regroups straight from a file's blocks (Int8Part.of_file), their bits
-FILE_FORMATS = {"q4_k": 4, "q5_k": 5, "q6_k": 6}
+FILE_FORMATS = {"q4_0": 4, "q4_1": 4, "q5_0": 5, "q5_1": 5, "q8_0": 8, "q4_k": 4, "q5_k": 5, "q6_k": 6}
+# the formats of blocks of 32 among them: where a block keeps its min and fifth bits (a byte
+# offset, or -1: none), and its quants; the m each implies as a multiple of d (0: none)
+BLOCKS_OF_32 = {"q4_0": (-1, -1, 2, -8.0), "q4_1": (2, -1, 4, 0.0), "q5_0": (-1, 2, 6, -16.0),
+                "q5_1": (2, 4, 8, 0.0), "q8_0": (-1, -1, 2, 0.0)}
 
 
 def int8_runs(weight: QuantizedWeight | QuantizedParts | RowSlices | FileShards) -> bool:
     """Whether the integer kernel takes this weight (each part's): its rows must fill tiles of 16;
-    a file's shards, in the formats it regroups from the file (FILE_FORMATS)."""
+    a file's shards, in the formats it regroups from the file (FILE_FORMATS), no two runs next to
+    each other of one layout (quant.cat stacks such runs into one part, which the file's do not)."""
     if isinstance(weight, QuantizedParts):
         return len(weight.parts) <= INT8_MAX_PARTS and all(int8_runs(w) for w in weight.parts)
     if isinstance(weight, FileShards):
         runs = weight.runs()
-        return len(runs) <= INT8_MAX_PARTS and all(
+        layouts = [quant.LAYOUT_OF[run[0].file_format] for run in runs]
+        return len(runs) <= INT8_MAX_PARTS and all(a != b for a, b in zip(layouts, layouts[1:])) and all(
             run[0].file_format in FILE_FORMATS and sum(shard.out_features for shard in run) % TILE_N == 0
             for run in runs)
     return weight.format in INT8_BITS and weight.out_features % TILE_N == 0
@@ -428,31 +434,42 @@ cdef enum:
 
 
 cdef struct _FileTiles:
-    const uint8_t *src  # rows of a file's super-blocks, row_bytes apart
-    const float *d  # their super-blocks' d, [rows, supers]
+    const uint8_t *src  # rows of a file's blocks (super-blocks, or blocks of 32), row_bytes apart
+    const float *d  # K-quants: their super-blocks' d, [rows, supers]
     const float *mk  # their -dmin (4 and 5 bits), [rows, supers]
     const int64_t *source  # the row of src each row is, or NULL: its own
     int64_t rows, first, supers, blocks, row_bytes
     int bits
+    int m_at, qh_at, qs_at  # blocks of 32 (supers 0): where a block keeps these (BLOCKS_OF_32)
     uint8_t *u  # the part's arrays (Int8Part), written at rows first ..
     uint8_t *h
     uint8_t *sc
     uint8_t *mn
     float *dk
     float *mk_tiled
+    uint16_t *dh  # blocks of 32: their fp16 d and m, as the file keeps them
+    uint16_t *mh
 
 
 cdef void _file_tiles_chunk(void *ctx, int64_t chunk) noexcept nogil:
-    """Rows FILE_CHUNK_ROWS chunk .. of a _FileTiles job, super-block by super-block: each row's
-    bytes go where Int8Part's torch regrouping puts them (its arrays' shapes say where)."""
+    """Rows FILE_CHUNK_ROWS chunk .. of a _FileTiles job, block by block (a K-quant's super-block
+    by super-block): each row's bytes go where Int8Part's torch regrouping puts them (its arrays'
+    shapes say where)."""
     cdef _FileTiles *job = <_FileTiles *>ctx
-    cdef int64_t i, r, t, s, at, row
+    cdef int64_t i, r, t, s, at, row, b
     cdef int l
     cdef const uint8_t *sb
     for i in range(chunk * FILE_CHUNK_ROWS, min((chunk + 1) * FILE_CHUNK_ROWS, job.rows)):
         row = job.source[i] if job.source != NULL else i
         r = job.first + i
         t, l = r // TILE_N, r % TILE_N
+        if job.supers == 0:
+            for b in range(job.blocks):
+                at = t * job.blocks + b
+                _block_tiles(job.src + row * job.row_bytes + b * (job.row_bytes // job.blocks), job,
+                             job.u + at * (512 if job.bits == 8 else 256) + l * 4,
+                             job.h + at * 64 + l * 4 if job.bits == 5 else NULL, job.dh + at * TILE_N + l,
+                             job.mh + at * TILE_N + l if job.m_at >= 0 else NULL)
         for s in range(job.supers):
             sb = job.src + row * job.row_bytes + s * (job.row_bytes // job.supers)
             at = t * job.blocks + 8 * s  # the super-block's first block in the tile
@@ -475,6 +492,27 @@ cdef inline uint32_t _word(const uint8_t *p) noexcept nogil:
 
 cdef inline void _put(uint8_t *p, uint32_t w) noexcept nogil:
     memcpy(p, &w, 4)
+
+
+cdef inline void _block_tiles(const uint8_t *block, const _FileTiles *job, uint8_t *u, uint8_t *h, uint16_t *dh,
+                              uint16_t *mh) noexcept nogil:
+    """A block of 32 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) into one row's place in a tile: u [4 words, or
+    Q8_0's 8: 64 apart] of GGUF's bytes as they are (Q8_0's q + 128), the fifth bits' plane h
+    (byte c: bit g the fifth bit of input 4 g + c, as _fifth_bit_plane), d and m as they are."""
+    cdef int w, g
+    cdef uint32_t qh, nibble, plane = 0
+    cdef uint32_t flip = (<uint32_t>0x80808080) if job.bits == 8 else 0  # Q8_0's q + 128
+    memcpy(dh, block, 2)
+    if mh != NULL:
+        memcpy(mh, block + job.m_at, 2)
+    for w in range(8 if job.bits == 8 else 4):
+        _put(u + w * 64, _word(block + job.qs_at + 4 * w) ^ flip)
+    if h != NULL:
+        qh = _word(block + job.qh_at)  # bit j: input j's fifth bit
+        for g in range(8):  # inputs 4 g + c, c = 0..3, to bit g of byte c
+            nibble = (qh >> (4 * g)) & 0x0F
+            plane |= ((nibble & 1) | ((nibble & 2) << 7) | ((nibble & 4) << 14) | ((nibble & 8) << 21)) << g
+        _put(h, plane)
 
 
 cdef inline void _q45_k_tiles(const uint8_t *sb, int bits, uint8_t *u, uint8_t *h, uint8_t *sc,
@@ -577,15 +615,20 @@ class Int8Part:
         part.out_features = sum(shard.out_features for shard in run)
         part.bits = FILE_FORMATS[file_format]
         tiles, blocks, supers = part.out_features // TILE_N, K // BLOCK, K // (BLOCK * SUPER_BLOCKS)
-        part.u = torch.empty(tiles, blocks, 4, TILE_N, 4, dtype=torch.uint8)
-        part.h = (None if part.bits == 4 else torch.empty(tiles, blocks, TILE_N, 4, dtype=torch.uint8)
+        part.u = torch.empty(tiles, blocks, 8 if part.bits == 8 else 4, TILE_N, 4, dtype=torch.uint8)
+        part.h = (None if part.bits in (4, 8) else torch.empty(tiles, blocks, TILE_N, 4, dtype=torch.uint8)
                   if part.bits == 5 else torch.empty(tiles, blocks, 2, TILE_N, 4, dtype=torch.uint8))
-        part.sc = torch.empty(tiles, blocks, 2 if part.bits == 6 else 1, TILE_N, dtype=torch.uint8)
-        part.mn = None if part.bits == 6 else torch.empty(tiles, blocks, 1, TILE_N, dtype=torch.uint8)
-        part.dk = torch.empty(tiles, supers, 1, TILE_N, dtype=torch.float32)
-        part.mk = None if part.bits == 6 else torch.empty_like(part.dk)
-        part.d = part.m = None
+        part.d = part.m = part.sc = part.mn = part.dk = part.mk = None
         part.m_of_d = 0.0
+        if file_format in BLOCKS_OF_32:
+            m_at, _, _, part.m_of_d = BLOCKS_OF_32[file_format]
+            part.d = torch.empty(tiles, blocks, 1, TILE_N, dtype=torch.float16)
+            part.m = torch.empty_like(part.d) if m_at >= 0 else None
+        else:
+            part.sc = torch.empty(tiles, blocks, 2 if part.bits == 6 else 1, TILE_N, dtype=torch.uint8)
+            part.mn = None if part.bits == 6 else torch.empty(tiles, blocks, 1, TILE_N, dtype=torch.uint8)
+            part.dk = torch.empty(tiles, supers, 1, TILE_N, dtype=torch.float32)
+            part.mk = None if part.bits == 6 else torch.empty_like(part.dk)
         first = 0
         for shard in run:
             assert shard.file_format == file_format and shard.in_features == K, (shard, file_format, K)
@@ -602,26 +645,33 @@ class Int8Part:
         cdef _FileTiles job
         rows, stride = raw.shape[0], quant.GGUF_BLOCKS[file_format][1]
         assert raw.dtype == np.uint8 and raw.flags.c_contiguous and raw.shape[1] % stride == 0, (raw.dtype, raw.shape)
-        grouped = raw.reshape(rows, -1, stride)
-        at = 208 if self.bits == 6 else 0
-        d = np.ascontiguousarray(grouped[..., at : at + 2]).view(np.float16).reshape(rows, -1).astype(np.float32)
-        mk = None if self.bits == 6 else -np.ascontiguousarray(grouped[..., 2:4]).view(np.float16).reshape(
-            rows, -1).astype(np.float32)
+        d = mk = None
+        job.supers, job.blocks, job.m_at, job.qh_at, job.qs_at = 0, raw.shape[1] // stride, -1, -1, 0
+        if file_format in BLOCKS_OF_32:
+            job.m_at, job.qh_at, job.qs_at, _ = BLOCKS_OF_32[file_format]
+        else:  # the super-blocks' d and -dmin, widened here
+            grouped = raw.reshape(rows, -1, stride)
+            at = 208 if self.bits == 6 else 0
+            d = np.ascontiguousarray(grouped[..., at : at + 2]).view(np.float16).reshape(rows, -1).astype(np.float32)
+            mk = None if self.bits == 6 else -np.ascontiguousarray(grouped[..., 2:4]).view(np.float16).reshape(
+                rows, -1).astype(np.float32)
+            job.supers, job.blocks = d.shape[1], d.shape[1] * 8
         source = None if order is None else np.ascontiguousarray(order.numpy(), dtype=np.int64)
         # every row it names inside raw: the loop below reads them unchecked
         assert source is None or (source.shape == (rows,) and 0 <= source.min() and source.max() < rows), rows
         job.src = <const uint8_t *><uintptr_t>raw.ctypes.data
-        job.d = <const float *><uintptr_t>d.ctypes.data
+        job.d = <const float *><uintptr_t>(d.ctypes.data if d is not None else 0)
         job.mk = <const float *><uintptr_t>(mk.ctypes.data if mk is not None else 0)
         job.source = <const int64_t *><uintptr_t>(source.ctypes.data if source is not None else 0)
-        job.rows, job.first, job.supers, job.blocks, job.bits = rows, first, d.shape[1], d.shape[1] * 8, self.bits
-        job.row_bytes = raw.shape[1]
+        job.rows, job.first, job.bits, job.row_bytes = rows, first, self.bits, raw.shape[1]
         job.u = <uint8_t *><uintptr_t>self.u.data_ptr()
         job.h = <uint8_t *><uintptr_t>(self.h.data_ptr() if self.h is not None else 0)
-        job.sc = <uint8_t *><uintptr_t>self.sc.data_ptr()
+        job.sc = <uint8_t *><uintptr_t>(self.sc.data_ptr() if self.sc is not None else 0)
         job.mn = <uint8_t *><uintptr_t>(self.mn.data_ptr() if self.mn is not None else 0)
-        job.dk = <float *><uintptr_t>self.dk.data_ptr()
+        job.dk = <float *><uintptr_t>(self.dk.data_ptr() if self.dk is not None else 0)
         job.mk_tiled = <float *><uintptr_t>(self.mk.data_ptr() if self.mk is not None else 0)
+        job.dh = <uint16_t *><uintptr_t>(self.d.data_ptr() if self.d is not None else 0)
+        job.mh = <uint16_t *><uintptr_t>(self.m.data_ptr() if self.m is not None else 0)
         cdef int64_t chunks = (rows + FILE_CHUNK_ROWS - 1) // FILE_CHUNK_ROWS
         with nogil:
             pool_cpu.run(_file_tiles_chunk, &job, chunks)

@@ -390,7 +390,8 @@ def load_quantized_weights(model: LlamaForCausalLM,
     """For kernels with a quantized_linear: puts the projections whose every shard comes
     quantized onto those blocks (shards in different layouts kept apart in parts where the
     kernel takes them, else promoted to one: quant.cat; shards all still in the file,
-    quant.FileBlocks, go to the kernel unread as quant.FileShards, the others repacked), and
+    quant.FileBlocks, go to the kernel unread as quant.FileShards where it takes them so, the
+    others repacked), and
     releases their fp32 weights. Called before load_weights, it spares reading those weights at
     all (load_weights skips them); a projection with a shard missing here or a
     shape the kernel does not take stays on its fp32 weights, which load_weights fills. A
@@ -414,8 +415,9 @@ def load_quantized_weights(model: LlamaForCausalLM,
             del pending[module_name]
             shards = [parts.pop(i) for i in range(module.num_shards)]
         kernel = model.kernels.quantized_linear
-        if all(isinstance(s, quant.FileBlocks) for s in shards):  # the kernel reads them from the file
-            weight = quant.FileShards(tuple(shards))
+        in_file = quant.FileShards(tuple(shards))
+        if all(isinstance(s, quant.FileBlocks) for s in shards) and kernel.runs(in_file):  # read from the file
+            weight = in_file
         else:
             shards = [s.weight() if isinstance(s, quant.FileBlocks) else s for s in shards]
             weight = shards[0] if len(shards) == 1 else quant.cat(shards, kernel.takes_parts)  # one: no copy
