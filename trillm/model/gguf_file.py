@@ -41,6 +41,18 @@ _STRING, _ARRAY = 8, 9
 _READ_CHUNK = 1 << 30
 
 
+def _folio_span() -> int:
+    """The largest folio the page cache maps a file in: a huge page's size (2 MiB on x86-64)."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size") as f:
+            return max(int(f.read()), mmap.PAGESIZE)
+    except (OSError, ValueError):
+        return 2 << 20
+
+
+FOLIO_SPAN = _folio_span()
+
+
 def _read_into(fd: int, out: np.ndarray, offset: int) -> None:
     """Fill `out` (contiguous) with the file's bytes from `offset` on."""
     view, done = memoryview(out).cast("B"), 0
@@ -158,15 +170,21 @@ class GGUFFile:
         """[rows, bytes of a row] uint8, read-only: the tensor's rows (some of them) where the
         file is mapped, no copy made; on the way out the pages they were read through are
         unmapped from this process (the page cache keeps them), so that a load that reads every
-        tensor this way holds no more than one of them as file pages."""
+        tensor this way holds no more than one of them as file pages. Unmapped out to the bounds
+        of the largest folio the page cache makes (FOLIO_SPAN): a fault maps the whole folio it
+        hits, and a file just written in 1 MiB writes sits in folios that straddle tensors, whose
+        pages outside the rows read would stay mapped until the file closes (58 MiB of Gemma 3
+        270M's load). The mapping is read-only, so unmapping a neighbour's pages costs at most a
+        fault should it be read again."""
         info = self.tensors[name]
         start, stop, _ = rows.indices(info.rows)
         begin, end = info.offset + start * info.row_bytes, info.offset + stop * info.row_bytes
         try:
             yield self._map[begin:end].reshape(stop - start, info.row_bytes)
         finally:
-            first = begin - begin % mmap.PAGESIZE
-            self._header.madvise(mmap.MADV_DONTNEED, first, end - first)
+            first = begin - begin % FOLIO_SPAN
+            last = min(-(-end // FOLIO_SPAN) * FOLIO_SPAN, len(self._header))
+            self._header.madvise(mmap.MADV_DONTNEED, first, last - first)
 
     def row_reader(self, name: str) -> TensorRows:
         """Reads of the tensor's rows that outlive this object (on a descriptor of their own)."""
