@@ -16,19 +16,21 @@ from trillm.model import gguf_tokenizer
 from trillm.model.gguf_file import GGUFFile
 from trillm.model.loader import default_model_path
 
-TEXTS = ["Hello, world!", "  two  spaces and\ttabs\n\nnew lines", "déjà vu 日本語 🙂", "ab▁ba aab", ""]
+TEXTS = ["Hello, world!", "  two  spaces and\ttabs\n\nnew lines", "déjà vu 日本語 🙂", "ab▁ba aab", "",
+         "a<think>b"]
 
 
 def sentencepiece_gguf(path: str, spaced: bool = False) -> str:
     """A SentencePiece vocabulary without merges, as llama.cpp writes Llama 2's: control tokens,
-    byte fallbacks, and pieces whose scores tie, so that the recovered merges' order rests on
-    every rule of their sort; `spaced`: with pieces holding a space, parts of merges too."""
+    byte fallbacks, a user-defined token, and pieces whose scores tie, so that the recovered
+    merges' order rests on every rule of their sort; `spaced`: with pieces holding a space, parts
+    of merges too."""
     pieces = ["▁", "a", "b", "▁a", "▁b", "ab", "ba", "aa", "▁ab", "▁ba", "aab", "abb", "▁aab", "bab", "▁abb"]
     pieces += [" b", "a b", "a ba"] if spaced else []
-    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{byte:02X}>" for byte in range(256)), *pieces]
-    scores = [0.0] * (3 + 256) + [-float(len(p) % 3) for p in pieces]  # few values: many ties
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{byte:02X}>" for byte in range(256)), "<think>", *pieces]
+    scores = [0.0] * (3 + 256 + 1) + [-float(len(p) % 3) for p in pieces]  # few values: many ties
     types = [TokenType.UNKNOWN, TokenType.CONTROL, TokenType.CONTROL, *[TokenType.BYTE] * 256,
-             *[TokenType.NORMAL] * len(pieces)]
+             TokenType.USER_DEFINED, *[TokenType.NORMAL] * len(pieces)]
     writer = GGUFWriter(path, "llama")
     writer.add_tokenizer_model("llama")
     writer.add_token_list(tokens)
@@ -75,13 +77,15 @@ def test_the_tokenizer_is_the_one_transformers_builds_from_the_file(gguf_path):
        scores=st.lists(st.sampled_from([0.0, -1.0, -2.5, 3.0]), min_size=40, max_size=40))
 def test_derived_merges_are_transformers_generate_merges(tokens, scores):
     """Any vocabulary (duplicates included: the last index and score win, the first place
-    orders; strings of every width CPython stores), any scores with ties: the same merges in the
-    same order."""
+    orders; strings of every width CPython stores), any scores with ties, or none (by place): the
+    same merges in the same order."""
     vocab = {token: index for index, token in enumerate(tokens)}
     by_score = dict(zip(tokens, scores))
     assert gguf_tokenizer.derived_merges(vocab, by_score) == generate_merges(vocab, by_score)
     by_place = {token: -index for index, token in enumerate(tokens)}
-    assert gguf_tokenizer.derived_merges(vocab, by_place) == generate_merges(vocab, by_place)
+    want = generate_merges(vocab, by_place)
+    assert gguf_tokenizer.derived_merges(vocab, by_place) == want
+    assert gguf_tokenizer.derived_merges(vocab) == want
 
 
 @pytest.mark.parametrize("score", [float("nan"), 2**60 + 1])

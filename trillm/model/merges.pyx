@@ -7,8 +7,10 @@ the vocabulary, then do the same with its right part, and that was about a secon
 start-up. Here every token's prefixes are hashed in one pass over its characters (a polynomial
 hash, so the hash of any suffix follows from two prefixes' by one multiplication) and looked up in
 a table of the vocabulary's hashes; only a hit is compared character by character, and no string
-is made: the pairs found are the vocabulary's own strings."""
-from libc.stdint cimport int32_t, uint64_t
+is made: the pairs found are the vocabulary's own strings. The table keeps 8 bytes a slot, a
+hash's tag and the string's index, so that Gemma 3's fits in the cache: its probes are most of
+the time, and most find nothing."""
+from libc.stdint cimport int32_t, uint32_t, uint64_t
 from libc.stdlib cimport free, malloc, qsort, realloc
 
 cdef extern from "Python.h":
@@ -32,17 +34,17 @@ cdef struct Merge:  # a cut that parts a token into two tokens, with what ranks 
     int32_t left, right  # indices into the vocabulary's strings
 
 
-cdef struct Slot:  # a vocabulary string in the table: what a lookup reads, in one place
-    uint64_t hash
-    Text text
+cdef struct Slot:  # a vocabulary string in the table: what a probe reads
+    uint32_t tag  # the hash's top half: a probe compares characters only where it matches
     int32_t index  # -1: empty
 
 
 cdef class _Table:
     """The vocabulary's strings by hash (open addressing, at most half full); owns its slots and
-    holds the strings, whose characters the slots point into."""
+    the strings' texts, and holds the strings, whose characters the texts point into."""
     cdef list strings
     cdef Slot *slots
+    cdef Text *texts
     cdef uint64_t mask
     cdef int shift
 
@@ -55,22 +57,23 @@ cdef class _Table:
             self.shift -= 1
         self.mask = size - 1
         self.slots = <Slot *>malloc(size * sizeof(Slot))
-        if self.slots == NULL:
+        self.texts = <Text *>malloc(max(n, 1) * sizeof(Text))
+        if self.slots == NULL or self.texts == NULL:
             raise MemoryError()
         for i in range(size):
             self.slots[i].index = -1
         cdef uint64_t at, h
-        cdef Text text
         for i in range(n):
-            text = _text(strings[i])
-            h = _hash(&text, 0, text.length)
+            self.texts[i] = _text(strings[i])
+            h = _hash(&self.texts[i], 0, self.texts[i].length)
             at = self.slot(h)
             while self.slots[at].index != -1:
                 at = (at + 1) & self.mask
-            self.slots[at] = Slot(h, text, <int32_t>i)
+            self.slots[at] = Slot(<uint32_t>(h >> 32), <int32_t>i)
 
     def __dealloc__(self):
         free(self.slots)
+        free(self.texts)
 
     cdef inline uint64_t slot(self, uint64_t h):
         # the product's top bits: a polynomial hash's low bits depend on its characters' low bits only
@@ -79,12 +82,13 @@ cdef class _Table:
     cdef int32_t find(self, uint64_t h, Text *text, Py_ssize_t start, Py_ssize_t end):
         """The index of the string equal to text[start:end] (its hash h), or -1."""
         cdef uint64_t at = self.slot(h)
+        cdef uint32_t tag = <uint32_t>(h >> 32)
         cdef Slot *slot
         while True:
             slot = &self.slots[at]
             if slot.index == -1:
                 return -1
-            if slot.hash == h and _equal(&slot.text, text, start, end):
+            if slot.tag == tag and _equal(&self.texts[slot.index], text, start, end):
                 return slot.index
             at = (at + 1) & self.mask
 
@@ -134,16 +138,18 @@ cdef int _before(const void *a, const void *b) noexcept nogil:
     return -1 if x.order < y.order else (1 if x.order > y.order else 0)
 
 
-def derived_merges(dict vocab, dict scores) -> list:
+def derived_merges(dict vocab, dict scores=None) -> list:
     """Every split of a token of `scores` into two tokens of `vocab`, best first: by the token's
     score, then the longer left part, then the longer right part, ties in the order of `scores`
     (transformers' `generate_merges(vocab, scores)`, whose sort of each token's own candidates
     never decides anything: a token's splits differ in their left part's length). Scores are
-    numbers a float holds exactly (a file's float32 scores, or places); ValueError otherwise."""
+    numbers a float holds exactly (a file's float32 scores, or places); ValueError otherwise.
+    Without scores, every token of `vocab` ranks by its place: its score is minus its index."""
     cdef list strings = list(vocab)
     cdef _Table table = _Table(strings)
     cdef Py_ssize_t capacity = 1024, count = 0, longest = 1, order = 0, cut, length
-    for token in scores:
+    ranked = ((token, -index) for token, index in vocab.items()) if scores is None else scores.items()
+    for token in (vocab if scores is None else scores):
         longest = max(longest, len(<str>token))
     cdef uint64_t *prefix = <uint64_t *>malloc((longest + 1) * sizeof(uint64_t))
     cdef uint64_t *power = <uint64_t *>malloc((longest + 1) * sizeof(uint64_t))
@@ -158,7 +164,7 @@ def derived_merges(dict vocab, dict scores) -> list:
         power[0] = 1
         for cut in range(1, longest + 1):
             power[cut] = power[cut - 1] * BASE
-        for token, score in scores.items():
+        for token, score in ranked:
             value = score
             if value != score:
                 raise ValueError(f"a token's score is not a number a float holds exactly: {score!r}")
