@@ -127,3 +127,13 @@ async def start_server(nursery: trio.Nursery, command: list[str], env=None, cwd=
     with trio.fail_after(STARTUP_TIMEOUT):
         await url.wait()
     return process, found[0], log
+
+
+async def logged(log: list[str], text: str, timeout: float = STARTUP_TIMEOUT) -> None:
+    """Wait until a line of `log` says `text`; on timeout, fail with the log's tail (the
+    default bound is a start's: processes import and load before they say most things)."""
+    with trio.move_on_after(timeout):
+        while not any(text in line for line in log):
+            await trio.sleep(0.002)
+        return
+    raise AssertionError(f"no line says {text!r} after {timeout} s:\n" + "\n".join(log[-40:]))

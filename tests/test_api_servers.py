@@ -20,7 +20,7 @@ import trio
 
 from http_support import EXACT, SETTLE_TIMEOUT, finish_of_stream, greedy_ids, live_server, metric_value
 from lora_support import make_adapter
-from process_support import live, start_server, started_by
+from process_support import live, logged, start_server, started_by
 from trillm import SamplingParams
 from trillm.config import EngineArgs
 from trillm.engine.api import AsyncEngine, EngineLink, EngineProcess, RequestGroup
@@ -173,9 +173,7 @@ async def test_a_signal_while_the_server_starts_stops_it_as_any_signal_does(tiny
                 log.extend(data.decode(errors="replace").splitlines())
 
         nursery.start_soon(read_log)
-        with trio.fail_after(SETTLE_TIMEOUT):
-            while not any(moment in line for line in log):
-                await trio.sleep(0.002)
+        await logged(log, moment)
         processes = started_by(process.pid)
         process.send_signal(signal.SIGINT)
         with trio.move_on_after(SETTLE_TIMEOUT):  # not the drain timeout
@@ -193,9 +191,7 @@ async def test_three_fronts_serve_one_port_and_one_that_dies_stops_the_server_af
                tiny_text_model_dir, "--num-kv-blocks", "64", "--drain-timeout", "60"]
     async with trio.open_nursery() as nursery:
         process, url, log = await start_server(nursery, command)
-        with trio.fail_after(SETTLE_TIMEOUT):  # the first front says so once every front serves
-            while not any("3 HTTP fronts serve the port" in line for line in log):
-                await trio.sleep(0.02)
+        await logged(log, "3 HTTP fronts serve the port")  # the first front says so once every front serves
         fronts = _fronts(log)
         assert set(fronts) == {1, 2}
         processes = started_by(process.pid)
