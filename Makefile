@@ -20,6 +20,10 @@ STAMP := $(VENV)/.installed
 # stretch them. Exit status 5 is pytest's "nothing selected" (ARGS chose no quiet test).
 PYTEST := $(PY) -m pytest -q
 PARALLEL := -n auto --maxprocesses 3 --dist loadfile --no-loadscope-reorder
+# The suite starts a hundred and more Python processes that import trillm (servers, engines,
+# fronts, ranks): where the environment turns bytecode caching off, each compiles trillm's
+# modules again, and each pytest process rewrites and compiles every test module.
+test test-fast: export PYTHONDONTWRITEBYTECODE :=
 
 $(STAMP): pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
