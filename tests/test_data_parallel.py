@@ -17,7 +17,7 @@ import openai
 import pytest
 import trio
 from http_support import live_server, metric_total, requests_served
-from process_support import descendants, live, started_by
+from process_support import descendants, live, logged, started_by
 
 from trillm.config import EngineArgs
 from trillm.engine.core import EngineCore
@@ -222,9 +222,7 @@ async def test_replicas_relay_admin_calls_serve_survive_a_death_and_stop_with_th
             if chunk.choices and chunk.choices[0].text:
                 break
         await stream.close()
-        with trio.fail_after(30):  # the router closed its upstream request: the replica aborted it
-            while not any("abort (client gone)" in line for line in log):
-                await trio.sleep(0.05)
+        await logged(log, "abort (client gone)", 30)  # the router closed its upstream request: the replica aborted it
         for url in replicas:
             async with httpx.AsyncClient(base_url=url, headers=auth) as http:
                 with trio.fail_after(30):
