@@ -43,12 +43,12 @@ loader.load_weights = timed("dense", loader.load_weights)
 parser = argparse.ArgumentParser()
 server_settings.add_arguments(parser)
 settings = server_settings.from_args(parser.parse_args(["--model", sys.argv[1]]))
-began = time.perf_counter(); loader.check_model(settings.engine); check = time.perf_counter() - began
-began = time.perf_counter(); core = EngineCore(settings.engine); engine = time.perf_counter() - began
-began = time.perf_counter(); create_app(settings, core); app = time.perf_counter() - began
-print(f"imports {imported - start:.2f} check {check:.2f} engine {engine:.2f} (tokenizer "
+timed("check", loader.check_model)(settings.engine)
+core = timed("engine", EngineCore)(settings.engine)
+timed("app", create_app)(settings, core)
+print(f"imports {imported - start:.2f} check {spent['check']:.2f} engine {spent['engine']:.2f} (tokenizer "
       f"{spent.get('tokenizer', 0.0):.2f} quantized {spent.get('quantized', 0.0):.2f} dense "
-      f"{spent.get('dense', 0.0):.2f}) app {app:.2f}", flush=True)
+      f"{spent.get('dense', 0.0):.2f}) app {spent['app']:.2f}", flush=True)
 core.close()
 """
 
