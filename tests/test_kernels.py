@@ -406,6 +406,37 @@ def test_cpu_decode_attention_ragged(seq_lens, block_size, group, sliding_window
                                sliding_window=sliding_window, cache_dtype=cache_dtype, threads=threads, lanes=lanes)
 
 
+@pytest.mark.parametrize("lanes", [16, 8])
+@pytest.mark.parametrize("cache_dtype", CPU_CACHE_DTYPES)
+@pytest.mark.parametrize("num_kv_heads,group,threads", [(2, 1, 1), (5, 3, 1), (5, 1, 2), (12, 2, 2)])
+def test_cpu_decode_attention_cuts_a_lone_row_by_kv_heads_to_the_same_bits(num_kv_heads, group, threads,
+                                                                           cache_dtype, lanes):
+    """One stream decoding is one tile, which the kernel cuts by KV heads among the pool's pieces
+    (4, 5 heads: uneven parts; 12: more heads than pieces): each request's row computes the same
+    bits alone, cut, as in a step of more rows than pieces, where no tile is cut."""
+    if lanes not in cpu_lane_widths():
+        pytest.skip(f"this CPU has no {lanes}-lane attention")
+    from trillm.kernels import pool_cpu
+    from trillm.kernels.attention_cpu import paged_attention
+
+    seq_lens = [70, 3, 41, 16, 1, 33, 128, 9, 64]  # more rows than two threads' pieces
+    k_cache, v_cache, tables, lens, starts = (t.cpu() for t in make_batch(
+        [1] * len(seq_lens), seq_lens, 16, num_kv_heads, 64, torch.float32, 5))
+    k_cache, v_cache = cache.to_cache(k_cache, cache_dtype), cache.to_cache(v_cache, cache_dtype)
+    q = randn(len(seq_lens), num_kv_heads * group, 64, seed=6).cpu()
+    previous = pool_cpu.set_threads(threads)
+    try:
+        batched = paged_attention(q, k_cache, v_cache, tables, lens, None, 0.125, None, lanes)
+        alone = torch.cat([paged_attention(q[b:b + 1].contiguous(), k_cache, v_cache, tables[b:b + 1].contiguous(),
+                                           lens[b:b + 1].contiguous(), None, 0.125, None, lanes)
+                           for b in range(len(seq_lens))])
+    finally:
+        pool_cpu.set_threads(previous)
+    assert torch.equal(alone, batched)
+    assert_close(batched, attention.paged_attention(q, k_cache, v_cache, tables, lens, starts, 0.125, None),
+                 torch.float32)
+
+
 @settings(max_examples=25, deadline=None)
 @given(
     batch=ragged_batches(),

@@ -28,7 +28,11 @@
  * row is a tile of its own.
  *
  * The tiles are shared among the threads of the kernels' pool (pool_cpu.h), the longest
- * contexts claimed first; each thread keeps its scratch between calls (thread_scratch).
+ * contexts claimed first; each thread keeps its scratch between calls (thread_scratch). A step
+ * of fewer tiles than the pieces the pool wants (one stream decoding: one tile) cuts each tile's
+ * KV heads in parts, one piece each: a head's queries meet only its own keys and values, so a
+ * part computes what the whole tile computes for those heads, in the same order, and the other
+ * threads stream the rest of the cache rather than wait.
  */
 #include <math.h>
 #include <pthread.h>
@@ -60,9 +64,10 @@ static inline void prefetch_span(const void *p, int64_t bytes)
         __builtin_prefetch((const void *)line, 0, 1);
 }
 
-/* Consecutive query rows of one request. */
+/* Consecutive query rows of one request, for its KV heads first_kv_head .. end_kv_head - 1 (and
+ * the query heads of their groups). */
 struct attention_tile {
-    int64_t seq, first_row, num_rows;
+    int64_t seq, first_row, num_rows, first_kv_head, end_kv_head;
 };
 
 struct attention_job;
@@ -146,13 +151,15 @@ static void *thread_scratch(size_t bytes)
 enum row_mode { ROWS_FP32 = 0, ROWS_FP16 = 1, ROWS_INT8 = 2 };
 
 /* Pointers to the fp32 values of cache rows rows[0 .. n-1] (offsets in cache elements): in place,
- * or widened or dequantized into `buf` ([KEY_BLOCK, num_kv_heads * head_dim]). With `mode`
- * ROWS_FP16 or ROWS_INT8 an fp16 or int8 cache's rows stay in place too (their pointers are to the
- * cache's own values, which the tile converts as it reads them). */
+ * or, for the KV heads first_head .. end_head - 1, widened or dequantized into `buf` ([KEY_BLOCK,
+ * num_kv_heads * head_dim], each head at its own place). With `mode` ROWS_FP16 or ROWS_INT8 an
+ * fp16 or int8 cache's rows stay in place too (their pointers are to the cache's own values,
+ * which the tile converts as it reads them). */
 TILE_INLINE void load_block(const struct attention_job *job, const void *cache, const int64_t *rows, int64_t n,
-                            float *buf, const float **out, const int mode)
+                            int64_t first_head, int64_t end_head, float *buf, const float **out, const int mode)
 {
-    const int64_t values = job->num_kv_heads * job->head_dim;
+    const int64_t values = job->num_kv_heads * job->head_dim, skip = first_head * job->head_dim;
+    const int64_t heads = end_head - first_head;
     for (int64_t j = 0; j < n; j++) {
         if (job->kind == KV_CACHE_F32) {
             out[j] = (const float *)cache + rows[j];
@@ -167,9 +174,11 @@ TILE_INLINE void load_block(const struct attention_job *job, const void *cache, 
             continue;
         }
         if (job->kind == KV_CACHE_F16)
-            job->widen(buf + j * values, (const uint16_t *)cache + rows[j], values);
+            job->widen(buf + j * values + skip, (const uint16_t *)cache + rows[j] + skip, heads * job->head_dim);
         else
-            job->dequantize(buf + j * values, (const int8_t *)cache + rows[j], job->num_kv_heads, job->head_dim);
+            job->dequantize(buf + j * values + skip,
+                            (const int8_t *)cache + rows[j] + first_head * kv_row_width(KV_CACHE_I8, job->head_dim),
+                            heads, job->head_dim);
         out[j] = buf + j * values;
     }
 }
@@ -199,12 +208,12 @@ static inline int64_t rows_end(const struct attention_job *job, int64_t b)
 }
 
 /* What both passes over a tile's keys share (attention_tile_cpu.h's tile_pass): its m rows'
- * contexts n[] (and padded to four, padded[]), the cache offsets of its keys (rows), the
- * calling thread's scratch (block, ptrs, scores of `stride` floats a row and head), its queries
- * and outputs. */
+ * contexts n[] (and padded to four, padded[]), its KV heads, the cache offsets of its keys
+ * (rows), the calling thread's scratch (block, ptrs, scores of `stride` floats a row and head),
+ * its queries and outputs. */
 struct tile_rows {
     const struct attention_job *job;
-    int64_t m, group, stride;
+    int64_t m, group, stride, first_kv_head, end_kv_head;
     const int64_t *rows;
     float *block;
     const float **ptrs;
@@ -278,12 +287,14 @@ static void attend_chunk(void *ctx, int64_t c)
  * [num_seqs, max_blocks]; seq_lens: [num_seqs]; query_start_loc: [num_seqs + 1], from 0 to
  * num_rows, or NULL when every request has one row (a decode step: num_rows == num_seqs). window <=
  * 0 means no sliding window. lanes: the tile's vector width, one attention_lanes_supported() takes
- * (0: the widest). Returns 0; -1 when out of memory; -2 when a request has no rows or more rows
+ * (0: the widest). chunks: the pieces `run` would have a job cut into; tiles fewer than that are
+ * cut by KV heads (1: never). Returns 0; -1 when out of memory; -2 when a request has no rows or more rows
  * than its context (nothing is read then); -3 when the CPU has no such width. */
 static int paged_attention(
     float *out, const float *q, const void *k_cache, const void *v_cache, int kind, const int32_t *block_tables,
     const int32_t *seq_lens, const int32_t *query_start_loc, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
-    int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale, int64_t window, int lanes, pool_runner *run)
+    int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale, int64_t window, int lanes, pool_runner *run,
+    int64_t chunks)
 {
     if (lanes != 0 && !attention_lanes_supported(lanes)) return -3;
     const int64_t tile_rows = window > 0 ? 1 : QUERY_TILE;
@@ -294,6 +305,9 @@ static int paged_attention(
         if (end <= start || end - start > seq_lens[b]) return -2;
         num_tiles += (end - start + tile_rows - 1) / tile_rows;
     }
+    int64_t parts = num_tiles > 0 && num_tiles < chunks ? (chunks + num_tiles - 1) / num_tiles : 1;
+    if (parts > num_kv_heads) parts = num_kv_heads;
+    num_tiles *= parts;
     struct attention_tile *tiles = malloc(sizeof(struct attention_tile) * (size_t)(num_tiles > 0 ? num_tiles : 1));
     if (tiles == NULL) return -1;
     float *rotated = NULL; /* an int8 cache's keys are rotated (kv_rotate): the queries meet them so */
@@ -313,7 +327,9 @@ static int paged_attention(
         const int64_t start = query_start_loc == NULL ? b : query_start_loc[b];
         const int64_t end = query_start_loc == NULL ? b + 1 : query_start_loc[b + 1];
         for (int64_t row = start; row < end; row += tile_rows)
-            tiles[c++] = (struct attention_tile){b, row, end - row < tile_rows ? end - row : tile_rows};
+            for (int64_t p = 0; p < parts; p++)
+                tiles[c++] = (struct attention_tile){b, row, end - row < tile_rows ? end - row : tile_rows,
+                                                     p * num_kv_heads / parts, (p + 1) * num_kv_heads / parts};
     }
     struct attention_job job = {pick_attend_tile(lanes), out, q, k_cache, v_cache, kind, kind == KV_CACHE_F16 ? pick_f16_widen() : NULL,
                                 kind == KV_CACHE_I8 ? pick_kv_dequantize() : NULL,

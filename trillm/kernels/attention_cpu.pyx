@@ -73,7 +73,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
     with nogil:
         rc = paged_attention_c(out_ptr, q_ptr, k_ptr, v_ptr, kind, tables_ptr, lens_ptr, starts_ptr, num_seqs,
                                num_heads, num_kv_heads, head_dim, block_size, max_blocks, scale, window, lanes,
-                               pool_cpu.run)
+                               pool_cpu.run, pool_cpu.chunks())
     if rc == -2:
         raise ValueError("paged_attention: a request has no query rows, or more rows than its context")
     if rc != 0:

@@ -316,14 +316,16 @@ TILE_FN void tile_pass(const struct tile_rows *t, const int values, const int mo
     const int64_t elem = kv_elem_bytes(job->kind), head_bytes = kv_row_width(job->kind, job->head_dim) * elem;
     /* the first block's rows asked for all at once, rather than met one load at a time; each
      * later block's as the one before it is worked on */
-    for (int64_t j = 0; j < KEY_BLOCK; j++) prefetch_span(cache + t->rows[j] * elem, job->token_stride * elem);
+    for (int64_t j = 0; j < KEY_BLOCK; j++)
+        prefetch_span(cache + t->rows[j] * elem + t->first_kv_head * head_bytes,
+                      (t->end_kv_head - t->first_kv_head) * head_bytes);
     int64_t r_lo = 0;
     for (int64_t i0 = 0; i0 < total; i0 += KEY_BLOCK) {
         const int64_t nk = total - i0 < KEY_BLOCK ? total - i0 : KEY_BLOCK;
         while (len[r_lo] <= i0) r_lo++;
-        load_block(job, cache, t->rows + i0, nk, t->block, t->ptrs, mode);
+        load_block(job, cache, t->rows + i0, nk, t->first_kv_head, t->end_kv_head, t->block, t->ptrs, mode);
         const int64_t count = (t->m - r_lo) * t->group;
-        for (int64_t g = 0; g < job->num_kv_heads; g++) {
+        for (int64_t g = t->first_kv_head; g < t->end_kv_head; g++) {
             for (int64_t j = i0 + KEY_BLOCK; j < i0 + KEY_BLOCK + PREFETCH_AHEAD; j++)
                 prefetch_span(cache + t->rows[j] * elem + g * head_bytes, head_bytes);
             int64_t row = r_lo, head = 0; /* the next query's row, and its head within g's group */
@@ -395,21 +397,26 @@ TILE_TARGET static void attend_tile(const struct attention_job *job, const struc
     const float *q = job->q + t->first_row * num_heads * head_dim;
     float *out = job->out + t->first_row * num_heads * head_dim;
 
-    const struct tile_rows tile = {job, m, group, stride, rows, block, ptrs, q, out, scores, n, padded};
+    const struct tile_rows tile = {job, m, group, stride, t->first_kv_head, t->end_kv_head, rows, block, ptrs, q, out,
+                                   scores, n, padded};
     /* A tile whose queries of a KV head make one block reads each key and value once: an fp16 or
      * int8 cache's rows are then converted as they are read, not widened or dequantized into
      * scratch for that single use; the same values, so the same bits. */
     const int in_place = LANES == 16 && job->kind != KV_CACHE_F32 && m * group <= QUERY_BLOCK && head_dim % LANES == 0;
+    /* the query heads of the tile's KV heads, in each row */
+    const int64_t first_head = t->first_kv_head * group, end_head = t->end_kv_head * group;
     tile_pass_as(&tile, 0, in_place);
-    for (int64_t x = 0; x < m * num_heads; x++) {
-        float *s = scores + x * stride, mx = -INFINITY;
-        const int64_t len = n[x / num_heads];
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t x = r * num_heads + first_head; x < r * num_heads + end_head; x++) {
+            float *s = scores + x * stride, mx = -INFINITY;
+            const int64_t len = n[r];
 #pragma omp simd reduction(max : mx)
-        for (int64_t j = 0; j < len; j++) mx = s[j] > mx ? s[j] : mx;
-        const float inv = 1.0f / exp_and_sum(s, len, mx);
-        for (int64_t j = 0; j < len; j++) s[j] *= inv;
-    }
-    for (int64_t x = 0; x < m * num_heads * head_dim; x++) out[x] = 0.0f;
+            for (int64_t j = 0; j < len; j++) mx = s[j] > mx ? s[j] : mx;
+            const float inv = 1.0f / exp_and_sum(s, len, mx);
+            for (int64_t j = 0; j < len; j++) s[j] *= inv;
+        }
+    for (int64_t r = 0; r < m; r++)
+        memset(out + (r * num_heads + first_head) * head_dim, 0, sizeof(float) * (size_t)((end_head - first_head) * head_dim));
     tile_pass_as(&tile, 1, in_place);
 }
 

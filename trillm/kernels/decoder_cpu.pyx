@@ -265,7 +265,7 @@ cdef class DecoderStack:
                 # impossible here, so a failure is the memory for the scores
                 if paged_attention_c(attn_p, q_p, layer.k_cache, layer.v_cache, kind, tables_p, lens_p, NULL, T,
                                      self.num_heads, self.num_kv_heads, self.head_dim, block_size, max_blocks,
-                                     self.scale, layer.window, 0, pool_cpu.run) != 0:
+                                     self.scale, layer.window, 0, pool_cpu.run, chunks) != 0:
                     failure = FAILED_MEMORY
                     break
                 if _linear(proj_p, attn_p, T, &layer.o, chunks) != 0:
