@@ -475,8 +475,31 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline)) static inl
     _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) _mm512_storeu_ps(out + (r0 + r) * N + t * INT8_TILE_N, acc[r]);
 }
 
+/* The mins' integer sum of one super-block for each row, sum_b mn_b sum_b v (the K-quant
+ * arithmetic above), as vpdpwssd over pairs of blocks: the mins of blocks 2k and 2k + 1 widened
+ * to 16 bits and interleaved, so that each row's lane pairs them with x's two block sums, adjacent
+ * int16 in memory, in one broadcast word. Exact in int32, so the same sum as block by block; done
+ * once a super-block, it keeps no register live across the blocks' dots. */
+__attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline)) static inline void int8_mins_avx512(
+    int rows, const struct int8_rows *x, int64_t r0, const struct int8_weight *w, int64_t first_block, int64_t b0,
+    __m512i by_mins[])
+{
+    /* word 2i of a pair's register is the lower block's min for row i, word 2i + 1 the upper's */
+    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                                22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    __m512i pairs[1 << (INT8_SUPER_SHIFT - 1)];
+    _Pragma("GCC unroll 4") for (int k = 0; k < 1 << (INT8_SUPER_SHIFT - 1); k++) pairs[k] = _mm512_permutexvar_epi16(
+        interleave, _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(w->mn + (first_block + 2 * k) * INT8_TILE_N))));
+    _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) {
+        const int16_t *sums = x->sums + (r0 + r) * x->blocks + b0;
+        by_mins[r] = _mm512_setzero_si512();
+        _Pragma("GCC unroll 4") for (int k = 0; k < 1 << (INT8_SUPER_SHIFT - 1); k++) by_mins[r] =
+            _mm512_dpwssd_epi32(by_mins[r], pairs[k], _mm512_set1_epi32(int8_word((const int8_t *)(sums + 2 * k))));
+    }
+}
+
 /* A K-quant weight (`sc` set) on AVX-512: the K-quant arithmetic above, each block's dots
- * times its factors by vpmulld. */
+ * times its factors by vpmulld, the mins a super-block at a time (int8_mins_avx512). */
 __attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline)) static inline void int8_rows_avx512_kquant_body(
     int rows, int bits, float *out, int64_t N, const struct int8_rows *x, int64_t r0, const struct int8_weight *w,
     int64_t t)
@@ -485,19 +508,18 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline)) static inl
     __m512 acc[INT8_ROWS];
     _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t sb = 0; sb < supers; sb++) {
-        __m512i sum[INT8_ROWS], by_mins[INT8_ROWS];
-        _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) sum[r] = by_mins[r] = _mm512_setzero_si512();
+        __m512i sum[INT8_ROWS];
+        _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) sum[r] = _mm512_setzero_si512();
         for (int j = 0; j < 1 << INT8_SUPER_SHIFT; j++) {
             const int64_t b = (sb << INT8_SUPER_SHIFT) + j, block = t * w->blocks + b;
             int8_prefetch_next_tile(w, bits, block, x->once);
-            __m512i factor, upper, mn = _mm512_setzero_si512(); /* 6 bits: the lower 16 inputs' sc, the upper's */
+            __m512i factor, upper; /* 6 bits: the lower 16 inputs' sc, the upper's */
             if (bits == 6) {
                 const int8_t *sc = (const int8_t *)w->sc + block * 2 * INT8_TILE_N;
                 factor = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)sc));
                 upper = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(sc + INT8_TILE_N)));
             } else {
                 factor = upper = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w->sc + block * INT8_TILE_N)));
-                mn = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w->mn + block * INT8_TILE_N)));
             }
             __m512i u[8];
             int8_unpack_avx512(bits, w, block, u);
@@ -515,9 +537,11 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline)) static inl
                 int8_dots_avx512(u, v, bits == 8 ? _mm512_set1_epi32(-INT8_Q8_Z * x->sums[at]) : _mm512_setzero_si512(),
                                  _mm512_setzero_si512(), dot);
                 sum[r] = _mm512_add_epi32(sum[r], _mm512_mullo_epi32(_mm512_add_epi32(dot[0], dot[1]), factor));
-                by_mins[r] = _mm512_add_epi32(by_mins[r], _mm512_mullo_epi32(mn, _mm512_set1_epi32(x->sums[at])));
             }
         }
+        __m512i by_mins[INT8_ROWS];
+        if (bits != 6)
+            int8_mins_avx512(rows, x, r0, w, t * w->blocks + (sb << INT8_SUPER_SHIFT), sb << INT8_SUPER_SHIFT, by_mins);
         const __m512 dk = _mm512_loadu_ps(w->dk + (t * supers + sb) * INT8_TILE_N);
         const __m512 mk = bits == 6 ? dk : _mm512_loadu_ps(w->mk + (t * supers + sb) * INT8_TILE_N);
         _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) {
