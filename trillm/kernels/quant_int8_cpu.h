@@ -475,15 +475,15 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline)) static inl
     _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) _mm512_storeu_ps(out + (r0 + r) * N + t * INT8_TILE_N, acc[r]);
 }
 
-/* The mins' integer sum of one super-block for each row, sum_b mn_b sum_b v (the K-quant
+/* The mins' integer sum of super-block sb of tile t for each row, sum_b mn_b sum_b v (the K-quant
  * arithmetic above), as vpdpwssd over pairs of blocks: the mins of blocks 2k and 2k + 1 widened
  * to 16 bits and interleaved, so that each row's lane pairs them with x's two block sums, adjacent
  * int16 in memory, in one broadcast word. Exact in int32, so the same sum as block by block; done
  * once a super-block, it keeps no register live across the blocks' dots. */
 __attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline)) static inline void int8_mins_avx512(
-    int rows, const struct int8_rows *x, int64_t r0, const struct int8_weight *w, int64_t first_block, int64_t b0,
-    __m512i by_mins[])
+    int rows, const struct int8_rows *x, int64_t r0, const struct int8_weight *w, int64_t t, int64_t sb, __m512i by_mins[])
 {
+    const int64_t b0 = sb << INT8_SUPER_SHIFT, first_block = t * w->blocks + b0; /* sb's first block, in x and in w */
     /* word 2i of a pair's register is the lower block's min for row i, word 2i + 1 the upper's */
     const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
                                                 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
@@ -541,7 +541,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline)) static inl
         }
         __m512i by_mins[INT8_ROWS];
         if (bits != 6)
-            int8_mins_avx512(rows, x, r0, w, t * w->blocks + (sb << INT8_SUPER_SHIFT), sb << INT8_SUPER_SHIFT, by_mins);
+            int8_mins_avx512(rows, x, r0, w, t, sb, by_mins);
         const __m512 dk = _mm512_loadu_ps(w->dk + (t * supers + sb) * INT8_TILE_N);
         const __m512 mk = bits == 6 ? dk : _mm512_loadu_ps(w->mk + (t * supers + sb) * INT8_TILE_N);
         _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) {
