@@ -4,34 +4,19 @@
 #include <stdio.h>
 #include <time.h>
 static double now(void){struct timespec t;clock_gettime(CLOCK_MONOTONIC,&t);return t.tv_sec+t.tv_nsec*1e-9;}
+/* one timed loop: eight independent vpdpbusd, then EPILOGUE (asm text, may be empty) */
+#define TIMED(LABEL, EPILOGUE) do { \
+  long n = it; const double t0 = now(); \
+  __asm__ volatile("vpternlogd $0xff,%%zmm14,%%zmm14,%%zmm14\n vpternlogd $0xff,%%zmm15,%%zmm15,%%zmm15\n1:\n" \
+    "vpdpbusd %%zmm14,%%zmm15,%%zmm0\n vpdpbusd %%zmm14,%%zmm15,%%zmm1\n vpdpbusd %%zmm14,%%zmm15,%%zmm2\n vpdpbusd %%zmm14,%%zmm15,%%zmm3\n" \
+    "vpdpbusd %%zmm14,%%zmm15,%%zmm4\n vpdpbusd %%zmm14,%%zmm15,%%zmm5\n vpdpbusd %%zmm14,%%zmm15,%%zmm6\n vpdpbusd %%zmm14,%%zmm15,%%zmm7\n" \
+    EPILOGUE "dec %0\n jnz 1b\n" : "+r"(n) :: "xmm0","xmm1","xmm2","xmm3","xmm4","xmm5","xmm6","xmm7","xmm8","xmm9","xmm10","xmm14","xmm15","cc"); \
+  printf("%-26s %.2f ns/iter\n", LABEL ":", (now() - t0) / it * 1e9); } while (0)
 int main(void){
-  const long it=50000000; long n; double t0,t;
-  n=it; t0=now();
-  __asm__ volatile("vpternlogd $0xff,%%zmm14,%%zmm14,%%zmm14\n vpternlogd $0xff,%%zmm15,%%zmm15,%%zmm15\n1:\n"
-    "vpdpbusd %%zmm14,%%zmm15,%%zmm0\n vpdpbusd %%zmm14,%%zmm15,%%zmm1\n vpdpbusd %%zmm14,%%zmm15,%%zmm2\n vpdpbusd %%zmm14,%%zmm15,%%zmm3\n"
-    "vpdpbusd %%zmm14,%%zmm15,%%zmm4\n vpdpbusd %%zmm14,%%zmm15,%%zmm5\n vpdpbusd %%zmm14,%%zmm15,%%zmm6\n vpdpbusd %%zmm14,%%zmm15,%%zmm7\n"
-    "dec %0\n jnz 1b\n" : "+r"(n) :: "xmm0","xmm1","xmm2","xmm3","xmm4","xmm5","xmm6","xmm7","xmm14","xmm15","cc");
-  t=now()-t0; printf("8 dpbusd:                 %.2f ns/iter\n", t/it*1e9);
-  n=it; t0=now();
-  __asm__ volatile("vpternlogd $0xff,%%zmm14,%%zmm14,%%zmm14\n vpternlogd $0xff,%%zmm15,%%zmm15,%%zmm15\n1:\n"
-    "vpdpbusd %%zmm14,%%zmm15,%%zmm0\n vpdpbusd %%zmm14,%%zmm15,%%zmm1\n vpdpbusd %%zmm14,%%zmm15,%%zmm2\n vpdpbusd %%zmm14,%%zmm15,%%zmm3\n"
-    "vpdpbusd %%zmm14,%%zmm15,%%zmm4\n vpdpbusd %%zmm14,%%zmm15,%%zmm5\n vpdpbusd %%zmm14,%%zmm15,%%zmm6\n vpdpbusd %%zmm14,%%zmm15,%%zmm7\n"
-    "vpaddd %%zmm14,%%zmm15,%%zmm8\n vpmulld %%zmm14,%%zmm8,%%zmm9\n vpaddd %%zmm9,%%zmm10,%%zmm10\n"
-    "dec %0\n jnz 1b\n" : "+r"(n) :: "xmm0","xmm1","xmm2","xmm3","xmm4","xmm5","xmm6","xmm7","xmm8","xmm9","xmm10","xmm14","xmm15","cc");
-  t=now()-t0; printf("8 dpbusd + add,mulld,add: %.2f ns/iter\n", t/it*1e9);
-  n=it; t0=now();
-  __asm__ volatile("vpternlogd $0xff,%%zmm14,%%zmm14,%%zmm14\n vpternlogd $0xff,%%zmm15,%%zmm15,%%zmm15\n1:\n"
-    "vpdpbusd %%zmm14,%%zmm15,%%zmm0\n vpdpbusd %%zmm14,%%zmm15,%%zmm1\n vpdpbusd %%zmm14,%%zmm15,%%zmm2\n vpdpbusd %%zmm14,%%zmm15,%%zmm3\n"
-    "vpdpbusd %%zmm14,%%zmm15,%%zmm4\n vpdpbusd %%zmm14,%%zmm15,%%zmm5\n vpdpbusd %%zmm14,%%zmm15,%%zmm6\n vpdpbusd %%zmm14,%%zmm15,%%zmm7\n"
-    "vpaddd %%zmm14,%%zmm15,%%zmm8\n vpmaddwd %%zmm14,%%zmm8,%%zmm9\n vpaddd %%zmm9,%%zmm10,%%zmm10\n"
-    "dec %0\n jnz 1b\n" : "+r"(n) :: "xmm0","xmm1","xmm2","xmm3","xmm4","xmm5","xmm6","xmm7","xmm8","xmm9","xmm10","xmm14","xmm15","cc");
-  t=now()-t0; printf("8 dpbusd + add,maddwd,add: %.2f ns/iter\n", t/it*1e9);
-  n=it; t0=now();
-  __asm__ volatile("vpternlogd $0xff,%%zmm14,%%zmm14,%%zmm14\n vpternlogd $0xff,%%zmm15,%%zmm15,%%zmm15\n1:\n"
-    "vpdpbusd %%zmm14,%%zmm15,%%zmm0\n vpdpbusd %%zmm14,%%zmm15,%%zmm1\n vpdpbusd %%zmm14,%%zmm15,%%zmm2\n vpdpbusd %%zmm14,%%zmm15,%%zmm3\n"
-    "vpdpbusd %%zmm14,%%zmm15,%%zmm4\n vpdpbusd %%zmm14,%%zmm15,%%zmm5\n vpdpbusd %%zmm14,%%zmm15,%%zmm6\n vpdpbusd %%zmm14,%%zmm15,%%zmm7\n"
-    "vpaddd %%zmm14,%%zmm15,%%zmm8\n vcvtdq2ps %%zmm8,%%zmm9\n vfmadd231ps %%zmm9,%%zmm14,%%zmm10\n"
-    "dec %0\n jnz 1b\n" : "+r"(n) :: "xmm0","xmm1","xmm2","xmm3","xmm4","xmm5","xmm6","xmm7","xmm8","xmm9","xmm10","xmm14","xmm15","cc");
-  t=now()-t0; printf("8 dpbusd + add,cvt,fma:   %.2f ns/iter\n", t/it*1e9);
+  const long it=50000000;
+  TIMED("8 dpbusd", "");
+  TIMED("8 dpbusd + add,mulld,add", "vpaddd %%zmm14,%%zmm15,%%zmm8\n vpmulld %%zmm14,%%zmm8,%%zmm9\n vpaddd %%zmm9,%%zmm10,%%zmm10\n");
+  TIMED("8 dpbusd + add,maddwd,add", "vpaddd %%zmm14,%%zmm15,%%zmm8\n vpmaddwd %%zmm14,%%zmm8,%%zmm9\n vpaddd %%zmm9,%%zmm10,%%zmm10\n");
+  TIMED("8 dpbusd + add,cvt,fma", "vpaddd %%zmm14,%%zmm15,%%zmm8\n vcvtdq2ps %%zmm8,%%zmm9\n vfmadd231ps %%zmm9,%%zmm14,%%zmm10\n");
   return 0;
 }
