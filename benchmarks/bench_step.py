@@ -49,13 +49,15 @@ def decode_step_ms(core: EngineCore, batch: int, rounds: int, prompt_len: int, o
 
 
 def prefill_step_ms(core: EngineCore, length: int, rounds: int) -> float:
-    """The step that computes a whole `length`-token prompt (and samples its first token); a
-    different prompt each round, so no prefix-cache hit."""
+    """The step that computes a whole `length`-token prompt (and samples its first token). The
+    prefix cache is emptied before each round: a prompt differing from the rounds' before it is
+    not enough, since a longer one would find a shorter one's blocks (the same text), or a decode
+    batch's, cached, and its step would compute only the rest."""
     base = core.tokenizer.encode(PROMPT * (1 + length // 100))
     best = float("inf")
     for r in range(rounds):
-        prompt = [100 + r] + base[: length - 1]
-        core.add_request(f"p{length}-{r}", prompt, SamplingParams(max_tokens=1, ignore_eos=True, temperature=0))
+        assert core.reset_prefix_cache(), "a request still holds blocks"
+        core.add_request(f"p{length}-{r}", base[:length], SamplingParams(max_tokens=1, ignore_eos=True, temperature=0))
         start = time.perf_counter()
         core.step()
         best = min(best, (time.perf_counter() - start) * 1000)
