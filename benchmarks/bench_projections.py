@@ -18,8 +18,8 @@ import torch
 from benchmarks.bench_quant_cpu import roof_gops
 from trillm.config import EngineArgs
 from trillm.engine.core import EngineCore
-from trillm.kernels import pool_cpu
 from trillm.kernels.quant_cpu import Int8QuantizedLinear
+
 
 def projection_kinds(model: torch.nn.Module) -> dict[tuple, Int8QuantizedLinear]:
     kinds = {}
