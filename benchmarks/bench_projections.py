@@ -3,7 +3,7 @@ GOP/s that makes, beside this core's int8 roof (benchmarks/int8_roof.c). One op 
 an add, so a row against an N x K weight is 2 N K ops. What a step's profile cannot say: whether
 the kernel is slower on one shape or format than another, and how far below its roof it runs.
 
-    PYTHONPATH=. python benchmarks/bench_projections.py --model FILE.gguf [--rows 8 64] [--threads 1]
+    PYTHONPATH=. python benchmarks/bench_projections.py --model FILE.gguf [--rows 8 64] [--threads 1] [--isa amx]
 
 A kind is an output width, an input width and the bits of each part (a fused q|k|v may keep its
 v in other bits); the first layer's projection of each kind stands for it. Best of five calls,
@@ -16,9 +16,10 @@ import time
 import torch
 
 from benchmarks.bench_quant_cpu import roof_gops
+from benchmarks.bench_step import use_isa
 from trillm.config import EngineArgs
 from trillm.engine.core import EngineCore
-from trillm.kernels.quant_cpu import Int8QuantizedLinear
+from trillm.kernels.quant_cpu import Int8QuantizedLinear, isas
 
 
 def projection_kinds(model: torch.nn.Module) -> dict[tuple, Int8QuantizedLinear]:
@@ -46,12 +47,15 @@ def main() -> None:
     parser.add_argument("--model", required=True, help="a GGUF file")
     parser.add_argument("--rows", type=int, nargs="+", default=[8, 64])
     parser.add_argument("--threads", type=int, default=1, help="threads of the compiled kernels")
+    parser.add_argument("--isa", choices=isas(), help="the integer kernel's path (default: the widest)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     core = EngineCore(EngineArgs(model=args.model, num_kv_blocks=16, kernel_threads=args.threads))
     roof = roof_gops()
     print(f"int8 roof: {roof:.1f} GOP/s a core" if roof else "int8 roof: not measured",
-          f"{args.threads} kernel thread(s)", sep="; ")
+          f"{args.threads} kernel thread(s)", f"path {args.isa or isas()[-1]}", sep="; ")
+    if args.isa is not None:
+        use_isa(core, args.isa)
     for (n, k, bits), linear in sorted(projection_kinds(core.runner.model).items()):
         for rows in args.rows:
             seconds = best_seconds(linear, torch.randn(rows, k))

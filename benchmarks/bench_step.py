@@ -24,6 +24,7 @@ import torch  # noqa: E402
 from trillm import SamplingParams  # noqa: E402
 from trillm.config import EngineArgs  # noqa: E402
 from trillm.engine.core import EngineCore  # noqa: E402
+from trillm.kernels.quant_cpu import ISAS, Int8QuantizedLinear, isas  # noqa: E402
 
 PROMPT = "Once upon a time, in a small village nestled between two mountains, " * 12
 
@@ -46,6 +47,14 @@ def decode_step_ms(core: EngineCore, batch: int, rounds: int, prompt_len: int, o
                 times.append(elapsed)
         best = min(best, statistics.median(times[2:]) * 1000)
     return best
+
+
+def use_isa(core: EngineCore, isa: str) -> None:
+    """Every integer projection of the model on the kernel's path `isa` (one of quant_cpu.isas())."""
+    for module in core.runner.model.modules():
+        linear = getattr(module, "quantized", None)
+        if isinstance(linear, Int8QuantizedLinear):
+            linear.isa = ISAS[isa]
 
 
 def prefill_step_ms(core: EngineCore, length: int, rounds: int) -> float:
@@ -87,6 +96,7 @@ def main() -> None:
     parser.add_argument("--speculative-config", default="", help="EngineArgs.speculative_config (default: off)")
     parser.add_argument("--kv-events-config", default=None, help="EngineArgs.kv_events_config (default: off)")
     parser.add_argument("--prefix-caching-hash-algo", default="builtin")
+    parser.add_argument("--isa", choices=isas(), help="the integer kernel's path (default: the widest)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.busy_process:
@@ -96,6 +106,8 @@ def main() -> None:
                                  quantized_activations=args.quantized_activations, kv_cache_dtype=args.kv_cache_dtype,
                                  speculative_config=args.speculative_config, kv_events_config=args.kv_events_config,
                                  prefix_caching_hash_algo=args.prefix_caching_hash_algo))
+    if args.isa is not None:
+        use_isa(core, args.isa)
     for batch in args.batch_sizes:
         ms = decode_step_ms(core, batch, args.rounds, args.prompt_len, args.output_len, args.distinct_prompts)
         print(f"batch {batch:3d}: decode step {ms:.2f} ms", flush=True)

@@ -1035,6 +1035,32 @@ def test_integer_linear_streams_k_quant_scales_as_the_file_keeps_them(format, ro
         assert ((got - want).abs() <= 1e-5 * magnitude + 1e-6).all(), isa
 
 
+@pytest.mark.parametrize("format", ["q4_k", "q5_k", "q6_k", "q4_k_as_bytes", "q4_0", "q4_1", "q5_1", "q8_0"])
+def test_integer_linear_on_amx_tiles_gives_avx512s_floats(format):
+    """On AMX, a K-quant block's factor folded into the weights as two planes of bytes and the
+    others' dots a block at a time give the AVX-512 path's integers and fp32 operations: its
+    floats, to the bit, for row counts either side of a tile's 16 and a call's 64 (x's v padded
+    to whole tiles), with zero blocks and rows of x; 8 rows or fewer go to the AVX-512 path."""
+    from trillm.kernels import quant, quant_cpu
+
+    if "amx" not in quant_cpu.isas():
+        pytest.skip("the CPU has no AMX tiles, or Linux did not grant them")
+    base = format.removesuffix("_as_bytes")
+    cols = 512 if base.endswith("_k") else 96
+    weight = quant.from_gguf(base, random_gguf_blocks(base, 48, cols, 7))
+    if format.endswith("_as_bytes"):
+        weight = quant.as_bytes(weight)
+    amx, avx512 = quant_cpu.Int8QuantizedLinear(weight, "amx"), quant_cpu.Int8QuantizedLinear(weight, "avx512_vnni")
+    for rows in (1, 8, 9, 16, 17, 64, 65, 130):
+        g = torch.Generator().manual_seed(rows)
+        x = torch.randn(rows, cols, generator=g) * torch.rand(rows, 1, generator=g) * 10
+        x[0, :32] = 0
+        x[-1] = 0
+        got = amx(x)
+        assert torch.equal(got, avx512(x)), (format, rows)
+        torch.testing.assert_close(got, quant.linear_int8(x, weight), atol=1e-3, rtol=1e-4)
+
+
 @settings(max_examples=25, deadline=None)
 @given(rows=st.integers(1, 70), tiles=st.integers(1, 5), supers=st.integers(1, 3), seed=st.integers(0, 2**16))
 def test_integer_linear_streams_q6_k_in_its_own_bits(rows, tiles, supers, seed):

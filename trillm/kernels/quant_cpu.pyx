@@ -15,7 +15,7 @@ import torch
 from trillm.kernels cimport pool_cpu
 from trillm.kernels.pool_cpu cimport pool_runner
 from trillm.kernels.quant_int8_cpu_h cimport (
-    INT8_AVX2, INT8_AVX512VNNI, INT8_AVXVNNI, INT8_GENERIC, INT8_MAX_PARTS, int8_best_isa, int8_isa_supported,
+    INT8_AMX, INT8_AVX2, INT8_AVX512VNNI, INT8_AVXVNNI, INT8_GENERIC, INT8_MAX_PARTS, int8_best_isa, int8_isa_supported,
     int8_linear, int8_quantize_rows, int8_weight, int8_weights_of,
 )
 
@@ -37,7 +37,8 @@ cdef extern from "quant_cpu.h" nogil:
 
 FORMATS = {"q4_1": QUANT_Q4_1, "q5_1": QUANT_Q5_1, "q8_0": QUANT_Q8_0}
 # the integer kernel's paths, widest last
-ISAS = {"generic": INT8_GENERIC, "avx2": INT8_AVX2, "avx_vnni": INT8_AVXVNNI, "avx512_vnni": INT8_AVX512VNNI}
+ISAS = {"generic": INT8_GENERIC, "avx2": INT8_AVX2, "avx_vnni": INT8_AVXVNNI, "avx512_vnni": INT8_AVX512VNNI,
+        "amx": INT8_AMX}
 def isas() -> list[str]:
     """The integer kernel's paths this CPU runs, widest last."""
     return [name for name, isa in ISAS.items() if int8_isa_supported(isa)]

@@ -60,7 +60,8 @@
  * by blocks, for each weight with a z, offsets -z sum v [M, K / 32] int32; by super-blocks, sum v
  * by blocks and half blocks, int16.
  *
- * Three paths, chosen at run time, each checked against quant.py's twin: AVX512-VNNI; AVX2 (each
+ * Four paths, chosen at run time, each checked against quant.py's twin: AMX tiles
+ * (quant_amx_cpu.h, the AVX-512 path's unpacking and epilogue around tile multiplies); AVX512-VNNI; AVX2 (each
  * 16-row register split in two 8-row halves, with AVX-VNNI's `vpdpbusd` where the CPU has it,
  * else `vpmaddubsw` + `vpmaddwd`, which saturates beyond 16-bit pairs, hence Q8_0 as signed q
  * by the sign trick, llama.cpp's way); and plain C.
@@ -78,10 +79,11 @@
 #define INT8_BLOCK 32
 #define INT8_TILE_N 16
 #define INT8_ROWS 8   /* rows of x that share each block of weights in registers */
+#define INT8_AMX_ROWS 16 /* on AMX (quant_amx_cpu.h): the rows of x a tile holds */
 #define INT8_M_TILE 64 /* rows of x kept in cache while every tile of W passes */
 #define INT8_SUPER_SHIFT 3 /* log2 of the blocks in a K-quant super-block */
 
-enum int8_isa { INT8_AUTO = 0, INT8_GENERIC = 1, INT8_AVX2 = 2, INT8_AVXVNNI = 3, INT8_AVX512VNNI = 4 };
+enum int8_isa { INT8_AUTO = 0, INT8_GENERIC = 1, INT8_AVX2 = 2, INT8_AVXVNNI = 3, INT8_AVX512VNNI = 4, INT8_AMX = 5 };
 
 struct int8_weight {
     /* 4: Q4_1's packed nibbles; 5: those and a plane of fifth bits (Q5_1); 6: those and two planes of
@@ -138,7 +140,7 @@ struct int8_rows {
     const float *e, *s; /* e [M, blocks], or by super-blocks (for a weight with `sc`) [M, blocks / 8]; s [M, blocks] */
     const int16_t *sums, *halves; /* by super-blocks only: sum v by block [M, blocks] and half block [M, blocks, 2] */
     const int32_t *offsets; /* by blocks: -z sum v for the weight's z, [M, blocks]; NULL: no z */
-    int once;         /* every tile of the weight passes once: at most INT8_ROWS rows (int8_prefetch_next_tile) */
+    int once;         /* every tile of the weight passes once: at most a call's rows (int8_prefetch_next_tile) */
 };
 
 /* x's rows' offsets (above) for a weight's z = 2^shift, from their quantized v, by blocks. */
@@ -475,31 +477,36 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline)) static inl
     _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) _mm512_storeu_ps(out + (r0 + r) * N + t * INT8_TILE_N, acc[r]);
 }
 
-/* The mins' integer sum of super-block sb of tile t for each row, sum_b mn_b sum_b v (the K-quant
+/* The mins' integer sum of super-block sb of tile t for a row, sum_b mn_b sum_b v (the K-quant
  * arithmetic above), as vpdpwssd over pairs of blocks: the mins of blocks 2k and 2k + 1 widened
- * to 16 bits and interleaved, so that each row's lane pairs them with x's two block sums, adjacent
- * int16 in memory, in one broadcast word. Exact in int32, so the same sum as block by block; done
- * once a super-block, it keeps no register live across the blocks' dots. */
-__attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline)) static inline void int8_mins_avx512(
-    int rows, const struct int8_rows *x, int64_t r0, const struct int8_weight *w, int64_t t, int64_t sb, __m512i by_mins[])
+ * to 16 bits and interleaved (int8_factor_pairs_avx512, once a super-block for all rows), so that
+ * each row's lane pairs them with x's two block sums, adjacent int16 in memory, in one broadcast
+ * word. Exact in int32, so the same sum as block by block; done once a super-block, it keeps no
+ * register live across the blocks' dots. */
+#define INT8_MIN_PAIRS (1 << (INT8_SUPER_SHIFT - 1))
+/* `factors`: the weight's mn, or where another sum of factors times x's block sums is wanted, sc. */
+__attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline)) static inline void int8_factor_pairs_avx512(
+    const uint8_t *factors, const struct int8_weight *w, int64_t t, int64_t sb, __m512i pairs[INT8_MIN_PAIRS])
 {
-    const int64_t b0 = sb << INT8_SUPER_SHIFT, first_block = t * w->blocks + b0; /* sb's first block, in x and in w */
+    const int64_t first_block = t * w->blocks + (sb << INT8_SUPER_SHIFT);
     /* word 2i of a pair's register is the lower block's min for row i, word 2i + 1 the upper's */
     const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
                                                 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-    __m512i pairs[1 << (INT8_SUPER_SHIFT - 1)];
-    _Pragma("GCC unroll 4") for (int k = 0; k < 1 << (INT8_SUPER_SHIFT - 1); k++) pairs[k] = _mm512_permutexvar_epi16(
-        interleave, _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(w->mn + (first_block + 2 * k) * INT8_TILE_N))));
-    _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) {
-        const int16_t *sums = x->sums + (r0 + r) * x->blocks + b0;
-        by_mins[r] = _mm512_setzero_si512();
-        _Pragma("GCC unroll 4") for (int k = 0; k < 1 << (INT8_SUPER_SHIFT - 1); k++) by_mins[r] =
-            _mm512_dpwssd_epi32(by_mins[r], pairs[k], _mm512_set1_epi32(int8_word((const int8_t *)(sums + 2 * k))));
-    }
+    _Pragma("GCC unroll 4") for (int k = 0; k < INT8_MIN_PAIRS; k++) pairs[k] = _mm512_permutexvar_epi16(
+        interleave, _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(factors + (first_block + 2 * k) * INT8_TILE_N))));
+}
+__attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline)) static inline __m512i int8_mins_row_avx512(
+    const __m512i pairs[INT8_MIN_PAIRS], const struct int8_rows *x, int64_t row, int64_t sb)
+{
+    const int16_t *sums = x->sums + row * x->blocks + (sb << INT8_SUPER_SHIFT);
+    __m512i by_mins = _mm512_setzero_si512();
+    _Pragma("GCC unroll 4") for (int k = 0; k < INT8_MIN_PAIRS; k++) by_mins =
+        _mm512_dpwssd_epi32(by_mins, pairs[k], _mm512_set1_epi32(int8_word((const int8_t *)(sums + 2 * k))));
+    return by_mins;
 }
 
 /* A K-quant weight (`sc` set) on AVX-512: the K-quant arithmetic above, each block's dots
- * times its factors by vpmulld, the mins a super-block at a time (int8_mins_avx512). */
+ * times its factors by vpmulld, the mins a super-block at a time (int8_mins_row_avx512). */
 __attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline)) static inline void int8_rows_avx512_kquant_body(
     int rows, int bits, float *out, int64_t N, const struct int8_rows *x, int64_t r0, const struct int8_weight *w,
     int64_t t)
@@ -539,9 +546,11 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline)) static inl
                 sum[r] = _mm512_add_epi32(sum[r], _mm512_mullo_epi32(_mm512_add_epi32(dot[0], dot[1]), factor));
             }
         }
-        __m512i by_mins[INT8_ROWS];
-        if (bits != 6)
-            int8_mins_avx512(rows, x, r0, w, t, sb, by_mins);
+        __m512i by_mins[INT8_ROWS], pairs[INT8_MIN_PAIRS];
+        if (bits != 6) {
+            int8_factor_pairs_avx512(w->mn, w, t, sb, pairs);
+            _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) by_mins[r] = int8_mins_row_avx512(pairs, x, r0 + r, sb);
+        }
         const __m512 dk = _mm512_loadu_ps(w->dk + (t * supers + sb) * INT8_TILE_N);
         const __m512 mk = bits == 6 ? dk : _mm512_loadu_ps(w->mk + (t * supers + sb) * INT8_TILE_N);
         _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) {
@@ -553,10 +562,16 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline)) static inl
     _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) _mm512_storeu_ps(out + (r0 + r) * N + t * INT8_TILE_N, acc[r]);
 }
 
-#define INT8_ROWS_SWITCH(BODY)                                                                             \
+/* A switch's cases for a call's rows, 1 to 8 (16: AMX's), each a constant for BODY. */
+#define INT8_CASES_8(CASE, BODY)                                                                           \
+    CASE(BODY, 1) CASE(BODY, 2) CASE(BODY, 3) CASE(BODY, 4) CASE(BODY, 5) CASE(BODY, 6) CASE(BODY, 7)      \
+    CASE(BODY, 8)
+#define INT8_CASES_16(CASE, BODY)                                                                          \
+    INT8_CASES_8(CASE, BODY) CASE(BODY, 9) CASE(BODY, 10) CASE(BODY, 11) CASE(BODY, 12) CASE(BODY, 13)     \
+    CASE(BODY, 14) CASE(BODY, 15) CASE(BODY, 16)
+#define INT8_ROWS_SWITCH(CASES, BODY)                                                                      \
     switch (rows) {                                                                                        \
-        INT8_ROWS_CASE(BODY, 1) INT8_ROWS_CASE(BODY, 2) INT8_ROWS_CASE(BODY, 3) INT8_ROWS_CASE(BODY, 4)      \
-        INT8_ROWS_CASE(BODY, 5) INT8_ROWS_CASE(BODY, 6) INT8_ROWS_CASE(BODY, 7) INT8_ROWS_CASE(BODY, 8)      \
+        CASES(INT8_ROWS_CASE, BODY)                                                                        \
     }
 #define INT8_ROWS_CASE(BODY, R)                                                                            \
     case R:                                                                                                \
@@ -584,12 +599,10 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline)) static inl
             BODY(R, 8, out, N, x, r0, w, t);                                                               \
         break;
 /* Dispatches a K-quant weight to BODY and returns. */
-#define INT8_KQUANT_SWITCH(BODY)                                                                           \
+#define INT8_KQUANT_SWITCH(CASES, BODY)                                                                    \
     if (w->sc != NULL) {                                                                                   \
         switch (rows) {                                                                                    \
-            INT8_KQUANT_CASE(BODY, 1) INT8_KQUANT_CASE(BODY, 2) INT8_KQUANT_CASE(BODY, 3)                  \
-            INT8_KQUANT_CASE(BODY, 4) INT8_KQUANT_CASE(BODY, 5) INT8_KQUANT_CASE(BODY, 6)                  \
-            INT8_KQUANT_CASE(BODY, 7) INT8_KQUANT_CASE(BODY, 8)                                            \
+            CASES(INT8_KQUANT_CASE, BODY)                                                                  \
         }                                                                                                  \
         return;                                                                                            \
     }
@@ -597,8 +610,8 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline)) static inl
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) static void int8_rows_avx512vnni(
     int rows, float *out, int64_t N, const struct int8_rows *x, int64_t r0, const struct int8_weight *w, int64_t t)
 {
-    INT8_KQUANT_SWITCH(int8_rows_avx512_kquant_body)
-    INT8_ROWS_SWITCH(int8_rows_avx512_body)
+    INT8_KQUANT_SWITCH(INT8_CASES_8, int8_rows_avx512_kquant_body)
+    INT8_ROWS_SWITCH(INT8_CASES_8, int8_rows_avx512_body)
 }
 
 /* The AVX2 body for weights without K-quant scales, once with AVX-VNNI's vpdpbusd and once with
@@ -889,16 +902,18 @@ INT8_DEFINE_AVX2_KQUANT_BODY(int8_rows_avxvnni_kquant_body, "avx2,fma,f16c,avxvn
 __attribute__((target("avx2,fma,f16c"))) static void int8_rows_avx2(
     int rows, float *out, int64_t N, const struct int8_rows *x, int64_t r0, const struct int8_weight *w, int64_t t)
 {
-    INT8_KQUANT_SWITCH(int8_rows_avx2_kquant_body)
-    INT8_ROWS_SWITCH(int8_rows_avx2_body)
+    INT8_KQUANT_SWITCH(INT8_CASES_8, int8_rows_avx2_kquant_body)
+    INT8_ROWS_SWITCH(INT8_CASES_8, int8_rows_avx2_body)
 }
 
 __attribute__((target("avx2,fma,f16c,avxvnni"))) static void int8_rows_avxvnni(
     int rows, float *out, int64_t N, const struct int8_rows *x, int64_t r0, const struct int8_weight *w, int64_t t)
 {
-    INT8_KQUANT_SWITCH(int8_rows_avxvnni_kquant_body)
-    INT8_ROWS_SWITCH(int8_rows_avxvnni_body)
+    INT8_KQUANT_SWITCH(INT8_CASES_8, int8_rows_avxvnni_kquant_body)
+    INT8_ROWS_SWITCH(INT8_CASES_8, int8_rows_avxvnni_body)
 }
+
+#include "quant_amx_cpu.h"
 
 static int int8_isa_supported(int isa)
 {
@@ -913,6 +928,9 @@ static int int8_isa_supported(int isa)
     case INT8_AVX512VNNI:
         return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                __builtin_cpu_supports("avx512vnni");
+    case INT8_AMX:
+        return int8_isa_supported(INT8_AVX512VNNI) && __builtin_cpu_supports("amx-tile") &&
+               __builtin_cpu_supports("amx-int8") && int8_amx_granted();
     }
     return 0;
 }
@@ -923,13 +941,14 @@ static int8_rows_kernel *int8_kernel_of(int isa)
     case INT8_AVX2: return int8_rows_avx2;
     case INT8_AVXVNNI: return int8_rows_avxvnni;
     case INT8_AVX512VNNI: return int8_rows_avx512vnni;
+    case INT8_AMX: return int8_rows_amx;
     }
     return int8_rows_generic;
 }
 static void int8_quantize_rows(int isa, const float *x, int64_t M, int64_t K, int shift, int8_t *v, float *e, float *s,
                                int16_t *sums, int16_t *halves)
 {
-    if (isa == INT8_AVX512VNNI)
+    if (isa == INT8_AVX512VNNI || isa == INT8_AMX)
         int8_quantize_rows_by(int8_block_amax_avx512, int8_block_quantize_avx512, x, M, K, shift, v, e, s, sums, halves);
     else if (isa == INT8_AVX2 || isa == INT8_AVXVNNI)
         int8_quantize_rows_by(int8_block_amax_avx2, int8_block_quantize_avx2, x, M, K, shift, v, e, s, sums, halves);
@@ -947,10 +966,16 @@ static void int8_quantize_rows(int isa, const float *x, int64_t M, int64_t K, in
 static int8_rows_kernel *int8_kernel_of(int isa) { return int8_rows_generic; }
 #endif
 
+/* The rows of x a kernel call takes: on AMX, every row a tile of W meets while in cache. */
+static inline int int8_rows_of(int isa)
+{
+    return isa == INT8_AMX ? INT8_M_TILE : INT8_ROWS;
+}
+
 /* The widest path this CPU runs. */
 static int int8_best_isa(void)
 {
-    for (int isa = INT8_AVX512VNNI; isa > INT8_GENERIC; isa--)
+    for (int isa = INT8_AMX; isa > INT8_GENERIC; isa--)
         if (int8_isa_supported(isa)) return isa;
     return INT8_GENERIC;
 }
@@ -1003,19 +1028,24 @@ static void int8_rows(const void *ctx, int rows, int64_t r0, int64_t t)
  * blocks are set here); `isa` one this CPU runs (int8_isa_supported). x is quantized once by
  * blocks where a part has no K-quant scales, once by super-blocks where one has, with the offsets
  * of each z the parts have; then every part's output tiles are cut in about `chunks` pieces for
- * `run` (shared_cpu.h). Returns 0, or -1 when out of memory. */
+ * `run` (shared_cpu.h). AMX takes more rows than AVX-512 holds in registers (INT8_ROWS); at
+ * fewer, where its per-block folding is not shared by enough rows, AVX-512 takes them. Returns
+ * 0, or -1 when out of memory. */
 static int int8_linear(float *out, const float *x, int64_t M, int64_t K, int64_t N, const struct int8_weight *weights,
                        int parts, int isa, pool_runner *run, int64_t chunks)
 {
+    if (isa == INT8_AMX && M <= INT8_ROWS) isa = INT8_AVX512VNNI;
     const int64_t blocks = K / INT8_BLOCK;
     int by_block = 0, by_super = 0;
     for (int p = 0; p < parts; p++) {
         by_block |= weights[p].sc == NULL;
         by_super |= weights[p].sc != NULL;
     }
-    /* per kind: v [M, K], s and e [M, blocks]; then room for every part's offsets; then, by
+    /* per kind: v [M, K] (rows of zeros after them, up to a whole tile's, where AMX's tiles read
+     * 16 rows at a time), s and e [M, blocks]; then room for every part's offsets; then, by
      * super-blocks, sums and halves (K is a multiple of 32: each array stays aligned for its type) */
-    const size_t kind_bytes = (size_t)(M * K) + sizeof(float) * (size_t)(2 * M * blocks);
+    const int64_t v_rows = isa == INT8_AMX ? (M + INT8_AMX_ROWS - 1) / INT8_AMX_ROWS * INT8_AMX_ROWS : M;
+    const size_t kind_bytes = (size_t)(v_rows * K) + sizeof(float) * (size_t)(2 * M * blocks);
     const size_t offset_bytes = sizeof(int32_t) * (size_t)(M * blocks * parts);
     const size_t sum_bytes = sizeof(int16_t) * (size_t)(3 * M * blocks);
     int8_t *memory = malloc((by_block + by_super) * kind_bytes + offset_bytes + by_super * sum_bytes);
@@ -1027,11 +1057,12 @@ static int int8_linear(float *out, const float *x, int64_t M, int64_t K, int64_t
         if (!(kind ? by_super : by_block)) continue;
         const int shift = kind ? INT8_SUPER_SHIFT : 0;
         int8_t *v = memory + at++ * kind_bytes;
-        float *s = (float *)(v + M * K), *e = s + M * blocks;
+        memset(v + M * K, 0, (size_t)((v_rows - M) * K));
+        float *s = (float *)(v + v_rows * K), *e = s + M * blocks;
         int16_t *by_sums = kind ? sums : NULL, *by_halves = kind ? halves : NULL;
         const struct int8_quantize_args quantize = {isa, x, K, shift, v, e, s, by_sums, by_halves};
         rows_run(run, chunks, int8_quantize_row_range, &quantize, M, K);
-        kinds[kind] = (struct int8_rows){K, blocks, v, e, s, by_sums, by_halves, NULL, M <= INT8_ROWS};
+        kinds[kind] = (struct int8_rows){K, blocks, v, e, s, by_sums, by_halves, NULL, M <= int8_rows_of(isa)};
     }
     struct int8_job job = {.kernel = int8_kernel_of(isa), .out = out, .N = N, .parts = parts};
     job.first_tile[0] = 0;
@@ -1050,7 +1081,7 @@ static int int8_linear(float *out, const float *x, int64_t M, int64_t K, int64_t
             spare += M * blocks;
         }
     }
-    struct tile_loop loop = {int8_rows, &job, M, job.first_tile[parts], 0, INT8_M_TILE, INT8_ROWS};
+    struct tile_loop loop = {int8_rows, &job, M, job.first_tile[parts], 0, INT8_M_TILE, int8_rows_of(isa)};
     tile_loop_run(run, &loop, chunks);
     free(memory);
     return 0;

@@ -5,7 +5,7 @@ from trillm.kernels.pool_cpu cimport pool_runner
 
 
 cdef extern from "quant_int8_cpu.h" nogil:
-    int INT8_GENERIC, INT8_AVX2, INT8_AVXVNNI, INT8_AVX512VNNI
+    int INT8_GENERIC, INT8_AVX2, INT8_AVXVNNI, INT8_AVX512VNNI, INT8_AMX
     int int8_isa_supported(int isa)
     int int8_best_isa()
     cdef struct int8_weight:
