@@ -172,7 +172,8 @@ class CpuKernels(TorchKernels):
         if self.quantized_linear is None:
             return ", compiled kernels off for this dtype (torch twins)"
         if self.quantized_linear is quant_cpu.Int8QuantizedLinear:
-            return f", GGUF blocks as 8-bit integer dot products on {quant_cpu.isas()[-1]}"
+            refused = " (the CPU's AMX tiles refused by Linux)" if quant_cpu.amx_refused() else ""
+            return f", GGUF blocks as 8-bit integer dot products on {quant_cpu.isas()[-1]}{refused}"
         return ", GGUF blocks with fp32 activations"
 
     def set_threads(self, threads: int) -> int:

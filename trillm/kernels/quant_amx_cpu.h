@@ -167,7 +167,7 @@ int8_rows_amx_body(int rows, int bits, int z, float *out, int64_t N, const struc
 
 /* A super-block's lines with each block's factor folded in, as two planes of bytes: sum_b sc_b
  * dot_b = sum v (sc u), exact in 16 bits (sc u at most 63 x 255; Q6_K's sc (q - 32) within
- * -4096..4064, its z folded in too), split into lo, the products' low bytes (unsigned), and hi,
+ * -4064..4096, its z folded in too), split into lo, the products' low bytes (unsigned), and hi,
  * their high bytes (signed), so that sum v (sc u) = sum v lo + 256 sum v hi. Then the C tiles
  * sum a whole super-block, stored once, where a factor a block would need a store a block and
  * a vpmulld a block and row. lo and hi: 512 bytes a block, 64-aligned. */

@@ -15,8 +15,8 @@ import torch
 from trillm.kernels cimport pool_cpu
 from trillm.kernels.pool_cpu cimport pool_runner
 from trillm.kernels.quant_int8_cpu_h cimport (
-    INT8_AMX, INT8_AVX2, INT8_AVX512VNNI, INT8_AVXVNNI, INT8_GENERIC, INT8_MAX_PARTS, int8_best_isa, int8_isa_supported,
-    int8_linear, int8_quantize_rows, int8_weight, int8_weights_of,
+    INT8_AMX, INT8_AVX2, INT8_AVX512VNNI, INT8_AVXVNNI, INT8_GENERIC, INT8_MAX_PARTS, int8_amx_refused, int8_best_isa,
+    int8_isa_supported, int8_linear, int8_quantize_rows, int8_weight, int8_weights_of,
 )
 
 from trillm.kernels import quant
@@ -42,6 +42,11 @@ ISAS = {"generic": INT8_GENERIC, "avx2": INT8_AVX2, "avx_vnni": INT8_AVXVNNI, "a
 def isas() -> list[str]:
     """The integer kernel's paths this CPU runs, widest last."""
     return [name for name, isa in ISAS.items() if int8_isa_supported(isa)]
+
+
+def amx_refused() -> bool:
+    """Whether the CPU has AMX's integer tiles and Linux refused this process their state."""
+    return bool(int8_amx_refused())
 
 
 def runs(weight: QuantizedWeight | RowSlices) -> bool:

@@ -935,6 +935,13 @@ static int int8_isa_supported(int isa)
     return 0;
 }
 
+/* Whether the CPU has AMX's integer tiles and Linux refused this process their state: a slower
+ * path runs, which the start-up line says. */
+static int int8_amx_refused(void)
+{
+    return int8_isa_supported(INT8_AVX512VNNI) && __builtin_cpu_supports("amx-int8") && !int8_amx_granted();
+}
+
 static int8_rows_kernel *int8_kernel_of(int isa)
 {
     switch (isa) {
@@ -958,6 +965,7 @@ static void int8_quantize_rows(int isa, const float *x, int64_t M, int64_t K, in
 }
 #else
 static int int8_isa_supported(int isa) { return isa == INT8_GENERIC; }
+static int int8_amx_refused(void) { return 0; }
 static void int8_quantize_rows(int isa, const float *x, int64_t M, int64_t K, int shift, int8_t *v, float *e, float *s,
                                int16_t *sums, int16_t *halves)
 {

@@ -8,6 +8,7 @@ cdef extern from "quant_int8_cpu.h" nogil:
     int INT8_GENERIC, INT8_AVX2, INT8_AVXVNNI, INT8_AVX512VNNI, INT8_AMX
     int int8_isa_supported(int isa)
     int int8_best_isa()
+    int int8_amx_refused()
     cdef struct int8_weight:
         int bits
         int64_t tiles, blocks
