@@ -60,11 +60,11 @@
  * by blocks, for each weight with a z, offsets -z sum v [M, K / 32] int32; by super-blocks, sum v
  * by blocks and half blocks, int16.
  *
- * Four paths, chosen at run time, each checked against quant.py's twin: AMX tiles
- * (quant_amx_cpu.h, the AVX-512 path's unpacking and epilogue around tile multiplies); AVX512-VNNI; AVX2 (each
- * 16-row register split in two 8-row halves, with AVX-VNNI's `vpdpbusd` where the CPU has it,
- * else `vpmaddubsw` + `vpmaddwd`, which saturates beyond 16-bit pairs, hence Q8_0 as signed q
- * by the sign trick, llama.cpp's way); and plain C.
+ * Four paths, chosen at run time, each checked against quant.py's twin: AMX tiles for more than
+ * 8 rows (quant_amx_cpu.h: the AVX-512 path's integers and floats, by tile multiplies);
+ * AVX512-VNNI; AVX2 (each 16-row register split in two 8-row halves, with AVX-VNNI's `vpdpbusd`
+ * where the CPU has it, else `vpmaddubsw` + `vpmaddwd`, which saturates beyond 16-bit pairs, hence
+ * Q8_0 as signed q by the sign trick, llama.cpp's way); and plain C.
  */
 #ifndef TRILLM_QUANT_INT8_CPU_H
 #define TRILLM_QUANT_INT8_CPU_H
@@ -1036,9 +1036,9 @@ static void int8_rows(const void *ctx, int rows, int64_t r0, int64_t t)
  * blocks are set here); `isa` one this CPU runs (int8_isa_supported). x is quantized once by
  * blocks where a part has no K-quant scales, once by super-blocks where one has, with the offsets
  * of each z the parts have; then every part's output tiles are cut in about `chunks` pieces for
- * `run` (shared_cpu.h). AMX takes more rows than AVX-512 holds in registers (INT8_ROWS); at
- * fewer, where its per-block folding is not shared by enough rows, AVX-512 takes them. Returns
- * 0, or -1 when out of memory. */
+ * `run` (shared_cpu.h). AMX takes more rows than AVX-512 holds in registers (INT8_ROWS); fewer
+ * would not share the weights it makes ready for its tiles, and AVX-512 takes them. Returns 0,
+ * or -1 when out of memory. */
 static int int8_linear(float *out, const float *x, int64_t M, int64_t K, int64_t N, const struct int8_weight *weights,
                        int parts, int isa, pool_runner *run, int64_t chunks)
 {
