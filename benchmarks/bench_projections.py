@@ -16,7 +16,7 @@ import time
 import torch
 
 from benchmarks.bench_quant_cpu import roof_gops
-from benchmarks.bench_step import use_isa
+from benchmarks.bench_step import int8_projections, use_isa
 from trillm.config import EngineArgs
 from trillm.engine.core import EngineCore
 from trillm.kernels.quant_cpu import Int8QuantizedLinear, isas
@@ -24,11 +24,8 @@ from trillm.kernels.quant_cpu import Int8QuantizedLinear, isas
 
 def projection_kinds(model: torch.nn.Module) -> dict[tuple, Int8QuantizedLinear]:
     kinds = {}
-    for module in model.modules():
-        linear = getattr(module, "quantized", None)
-        if isinstance(linear, Int8QuantizedLinear):
-            key = (linear.out_features, linear.in_features, tuple(part.bits for part in linear.parts))
-            kinds.setdefault(key, linear)
+    for linear in int8_projections(model):
+        kinds.setdefault((linear.out_features, linear.in_features, tuple(part.bits for part in linear.parts)), linear)
     return kinds
 
 

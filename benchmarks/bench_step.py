@@ -16,6 +16,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -49,12 +50,18 @@ def decode_step_ms(core: EngineCore, batch: int, rounds: int, prompt_len: int, o
     return best
 
 
-def use_isa(core: EngineCore, isa: str) -> None:
-    """Every integer projection of the model on the kernel's path `isa` (one of quant_cpu.isas())."""
-    for module in core.runner.model.modules():
+def int8_projections(model: torch.nn.Module) -> Iterator[Int8QuantizedLinear]:
+    """The model's projections on the integer kernel, in module order."""
+    for module in model.modules():
         linear = getattr(module, "quantized", None)
         if isinstance(linear, Int8QuantizedLinear):
-            linear.isa = ISAS[isa]
+            yield linear
+
+
+def use_isa(core: EngineCore, isa: str) -> None:
+    """Every integer projection of the model on the kernel's path `isa` (one of quant_cpu.isas())."""
+    for linear in int8_projections(core.runner.model):
+        linear.isa = ISAS[isa]
 
 
 def prefill_step_ms(core: EngineCore, length: int, rounds: int) -> float:

@@ -125,7 +125,7 @@ __attribute__((target("amx-tile,amx-int8"), always_inline)) static inline void i
     }
 }
 
-/* int8_rows_avx512_body's arithmetic, the dots from the tiles. */
+/* int8_rows_avx512_body's arithmetic (int8_block_acc_avx512), the dots from the tiles. */
 __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vnni"), always_inline)) static inline void
 int8_rows_amx_body(int rows, int bits, int z, float *out, int64_t N, const struct int8_rows *x, int64_t r0,
                    const struct int8_weight *w, int64_t t)
@@ -147,18 +147,14 @@ int8_rows_amx_body(int rows, int bits, int z, float *out, int64_t N, const struc
                                     x->once, u[(b0 / INT8_AMX_SPAN + 1) % 2]);
         for (int64_t b = b0; b < b0 + count; b++) {
             const int64_t block = t * w->blocks + b;
-            const __m512 d = w->dh != NULL ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->dh + block * INT8_TILE_N)))
-                                           : _mm512_loadu_ps(w->d + block * INT8_TILE_N);
-            const __m512 m = w->mh != NULL  ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->mh + block * INT8_TILE_N)))
-                             : w->m != NULL ? _mm512_loadu_ps(w->m + block * INT8_TILE_N)
-                                            : _mm512_setzero_ps();
+            __m512 d, m;
+            int8_scales_avx512(w, block, &d, &m);
             const int32_t *block_dots = dots + (b - b0) * rows * INT8_TILE_N;
             _Pragma("GCC unroll 16") for (int r = 0; r < rows; r++) {
                 const int64_t at = (r0 + r) * x->blocks + b;
                 __m512i dot = _mm512_load_si512(block_dots + r * INT8_TILE_N);
                 if (z) dot = _mm512_add_epi32(dot, _mm512_set1_epi32(x->offsets[at]));
-                acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(x->e[at])), _mm512_cvtepi32_ps(dot), acc[r]);
-                if (mins) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(x->s[at]), acc[r]);
+                acc[r] = int8_block_acc_avx512(acc[r], d, m, mins, x, at, dot);
             }
         }
     }

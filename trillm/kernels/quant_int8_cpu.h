@@ -443,6 +443,26 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline)) static inl
     }
 }
 
+/* Block `block`'s scales d and mins m for the tile's 16 rows, each kept in fp16 or fp32 (m zero
+ * where the weight has no mins of its own). */
+__attribute__((target("avx512f,avx512bw"), always_inline)) static inline void int8_scales_avx512(
+    const struct int8_weight *w, int64_t block, __m512 *d, __m512 *m)
+{
+    *d = w->dh != NULL ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->dh + block * INT8_TILE_N)))
+                       : _mm512_loadu_ps(w->d + block * INT8_TILE_N);
+    *m = w->mh != NULL  ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->mh + block * INT8_TILE_N)))
+         : w->m != NULL ? _mm512_loadu_ps(w->m + block * INT8_TILE_N)
+                        : _mm512_setzero_ps();
+}
+
+/* acc plus a block's terms for row `at` of x's blocks: d e dot, then m s where the weight has mins. */
+__attribute__((target("avx512f,avx512bw"), always_inline)) static inline __m512 int8_block_acc_avx512(
+    __m512 acc, __m512 d, __m512 m, int mins, const struct int8_rows *x, int64_t at, __m512i dot)
+{
+    acc = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(x->e[at])), _mm512_cvtepi32_ps(dot), acc);
+    return mins ? _mm512_fmadd_ps(m, _mm512_set1_ps(x->s[at]), acc) : acc;
+}
+
 /* `rows`, `bits` and `z` (the weight's u carries a z: its dots start from x's offsets; always for
  * 8 bits) are constants at each call site, so each compiles to its own loop with the
  * accumulators in registers. A 4- or 5-bit weight without a z has mins of its own. */
@@ -456,12 +476,8 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline)) static inl
     for (int64_t b = 0; b < w->blocks; b++) {
         const int64_t block = t * w->blocks + b;
         int8_prefetch_next_tile(w, bits, block, x->once);
-        /* each of d and m in fp16 or fp32 */
-        const __m512 d = w->dh != NULL ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->dh + block * INT8_TILE_N)))
-                                       : _mm512_loadu_ps(w->d + block * INT8_TILE_N);
-        const __m512 m = w->mh != NULL  ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->mh + block * INT8_TILE_N)))
-                         : w->m != NULL ? _mm512_loadu_ps(w->m + block * INT8_TILE_N)
-                                        : _mm512_setzero_ps();
+        __m512 d, m;
+        int8_scales_avx512(w, block, &d, &m);
         __m512i u[8];
         int8_unpack_avx512(bits, w, block, u);
         _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) {
@@ -469,9 +485,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline)) static inl
             __m512i dot[2];
             int8_dots_avx512(u, x->v + (r0 + r) * x->K + b * INT8_BLOCK,
                              z ? _mm512_set1_epi32(x->offsets[at]) : _mm512_setzero_si512(), _mm512_setzero_si512(), dot);
-            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(x->e[at])),
-                                     _mm512_cvtepi32_ps(_mm512_add_epi32(dot[0], dot[1])), acc[r]);
-            if (mins) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(x->s[at]), acc[r]);
+            acc[r] = int8_block_acc_avx512(acc[r], d, m, mins, x, at, _mm512_add_epi32(dot[0], dot[1]));
         }
     }
     _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) _mm512_storeu_ps(out + (r0 + r) * N + t * INT8_TILE_N, acc[r]);
