@@ -346,7 +346,8 @@ def test_default_model_matches_transformers(default_model_dir, source):
 @pytest.mark.parametrize("model, lengths, bits", [
     ("default", [57], {4, 8}), ("default", [40, 7, 23], {4, 8}), ("tiny-Q5_K_M", [40, 7], {5, 6}),
     ("qwen3-Q8_0", [40, 7], {8}), ("gemma3_text-Q8_0", [40, 7], {8}),
-], ids=["one", "three", "five_bit_blocks", "qk_norms", "gemma_sandwich"])
+    ("default", [40, 7, 23, 6, 12, 30, 9, 17, 8, 26], {4, 8}),
+], ids=["one", "three", "five_bit_blocks", "qk_norms", "gemma_sandwich", "ten"])
 def test_the_fused_decoder_stack_gives_the_layers_logits_to_the_bit(model, lengths, bits, tiny_model_dir, tmp_path):
     """A decode step of the default model runs every layer in one compiled call (DecoderStack);
     its logits are the layer-by-layer path's, bit for bit, alone and beside other requests of
@@ -354,7 +355,8 @@ def test_the_fused_decoder_stack_gives_the_layers_logits_to_the_bit(model, lengt
     are Q5_K (the 5-bit layout) and Q6_K (its own 6-bit layout, a part of its own where a fused
     projection mixes it with Q5_K), a Qwen3 file, whose layers norm each head's queries and
     keys, and a Gemma 3 file (sandwich norms, GeGLU, a sliding layer at its own RoPE base, contexts
-    past its window)."""
+    past its window); and ten rows, past the 8 that AVX-512 takes (so on AMX tiles where the CPU
+    has them)."""
     from gguf import GGMLQuantizationType
     from gguf_support import write_gguf
 
@@ -379,6 +381,27 @@ def test_the_fused_decoder_stack_gives_the_layers_logits_to_the_bit(model, lengt
     layered = prefill_then_decode(runner, sequences)
     for f, l in zip(fused, layered):
         assert torch.equal(f, l), (f - l).abs().max()
+
+
+def test_decode_steps_between_steps_of_other_sizes_give_the_same_logits():
+    """Ten requests' decode steps (the fused stack, on AMX tiles where the CPU has them) give the
+    same logits when between them a step of twenty other prompts runs on the layers and samples
+    twenty rows: the stack and the layers are compiled apart, and on AMX each sets the tiles'
+    shape for its rows; neither may trust a shape it set before, since the other may have
+    replaced it (the stack trusted its own note of it, and its rows past the other's shape were
+    garbage)."""
+    runner = ModelRunner(EngineArgs(num_kv_blocks=64))
+    assert runner.model.model.decoder_stack is not None
+    sequences = make_sequences(runner, [40, 7, 23, 6, 12, 30, 9, 17, 8, 26] + [6] * 20, num_decode=2)
+    ten, others = sequences[:10], sequences[10:]
+    alone = prefill_then_decode(runner, ten)
+    steps = [run_step(runner, [s.chunk(0, s.prompt_len) for s in ten])]
+    for i in range(2):
+        run_step(runner, [s.chunk(0, s.prompt_len) for s in others])
+        steps.append(run_step(runner, [s.chunk(s.prompt_len + i, 1) for s in ten]))
+    for b, want in enumerate(alone):
+        got = torch.stack([step[b] for step in steps])
+        assert torch.equal(got, want), (b, (got - want).abs().max())
 
 
 class CountingStack:

@@ -23,7 +23,7 @@
  *
  * Linux gives a process the tiles' state only when asked (arch_prctl ARCH_REQ_XCOMP_PERM,
  * process-wide): int8_amx_granted asks once, and where it is refused the path is not offered.
- * The tiles' shapes are per thread: each thread loads them at its first call of a shape.
+ * The tiles' shapes are per thread: a call reads them back and loads its own where they differ.
  */
 #ifndef TRILLM_QUANT_AMX_CPU_H
 #define TRILLM_QUANT_AMX_CPU_H
@@ -56,28 +56,30 @@ struct int8_amx_shapes {
 };
 
 /* Sets this thread's tiles for `rows` rows of x and dots of `inputs` inputs (32: a block; 64: two
- * blocks, folded), unless they are set so. */
+ * blocks, folded), unless they are set so. What is set is read back from the tiles themselves
+ * (STTILECFG is cheap where LDTILECFG is not, so a call loads only a shape it lacks): a note of
+ * the last shape set, kept per thread, would be one per compiled module that includes this
+ * header (quant_cpu's and decoder_cpu's each kept their own, and each trusted a shape the other
+ * had since replaced), and blind to any other library's tiles on the same thread. */
 __attribute__((target("amx-tile"))) static void int8_amx_shape(int rows, int inputs)
 {
-    static __thread int current = 0;
-    const int shape = rows * 64 + inputs;
-    if (current == shape) return;
-    struct int8_amx_shapes s;
-    memset(&s, 0, sizeof(s));
-    s.palette = 1;
+    struct int8_amx_shapes want, have;
+    memset(&want, 0, sizeof(want));
+    want.palette = 1;
     for (int upper = 0; upper < 2; upper++) {
-        s.rows[INT8_AMX_C + upper] = (uint8_t)rows;
-        s.bytes[INT8_AMX_C + upper] = INT8_TILE_N * 4;
-        s.rows[INT8_AMX_A + upper] = (uint8_t)rows;
-        s.bytes[INT8_AMX_A + upper] = (uint16_t)inputs;
-        s.rows[INT8_AMX_B + upper] = (uint8_t)(inputs / 4);
-        s.bytes[INT8_AMX_B + upper] = INT8_TILE_N * 4;
+        want.rows[INT8_AMX_C + upper] = (uint8_t)rows;
+        want.bytes[INT8_AMX_C + upper] = INT8_TILE_N * 4;
+        want.rows[INT8_AMX_A + upper] = (uint8_t)rows;
+        want.bytes[INT8_AMX_A + upper] = (uint16_t)inputs;
+        want.rows[INT8_AMX_B + upper] = (uint8_t)(inputs / 4);
+        want.bytes[INT8_AMX_B + upper] = INT8_TILE_N * 4;
     }
-    /* GCC's _tile_loadconfig tells the compiler it reads 8 bytes, so the stores beyond them would
-     * be dropped as dead without this barrier */
-    __asm__ volatile("" : : "r"(&s) : "memory");
-    _tile_loadconfig(&s);
-    current = shape;
+    _tile_storeconfig(&have); /* all zeros where this thread's tiles are not configured */
+    /* GCC's tile-configuration intrinsics tell the compiler they touch 8 bytes: without these
+     * barriers it would drop the stores to `want` beyond them as dead, and read `have` before
+     * STTILECFG wrote all of it */
+    __asm__ volatile("" : : "r"(&want), "r"(&have) : "memory");
+    if (memcmp(&want, &have, sizeof(want)) != 0) _tile_loadconfig(&want);
 }
 
 #define INT8_AMX_SPAN 8 /* blocks of a weight without K-quant factors a phase takes: their dots stay in L1 */
