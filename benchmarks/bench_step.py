@@ -1,7 +1,8 @@
 """The engine's step on the default model, as requests see it: the median time of one
 EngineCore.step() while every request of a batch decodes (scheduler, model, sampler,
-bookkeeping), best of three rounds; and the step that prefills one prompt of each
---prefill-lens, best of three. For comparing two versions of the engine.
+bookkeeping), best of three rounds; and the steps that prefill one prompt of each
+--prefill-lens to its first token (as many as the step budget cuts it into), best of three.
+For comparing two versions of the engine.
 
     PYTHONPATH=. python benchmarks/bench_step.py --batch-sizes 1 32 --prefill-lens 512 1024
 
@@ -64,22 +65,24 @@ def use_isa(core: EngineCore, isa: str) -> None:
         linear.isa = ISAS[isa]
 
 
-def prefill_step_ms(core: EngineCore, length: int, rounds: int) -> float:
-    """The step that computes a whole `length`-token prompt (and samples its first token). The
-    prefix cache is emptied before each round: a prompt differing from the rounds' before it is
+def prefill_ms(core: EngineCore, length: int, rounds: int) -> tuple[float, int]:
+    """The steps that compute a whole `length`-token prompt and sample its first token: as many
+    as the step budget (max_num_batched_tokens) cuts it into, timed together (timing the first
+    alone measured a 1,024-token prompt's first 512 tokens); best of `rounds`, and how many steps.
+    The prefix cache is emptied before each round: a prompt differing from the rounds' before it is
     not enough, since a longer one would find a shorter one's blocks (the same text), or a decode
-    batch's, cached, and its step would compute only the rest."""
+    batch's, cached, and its steps would compute only the rest."""
     base = core.tokenizer.encode(PROMPT * (1 + length // 100))
-    best = float("inf")
+    best, steps = float("inf"), 0
     for r in range(rounds):
         assert core.reset_prefix_cache(), "a request still holds blocks"
         core.add_request(f"p{length}-{r}", base[:length], SamplingParams(max_tokens=1, ignore_eos=True, temperature=0))
-        start = time.perf_counter()
-        core.step()
-        best = min(best, (time.perf_counter() - start) * 1000)
-        while core.has_unfinished():
+        start, steps = time.perf_counter(), 0
+        while core.has_unfinished():  # max_tokens 1: it ends with the step that samples its first token
             core.step()
-    return best
+            steps += 1
+        best = min(best, (time.perf_counter() - start) * 1000)
+    return best, steps
 
 
 def main() -> None:
@@ -119,8 +122,8 @@ def main() -> None:
         ms = decode_step_ms(core, batch, args.rounds, args.prompt_len, args.output_len, args.distinct_prompts)
         print(f"batch {batch:3d}: decode step {ms:.2f} ms", flush=True)
     for length in args.prefill_lens:
-        ms = prefill_step_ms(core, length, args.rounds)
-        print(f"prompt {length:4d}: prefill step {ms:.1f} ms", flush=True)
+        ms, steps = prefill_ms(core, length, args.rounds)
+        print(f"prompt {length:4d}: prefill {ms:.1f} ms in {steps} step(s), {length / ms * 1000:.1f} tok/s", flush=True)
 
 
 if __name__ == "__main__":
