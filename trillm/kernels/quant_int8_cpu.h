@@ -929,6 +929,16 @@ __attribute__((target("avx2,fma,f16c,avxvnni"))) static void int8_rows_avxvnni(
 
 #include "quant_amx_cpu.h"
 
+static int int8_isa_supported(int isa);
+
+/* Whether the CPU has AMX's integer tiles beside the AVX-512 path the AMX one leans on (granted
+ * or not: int8_amx_granted). */
+static int int8_amx_present(void)
+{
+    return int8_isa_supported(INT8_AVX512VNNI) && __builtin_cpu_supports("amx-tile") &&
+           __builtin_cpu_supports("amx-int8");
+}
+
 static int int8_isa_supported(int isa)
 {
     __builtin_cpu_init();
@@ -943,8 +953,7 @@ static int int8_isa_supported(int isa)
         return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                __builtin_cpu_supports("avx512vnni");
     case INT8_AMX:
-        return int8_isa_supported(INT8_AVX512VNNI) && __builtin_cpu_supports("amx-tile") &&
-               __builtin_cpu_supports("amx-int8") && int8_amx_granted();
+        return int8_amx_present() && int8_amx_granted();
     }
     return 0;
 }
@@ -953,7 +962,7 @@ static int int8_isa_supported(int isa)
  * path runs, which the start-up line says. */
 static int int8_amx_refused(void)
 {
-    return int8_isa_supported(INT8_AVX512VNNI) && __builtin_cpu_supports("amx-int8") && !int8_amx_granted();
+    return int8_amx_present() && !int8_amx_granted();
 }
 
 static int8_rows_kernel *int8_kernel_of(int isa)
