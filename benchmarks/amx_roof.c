@@ -1,45 +1,34 @@
 /* The AMX tiles' int8 roof of one core: independent tdpbsud into four C tiles from one A and one
- * B tile, nothing loaded or stored in the loop. Built and run by bench_projections.py (gcc,
- * x86-64 with AMX-INT8, Linux granting the tiles' state). Prints GOP/s, one multiply and one
- * add per byte product, or nothing (exit 1) where the tiles are refused. */
-#include <immintrin.h>
-#include <stdint.h>
+ * B tile, nothing loaded or stored in the loop, the tiles asked for and shaped as the integer
+ * kernel does (trillm/kernels/quant_amx_cpu.h: 16 rows of 64 bytes each). Built and run by
+ * bench_projections.py (gcc, x86-64 with AMX-INT8, Linux granting the tiles' state). Prints
+ * GOP/s, one multiply and one add per byte product, or nothing (exit 1) where the tiles are
+ * refused. */
 #include <stdio.h>
-#include <string.h>
-#include <sys/syscall.h>
 #include <time.h>
-#include <unistd.h>
 
-struct shapes {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t bytes[16];
-    uint8_t rows[16];
-};
+#include "../trillm/kernels/quant_int8_cpu.h"
 
 __attribute__((target("amx-tile,amx-int8"))) int main(void)
 {
-    if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) != 0) return 1;
-    struct shapes shapes;
-    memset(&shapes, 0, sizeof(shapes));
-    shapes.palette = 1;
-    for (int tile = 0; tile < 6; tile++) shapes.rows[tile] = 16, shapes.bytes[tile] = 64;
-    _tile_loadconfig(&shapes);
-    static int8_t ones[16 * 64] __attribute__((aligned(64)));
+    if (!int8_amx_granted()) return 1;
+    int8_amx_shape(INT8_AMX_ROWS, 2 * INT8_BLOCK); /* every tile 16 x 64 bytes: any serves as C, A or B */
+    static int8_t ones[INT8_AMX_ROWS * 2 * INT8_BLOCK] __attribute__((aligned(64)));
     memset(ones, 1, sizeof(ones));
-    _tile_loadd(4, ones, 64);
-    _tile_loadd(5, ones, 64);
+    _tile_loadd(INT8_AMX_B, ones, 2 * INT8_BLOCK);
+    _tile_loadd(INT8_AMX_B_UPPER, ones, 2 * INT8_BLOCK);
     const long iterations = 10000000;
     struct timespec t0, t1;
     clock_gettime(CLOCK_MONOTONIC, &t0);
     for (long i = 0; i < iterations; i++) {
-        _tile_dpbsud(0, 4, 5);
-        _tile_dpbsud(1, 4, 5);
-        _tile_dpbsud(2, 4, 5);
-        _tile_dpbsud(3, 4, 5);
+        _tile_dpbsud(INT8_AMX_C, INT8_AMX_B, INT8_AMX_B_UPPER);
+        _tile_dpbsud(INT8_AMX_C_UPPER, INT8_AMX_B, INT8_AMX_B_UPPER);
+        _tile_dpbsud(INT8_AMX_A, INT8_AMX_B, INT8_AMX_B_UPPER);
+        _tile_dpbsud(INT8_AMX_A_UPPER, INT8_AMX_B, INT8_AMX_B_UPPER);
     }
     clock_gettime(CLOCK_MONOTONIC, &t1);
     _tile_release();
     const double seconds = (double)(t1.tv_sec - t0.tv_sec) + (double)(t1.tv_nsec - t0.tv_nsec) * 1e-9;
-    printf("%.1f\n", (double)iterations * 4 * 16 * 16 * 64 * 2 / seconds / 1e9);
+    printf("%.1f\n", (double)iterations * 4 * INT8_AMX_ROWS * INT8_TILE_N * 2 * INT8_BLOCK * 2 / seconds / 1e9);
     return 0;
 }
