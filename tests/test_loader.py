@@ -423,6 +423,28 @@ def _unpermuted(rows: int, heads: int) -> torch.Tensor:
     return torch.arange(rows).reshape(heads, rows // heads // 2, 2).swapaxes(2, 1).reshape(rows)
 
 
+def test_every_tensor_dequantizes_to_gguf_pys_bits_by_either_repack():
+    """gguf_weights.dequantized (dense tensors, embedding rows) repacks and expands the formats the
+    kernels run itself: every tensor of llama-quantize's two files (Q4_K, Q5_K, Q6_K) and of the
+    default model (Q4_1, Q8_0), by the torch twin's repack and by the compiled one, is bit for bit
+    gguf-py's dequantization."""
+    from trillm.kernels import quant, quant_cpu
+    from trillm.model.gguf_file import GGUFFile, to_float
+    from trillm.model.gguf_weights import FORMATS, dequantized
+
+    data = os.path.join(os.path.dirname(__file__), "data", "gguf")
+    seen = set()
+    for path in (os.path.join(data, "tiny-Q4_K_M.gguf"), os.path.join(data, "tiny-Q5_K_M.gguf"), default_model_path()):
+        with GGUFFile(path) as file:
+            for info in file.tensors.values():
+                blocks = file.blocks(info.name)
+                want = torch.from_numpy(to_float(blocks, info.kind))
+                for repack in (quant.from_gguf, quant_cpu.QuantizedLinear.from_gguf):
+                    assert torch.equal(dequantized(blocks, info.kind, repack), want), (path, info.name)
+                seen.add(info.kind)
+    assert {FORMATS[k] for k in seen if k in FORMATS} == {"q4_1", "q8_0", "q4_k", "q5_k", "q6_k"}
+
+
 @pytest.mark.parametrize("kind", ["Q4_K_M", "Q5_K_M"])
 def test_files_llama_quantize_made_read_as_transformers_reads_them(kind):
     """tests/data/gguf/tiny-{kind}.gguf, a random two-layer Llama quantized by llama.cpp's own

@@ -431,7 +431,7 @@ def dequantize(weight: QuantizedWeight | QuantizedParts) -> torch.Tensor:
         return torch.cat([dequantize(w) for w in weight.parts])
     w = weight.scales[..., None] * _signed_quants(weight).float()
     if weight.mins is not None:
-        w = w + weight.mins[..., None]
+        w += weight.mins[..., None]  # in place: a large table's dequantization holds one fp32 copy less
     return w.reshape(weight.out_features, weight.in_features)
 
 

@@ -25,7 +25,6 @@ from math import prod
 from typing import NamedTuple
 
 import numpy as np
-import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
@@ -190,11 +189,6 @@ class GGUFFile:
         """Reads of the tensor's rows that outlive this object (on a descriptor of their own)."""
         assert self._fd >= 0, "the file is closed"
         return TensorRows(os.dup(self._fd), self.tensors[name])
-
-    def dense(self, name: str) -> torch.Tensor:
-        """The tensor in fp32 (dequantized as gguf-py does), in its shape."""
-        info = self.tensors[name]
-        return torch.from_numpy(to_float(self.blocks(name), info.kind).reshape(info.shape))
 
     def _parse(self, size: int) -> tuple[dict, dict[str, TensorInfo]]:
         data = self._map

@@ -20,6 +20,7 @@ import logging
 import re
 from collections.abc import Callable, Iterator
 
+import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 from transformers import PretrainedConfig
@@ -39,6 +40,9 @@ UNQUANTIZED = frozenset({GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGM
 FORMATS = {GGMLQuantizationType.Q4_0: "q4_0", GGMLQuantizationType.Q4_1: "q4_1", GGMLQuantizationType.Q5_0: "q5_0",
            GGMLQuantizationType.Q5_1: "q5_1", GGMLQuantizationType.Q8_0: "q8_0", GGMLQuantizationType.Q4_K: "q4_k",
            GGMLQuantizationType.Q5_K: "q5_k", GGMLQuantizationType.Q6_K: "q6_k"}
+
+# a GGUF_BLOCKS format and a tensor's raw blocks -> its weight in the kernels' layout
+Repack = Callable[[str, torch.Tensor], quant.QuantizedWeight]
 
 LAYER_TENSORS = {
     "attn_qkv": "self_attn.qkv_proj",  # Phi-3's, fused as ours
@@ -202,17 +206,29 @@ def misshapen_tensors(file: GGUFFile, config: PretrainedConfig) -> list[str]:
     return misshapen
 
 
-def dense_weights(file: GGUFFile, config: PretrainedConfig, skip: Callable[[str], bool]
-                  ) -> Iterator[tuple[str, torch.Tensor]]:
+def dense_weights(file: GGUFFile, config: PretrainedConfig, skip: Callable[[str], bool],
+                  repack: Repack = quant.from_gguf) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, fp32 tensor) for every tensor of the file but those `skip` names, which are never
-    read: dequantized one at a time, q and k rows in transformers' order."""
+    read: dequantized one at a time (`repack`: as `dequantized` takes it), q and k rows in
+    transformers' order."""
     for info in file.tensors.values():
         name = hf_name(info.name, file.architecture)
         if name is None or skip(name):
             continue
-        tensor = file.dense(info.name)
+        tensor = dequantized(file.blocks(info.name), info.kind, repack).reshape(info.shape)
         order = _unpermute_order(file, config, name)
         yield name, tensor if order is None else tensor[order]
+
+
+def dequantized(blocks: np.ndarray, kind: GGMLQuantizationType, repack: Repack = quant.from_gguf) -> torch.Tensor:
+    """[rows, bytes of a row] of `kind` -> [rows, values of a row] fp32, bit for bit as gguf-py
+    dequantizes. The formats the kernels run are repacked (by `repack`: quant.from_gguf, or a
+    kernel's compiled twin of it) and dequantized by the torch twin, which tests/test_kernels.py
+    holds to gguf-py's bits: gguf-py's numpy passes take up to a few times as long on a large
+    tensor, which the exact path's load of a large vocabulary's table waits on."""
+    if kind in FORMATS:
+        return quant.dequantize(repack(FORMATS[kind], torch.from_numpy(blocks)))
+    return torch.from_numpy(to_float(blocks, kind))
 
 
 class EmbeddingRows:
@@ -227,7 +243,7 @@ class EmbeddingRows:
 
     def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
         rows = self.blocks[input_ids.cpu().numpy()]
-        return torch.from_numpy(to_float(rows, self.kind)).to(self.dtype)
+        return dequantized(rows, self.kind).to(self.dtype)
 
 
 def _repacked(file: GGUFFile, info: TensorInfo, repack, rows: slice) -> quant.QuantizedWeight:
@@ -235,7 +251,7 @@ def _repacked(file: GGUFFile, info: TensorInfo, repack, rows: slice) -> quant.Qu
 
 
 def _requantized(file: GGUFFile, info: TensorInfo, requantize, rows: slice) -> quant.QuantizedWeight:
-    return requantize(torch.from_numpy(to_float(file.blocks(info.name, rows), info.kind)))
+    return requantize(dequantized(file.blocks(info.name, rows), info.kind))
 
 
 def _unpermute_order(file: GGUFFile, config: PretrainedConfig, name: str) -> torch.Tensor | None:
