@@ -134,7 +134,7 @@ def quantized_weights(file: GGUFFile, config: PretrainedConfig, kernel=None, in_
     then its `weight()`). Unquantized tensors (F32, F16, BF16) are left to `dense_weights`."""
     layouts = frozenset(quant.LAYOUT_BYTES) if kernel is None else kernel.layouts
     file_formats = kernel.file_formats if in_place else frozenset()
-    repack = quant.from_gguf if kernel is None else kernel.from_gguf
+    repack = repack_of(kernel)
     requantize = quant.requantize if kernel is None else kernel.requantize
     requantized: dict[str, int] = {}
     unfreed, untrimmed = 0, 0  # bytes and tensors converted since the C heap was last trimmed
@@ -152,7 +152,7 @@ def quantized_weights(file: GGUFFile, config: PretrainedConfig, kernel=None, in_
             slice_of = functools.partial(_repacked, file, info, repack)
         else:
             layout = "q8_0"
-            slice_of = functools.partial(_requantized, file, info, requantize)
+            slice_of = functools.partial(_requantized, file, info, repack, requantize)
             requantized[info.kind.name] = requantized.get(info.kind.name, 0) + 1
         weight = quant.RowSlices(layout, info.rows, info.shape[1], slice_of, ROWS_AT_ONCE)
         order = _unpermute_order(file, config, name)
@@ -172,6 +172,12 @@ def quantized_weights(file: GGUFFile, config: PretrainedConfig, kernel=None, in_
         log.info("%s projections requantized to 8-bit blocks for the integer kernels, which read %s blocks as "
                  "they are", ", ".join(f"{count} {kind}" for kind, count in sorted(requantized.items())),
                  ", ".join(k.name for k, f in FORMATS.items() if quant.LAYOUT_OF[f] in layouts))
+
+
+def repack_of(kernel) -> Repack:
+    """What repacks a file's blocks for `kernel` (a linear class, as quantized_weights takes it):
+    its compiled twin of quant.from_gguf, or the torch one where there is no kernel."""
+    return quant.from_gguf if kernel is None else kernel.from_gguf
 
 
 def _whole(weight: quant.RowSlices, order: torch.Tensor | None) -> quant.QuantizedWeight:
@@ -206,11 +212,12 @@ def misshapen_tensors(file: GGUFFile, config: PretrainedConfig) -> list[str]:
     return misshapen
 
 
-def dense_weights(file: GGUFFile, config: PretrainedConfig, skip: Callable[[str], bool],
-                  repack: Repack = quant.from_gguf) -> Iterator[tuple[str, torch.Tensor]]:
+def dense_weights(file: GGUFFile, config: PretrainedConfig, skip: Callable[[str], bool], kernel=None
+                  ) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, fp32 tensor) for every tensor of the file but those `skip` names, which are never
-    read: dequantized one at a time (`repack`: as `dequantized` takes it), q and k rows in
-    transformers' order."""
+    read: dequantized one at a time (through `kernel`'s repack, as quantized_weights takes it), q
+    and k rows in transformers' order."""
+    repack = repack_of(kernel)
     for info in file.tensors.values():
         name = hf_name(info.name, file.architecture)
         if name is None or skip(name):
@@ -246,12 +253,12 @@ class EmbeddingRows:
         return dequantized(rows, self.kind).to(self.dtype)
 
 
-def _repacked(file: GGUFFile, info: TensorInfo, repack, rows: slice) -> quant.QuantizedWeight:
+def _repacked(file: GGUFFile, info: TensorInfo, repack: Repack, rows: slice) -> quant.QuantizedWeight:
     return repack(FORMATS[info.kind], torch.from_numpy(file.blocks(info.name, rows)))
 
 
-def _requantized(file: GGUFFile, info: TensorInfo, requantize, rows: slice) -> quant.QuantizedWeight:
-    return requantize(dequantized(file.blocks(info.name, rows), info.kind))
+def _requantized(file: GGUFFile, info: TensorInfo, repack: Repack, requantize, rows: slice) -> quant.QuantizedWeight:
+    return requantize(dequantized(file.blocks(info.name, rows), info.kind, repack))
 
 
 def _unpermute_order(file: GGUFFile, config: PretrainedConfig, name: str) -> torch.Tensor | None:

@@ -249,9 +249,8 @@ def _load_gguf(args: EngineArgs, tp: TensorParallel, same_as: PretrainedConfig |
                     "%d of %d projections run on the file's quantized blocks%s", moved, total,
                     "" if moved == total else "; the others stay on fp32 weights (a shape or format the kernel "
                                               "does not take): slower, and 8 times the memory of 4-bit blocks")
-        repack = quant.from_gguf if quantized_linear is None else quantized_linear.from_gguf
         load_weights(model, rank_shards(model, gguf_weights.dense_weights(
-            file, config, skip=functools.partial(on_quantized_blocks, model), repack=repack)))
+            file, config, skip=functools.partial(on_quantized_blocks, model), kernel=quantized_linear)))
     return LoadedModel(model.eval(), _model_config(args, model, gguf_model.eos_token_ids(file),
                                                    args.pooling_type or PoolingType.LAST),
                        tokenizer, path)
